@@ -1,0 +1,26 @@
+"""llmtune: finetune and evaluate GGUF language models.
+
+Library entry points (the CLI calls the same functions):
+    llmtune.finetune(...)    -> llmtune.train.finetune.finetune
+    llmtune.perplexity(...)  -> llmtune.eval.perplexity.perplexity
+    llmtune.export(...)      -> llmtune.model.export.export
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "finetune": ("llmtune.train.finetune", "finetune"),
+    "perplexity": ("llmtune.eval.perplexity", "perplexity"),
+    "export": ("llmtune.model.export", "export"),
+    "load_gguf": ("llmtune.model.gguf_io", "load_gguf"),
+    "LlmtuneError": ("llmtune.errors", "LlmtuneError"),
+}
+
+
+def __getattr__(name):  # lazy so `import llmtune` stays fast for the CLI
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(mod), attr)
+    raise AttributeError(name)

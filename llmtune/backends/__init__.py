@@ -1,0 +1,1 @@
+"""Backends execute graph ops: cpu (numpy), cuda (cupy)."""

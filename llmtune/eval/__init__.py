@@ -1,0 +1,1 @@
+"""Evaluation: llama.cpp-compatible perplexity and KL-divergence."""

@@ -1,0 +1,1 @@
+"""Compute graph: symbolic tensors, ops with backward rules, autodiff, planner, layer builders."""

@@ -1,0 +1,1 @@
+"""Training: datasets, optimizers, schedules, the trainer loop."""
