@@ -1,0 +1,324 @@
+"""numpy backend: float32 (or float64 for gradient checks); matmuls through BLAS.
+
+Kernels write into planned `out` buffers and avoid temporaries where numpy allows it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmtune.backends.base import Backend
+
+
+def _sigmoid_into(out, x):
+    np.negative(x, out=out)
+    np.exp(out, out=out)
+    out += 1.0
+    np.reciprocal(out, out=out)
+    return out
+
+
+def k_add(out, a, b):
+    return np.add(a, b, out=out)
+
+
+def k_mul(out, a, b):
+    return np.multiply(a, b, out=out)
+
+
+def k_scale(out, a, s):
+    return np.multiply(a, a.dtype.type(s), out=out)
+
+
+def k_sum_to(out, x, shape):
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and x.shape[lead + i] != 1)
+    out[...] = x.sum(axis=axes).reshape(shape)
+    return out
+
+
+def k_broadcast_to(out, x, shape):
+    return np.broadcast_to(x, shape)
+
+
+def k_silu(out, x):
+    _sigmoid_into(out, x)
+    return np.multiply(out, x, out=out)
+
+
+def k_silu_back(out, x, g):
+    s = _sigmoid_into(np.empty_like(x), x)
+    # d silu = s * (1 + x * (1 - s))
+    np.subtract(1.0, s, out=out)
+    out *= x
+    out += 1.0
+    out *= s
+    out *= g
+    return out
+
+
+def k_swiglu(out, gate, up):
+    _sigmoid_into(out, gate)
+    out *= gate
+    out *= up
+    return out
+
+
+def k_swiglu_back(out, gate, up, g, wrt):
+    s = _sigmoid_into(np.empty_like(gate), gate)
+    if wrt == 1:  # d/d up = silu(gate) * g
+        np.multiply(s, gate, out=out)
+        out *= g
+        return out
+    np.subtract(1.0, s, out=out)
+    out *= gate
+    out += 1.0
+    out *= s
+    out *= up
+    out *= g
+    return out
+
+
+def k_matmul(out, a, b, ta, tb):
+    if ta:
+        a = np.swapaxes(a, -1, -2)
+    if tb:
+        b = np.swapaxes(b, -1, -2)
+    return np.matmul(a, b, out=out)
+
+
+def k_reshape(out, x, shape):
+    return x.reshape(shape)
+
+
+def k_permute(out, x, axes):
+    return x.transpose(axes)
+
+
+def k_cont(out, x):
+    np.copyto(out, x)
+    return out
+
+
+def _axis_slice(ndim, axis, start, stop):
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+def k_slice(out, x, axis, start, stop):
+    return x[_axis_slice(x.ndim, axis, start, stop)]
+
+
+def k_pad(out, x, axis, start):
+    out.fill(0)
+    out[_axis_slice(x.ndim, axis, start, start + x.shape[axis])] = x
+    return out
+
+
+def k_get_rows(out, w, ids):
+    return np.take(w, ids, axis=0, out=out)
+
+
+def k_add_rows(out, g, ids, n_rows):
+    """out = zeros; out[ids[i]] += g[i]: sort once, reduce runs of equal ids (no np.add.at)."""
+    flat = ids.reshape(-1)
+    rows = g.reshape(flat.size, -1)
+    order = np.argsort(flat, kind="stable")
+    sorted_ids = flat[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    out.fill(0)
+    out[sorted_ids[starts]] = np.add.reduceat(rows[order], starts, axis=0)
+    return out
+
+
+def k_rms_norm(out, x, eps):
+    ms = np.einsum("...i,...i->...", x, x)[..., None]
+    ms /= x.shape[-1]
+    ms += eps
+    np.sqrt(ms, out=ms)
+    return np.divide(x, ms, out=out)
+
+
+def k_rms_norm_back(out, x, g, eps):
+    # y = x r, r = 1/sqrt(mean(x^2)+eps);  dx = r (g - y mean(g y))
+    n = x.shape[-1]
+    r = np.einsum("...i,...i->...", x, x)[..., None]
+    r /= n
+    r += eps
+    np.sqrt(r, out=r)
+    np.reciprocal(r, out=r)
+    gx = np.einsum("...i,...i->...", g, x)[..., None]
+    gx *= r * r / n  # mean(g y) / r
+    np.multiply(x, gx, out=out)
+    np.subtract(g, out, out=out)
+    out *= r
+    return out
+
+
+class _RopeCache:
+    def __init__(self):
+        self._tables = {}
+
+    def get(self, pos, n_rot, base, freq_scale, dtype):
+        key = (pos.tobytes(), n_rot, base, freq_scale, np.dtype(dtype).str)
+        tab = self._tables.get(key)
+        if tab is None:
+            inv_freq = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+            theta = freq_scale * pos.astype(np.float64)[:, None] * inv_freq[None, :]
+            tab = (np.cos(theta).astype(dtype), np.sin(theta).astype(dtype))
+            if len(self._tables) > 64:
+                self._tables.clear()
+            self._tables[key] = tab
+        return tab
+
+
+def _rope_kernel(cache):
+    def k_rope(out, x, pos, n_rot, base, freq_scale, mode, inverse):
+        cos, sin = cache.get(pos, n_rot, base, freq_scale, x.dtype)
+        if inverse:
+            sin = -sin
+        # x[B, T, H, d]; tables [T, n_rot/2] broadcast over batch and heads
+        cos = cos[:, None, :]
+        sin = sin[:, None, :]
+        half = n_rot // 2
+        if mode == "norm":
+            x0, x1 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+            o0, o1 = out[..., 0:n_rot:2], out[..., 1:n_rot:2]
+        else:
+            x0, x1 = x[..., :half], x[..., half:n_rot]
+            o0, o1 = out[..., :half], out[..., half:n_rot]
+        t = x1 * sin
+        np.multiply(x0, cos, out=o0)
+        o0 -= t
+        np.multiply(x0, sin, out=t)
+        np.multiply(x1, cos, out=o1)
+        o1 += t
+        if n_rot < x.shape[-1]:
+            out[..., n_rot:] = x[..., n_rot:]
+        return out
+
+    return k_rope
+
+
+class _MaskCache:
+    def __init__(self):
+        self._masks = {}
+
+    def get(self, rows, n_kv, n_q, n_past, dtype):
+        key = (rows, n_kv, n_q, n_past, np.dtype(dtype).str)
+        m = self._masks.get(key)
+        if m is None:
+            qpos = n_past + (np.arange(rows) % n_q)
+            m = np.where(np.arange(n_kv)[None, :] <= qpos[:, None], 0.0, -np.inf).astype(dtype)
+            if len(self._masks) > 64:
+                self._masks.clear()
+            self._masks[key] = m
+        return m
+
+
+def _softmax_kernel(cache):
+    def k_softmax_causal(out, x, scale, n_q, n_past):
+        mask = cache.get(x.shape[-2], x.shape[-1], n_q, n_past, x.dtype)
+        np.multiply(x, x.dtype.type(scale), out=out)
+        out += mask
+        out -= out.max(axis=-1, keepdims=True)
+        np.exp(out, out=out)
+        out /= out.sum(axis=-1, keepdims=True)
+        return out
+
+    return k_softmax_causal
+
+
+def k_softmax_back(out, y, g, scale):
+    dot = np.einsum("...i,...i->...", g, y)[..., None]
+    np.subtract(g, dot, out=out)
+    out *= y
+    out *= y.dtype.type(scale)
+    return out
+
+
+def log_softmax_rows(logits):
+    """(logits - logsumexp) per row, computed in the logits' dtype."""
+    mx = logits.max(axis=-1, keepdims=True)
+    z = logits - mx
+    lse = np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    z -= lse
+    return z
+
+
+def k_cross_entropy(out, logits, targets):
+    logits2 = logits.reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    mx = logits2.max(axis=-1)
+    e = np.exp(logits2 - mx[:, None])
+    lse = np.log(e.sum(axis=-1)) + mx
+    out[...] = np.mean(lse - logits2[np.arange(t.size), t])
+    return out
+
+
+def k_cross_entropy_back(out, logits, targets, g):
+    logits2 = logits.reshape(-1, logits.shape[-1])
+    o2 = out.reshape(logits2.shape)
+    t = targets.reshape(-1)
+    np.subtract(logits2, logits2.max(axis=-1, keepdims=True), out=o2)
+    np.exp(o2, out=o2)
+    o2 /= o2.sum(axis=-1, keepdims=True)
+    o2[np.arange(t.size), t] -= 1.0
+    o2 *= g / t.size
+    return out
+
+
+def k_count_correct(out, logits, targets):
+    out[...] = np.count_nonzero(logits.argmax(axis=-1) == targets)
+    return out
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, dtype=np.float32):
+        super().__init__(dtype)
+        self.kernels = {
+            name[2:]: fn for name, fn in globals().items() if name.startswith("k_") and callable(fn)
+        }
+        self.kernels["rope"] = _rope_kernel(_RopeCache())
+        self.kernels["softmax_causal"] = _softmax_kernel(_MaskCache())
+
+    def asarray(self, host, dtype=None):
+        host = np.asarray(host)
+        return np.require(host, dtype=dtype or host.dtype, requirements="C")
+
+    def to_numpy(self, arr):
+        return np.asarray(arr)
+
+    def zeros(self, shape, dtype=None):
+        return np.zeros(shape, dtype=dtype or self.dtype)
+
+    def arena(self, nbytes):
+        return np.empty(max(int(nbytes), 1), dtype=np.uint8)
+
+    def view(self, arena, shape, dtype):
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        return arena[:n].view(dtype).reshape(shape)
+
+    def accumulate(self, dst, src):
+        np.add(dst, src, out=dst)
+
+    def adamw_step(self, w, g, m, v, *, lr, beta1, beta2, eps, wd, t):
+        # ggml_opt_step_adamw: decoupled decay, bias-corrected moments, eps after the sqrt
+        m *= beta1
+        m += (1.0 - beta1) * g
+        v *= beta2
+        v += (1.0 - beta2) * (g * g)
+        denom = np.sqrt(v / (1.0 - beta2**t))
+        denom += eps
+        step = m / denom
+        step *= lr / (1.0 - beta1**t)
+        if wd:
+            w *= 1.0 - lr * wd
+        w -= step
+
+    def sgd_step(self, w, g, *, lr, wd):
+        if wd:
+            w *= 1.0 - lr * wd
+        w -= lr * g

@@ -1,0 +1,303 @@
+"""The op set. Each op is defined once here: its shape rule and its backward rule, the latter
+written with other graph ops (as ggml builds backward nodes). Backends supply forward kernels
+under the same op names (see backends/base.py).
+
+Conventions: shapes are numpy shapes; `linear(x, W)` follows GGUF/PyTorch weight layout
+W[out, in]; matmul batch dims broadcast like numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from llmtune.graph.node import Node
+
+
+@dataclass(frozen=True)
+class OpDef:
+    backward: Optional[Callable]  # (node, grad) -> tuple of grads (Node | None), one per input
+    view: bool = False  # output aliases its first input's buffer (no allocation)
+    inplace: bool = False  # output may reuse its first input's buffer when that input dies here
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def _register(name, backward=None, view=False, inplace=False):
+    OPS[name] = OpDef(backward, view, inplace)
+
+
+def _node(op, inputs, attrs, shape, dtype="f32", contiguous=True):
+    rg = any(i.requires_grad for i in inputs) and dtype == "f32"
+    return Node(op, inputs, attrs, shape, dtype, requires_grad=rg, contiguous=contiguous)
+
+
+# --------------------------------------------------------------------------- leaves
+def input(shape, dtype="f32", name=""):  # noqa: A001 - graph vocabulary
+    return Node("input", (), {}, shape, dtype, name=name)
+
+
+def param(shape, name="", requires_grad=True):
+    return Node("param", (), {}, shape, "f32", requires_grad=requires_grad, name=name)
+
+
+def const(value: float, shape=()):
+    return Node("const", (), {"value": float(value)}, shape, "f32")
+
+
+# --------------------------------------------------------------------------- broadcasting helpers
+def broadcast_shape(a, b):
+    return tuple(np.broadcast_shapes(tuple(a), tuple(b)))
+
+
+def sum_to(x: Node, shape) -> Node:
+    """Sum x down to `shape` (undo numpy broadcasting); identity when shapes agree."""
+    shape = tuple(shape)
+    if x.shape == shape:
+        return x
+    return _node("sum_to", (x,), {"shape": shape}, shape)
+
+
+def broadcast_to(x: Node, shape) -> Node:
+    shape = tuple(shape)
+    if x.shape == shape:
+        return x
+    return _node("broadcast_to", (x,), {"shape": shape}, shape, contiguous=False)
+
+
+_register("sum_to", lambda n, g: (broadcast_to(g, n.inputs[0].shape),))
+_register("broadcast_to", lambda n, g: (sum_to(g, n.inputs[0].shape),), view=True)
+
+
+# --------------------------------------------------------------------------- elementwise
+def add(a: Node, b: Node) -> Node:
+    return _node("add", (a, b), {}, broadcast_shape(a.shape, b.shape))
+
+
+def mul(a: Node, b: Node) -> Node:
+    return _node("mul", (a, b), {}, broadcast_shape(a.shape, b.shape))
+
+
+def scale(a: Node, s: float) -> Node:
+    return _node("scale", (a,), {"s": float(s)}, a.shape)
+
+
+_register("add", lambda n, g: (sum_to(g, n.inputs[0].shape), sum_to(g, n.inputs[1].shape)), inplace=True)
+_register(
+    "mul",
+    lambda n, g: (
+        sum_to(mul(g, n.inputs[1]), n.inputs[0].shape) if n.inputs[0].requires_grad else None,
+        sum_to(mul(g, n.inputs[0]), n.inputs[1].shape) if n.inputs[1].requires_grad else None,
+    ),
+    inplace=True,
+)
+_register("scale", lambda n, g: (scale(g, n.attrs["s"]),), inplace=True)
+
+
+def silu(x: Node) -> Node:
+    return _node("silu", (x,), {}, x.shape)
+
+
+def silu_back(x: Node, g: Node) -> Node:
+    return _node("silu_back", (x, g), {}, x.shape)
+
+
+_register("silu", lambda n, g: (silu_back(n.inputs[0], g),))
+_register("silu_back", None)
+
+
+def swiglu(gate: Node, up: Node) -> Node:
+    """silu(gate) * up, fused (one pass, one buffer)."""
+    assert gate.shape == up.shape
+    return _node("swiglu", (gate, up), {}, gate.shape)
+
+
+def swiglu_back(gate: Node, up: Node, g: Node, wrt: int) -> Node:
+    return _node("swiglu_back", (gate, up, g), {"wrt": wrt}, gate.shape)
+
+
+_register(
+    "swiglu",
+    lambda n, g: (
+        swiglu_back(n.inputs[0], n.inputs[1], g, 0) if n.inputs[0].requires_grad else None,
+        swiglu_back(n.inputs[0], n.inputs[1], g, 1) if n.inputs[1].requires_grad else None,
+    ),
+)
+_register("swiglu_back", None)
+
+
+# --------------------------------------------------------------------------- matmul
+def matmul(a: Node, b: Node, ta: bool = False, tb: bool = False) -> Node:
+    """op(a) @ op(b), op = transpose of the last two axes when the flag is set."""
+    am, ak = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
+    bk, bn = (b.shape[-1], b.shape[-2]) if tb else (b.shape[-2], b.shape[-1])
+    if ak != bk:
+        raise ValueError(f"matmul: inner dims differ: {a.shape}{'^T' if ta else ''} @ {b.shape}{'^T' if tb else ''}")
+    batch = broadcast_shape(a.shape[:-2], b.shape[:-2])
+    return _node("matmul", (a, b), {"ta": ta, "tb": tb}, batch + (am, bn))
+
+
+def linear(x: Node, w: Node) -> Node:
+    """x[..., in] @ W[out, in]^T."""
+    return matmul(x, w, tb=True)
+
+
+def _matmul_backward(n: Node, g: Node):
+    a, b = n.inputs
+    ta, tb = n.attrs["ta"], n.attrs["tb"]
+    da = db = None
+    if a.requires_grad:
+        da = matmul(g, b, False, not tb) if not ta else matmul(b, g, tb, True)
+        da = sum_to(da, a.shape)
+    if b.requires_grad:
+        db = matmul(a, g, not ta, False) if not tb else matmul(g, a, True, ta)
+        db = sum_to(db, b.shape)
+    return da, db
+
+
+_register("matmul", _matmul_backward)
+
+
+# --------------------------------------------------------------------------- shape ops
+def reshape(x: Node, shape) -> Node:
+    shape = tuple(shape)
+    if -1 in shape:
+        known = int(np.prod([s for s in shape if s != -1]))
+        shape = tuple(x.size // known if s == -1 else s for s in shape)
+    if int(np.prod(shape)) != x.size:
+        raise ValueError(f"reshape: {x.shape} -> {shape}")
+    if not x.contiguous:
+        x = cont(x)
+    return _node("reshape", (x,), {"shape": shape}, shape)
+
+
+def permute(x: Node, axes) -> Node:
+    axes = tuple(axes)
+    shape = tuple(x.shape[i] for i in axes)
+    identity = axes == tuple(range(len(axes)))
+    return _node("permute", (x,), {"axes": axes}, shape, contiguous=x.contiguous and identity)
+
+
+def cont(x: Node) -> Node:
+    """Copy a strided view into a contiguous buffer."""
+    return _node("cont", (x,), {}, x.shape)
+
+
+def slice_rows(x: Node, axis: int, start: int, stop: int) -> Node:
+    """x[..., start:stop, ...] along `axis` (a view)."""
+    shape = list(x.shape)
+    shape[axis] = stop - start
+    contiguous = x.contiguous and all(s == 1 for s in x.shape[:axis])
+    return _node("slice", (x,), {"axis": axis, "start": start, "stop": stop}, shape, contiguous=contiguous)
+
+
+def pad_rows(x: Node, axis: int, start: int, full: int) -> Node:
+    """Zeros of length `full` along `axis` with x placed at `start` (backward of slice)."""
+    shape = list(x.shape)
+    shape[axis] = full
+    return _node("pad", (x,), {"axis": axis, "start": start}, shape)
+
+
+_register("reshape", lambda n, g: (reshape(g, n.inputs[0].shape),), view=True)
+_register("permute", lambda n, g: (permute(g, tuple(np.argsort(n.attrs["axes"]))),), view=True)
+_register("cont", lambda n, g: (g,))
+_register("slice", lambda n, g: (pad_rows(g, n.attrs["axis"], n.attrs["start"], n.inputs[0].shape[n.attrs["axis"]]),), view=True)
+_register("pad", lambda n, g: (slice_rows(g, n.attrs["axis"], n.attrs["start"], n.attrs["start"] + n.inputs[0].shape[n.attrs["axis"]]),))
+
+
+# --------------------------------------------------------------------------- embeddings
+def get_rows(w: Node, ids: Node) -> Node:
+    """w[ids]: ids int32 of any shape -> ids.shape + (w.shape[1],)."""
+    return _node("get_rows", (w, ids), {}, ids.shape + w.shape[1:])
+
+
+def add_rows(g: Node, ids: Node, n_rows: int) -> Node:
+    """Scatter-add rows of g into zeros(n_rows, ...) at ids (the gradient of get_rows)."""
+    return _node("add_rows", (g, ids), {"n_rows": n_rows}, (n_rows, g.shape[-1]))
+
+
+_register("get_rows", lambda n, g: (add_rows(g, n.inputs[1], n.inputs[0].shape[0]), None))
+_register("add_rows", lambda n, g: (get_rows(g, n.inputs[1]), None))
+
+
+# --------------------------------------------------------------------------- normalization
+def rms_norm(x: Node, eps: float) -> Node:
+    """x / sqrt(mean(x^2, last axis) + eps) (no weight: multiply by it separately)."""
+    return _node("rms_norm", (x,), {"eps": float(eps)}, x.shape)
+
+
+def rms_norm_back(x: Node, g: Node, eps: float) -> Node:
+    return _node("rms_norm_back", (x, g), {"eps": float(eps)}, x.shape)
+
+
+_register("rms_norm", lambda n, g: (rms_norm_back(n.inputs[0], g, n.attrs["eps"]),))
+_register("rms_norm_back", None)
+
+
+# --------------------------------------------------------------------------- rope
+def rope(x: Node, pos: Node, n_rot: int, base: float = 10000.0, freq_scale: float = 1.0,
+         mode: str = "norm", inverse: bool = False) -> Node:
+    """Rotary embedding of x[B, T, H, d] at integer positions pos[T].
+
+    mode "norm" rotates adjacent pairs (x[2i], x[2i+1]) as llama does; "neox" rotates halves
+    (x[i], x[i + n_rot/2]). Dims past n_rot pass through. inverse=True rotates by -theta
+    (the backward of the forward rotation, since rotations are orthogonal).
+    """
+    if mode not in ("norm", "neox"):
+        raise ValueError(f"rope mode {mode!r}")
+    if n_rot % 2 or n_rot > x.shape[-1]:
+        raise ValueError(f"rope: n_rot {n_rot} vs head dim {x.shape[-1]}")
+    attrs = {"n_rot": int(n_rot), "base": float(base), "freq_scale": float(freq_scale), "mode": mode, "inverse": inverse}
+    return _node("rope", (x, pos), attrs, x.shape)
+
+
+def _rope_backward(n, g):
+    a = dict(n.attrs)
+    a["inverse"] = not a["inverse"]
+    return rope(g, n.inputs[1], **a), None
+
+
+_register("rope", _rope_backward)
+
+
+# --------------------------------------------------------------------------- attention softmax
+def softmax_causal(x: Node, scale_: float, n_kv: int, n_q: int, n_past: int = 0) -> Node:
+    """softmax(scale * x + causal mask) over the last axis.
+
+    x[..., R, n_kv] where row r is query position n_past + (r % n_q): grouped-query attention
+    stacks the query heads sharing one KV head along rows, so the mask repeats every n_q rows.
+    """
+    assert x.shape[-1] == n_kv and x.shape[-2] % n_q == 0
+    return _node("softmax_causal", (x,), {"scale": float(scale_), "n_q": n_q, "n_past": n_past}, x.shape)
+
+
+def softmax_back(y: Node, g: Node, scale_: float) -> Node:
+    return _node("softmax_back", (y, g), {"scale": float(scale_)}, y.shape)
+
+
+_register("softmax_causal", lambda n, g: (softmax_back(n, g, n.attrs["scale"]),), inplace=True)
+_register("softmax_back", None)
+
+
+# --------------------------------------------------------------------------- loss
+def cross_entropy(logits: Node, targets: Node) -> Node:
+    """Mean over rows of -log softmax(logits)[target]: logits[N, V], targets[N] int32 -> scalar."""
+    assert logits.shape[:-1] == targets.shape
+    return _node("cross_entropy", (logits, targets), {}, ())
+
+
+def cross_entropy_back(logits: Node, targets: Node, g: Node) -> Node:
+    return _node("cross_entropy_back", (logits, targets, g), {}, logits.shape)
+
+
+def count_correct(logits: Node, targets: Node) -> Node:
+    """Number of rows whose argmax equals the target (no gradient)."""
+    return Node("count_correct", (logits, targets), {}, (), "f32")
+
+
+_register("cross_entropy", lambda n, g: (cross_entropy_back(n.inputs[0], n.inputs[1], g), None))
+_register("cross_entropy_back", None)
+_register("count_correct", None)

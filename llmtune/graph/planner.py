@@ -1,0 +1,147 @@
+"""Planner and executor: topological order, buffer reuse by liveness, then a flat run loop.
+
+A Program is compiled once per graph shape and run many times; each run only binds new
+inputs. Every intermediate gets a view into one of a few arenas: a buffer is returned to the
+pool after its last reader (views extend the life of the buffer they alias), and elementwise
+ops may write over an input that dies at that op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmtune.graph.node import Node, topo_order
+from llmtune.graph.ops import OPS
+
+_FOREVER = 1 << 62
+
+
+@dataclass
+class MemoryReport:
+    planned_bytes: int  # sum of arena sizes actually allocated
+    naive_bytes: int  # sum of every intermediate's size (no reuse)
+    n_nodes: int
+
+
+class Program:
+    def __init__(self, outputs: list[Node], backend, params: dict[Node, object] | None = None,
+                 accumulate: dict[Node, object] | None = None):
+        """outputs: nodes whose values `run` returns. params: leaf node -> backend array bound
+        for every run. accumulate: node -> backend array that receives `+= value` as soon as the
+        node is computed (gradient accumulation into parameter-gradient buffers)."""
+        self.backend = backend
+        self.outputs = list(outputs)
+        self.accumulate = dict(accumulate or {})
+        self.order = topo_order(self.outputs + list(self.accumulate))
+        self.index = {n.id: i for i, n in enumerate(self.order)}
+        self.inputs = {n.name: n for n in self.order if n.op == "input"}
+        self._leaf_values = {}
+        for n in self.order:
+            if n.op == "param":
+                if params is None or n not in params:
+                    raise ValueError(f"unbound parameter {n}")
+                self._leaf_values[n.id] = params[n]
+            elif n.op == "const":
+                self._leaf_values[n.id] = backend.asarray(np.full(n.shape, n.attrs["value"], dtype=backend.dtype))
+        self._plan()
+
+    # ------------------------------------------------------------------ planning
+    def _dtype(self, node: Node):
+        return np.int32 if node.dtype == "i32" else self.backend.dtype
+
+    def _nbytes(self, node: Node) -> int:
+        return node.size * np.dtype(self._dtype(node)).itemsize
+
+    def _plan(self) -> None:
+        order, index = self.order, self.index
+        owner: dict[int, int | None] = {}  # node id -> id of the node owning its buffer (None: leaf memory)
+        for n in order:
+            if n.is_leaf:
+                owner[n.id] = None
+            elif OPS[n.op].view:
+                owner[n.id] = owner[n.inputs[0].id]
+            else:
+                owner[n.id] = n.id
+        last_use: dict[int, int] = {}
+        for i, n in enumerate(order):
+            for inp in n.inputs:
+                o = owner[inp.id]
+                if o is not None:
+                    last_use[o] = max(last_use.get(o, -1), i)
+        for n in self.outputs:
+            if owner[n.id] is not None:
+                last_use[owner[n.id]] = _FOREVER
+        slot_of: dict[int, int] = {}
+        slot_size: list[int] = []
+        free: list[int] = []
+        dying: dict[int, list[int]] = {}
+        naive = 0
+        for i, n in enumerate(order):
+            if owner[n.id] == n.id:
+                need = self._nbytes(n)
+                naive += need
+                reuse = self._inplace_source(n, i, owner, last_use)
+                if reuse is not None:
+                    slot_of[n.id] = slot_of[reuse]
+                    dying.setdefault(i, []).remove(reuse)  # the buffer lives on as this node's
+                else:
+                    slot_of[n.id] = self._take_slot(need, slot_size, free)
+                end = last_use.get(n.id, i)  # never read: free right after computing
+                dying.setdefault(end, []).append(n.id)
+            for o in dying.pop(i, []):
+                free.append(slot_of[o])
+        self.memory = MemoryReport(sum(slot_size), naive, len(order))
+        arenas = [self.backend.arena(s) for s in slot_size]
+        self._steps = []
+        for n in order:
+            if n.is_leaf:
+                continue
+            out = None
+            if owner[n.id] == n.id:
+                out = self.backend.view(arenas[slot_of[n.id]], n.shape, self._dtype(n))
+            kernel = self.backend.kernels.get(n.op)
+            if kernel is None:
+                raise NotImplementedError(f"backend {self.backend.name} has no kernel for op {n.op!r}")
+            ins = tuple(inp.id for inp in n.inputs)
+            self._steps.append((n.id, kernel, out, ins, n.attrs, self.accumulate.get(n)))
+
+    def _inplace_source(self, n: Node, i: int, owner, last_use):
+        """An input buffer this elementwise op may overwrite: same shape, dies here, not a view."""
+        if not OPS[n.op].inplace or not n.inputs:
+            return None
+        src = n.inputs[0]
+        if owner[src.id] != src.id or src.shape != n.shape or src.dtype != n.dtype:
+            return None
+        return src.id if last_use.get(src.id) == i else None
+
+    @staticmethod
+    def _take_slot(need: int, slot_size: list[int], free: list[int]) -> int:
+        fits = [s for s in free if slot_size[s] >= need]
+        if fits:
+            best = min(fits, key=lambda s: slot_size[s])
+        elif free:
+            best = max(free, key=lambda s: slot_size[s])
+            slot_size[best] = need  # grow the largest free buffer
+        else:
+            slot_size.append(need)
+            return len(slot_size) - 1
+        free.remove(best)
+        return best
+
+    # ------------------------------------------------------------------ execution
+    def run(self, **inputs) -> list:
+        """Bind inputs by name, execute, return the output arrays (valid until the next run)."""
+        vals = dict(self._leaf_values)
+        for name, node in self.inputs.items():
+            if name not in inputs:
+                raise ValueError(f"missing input {name!r}")
+            vals[node.id] = inputs[name]
+        accumulate = self.backend.accumulate
+        for nid, kernel, out, ins, attrs, sink in self._steps:
+            val = kernel(out, *[vals[j] for j in ins], **attrs)
+            vals[nid] = val
+            if sink is not None:
+                accumulate(sink, val)
+        return [vals[n.id] for n in self.outputs]
