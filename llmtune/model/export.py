@@ -1,0 +1,164 @@
+"""`llmtune export`: rewrite a GGUF model with its weights stored in another type (f16, q8_0, q4_k_m, ...).
+
+The library call is `export(model_path, out_path, type, progress=None) -> ExportSummary`. Which tensor
+gets which type follows llama.cpp (see quant_plan.py); the block encodings come from quants.py.
+All metadata is kept; general.file_type and general.quantization_version are set as llama-quantize
+sets them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
+
+from llmtune.model import quants
+from llmtune.model.gguf_io import GGUFFile, MetaValue, TensorSpec, check_output_path, load_gguf, write_gguf
+from llmtune.model.quant_plan import ExportType, ModelFacts, TensorPlan, export_type, plan_types
+
+# llama-quantize drops these: the output is always a single file.
+_SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+
+Progress = Callable[[int, int, str], None]  # (tensors done, total, name of the tensor just done)
+
+
+@dataclass(frozen=True)
+class TensorExport:
+    name: str
+    shape: tuple[int, ...]
+    src_type: QT
+    dst_type: QT
+    src_bytes: int
+    dst_bytes: int
+    quantizable: bool  # a weight the export type converts (False: norms etc., copied as is)
+    fallback: bool  # stored in a fallback type because its rows do not split into blocks
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+
+@dataclass
+class ExportSummary:
+    model_path: Path
+    out_path: Path
+    type: str
+    file_type: int
+    tensors: list[TensorExport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(t.src_bytes for t in self.tensors)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(t.dst_bytes for t in self.tensors)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.out_path.stat().st_size
+
+    @property
+    def bpw_in(self) -> float:
+        return 8.0 * self.bytes_in / max(self.n_params, 1)
+
+    @property
+    def bpw_out(self) -> float:
+        return 8.0 * self.bytes_out / max(self.n_params, 1)
+
+    @property
+    def quantized_bpw(self) -> float:
+        """Bits per weight over the tensors the type converts (what llama.cpp's type names describe)."""
+        conv = [t for t in self.tensors if t.quantizable]
+        n = sum(t.n_elements for t in conv)
+        return 8.0 * sum(t.dst_bytes for t in conv) / max(n, 1)
+
+    @property
+    def n_fallback(self) -> int:
+        return sum(t.fallback for t in self.tensors)
+
+    def type_counts(self) -> Counter:
+        return Counter(t.dst_type.name for t in self.tensors)
+
+
+def export(model_path: str | os.PathLike, out_path: str | os.PathLike, type: str,
+           progress: Progress | None = None) -> ExportSummary:
+    """Write `model_path` to `out_path` with its weights stored as `type` (a name in EXPORT_TYPES)."""
+    xt = export_type(type)
+    gf = load_gguf(model_path)
+    out = check_output_path(out_path, model_path)
+    start = time.perf_counter()
+    plans = plan_types(xt, {n: (t.shape, t.type) for n, t in gf.tensors.items()}, ModelFacts.from_metadata(gf.metadata))
+    ordered = [plans[name] for name in gf.tensors]  # keep the input file's tensor order
+    summary = ExportSummary(Path(model_path), out, xt.name, int(xt.ftype))
+    write_gguf(out, gf.arch, _export_metadata(gf, xt), _converted(gf, ordered, summary, progress), inputs=[model_path])
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _export_metadata(gf: GGUFFile, xt: ExportType) -> dict[str, MetaValue]:
+    meta = {k: v for k, v in gf.meta.items() if k not in _SPLIT_KEYS}
+    meta["general.quantization_version"] = MetaValue(GGML_QUANT_VERSION, VT.UINT32)
+    meta["general.file_type"] = MetaValue(int(xt.ftype), VT.UINT32)
+    return meta
+
+
+def _converted(gf: GGUFFile, plans: list[TensorPlan], summary: ExportSummary,
+               progress: Progress | None) -> Iterator[TensorSpec]:
+    for i, plan in enumerate(plans):
+        info = gf.tensors[plan.name]
+        if plan.dst_type == info.type:  # nothing to convert: copy the stored bytes, no requantization loss
+            data = np.asarray(info.raw)
+        else:
+            data = quants.quantize(gf.tensor(plan.name), plan.dst_type)
+        summary.tensors.append(TensorExport(
+            plan.name, plan.shape, info.type, plan.dst_type, info.n_bytes,
+            quants.nbytes(plan.shape, plan.dst_type), plan.quantizable, plan.fallback,
+        ))
+        if progress is not None:
+            progress(i + 1, len(plans), plan.name)
+        yield plan.name, data, plan.dst_type
+
+
+# --- rendering (used by the CLI) -------------------------------------------------------------------
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def summary_table(summary: ExportSummary):
+    """A rich table: sizes before and after, per output type and in total."""
+    from rich.table import Table
+
+    table = Table(title=f"{summary.model_path.name} -> {summary.out_path.name} ({summary.type})", title_justify="left")
+    table.add_column("tensors", no_wrap=True)
+    for col in ("count", "params", "size before", "size after", "bits/weight"):
+        table.add_column(col, justify="right")
+    groups: dict[str, list[TensorExport]] = {}
+    for t in summary.tensors:
+        key = f"{t.src_type.name} -> {t.dst_type.name}" + (" *" if t.fallback else "")
+        groups.setdefault(key, []).append(t)
+    for key, ts in sorted(groups.items(), key=lambda kv: -sum(t.dst_bytes for t in kv[1])):
+        n = sum(t.n_elements for t in ts)
+        after = sum(t.dst_bytes for t in ts)
+        table.add_row(key, str(len(ts)), f"{n:,}", _mib(sum(t.src_bytes for t in ts)), _mib(after), f"{8 * after / n:.2f}")
+    table.add_section()
+    table.add_row("total", str(len(summary.tensors)), f"{summary.n_params:,}", _mib(summary.bytes_in),
+                  _mib(summary.bytes_out), f"{summary.bpw_out:.2f}", style="bold")
+    table.caption = (f"quantized weights: {summary.quantized_bpw:.2f} bits/weight; "
+                     f"file {_mib(summary.file_bytes)}; {summary.seconds:.1f} s")
+    if summary.n_fallback:
+        table.caption += "\n* rows do not split into blocks of the wanted type: llama.cpp's fallback type"
+    return table
