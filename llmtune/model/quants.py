@@ -84,11 +84,15 @@ def _quantize_k(x: np.ndarray, qtype: QT) -> np.ndarray:
 
 
 # --- ggml's sub-block scale searches, vectorized over rows -----------------------------------------
+#
+# Internally the values of a group run along axis 0 and the groups along axis 1 ("column" layout,
+# (n, rows)): numpy then reduces over axis 0 one element after the other, the order of ggml's C loops,
+# so near-ties between candidate scales are broken exactly as the reference breaks them.
 
 
 def _levels(iscale: np.ndarray, shifted: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """nearest_int(iscale * x) clamped to [lo, hi]; ggml's nearest_int rounds half to even like rint."""
-    return np.clip(np.rint(iscale[:, None] * shifted), lo, hi)
+    return np.clip(np.rint(iscale * shifted), lo, hi)
 
 
 def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
@@ -96,69 +100,69 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
 
     Starts from the min/max fit, then tries nstep+1 stretched grids; each candidate gets the weighted
     least-squares scale and min for its levels, and the one with the lowest weighted squared error wins.
-    Returns (scale, the_min, L) with L as float32 levels.
+    `x`, `weights`: (rows, n). Returns (scale, the_min, L) with L (rows, n) float32 levels.
     """
-    x = x.astype(F32, copy=False)
-    w = weights.astype(F32, copy=False)
-    xmax = x.max(axis=1)
-    xmin = np.minimum(x.min(axis=1), F32(0))
+    xt = np.ascontiguousarray(x.T, dtype=F32)
+    w = np.ascontiguousarray(weights.T, dtype=F32)
+    xmax = xt.max(axis=0)
+    xmin = np.minimum(xt.min(axis=0), F32(0))
     flat = xmax == xmin
-    sum_w = w.sum(axis=1)
-    sum_x = (w * x).sum(axis=1)
+    sum_w = w.sum(axis=0)
+    sum_x = (w * xt).sum(axis=0)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = F32(nmax) / (xmax - xmin)
         scale = F32(1) / iscale
-        levels = _levels(iscale, x - xmin[:, None], 0, nmax)
-        best_err = _weighted_sq_err(scale, xmin, levels, x, w)
+        levels = _levels(iscale, xt - xmin, 0, nmax)
+        best_err = _weighted_sq_err(scale, xmin, levels, xt, w)
         mn = xmin.copy()
         for step in range(nstep + 1):
             # the grid is stretched around the *current* best min, as in ggml
             iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (xmax - mn)
-            cand = _levels(iscale, x - mn[:, None], 0, nmax)
+            cand = _levels(iscale, xt - mn, 0, nmax)
             wl = w * cand
-            sum_l = wl.sum(axis=1)
-            sum_l2 = (wl * cand).sum(axis=1)
-            sum_xl = (wl * x).sum(axis=1)
+            sum_l = wl.sum(axis=0)
+            sum_l2 = (wl * cand).sum(axis=0)
+            sum_xl = (wl * xt).sum(axis=0)
             det = sum_w * sum_l2 - sum_l * sum_l
             c_scale = (sum_w * sum_xl - sum_x * sum_l) / det
             c_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
             positive = c_min > 0  # a positive min cannot be stored: refit the scale with min = 0
             c_scale = np.where(positive, sum_xl / sum_l2, c_scale)
             c_min = np.where(positive, F32(0), c_min)
-            err = _weighted_sq_err(c_scale, c_min, cand, x, w)
+            err = _weighted_sq_err(c_scale, c_min, cand, xt, w)
             better = (det > 0) & (err < best_err)
-            levels = np.where(better[:, None], cand, levels)
+            levels = np.where(better, cand, levels)
             best_err = np.where(better, err, best_err)
             scale = np.where(better, c_scale, scale)
             mn = np.where(better, c_min, mn)
     scale = np.where(flat, F32(0), scale).astype(F32)
     mn = np.where(flat, xmin, mn).astype(F32)
-    levels[flat] = 0
-    return scale, -mn, levels
+    levels[:, flat] = 0
+    return scale, -mn, levels.T
 
 
-def _weighted_sq_err(scale, mn, levels, x, w):
-    diff = scale[:, None] * levels + mn[:, None] - x
-    return (w * diff * diff).sum(axis=1)
+def _weighted_sq_err(scale, mn, levels, xt, w):
+    diff = scale * levels + mn - xt
+    return (w * (diff * diff)).sum(axis=0)
 
 
 def make_qx_quants(x: np.ndarray, nmax: int):
     """Symmetric fit x ~ scale * (L - nmax) with L in [0, 2*nmax), per row (ggml make_qx_quants, rmse_type 1).
 
     The scale is signed so the largest-magnitude value maps to -nmax exactly; 18 nearby grids are
-    tried and the x^2-weighted least-squares scale of the best one kept. Returns (scale, L).
+    tried and the x^2-weighted least-squares scale of the best one kept. `x`: (rows, n).
+    Returns (scale, L) with L (rows, n) float32 levels.
     """
-    x = x.astype(F32, copy=False)
-    rows = np.arange(x.shape[0])
-    vmax = x[rows, np.abs(x).argmax(axis=1)]
+    xt = np.ascontiguousarray(x.T, dtype=F32)
+    vmax = xt[np.abs(xt).argmax(axis=0), np.arange(xt.shape[1])]
     zero = np.abs(vmax) < GROUP_MAX_EPS
     vmax = np.where(zero, F32(1), vmax)
-    w = x * x
-    wx = w * x
+    w = xt * xt
+    wx = w * xt
 
     def fit(iscale):
-        lv = _levels(iscale, x, -nmax, nmax - 1)
-        return lv, (wx * lv).sum(axis=1), (w * lv * lv).sum(axis=1)
+        lv = _levels(iscale, xt, -nmax, nmax - 1)
+        return lv, (wx * lv).sum(axis=0), (w * lv * lv).sum(axis=0)
 
     with np.errstate(divide="ignore", invalid="ignore"):
         levels, sumlx, suml2 = fit(-F32(nmax) / vmax)
@@ -169,12 +173,12 @@ def make_qx_quants(x: np.ndarray, nmax: int):
                 continue
             cand, slx, sl2 = fit(-(F32(nmax) + F32(0.1) * F32(step)) / vmax)
             better = (sl2 > 0) & (slx * slx > best * sl2)
-            levels = np.where(better[:, None], cand, levels)
+            levels = np.where(better, cand, levels)
             scale = np.where(better, slx / sl2, scale)
             best = np.where(better, scale * slx, best)
     levels = levels + nmax
-    levels[zero] = 0
-    return np.where(zero, F32(0), scale).astype(F32), levels
+    levels[:, zero] = 0
+    return np.where(zero, F32(0), scale).astype(F32), levels.T
 
 
 # --- Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins ---------------------------------------
@@ -187,7 +191,7 @@ def _fit_scale_min_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, 
     """
     nb = x.shape[0]
     sub = x.reshape(nb * 8, 32)
-    av_x = np.sqrt((sub * sub).sum(axis=1) / F32(32))
+    av_x = np.sqrt(np.ascontiguousarray((sub * sub).T).sum(axis=0) / F32(32))  # ggml order (see above)
     weights = av_x[:, None] + np.abs(sub)  # ggml: emphasise large values, floor at the RMS
     scales, mins, levels = make_qkx2_quants(sub, weights, nmax, rmin, rdelta, nstep)
     scales = scales.reshape(nb, 8)
