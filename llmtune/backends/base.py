@@ -33,7 +33,8 @@ class Backend:
         """A raw byte buffer from which planned tensors are viewed."""
         raise NotImplementedError
 
-    def view(self, arena: Any, shape, dtype) -> Any:
+    def view(self, arena: Any, shape, dtype, offset: int = 0) -> Any:
+        """A tensor of `shape`/`dtype` at byte `offset` (64-byte aligned) of an arena."""
         raise NotImplementedError
 
     def synchronize(self) -> None:

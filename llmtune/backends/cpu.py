@@ -296,27 +296,39 @@ class CPUBackend(Backend):
     def arena(self, nbytes):
         return np.empty(max(int(nbytes), 1), dtype=np.uint8)
 
-    def view(self, arena, shape, dtype):
+    def view(self, arena, shape, dtype, offset=0):
         dtype = np.dtype(dtype)
         n = int(np.prod(shape)) * dtype.itemsize
-        return arena[:n].view(dtype).reshape(shape)
+        return arena[offset : offset + n].view(dtype).reshape(shape)
 
     def accumulate(self, dst, src):
         np.add(dst, src, out=dst)
 
     def adamw_step(self, w, g, m, v, *, lr, beta1, beta2, eps, wd, t):
-        # ggml_opt_step_adamw: decoupled decay, bias-corrected moments, eps after the sqrt
-        m *= beta1
-        m += (1.0 - beta1) * g
-        v *= beta2
-        v += (1.0 - beta2) * (g * g)
-        denom = np.sqrt(v / (1.0 - beta2**t))
-        denom += eps
-        step = m / denom
-        step *= lr / (1.0 - beta1**t)
-        if wd:
-            w *= 1.0 - lr * wd
-        w -= step
+        # ggml_opt_step_adamw: decoupled decay, bias-corrected moments, eps after the sqrt.
+        # Blocked so every temporary stays in cache: one trip through memory, not ten.
+        c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
+        keep = 1.0 - lr * wd
+        n, blk = w.size, 1 << 15
+        tmp = np.empty(blk, dtype=w.dtype)
+        for s in range(0, n, blk):
+            ws, gs, ms, vs = w[s : s + blk], g[s : s + blk], m[s : s + blk], v[s : s + blk]
+            tt = tmp[: ws.size]
+            ms *= beta1
+            np.multiply(gs, 1.0 - beta1, out=tt)
+            ms += tt
+            vs *= beta2
+            np.multiply(gs, gs, out=tt)
+            tt *= 1.0 - beta2
+            vs += tt
+            np.multiply(vs, c2, out=tt)
+            np.sqrt(tt, out=tt)
+            tt += eps
+            np.divide(ms, tt, out=tt)
+            tt *= lr * c1
+            if wd:
+                ws *= keep
+            ws -= tt
 
     def sgd_step(self, w, g, *, lr, wd):
         if wd:

@@ -74,8 +74,10 @@ def build_attn_core(q: Node, k: Node, v: Node, spec: AttnSpec, batch: Batch) -> 
     B, T, d = batch.n_seq, batch.n_tok, spec.head_dim
     group = spec.n_head // spec.n_head_kv
     qg = ops.reshape(ops.permute(q, (0, 2, 1, 3)), (B, spec.n_head_kv, group * T, d))
-    kt = ops.permute(k, (0, 2, 1, 3))  # [B, Hkv, T, d] view
-    vt = ops.permute(v, (0, 2, 1, 3))
+    # [B, Hkv, T, d], made contiguous: BLAS then runs the batched matmuls (strided stacks fall
+    # back to numpy's slow loop), and the copy is small next to the scores
+    kt = ops.cont(ops.permute(k, (0, 2, 1, 3)))
+    vt = ops.cont(ops.permute(v, (0, 2, 1, 3)))
     scores = ops.matmul(qg, kt, tb=True)  # [B, Hkv, group*T, T]
     probs = ops.softmax_causal(scores, 1.0 / math.sqrt(d), n_kv=T, n_q=T)
     out = ops.matmul(probs, vt)  # [B, Hkv, group*T, d]

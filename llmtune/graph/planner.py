@@ -73,9 +73,9 @@ class Program:
         for n in self.outputs:
             if owner[n.id] is not None:
                 last_use[owner[n.id]] = _FOREVER
-        slot_of: dict[int, int] = {}
-        slot_size: list[int] = []
-        free: list[int] = []
+        alloc = _ArenaAllocator()
+        offset_of: dict[int, int] = {}
+        size_of: dict[int, int] = {}
         dying: dict[int, list[int]] = {}
         naive = 0
         for i, n in enumerate(order):
@@ -84,23 +84,23 @@ class Program:
                 naive += need
                 reuse = self._inplace_source(n, i, owner, last_use)
                 if reuse is not None:
-                    slot_of[n.id] = slot_of[reuse]
-                    dying.setdefault(i, []).remove(reuse)  # the buffer lives on as this node's
+                    offset_of[n.id], size_of[n.id] = offset_of[reuse], size_of[reuse]
+                    dying[i].remove(reuse)  # the buffer lives on as this node's
                 else:
-                    slot_of[n.id] = self._take_slot(need, slot_size, free)
+                    offset_of[n.id], size_of[n.id] = alloc.alloc(need), need
                 end = last_use.get(n.id, i)  # never read: free right after computing
                 dying.setdefault(end, []).append(n.id)
             for o in dying.pop(i, []):
-                free.append(slot_of[o])
-        self.memory = MemoryReport(sum(slot_size), naive, len(order))
-        arenas = [self.backend.arena(s) for s in slot_size]
+                alloc.free(offset_of[o], size_of[o])
+        self.memory = MemoryReport(alloc.high_water, naive, len(order))
+        arena = self.backend.arena(alloc.high_water)
         self._steps = []
         for n in order:
             if n.is_leaf:
                 continue
             out = None
             if owner[n.id] == n.id:
-                out = self.backend.view(arenas[slot_of[n.id]], n.shape, self._dtype(n))
+                out = self.backend.view(arena, n.shape, self._dtype(n), offset_of[n.id])
             kernel = self.backend.kernels.get(n.op)
             if kernel is None:
                 raise NotImplementedError(f"backend {self.backend.name} has no kernel for op {n.op!r}")
@@ -115,20 +115,6 @@ class Program:
         if owner[src.id] != src.id or src.shape != n.shape or src.dtype != n.dtype:
             return None
         return src.id if last_use.get(src.id) == i else None
-
-    @staticmethod
-    def _take_slot(need: int, slot_size: list[int], free: list[int]) -> int:
-        fits = [s for s in free if slot_size[s] >= need]
-        if fits:
-            best = min(fits, key=lambda s: slot_size[s])
-        elif free:
-            best = max(free, key=lambda s: slot_size[s])
-            slot_size[best] = need  # grow the largest free buffer
-        else:
-            slot_size.append(need)
-            return len(slot_size) - 1
-        free.remove(best)
-        return best
 
     # ------------------------------------------------------------------ execution
     def run(self, **inputs) -> list:
@@ -145,3 +131,52 @@ class Program:
             if sink is not None:
                 accumulate(sink, val)
         return [vals[n.id] for n in self.outputs]
+
+
+class _ArenaAllocator:
+    """Offsets in one arena: best-fit over a coalescing free list (as ggml-alloc does); the
+    arena's size is the high-water mark."""
+
+    ALIGN = 64
+
+    def __init__(self):
+        self.free_blocks: list[tuple[int, int]] = []  # (offset, size), sorted by offset
+        self.high_water = 0
+
+    def alloc(self, size: int) -> int:
+        size = -(-max(size, 1) // self.ALIGN) * self.ALIGN
+        best = None
+        for k, (off, sz) in enumerate(self.free_blocks):
+            if sz >= size and (best is None or sz < self.free_blocks[best][1]):
+                best = k
+        if best is not None:
+            off, sz = self.free_blocks[best]
+            if sz == size:
+                del self.free_blocks[best]
+            else:
+                self.free_blocks[best] = (off + size, sz - size)
+            return off
+        if self.free_blocks and sum(self.free_blocks[-1]) == self.high_water:
+            off, _ = self.free_blocks.pop()  # extend the free block at the end
+        else:
+            off = self.high_water
+        self.high_water = off + size
+        return off
+
+    def free(self, offset: int, size: int) -> None:
+        size = -(-max(size, 1) // self.ALIGN) * self.ALIGN
+        blocks = self.free_blocks
+        lo, hi = 0, len(blocks)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if blocks[mid][0] < offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        blocks.insert(lo, (offset, size))
+        if lo + 1 < len(blocks) and offset + size == blocks[lo + 1][0]:  # merge with next
+            blocks[lo] = (offset, size + blocks[lo + 1][1])
+            del blocks[lo + 1]
+        if lo > 0 and sum(blocks[lo - 1]) == offset:  # merge with previous
+            blocks[lo - 1] = (blocks[lo - 1][0], blocks[lo - 1][1] + blocks[lo][1])
+            del blocks[lo]

@@ -1,0 +1,112 @@
+"""Training data: text or JSONL -> token ids -> windows of n_ctx+1 tokens (llama.cpp's
+common_opt_dataset_init: stride n_ctx/2, inputs = window[:-1], targets = window[1:])."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from llmtune.errors import LlmtuneError
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file, with one-line errors for the usual problems."""
+    path = Path(path)
+    if not path.exists():
+        raise LlmtuneError(f"{path}: no such file")
+    if path.is_dir():
+        raise LlmtuneError(f"{path}: is a directory, not a text file")
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise LlmtuneError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+
+
+def load_documents(path: str | Path) -> tuple[list[str], bool]:
+    """The documents of a data file and whether it was JSONL (one record per document)."""
+    path = Path(path)
+    text = read_text(path)
+    if path.suffix.lower() not in (".jsonl", ".ndjson"):
+        if not text.strip():
+            raise LlmtuneError(f"{path}: file is empty")
+        return [text], False
+    docs = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise LlmtuneError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or "text" not in record:
+            raise LlmtuneError(f"{path}:{lineno}: JSONL record has no \"text\" field")
+        if not isinstance(record["text"], str):
+            raise LlmtuneError(f"{path}:{lineno}: \"text\" must be a string")
+        docs.append(record["text"])
+    if not docs:
+        raise LlmtuneError(f"{path}: no records")
+    return docs, True
+
+
+def tokenize_documents(tokenizer, docs: list[str], jsonl: bool) -> np.ndarray:
+    """Plain text: tokenized whole, BOS first. JSONL: each record its own document with BOS/EOS
+    per the model's flags (EOS always closes a record so documents stay apart), concatenated."""
+    if not jsonl:
+        return np.asarray(tokenizer.encode(docs[0], add_special=True), dtype=np.int32)
+    parts = []
+    for doc in docs:
+        ids = tokenizer.encode(doc, add_special=True)
+        if tokenizer.eos_id is not None and tokenizer.eos_id >= 0 and (not ids or ids[-1] != tokenizer.eos_id):
+            ids = list(ids) + [tokenizer.eos_id]
+        parts.append(np.asarray(ids, dtype=np.int32))
+    return np.concatenate(parts)
+
+
+@dataclass
+class WindowDataset:
+    """Windows of n_ctx+1 tokens starting every `stride` tokens; the last `val_split` of them validate."""
+
+    tokens: np.ndarray
+    n_ctx: int
+    stride: int
+    n_train: int
+    n_val: int
+
+    @classmethod
+    def build(cls, tokens: np.ndarray, n_ctx: int, val_split: float, source: str = "data") -> "WindowDataset":
+        stride = max(n_ctx // 2, 1)
+        n_windows = (len(tokens) - (n_ctx + 1)) // stride + 1 if len(tokens) >= n_ctx + 1 else 0
+        if n_windows < 1:
+            raise LlmtuneError(
+                f"{source}: {len(tokens)} tokens is shorter than one training window of {n_ctx + 1} (lower --ctx)"
+            )
+        n_val = int(round(n_windows * val_split)) if val_split > 0 else 0
+        if val_split > 0 and n_val == 0 and n_windows >= 2:
+            n_val = 1
+        n_train = n_windows - n_val
+        if n_train < 1:
+            raise LlmtuneError(f"{source}: only {n_windows} window(s) of {n_ctx + 1} tokens: too few for a validation split")
+        return cls(np.asarray(tokens, dtype=np.int32), n_ctx, stride, n_train, n_val)
+
+    def window(self, i: int) -> np.ndarray:
+        start = i * self.stride
+        return self.tokens[start : start + self.n_ctx + 1]
+
+    def gather(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs [n, n_ctx], targets [n, n_ctx]) for window indices."""
+        w = np.stack([self.window(i) for i in indices])
+        return w[:, :-1], w[:, 1:]
+
+    def train_order(self, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+        order = np.arange(self.n_train)
+        if shuffle:
+            np.random.default_rng([seed, epoch]).shuffle(order)
+        return order
+
+    def val_indices(self) -> np.ndarray:
+        return np.arange(self.n_train, self.n_train + self.n_val)

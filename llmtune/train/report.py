@@ -1,0 +1,93 @@
+"""Rich rendering of finetune events: live progress per epoch, a summary table at the end."""
+
+from __future__ import annotations
+
+import math
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def _pm(value: float, err: float, fmt: str = ".4f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if err is None or math.isnan(err):
+        return format(value, fmt)
+    return f"{format(value, fmt)} ± {format(err, fmt)}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class FinetuneReporter:
+    """Callable passed to llmtune.finetune(callback=...)."""
+
+    def __init__(self, out, err):
+        self.out, self.err = out, err
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}  acc {task.fields[acc]:.3f}  lr {task.fields[lr]:.2e}  "
+                       "{task.fields[tps]:,.0f} tok/s"),
+            TimeRemainingColumn(), console=err,
+        )
+        self.tasks = {}
+        self.epochs = []
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+        if self.epochs:
+            self.out.print(self._summary())
+        return False
+
+    def __call__(self, event: str, info: dict) -> None:
+        getattr(self, "_on_" + event)(info)
+
+    def _on_start(self, info):
+        mem = info["memory"]
+        cfg = info["config"]
+        self.err.print(
+            f"[bold]finetune[/] on {info['backend']}: {info['n_tokens']:,} tokens -> {info['n_train']} train / "
+            f"{info['n_val']} validation windows of {cfg.ctx}; {info['steps_per_epoch']} steps/epoch "
+            f"(batch {cfg.batch}, ubatch {cfg.ubatch}); training {info['n_trainable']:,} of {info['n_params']:,} "
+            f"parameters ({len(info['trainable'])} tensors) with {cfg.optimizer}"
+        )
+        self.err.print(
+            "memory: " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items()) + f"; total {_mib(sum(mem.values()))}"
+        )
+
+    def _task(self, epoch: int, steps: int):
+        if epoch not in self.tasks:
+            self.tasks[epoch] = self.progress.add_task(f"epoch {epoch}", total=steps, loss=math.nan, acc=math.nan,
+                                                       lr=0.0, tps=0.0)
+        return self.tasks[epoch]
+
+    def _on_step(self, info):
+        task = self._task(info["epoch"], info["steps"])
+        self.progress.update(task, completed=info["step"], loss=info["running_loss"], acc=info["accuracy"],
+                             lr=info["lr"], tps=info["tokens_per_s"])
+
+    def _on_epoch(self, info):
+        self.epochs.append(info)
+        self.err.print(
+            f"epoch {info['epoch']}: train loss {_pm(info['train_loss'], info['train_loss_err'])}, "
+            f"acc {_pm(info['train_accuracy'], info['train_accuracy_err'])} | "
+            f"val loss {_pm(info['val_loss'], info['val_loss_err'])}, acc {_pm(info['val_accuracy'], info['val_accuracy_err'])}"
+        )
+
+    def _on_saved(self, info):
+        self.err.print(f"wrote {info['path']} ({_mib(info['bytes'])})")
+
+    def _summary(self) -> Table:
+        table = Table(title="finetune summary")
+        for col in ("epoch", "train loss", "train acc", "val loss", "val acc", "tok/s", "time"):
+            table.add_column(col, justify="right")
+        for e in self.epochs:
+            table.add_row(str(e["epoch"]), _pm(e["train_loss"], e["train_loss_err"]),
+                          _pm(e["train_accuracy"], e["train_accuracy_err"]), _pm(e["val_loss"], e["val_loss_err"]),
+                          _pm(e["val_accuracy"], e["val_accuracy_err"]), f"{e['tokens_per_s']:,.0f}", f"{e['seconds']:.1f}s")
+        return table
