@@ -34,6 +34,95 @@ def info(model: Path = ModelArg):
 
 # --- commands added by other modules register below this line (keep one block per command) ---
 
+# --- tokenize (llmtune/model/tokenizer.py) ---
+@app.command("tokenize")
+def tokenize_cmd(
+    model: Path = ModelArg,
+    file: str = typer.Argument("-", help="UTF-8 text file to tokenize; - reads standard input."),
+    ids: bool = typer.Option(False, "--ids", help="Print only the ids, as one JSON list on one line."),
+    no_bos: bool = typer.Option(False, "--no-bos", help="Do not add the BOS token the model asks for."),
+    no_parse_special: bool = typer.Option(False, "--no-parse-special", help="Treat special-token strings such as <s> as plain text."),
+):
+    """Tokenize text exactly as llama.cpp's llama-tokenize does (one `id -> 'piece'` per line).
+
+    Example: llmtune tokenize model.gguf notes.txt --ids
+    """
+    from llmtune.model.gguf_io import load_gguf
+    from llmtune.model.tokenizer import Tokenizer, format_ids, format_pieces, read_text
+
+    tok = Tokenizer.from_gguf(load_gguf(model))
+    text = read_text(file)
+    token_ids = tok.encode(text, add_special=tok.add_bos and not no_bos, parse_special=not no_parse_special)
+    if ids:
+        sys.stdout.write(format_ids(token_ids) + "\n")
+    else:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(format_pieces(tok, token_ids))
+    sys.stdout.flush()
+
+
+# --- finetune (llmtune/train/finetune.py) ---
+@app.command()
+def finetune(
+    model: Path = ModelArg,
+    data: Path = typer.Argument(..., help="Training text: a plain UTF-8 file (tokenized whole) or .jsonl with a \"text\" field per line.", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained GGUF (never the input).", show_default=False),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of these settings (flags override it)."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Tokens per training sequence (n_ctx). [default: 512]", show_default=False),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Tokens per optimizer step, a multiple of --ctx. [default: ctx]", show_default=False),
+    ubatch: Optional[int] = typer.Option(None, "--ubatch", help="Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades memory for speed, never the result. [default: batch]", show_default=False),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training windows. [default: 2]", show_default=False),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate. [default: 1e-5]", show_default=False),
+    lr_min: Optional[float] = typer.Option(None, "--lr-min", help="Decay the learning rate (halving steadily) down to this value. [default: off]", show_default=False),
+    decay_epochs: Optional[float] = typer.Option(None, "--decay-epochs", help="Epochs over which --lr decays to --lr-min. [default: all]", show_default=False),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Linear warmup over this many optimizer steps. [default: 0]", show_default=False),
+    wd: Optional[float] = typer.Option(None, "--wd", help="Decoupled weight decay. [default: 0]", show_default=False),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw or sgd. [default: adamw]", show_default=False),
+    val_split: Optional[float] = typer.Option(None, "--val-split", help="Fraction of windows (the last ones) held out for validation. [default: 0.05]", show_default=False),
+    params: Optional[str] = typer.Option(None, "--params", help="Regex over GGUF tensor names choosing what trains, e.g. 'attn_(q|v)'. [default: all]", show_default=False),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Shuffling seed; same seed, same output file. [default: 42]", show_default=False),
+    no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Keep the training windows in file order."),
+    metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON record per step and per validation pass here.", show_default=False),
+    backend: Optional[str] = typer.Option(None, "--backend", help="cpu, cuda or auto. [default: cpu]", show_default=False),
+):
+    """Train a GGUF model on your text and write a GGUF that llama.cpp loads unchanged.
+
+    Windows of --ctx+1 tokens are taken every --ctx/2 tokens; the last --val-split of them
+    validate. Loss is the mean next-token cross-entropy; each epoch reports train and validation
+    loss and accuracy with standard errors.
+
+    Example: llmtune finetune model.gguf notes.txt -o tuned.gguf --ctx 256 --epochs 2 --lr 1e-4
+    """
+    from llmtune.train.finetune import finetune as run_finetune
+    from llmtune.train.report import FinetuneReporter
+
+    settings = dict(ctx=ctx, batch=batch, ubatch=ubatch, epochs=epochs, lr=lr, lr_min=lr_min,
+                    decay_epochs=decay_epochs, warmup=warmup, wd=wd, optimizer=optimizer, val_split=val_split,
+                    params=params, seed=seed, shuffle=False if no_shuffle else None,
+                    metrics=str(metrics) if metrics else None, backend=backend)
+    with FinetuneReporter(out, err) as reporter:
+        run_finetune(model, data, output, config_file=config, callback=reporter, **settings)
+
+
+# --- init (llmtune/model/init.py) ---
+@app.command("init")
+def init_cmd(
+    config: Path = typer.Option(..., "--config", "-c", help="Model shape: a TOML [model] table, e.g. configs/llama-15m.toml.", show_default=False),
+    vocab_from: Path = typer.Option(..., "--vocab-from", help="GGUF whose tokenizer (all tokenizer.* keys) the new model uses.", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the new GGUF.", show_default=False),
+    seed: int = typer.Option(0, "--seed", help="Random seed; the same seed writes the same file."),
+):
+    """Write a new randomly initialised model (to train from scratch) with another model's tokenizer."""
+    from llmtune.model.gguf_io import load_gguf
+    from llmtune.model.init import init_model
+    from llmtune.model.summary import human_bytes, human_count
+
+    path = init_model(config, vocab_from, output, seed=seed)
+    gf = load_gguf(path)
+    out.print(f"wrote {path}: {gf.arch}, {human_count(gf.n_params())} parameters, "
+              f"{human_bytes(gf.file_size)}, seed {seed}", highlight=False)
+
+
 # --- export / save (llmtune/model/export.py) ---
 def _export_cmd(
     model: Path = ModelArg,
@@ -62,6 +151,49 @@ def _export_cmd(
 
 app.command("export")(_export_cmd)
 app.command("save", help="Alias of export.")(_export_cmd)
+
+
+# --- perplexity (llmtune/eval/perplexity.py) ---
+@app.command("perplexity")
+def perplexity_cmd(
+    model: Path = ModelArg,
+    text: Path = typer.Argument(..., help="UTF-8 text file (.gz allowed), e.g. wikitext-2-raw/wiki.test.raw.", show_default=False),
+    ctx: int = typer.Option(512, "--ctx", "-c", help="Tokens per chunk (llama-perplexity -c)."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass; a multiple of --ctx evaluates that many chunks at once. [default: 2048 on cpu]", show_default=False),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate only the first N chunks. [default: all]", show_default=False),
+    backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results (running values, ppl, error, tokens/s) as JSON here.", show_default=False),
+    kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report KL-divergence (base || model) and top-token agreement.", show_default=False),
+):
+    """Perplexity over a text file, number for number as llama.cpp's llama-perplexity computes it.
+
+    The text is cut into chunks of --ctx tokens; the second half of each chunk is scored.
+    Running values print as [i]ppl, then `Final estimate: PPL = X +/- Y`.
+
+    Example: llmtune perplexity model.gguf wiki.test.raw --ctx 512 --kl-base base.gguf
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from llmtune.eval.perplexity import format_report, perplexity, write_json
+    from llmtune.model.gguf_io import check_output_path
+
+    if json_out is not None:
+        check_output_path(json_out, model, text, *([kl_base] if kl_base else []))
+    columns = (TextColumn("[bold]perplexity"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+               TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+               TextColumn("{task.fields[ppl]}"))
+    with Progress(*columns, console=err, transient=True, redirect_stdout=False) as bar:
+        task = bar.add_task("", total=None, rate="", ppl="")
+
+        def on_progress(p) -> None:
+            bar.update(task, completed=p.tokens_done, total=p.n_tokens, ppl=f"ppl {p.ppl:.4f}",
+                       rate=f"{p.tokens_done / max(p.seconds, 1e-9):,.0f} tok/s")
+
+        result = perplexity(model, text, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
+                            kl_base=kl_base, progress=on_progress)
+    out.print(format_report(result), highlight=False, soft_wrap=True)
+    if json_out is not None:
+        write_json(result, json_out, model, text, *([kl_base] if kl_base else []))
 
 
 def main() -> None:
