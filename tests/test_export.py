@@ -288,3 +288,33 @@ def test_cli_save_alias_writes_and_summarises(monkeypatch, capsys, tmp_path):
     assert code == 0
     assert load_gguf(out).get("general.file_type") == int(FT.MOSTLY_Q6_K)
     assert "size before" in stdout and "F32 -> Q8_0" in stdout and "total" in stdout
+
+
+# --- perplexity of exported models (llama-perplexity's algorithm, llmtune.perplexity) --------------
+
+
+@pytest.fixture(scope="module")
+def wikitext(tmp_path_factory):
+    import gzip
+
+    path = tmp_path_factory.mktemp("text") / "wikitext-2-raw-test.txt"
+    path.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ppl_f32(wikitext):
+    import llmtune
+
+    return llmtune.perplexity(STORIES, wikitext, ctx=128, chunks=40).ppl
+
+
+@pytest.mark.parametrize("type_name, tolerance", [("f16", 1e-4), ("q8_0", 5e-3)])
+def test_exported_perplexity_close_to_f32(tmp_path, wikitext, ppl_f32, type_name, tolerance):
+    import llmtune
+
+    out = tmp_path / f"s-{type_name}.gguf"
+    export(STORIES, out, type_name)
+    ppl = llmtune.perplexity(out, wikitext, ctx=128, chunks=40).ppl
+    assert ppl != ppl_f32  # the weights did change
+    assert abs(ppl / ppl_f32 - 1) < tolerance
