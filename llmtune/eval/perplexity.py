@@ -155,8 +155,7 @@ class _KlSums:
         self.kl_sq += float(np.einsum("ij,ij->", kl, kl))
         self.same_top += int(np.count_nonzero(base_logp.argmax(axis=-1) == model_logp.argmax(axis=-1)))
         self.count += kl.size
-        target_logp = np.take_along_axis(base_logp, targets[..., None], axis=-1)[..., 0]
-        self.base.add(-target_logp.astype(np.float64))
+        self.base.add(token_nll(base_logits, targets))  # the model's own formula: equal models, equal ppl
 
     def fill(self, res: PerplexityResult) -> None:
         res.kl, res.kl_err = mean_and_uncertainty(self.kl_sum, self.kl_sq, self.count)
