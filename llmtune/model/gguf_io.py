@@ -1,13 +1,24 @@
-"""GGUF reading and writing through the `gguf` package.
+"""GGUF reading and writing.
 
-Shapes: GGUF stores `ne[0]` as the fastest axis; numpy shapes here are the reverse
-(a GGUF tensor with ne = [64, 512] is a numpy (512, 64) array). All tensors are exposed
-in this logical numpy shape.
+File layout (GGUF v2/v3, little-endian): a header (magic "GGUF", version, tensor count,
+metadata count), the metadata entries (key, value type, value), one descriptor per tensor
+(name, dims, type, offset), padding to `general.alignment` (default 32), then the tensor data,
+each tensor at an aligned offset from the start of the data section.
+
+We parse and write this layout ourselves and take only the type tables and quantization
+kernels from the `gguf` package: `gguf.GGUFReader` builds numpy views per string (about 2 s
+to open a 50k-token vocabulary) and reports damaged files with messages such as "index 0 is
+out of bounds", where a user needs "file ends inside the tensor data".
+
+Shapes: GGUF stores `ne[0]` as the fastest axis; numpy shapes here are the reverse (a GGUF
+tensor with ne = [64, 512] is a numpy (512, 64) array). All tensors are exposed in this
+logical numpy shape.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +30,41 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 
 from llmtune.errors import LlmtuneError
 
-# Keys the writer recreates itself; never copied from metadata.
-_WRITER_OWNED_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.alignment"}
+GGUF_MAGIC = b"GGUF"
+READ_VERSIONS = (2, 3)  # v1 used 32-bit counts and is long obsolete
+WRITE_VERSION = 3
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# Pseudo-keys some tools report (gguf.GGUFReader) that are not metadata entries; never written.
+_WRITER_OWNED_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
 
 FLOAT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16}
+
+_SCALAR_FORMATS = {
+    VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h",
+    VT.UINT32: "<I", VT.INT32: "<i", VT.FLOAT32: "<f", VT.BOOL: "<?",
+    VT.UINT64: "<Q", VT.INT64: "<q", VT.FLOAT64: "<d",
+}
+_SCALARS = {vt: struct.Struct(fmt) for vt, fmt in _SCALAR_FORMATS.items()}
+_ARRAY_DTYPES = {vt: np.dtype(fmt) for vt, fmt in _SCALAR_FORMATS.items()}
+_U32, _U64 = _SCALARS[VT.UINT32], _SCALARS[VT.UINT64]
+
+# Tensor types stored as plain numpy elements; every other type is exposed as uint8 block bytes
+# of shape (..., bytes per row), as `gguf.quants.quantize` returns them.
+_ELEMENT_DTYPES = {
+    QT.F32: np.dtype("<f4"), QT.F16: np.dtype("<f2"), QT.F64: np.dtype("<f8"),
+    QT.I8: np.dtype("i1"), QT.I16: np.dtype("<i2"), QT.I32: np.dtype("<i4"), QT.I64: np.dtype("<i8"),
+}
 
 
 @dataclass(frozen=True)
 class MetaValue:
-    """One metadata value with the GGUF types needed to write it back unchanged."""
+    """One metadata value with the GGUF types needed to write it back unchanged.
+
+    Arrays hold a python list; an array of arrays holds a list of MetaValue (each inner
+    array keeps its own element type).
+    """
 
     value: Any
     type: VT
@@ -39,7 +76,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # logical numpy shape (GGUF ne reversed)
     type: QT
-    raw: np.ndarray  # memory-mapped bytes/elements as stored
+    raw: np.ndarray  # memory-mapped elements (float/int types) or uint8 block bytes (others)
     n_bytes: int
 
     @property
@@ -47,70 +84,203 @@ class TensorInfo:
         return int(np.prod(self.shape))
 
 
-def _field_value(field: gguf.ReaderField) -> MetaValue:
-    main = field.types[0]
-    if main == VT.ARRAY:
-        sub = field.types[-1] if len(field.types) > 1 else None
-        if sub == VT.STRING:
-            val = [bytes(field.parts[i]).decode("utf-8", errors="surrogateescape") for i in field.data]
-        elif sub is None:
-            val = []
-        else:
-            val = np.concatenate([field.parts[i] for i in field.data]) if field.data else np.zeros(0)
-            val = val.tolist()
-        return MetaValue(val, main, sub)
-    if main == VT.STRING:
-        return MetaValue(bytes(field.parts[field.data[0]]).decode("utf-8", errors="surrogateescape"), main)
-    return MetaValue(field.parts[field.data[0]].tolist()[0], main)
+# --------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------
+
+
+class _Truncated(Exception):
+    """The parser needed bytes past the end of the file."""
+
+
+class _Corrupt(Exception):
+    """The bytes are there but make no sense."""
+
+
+class _Cursor:
+    """Sequential little-endian reads from a buffer; running past its end raises _Truncated."""
+
+    def __init__(self, buf: memoryview):
+        self.buf = buf
+        self.pos = 0
+        self.size = len(buf)
+
+    def take(self, n: int) -> int:
+        """Consume n bytes; returns where they start."""
+        start = self.pos
+        if start + n > self.size:
+            raise _Truncated
+        self.pos = start + n
+        return start
+
+    def scalar(self, fmt: struct.Struct):
+        return fmt.unpack_from(self.buf, self.take(fmt.size))[0]
+
+    def string(self) -> str:
+        n = self.scalar(_U64)
+        start = self.take(n)
+        return str(self.buf[start : start + n], "utf-8", "surrogateescape")
+
+
+def _value_type(raw: int) -> VT:
+    try:
+        return VT(raw)
+    except ValueError:
+        raise _Corrupt(f"unknown metadata value type {raw}") from None
+
+
+def _read_value(cur: _Cursor, vtype: VT) -> MetaValue:
+    if vtype == VT.STRING:
+        return MetaValue(cur.string(), vtype)
+    if vtype == VT.ARRAY:
+        sub = _value_type(cur.scalar(_U32))
+        count = cur.scalar(_U64)
+        return MetaValue(_read_array(cur, sub, count), vtype, sub)
+    return MetaValue(cur.scalar(_SCALARS[vtype]), vtype)
+
+
+def _read_array(cur: _Cursor, sub: VT, count: int) -> list:
+    if sub in _ARRAY_DTYPES:
+        dtype = _ARRAY_DTYPES[sub]
+        start = cur.take(count * dtype.itemsize)
+        return np.frombuffer(cur.buf, dtype, count, start).tolist()
+    min_item = 8 if sub == VT.STRING else 12  # string length / inner type + count
+    if count * min_item > cur.size - cur.pos:
+        raise _Truncated
+    if sub == VT.STRING:
+        return [cur.string() for _ in range(count)]
+    return [_read_value(cur, VT.ARRAY) for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class _Descriptor:
+    name: str
+    ne: tuple[int, ...]
+    type_id: int
+    offset: int
+
+
+def _read_header(cur: _Cursor, path: Path) -> tuple[int, int, int]:
+    cur.take(4)  # magic, checked before
+    version = cur.scalar(_U32)
+    if version not in READ_VERSIONS:
+        if version & 0xFFFF == 0 and (version >> 16) in READ_VERSIONS:
+            raise LlmtuneError(f"{path}: big-endian GGUF files are not supported")
+        raise LlmtuneError(f"{path}: unsupported GGUF version {version} (llmtune reads versions 2 and 3)")
+    return version, cur.scalar(_U64), cur.scalar(_U64)
+
+
+def _parse_layout(path: Path, buf: memoryview):
+    """Header, metadata and tensor descriptors; errors say where the file stops making sense."""
+    cur = _Cursor(buf)
+    where = "the header"
+    try:
+        version, n_tensors, n_kv = _read_header(cur, path)
+        meta: dict[str, MetaValue] = {}
+        for i in range(n_kv):
+            where = f"metadata entry {i + 1} of {n_kv}"
+            key = cur.string()
+            where += f" ({key!r})"
+            vtype = _value_type(cur.scalar(_U32))
+            if key in meta:
+                raise _Corrupt(f"duplicate metadata key {key!r}")
+            meta[key] = _read_value(cur, vtype)
+        descriptors = []
+        for i in range(n_tensors):
+            where = f"tensor descriptor {i + 1} of {n_tensors}"
+            name = cur.string()
+            n_dims = cur.scalar(_U32)
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise _Corrupt(f"tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+            ne = struct.unpack_from(f"<{n_dims}Q", buf, cur.take(8 * n_dims))
+            descriptors.append(_Descriptor(name, ne, cur.scalar(_U32), cur.scalar(_U64)))
+    except _Truncated:
+        raise LlmtuneError(f"{path}: truncated GGUF (the file ends inside {where})") from None
+    except _Corrupt as exc:
+        raise LlmtuneError(f"{path}: corrupt GGUF ({exc} in {where})") from None
+    return version, meta, descriptors, cur.pos
+
+
+def _alignment(path: Path, meta: dict[str, MetaValue]) -> int:
+    mv = meta.get("general.alignment")
+    if mv is None:
+        return DEFAULT_ALIGNMENT
+    if mv.type != VT.UINT32 or mv.value <= 0 or mv.value & (mv.value - 1):
+        raise LlmtuneError(f"{path}: corrupt GGUF (general.alignment must be a power of two, got {mv.value!r})")
+    return mv.value
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _tensor_type(path: Path, d: _Descriptor) -> QT:
+    try:
+        qtype = QT(d.type_id)
+    except ValueError:
+        raise LlmtuneError(f"{path}: tensor {d.name!r} has unsupported type id {d.type_id}") from None
+    if qtype not in gguf.GGML_QUANT_SIZES:
+        raise LlmtuneError(f"{path}: tensor {d.name!r} has unsupported type {qtype.name}")
+    return qtype
 
 
 class GGUFFile:
     """A GGUF file opened read-only and memory-mapped.
 
-    `metadata` maps every key to its python value; `meta_types` keeps the GGUF types so a
-    writer reproduces them. Tensors are not read until asked for.
+    `meta` maps every key to its MetaValue (value + GGUF types, enough to write it back
+    unchanged); `metadata` gives the plain values. Tensor data is not read until asked for.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.exists():
-            raise LlmtuneError(f"{self.path}: no such file")
-        if self.path.is_dir():
-            raise LlmtuneError(f"{self.path}: is a directory, not a GGUF file")
-        with open(self.path, "rb") as fh:
-            magic = fh.read(4)
-        if magic != b"GGUF":
-            raise LlmtuneError(f"{self.path}: not a GGUF file (bad magic {magic!r})")
+        self.file_size = _check_readable_gguf(self.path)
         try:
-            reader = gguf.GGUFReader(self.path, "r")
-        except Exception as exc:  # the gguf package raises a mix of ValueError/IndexError/etc.
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise LlmtuneError(f"{self.path}: corrupt or truncated GGUF ({reason})") from None
-        self._reader = reader
-        self.meta: dict[str, MetaValue] = {}
-        for key, field in reader.fields.items():
-            if key in _WRITER_OWNED_KEYS:
-                continue
-            try:
-                self.meta[key] = _field_value(field)
-            except Exception:
-                raise LlmtuneError(f"{self.path}: corrupt metadata value for key {key!r}") from None
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as exc:
+            raise LlmtuneError(f"{self.path}: cannot map file ({exc})") from None
+        self.version, self.meta, descriptors, end = _parse_layout(self.path, memoryview(self._mm))
+        self.alignment = _alignment(self.path, self.meta)
+        self.data_offset = _align(end, self.alignment)
         self.tensors: dict[str, TensorInfo] = {}
-        size = self.path.stat().st_size
-        for t in reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            if t.data_offset + t.n_bytes > size:
-                raise LlmtuneError(f"{self.path}: truncated GGUF (tensor {t.name} runs past the end of the file)")
-            self.tensors[t.name] = TensorInfo(t.name, shape, QT(t.tensor_type), t.data, int(t.n_bytes))
+        for d in descriptors:
+            if d.name in self.tensors:
+                raise LlmtuneError(f"{self.path}: corrupt GGUF (duplicate tensor {d.name!r})")
+            self.tensors[d.name] = self._tensor_info(d)
+
+    def _tensor_info(self, d: _Descriptor) -> TensorInfo:
+        qtype = _tensor_type(self.path, d)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if d.ne[0] % block:
+            raise LlmtuneError(
+                f"{self.path}: corrupt GGUF (tensor {d.name!r}: row of {d.ne[0]} is not a multiple of "
+                f"the {qtype.name} block size {block})"
+            )
+        if d.offset % self.alignment:
+            raise LlmtuneError(f"{self.path}: corrupt GGUF (tensor {d.name!r} data is not aligned)")
+        shape = tuple(int(n) for n in reversed(d.ne))
+        n_bytes = int(np.prod(shape, dtype=object)) // block * type_size
+        start = self.data_offset + d.offset
+        if start + n_bytes > self.file_size:
+            raise LlmtuneError(
+                f"{self.path}: truncated GGUF (the file ends inside the tensor data: {d.name!r} needs bytes "
+                f"up to {start + n_bytes:,}, the file has {self.file_size:,})"
+            )
+        raw = self._mm[start : start + n_bytes]
+        dtype = _ELEMENT_DTYPES.get(qtype)
+        if dtype is not None:
+            raw = raw.view(dtype).reshape(shape)
+        else:
+            raw = raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype))
+        return TensorInfo(d.name, shape, qtype, raw, n_bytes)
 
     # -- metadata ---------------------------------------------------------------------
     @property
     def metadata(self) -> dict[str, Any]:
-        return {k: v.value for k, v in self.meta.items()}
+        return {k: _plain(v) for k, v in self.meta.items()}
 
     def get(self, key: str, default: Any = None) -> Any:
         mv = self.meta.get(key)
-        return default if mv is None else mv.value
+        return default if mv is None else _plain(mv)
 
     @property
     def arch(self) -> str:
@@ -131,9 +301,34 @@ class GGUFFile:
         return sum(t.n_elements for t in self.tensors.values())
 
 
+def _plain(mv: MetaValue) -> Any:
+    if mv.type == VT.ARRAY and mv.sub_type == VT.ARRAY:
+        return [_plain(inner) for inner in mv.value]
+    return mv.value
+
+
+def _check_readable_gguf(path: Path) -> int:
+    """Cheap checks that give a clear message before any parsing; returns the file size."""
+    if not path.exists():
+        raise LlmtuneError(f"{path}: no such file")
+    if path.is_dir():
+        raise LlmtuneError(f"{path}: is a directory, not a GGUF file")
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+            size = os.fstat(fh.fileno()).st_size
+    except OSError as exc:
+        raise LlmtuneError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if size == 0:
+        raise LlmtuneError(f"{path}: empty file, not a GGUF model")
+    if magic != GGUF_MAGIC:
+        raise LlmtuneError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    return size
+
+
 def dequantize_tensor(info: TensorInfo, path: Path | str = "") -> np.ndarray:
-    if info.type == QT.F32:
-        return np.asarray(info.raw, dtype=np.float32).reshape(info.shape)
+    if info.type in _ELEMENT_DTYPES:
+        return np.asarray(info.raw).astype(np.float32, copy=False).reshape(info.shape)
     try:
         out = gguf.quants.dequantize(np.asarray(info.raw), info.type)
     except NotImplementedError:
@@ -145,6 +340,11 @@ def load_gguf(path: str | os.PathLike) -> GGUFFile:
     return GGUFFile(path)
 
 
+# --------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.exists() and b.exists() and os.path.samefile(a, b)
@@ -153,15 +353,22 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
-    """Refuse to write over an input file; returns the output path."""
+    """Refuse to write over an input file or into something that is not a folder; returns the path.
+
+    A missing output folder is fine (the writer creates it), so `-o out/model.gguf` works on
+    a fresh checkout.
+    """
     out = Path(out)
     for src in inputs:
         if _same_file(out, Path(src)) or out.resolve() == Path(src).resolve():
             raise LlmtuneError(f"{out}: refusing to overwrite the input file; choose another -o path")
     if out.is_dir():
         raise LlmtuneError(f"{out}: is a directory; give a file name with -o")
-    if not out.resolve().parent.exists():
-        raise LlmtuneError(f"{out}: directory {out.resolve().parent} does not exist")
+    ancestor = out.resolve().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise LlmtuneError(f"{out}: cannot create a file under {ancestor} (not a directory)")
     return out
 
 
@@ -177,47 +384,105 @@ def write_gguf(
     inputs: Iterable[str | os.PathLike] = (),
     progress=None,
 ) -> Path:
-    """Write a GGUF atomically (temp file in the same folder, then rename).
+    """Write a GGUF v3 atomically (temp file in the same folder, then rename).
 
+    Metadata is written in `meta`'s order with general.architecture set to `arch` (first when
+    `meta` lacks it); `general.alignment`, if given, sets the alignment, so an unchanged
+    read -> write of a file reproduces it byte for byte.
     `tensors` yields (name, array, type). A float array is converted to F32/F16/BF16 as asked;
     for a quantized type, pass the already-quantized uint8 block array (logical shape in bytes,
     as `gguf.quants.quantize` returns). `progress(name)` is called after each tensor.
+    Paths in `inputs` are never overwritten.
     """
     path = check_output_path(path, *inputs)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.resolve().parent))
-    os.close(fd)
+    arch_mv = MetaValue(arch, VT.STRING)
+    if "general.architecture" not in meta:
+        meta = {"general.architecture": arch_mv, **meta}
+    meta = {k: arch_mv if k == "general.architecture" else v for k, v in meta.items() if k not in _WRITER_OWNED_KEYS}
+    alignment = _alignment(path, meta)
+    encoded = [(name, _encode(data, qtype), qtype) for name, data, qtype in tensors]
     try:
-        writer = gguf.GGUFWriter(tmp, arch)
-        for key, mv in meta.items():
-            if key in _WRITER_OWNED_KEYS or key == "general.architecture":
-                continue
-            writer.add_key_value(key, mv.value, mv.type, mv.sub_type)
-        items = []
-        for name, data, qtype in tensors:
-            items.append((name, _encode(data, qtype), qtype))
-        for name, arr, qtype in items:
-            writer.add_tensor(name, arr, raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
+    except OSError as exc:
+        raise LlmtuneError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            _write_layout(fh, meta, encoded, alignment, progress)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise LlmtuneError(f"{path}: cannot write ({exc.strerror or exc})") from None
         raise
     return path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_layout(fh, meta: dict[str, MetaValue], encoded: list, alignment: int, progress) -> None:
+    head = [GGUF_MAGIC, _U32.pack(WRITE_VERSION), _U64.pack(len(encoded)), _U64.pack(len(meta))]
+    for key, mv in meta.items():
+        head += [_pack_string(key), _U32.pack(mv.type), _pack_value(mv)]
+    offset = 0
+    for name, arr, qtype in encoded:
+        ne = tuple(reversed(_logical_shape(arr, qtype)))
+        head += [_pack_string(name), _U32.pack(len(ne)), struct.pack(f"<{len(ne)}Q", *ne)]
+        head += [_U32.pack(qtype), _U64.pack(offset)]
+        offset = _align(offset + arr.nbytes, alignment)
+    header = b"".join(head)
+    fh.write(header)
+    if encoded:  # the data section starts aligned; a tokenizer-only file has none
+        fh.write(bytes(_align(len(header), alignment) - len(header)))
+    for name, arr, _ in encoded:
+        fh.write(memoryview(arr).cast("B"))
+        fh.write(bytes(_align(arr.nbytes, alignment) - arr.nbytes))
+        if progress is not None:
+            progress(name)
+
+
+def _pack_string(s: str | bytes) -> bytes:
+    raw = s.encode("utf-8", "surrogateescape") if isinstance(s, str) else bytes(s)
+    return _U64.pack(len(raw)) + raw
+
+
+def _pack_value(mv: MetaValue) -> bytes:
+    if mv.type == VT.STRING:
+        return _pack_string(mv.value)
+    if mv.type != VT.ARRAY:
+        return _SCALARS[mv.type].pack(mv.value)
+    items = list(mv.value)
+    head = _U32.pack(mv.sub_type) + _U64.pack(len(items))
+    if mv.sub_type in _ARRAY_DTYPES:
+        return head + np.asarray(items, dtype=_ARRAY_DTYPES[mv.sub_type]).tobytes()
+    if mv.sub_type == VT.STRING:
+        return head + b"".join(_pack_string(s) for s in items)
+    if mv.sub_type == VT.ARRAY:
+        return head + b"".join(_pack_value(inner) for inner in items)  # each: sub type, count, items
+    raise ValueError(f"cannot write metadata array of {mv.sub_type!r}")
+
+
+def _logical_shape(arr: np.ndarray, qtype: QT) -> tuple[int, ...]:
+    if qtype in _ELEMENT_DTYPES:
+        return arr.shape
+    return gguf.quants.quant_shape_from_byte_shape(arr.shape, qtype)
+
+
 def _encode(data: np.ndarray, qtype: QT) -> np.ndarray:
-    if qtype == QT.F32:
-        return np.ascontiguousarray(data, dtype=np.float32)
-    if qtype == QT.F16:
-        return np.ascontiguousarray(data, dtype=np.float16)
+    """The bytes to store for `data` as `qtype`, as a C-contiguous little-endian array (>= 1-D)."""
+    data = np.atleast_1d(data)
+    if qtype in _ELEMENT_DTYPES:
+        return np.ascontiguousarray(data, dtype=_ELEMENT_DTYPES[qtype])
+    if data.dtype == np.uint8:
+        return np.ascontiguousarray(data)
     if qtype == QT.BF16:
-        if data.dtype == np.uint8:
-            return data
         return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), QT.BF16)
-    if data.dtype != np.uint8:
-        raise ValueError(f"tensor for {qtype.name} must be pre-quantized uint8 blocks")
-    return data
+    raise ValueError(f"tensor for {qtype.name} must be pre-quantized uint8 blocks")

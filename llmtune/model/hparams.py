@@ -47,47 +47,79 @@ class HParams:
 
     @classmethod
     def from_metadata(cls, md: dict, tensor_names: set[str] | None = None, source: str = "") -> "HParams":
-        arch = md["general.architecture"]
+        """Hyper-parameters from `{arch}.*` keys, with llama.cpp's defaults for optional ones.
 
-        def req(key):
-            full = f"{arch}.{key}"
-            if full not in md:
-                raise LlmtuneError(f"{source}: missing metadata key {full}")
-            return md[full]
-
-        def opt(key, default):
-            return md.get(f"{arch}.{key}", default)
-
-        n_embd = int(req("embedding_length"))
-        n_head = int(req("attention.head_count"))
-        n_head_kv = opt("attention.head_count_kv", n_head)
-        if isinstance(n_head_kv, list):  # per-layer arrays exist for some families
-            n_head_kv = n_head_kv[0]
-        n_ff = req("feed_forward_length")
-        if isinstance(n_ff, list):
-            n_ff = n_ff[0]
+        `tensor_names` (when given) decides `tied_output`: no output.weight means the output
+        projection reuses token_embd.weight, as llama.cpp does.
+        """
+        arch = md.get("general.architecture")
+        if not isinstance(arch, str) or not arch:
+            raise LlmtuneError(f"{source}: missing general.architecture")
+        keys = _ArchKeys(md, arch, source)
+        n_embd = keys.int("embedding_length")
+        n_head = keys.int("attention.head_count")
         tokens = md.get("tokenizer.ggml.tokens")
-        n_vocab = int(opt("vocab_size", len(tokens) if tokens is not None else 0))
-        scale_type = opt("rope.scaling.type", "none")
-        freq_scale = 1.0
-        if scale_type == "linear":
-            freq_scale = 1.0 / float(opt("rope.scaling.factor", 1.0))
+        scale_type = keys.get("rope.scaling.type", "none")
+        scale_factor = keys.float("rope.scaling.factor", 1.0) if scale_type == "linear" else 1.0
+        if scale_factor <= 0:
+            raise LlmtuneError(f"{source}: {arch}.rope.scaling.factor must be positive, got {scale_factor}")
         hp = cls(
             arch=arch,
-            n_vocab=n_vocab,
-            n_ctx_train=int(opt("context_length", 2048)),
+            n_vocab=keys.int("vocab_size", len(tokens) if tokens is not None else 0),
+            n_ctx_train=keys.int("context_length", 2048),
             n_embd=n_embd,
-            n_layer=int(req("block_count")),
+            n_layer=keys.int("block_count"),
             n_head=n_head,
-            n_head_kv=int(n_head_kv),
-            n_ff=int(n_ff),
-            n_rot=int(opt("rope.dimension_count", n_embd // n_head)),
-            rope_freq_base=float(opt("rope.freq_base", 10000.0)),
-            rope_freq_scale=freq_scale,
+            n_head_kv=keys.int("attention.head_count_kv", n_head),
+            n_ff=keys.int("feed_forward_length"),
+            n_rot=keys.int("rope.dimension_count", n_embd // n_head if n_head > 0 else 0),
+            rope_freq_base=keys.float("rope.freq_base", 10000.0),
+            rope_freq_scale=1.0 / scale_factor,
             rope_mode="norm",
-            norm_eps=float(opt("attention.layer_norm_rms_epsilon", 1e-5)),
+            # RMSNorm families store layer_norm_rms_epsilon; LayerNorm ones layer_norm_epsilon
+            norm_eps=keys.float("attention.layer_norm_rms_epsilon", keys.float("attention.layer_norm_epsilon", 1e-5)),
             tied_output=tensor_names is not None and "output.weight" not in tensor_names,
         )
-        if hp.n_head % hp.n_head_kv or hp.n_embd % hp.n_head:
-            raise LlmtuneError(f"{source}: inconsistent heads (n_embd {n_embd}, n_head {n_head}, n_head_kv {n_head_kv})")
+        hp._check(source)
         return hp
+
+    def _check(self, source: str) -> None:
+        sizes = dict(n_embd=self.n_embd, n_layer=self.n_layer, n_head=self.n_head, n_head_kv=self.n_head_kv, n_ff=self.n_ff)
+        for name, value in sizes.items():
+            if value <= 0:
+                raise LlmtuneError(f"{source}: {name} must be positive, got {value}")
+        if self.n_head % self.n_head_kv or self.n_embd % self.n_head:
+            raise LlmtuneError(
+                f"{source}: inconsistent heads (n_embd {self.n_embd}, n_head {self.n_head}, n_head_kv {self.n_head_kv})"
+            )
+
+
+class _ArchKeys:
+    """Typed access to `{arch}.<key>` metadata; a bad or missing required value is a user error."""
+
+    _REQUIRED = object()
+
+    def __init__(self, md: dict, arch: str, source: str):
+        self.md, self.arch, self.source = md, arch, source
+
+    def get(self, key: str, default=_REQUIRED):
+        full = f"{self.arch}.{key}"
+        if full in self.md:
+            return self.md[full]
+        if default is self._REQUIRED:
+            raise LlmtuneError(f"{self.source}: missing metadata key {full}")
+        return default
+
+    def int(self, key: str, default=_REQUIRED) -> int:
+        return self._convert(key, default, int)
+
+    def float(self, key: str, default=_REQUIRED) -> float:
+        return self._convert(key, default, float)
+
+    def _convert(self, key, default, kind):
+        value = self.get(key, default)
+        if isinstance(value, list) and value:  # per-layer arrays exist for some families
+            value = value[0]
+        if isinstance(value, (bool, str)) or not isinstance(value, (int, float)):
+            raise LlmtuneError(f"{self.source}: metadata key {self.arch}.{key} is not a number ({value!r})")
+        return kind(value)

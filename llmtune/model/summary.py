@@ -1,0 +1,220 @@
+"""`llmtune info`: what a GGUF file holds, as a rich renderable.
+
+Works on any readable GGUF, including tokenizer-only files (no tensors) and architectures
+llmtune cannot run: it shows what exists and says what is missing instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import gguf
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from llmtune.errors import LlmtuneError
+from llmtune.model.gguf_io import GGUFFile, load_gguf
+from llmtune.model.hparams import SUPPORTED_ARCHS, HParams
+
+# tokenizer.ggml.model -> llama.cpp's vocabulary type
+TOKENIZER_KINDS = {
+    "llama": "SPM (SentencePiece)",
+    "gpt2": "BPE (byte-level)",
+    "bert": "WPM (WordPiece)",
+    "t5": "UGM (Unigram)",
+    "rwkv": "RWKV",
+    "no": "none",
+    "none": "none",
+}
+
+# role -> metadata key holding its token id
+SPECIAL_TOKEN_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+    "pad": "tokenizer.ggml.padding_token_id",
+    "sep": "tokenizer.ggml.seperator_token_id",  # sic: llama.cpp's spelling
+    "eot": "tokenizer.ggml.eot_token_id",
+    "eom": "tokenizer.ggml.eom_token_id",
+}
+
+NO_TOKEN = 0xFFFFFFFF  # -1 stored as uint32: "no such token"
+
+
+def render_info(path: str | os.PathLike) -> Group:
+    gf = load_gguf(path)
+    return Group(
+        _overview(gf),
+        _hparams_table(gf),
+        _tensor_type_table(gf),
+        _tokenizer_table(gf),
+    )
+
+
+# -- number formatting --------------------------------------------------------------------------
+
+
+def human_count(n: int) -> str:
+    """24413472 -> '24.4M' (decimal units, as parameter counts are quoted)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def human_bytes(n: int) -> str:
+    """1185376 -> '1.1 MiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _fmt_float(x: float) -> str:
+    return f"{x:.7g}"  # metadata floats are float32: 7 significant digits say it all
+
+
+# -- sections -----------------------------------------------------------------------------------
+
+
+def _section(title: str) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold", show_header=False, box=None, padding=(0, 2))
+    table.add_column(style="cyan", no_wrap=True)
+    table.add_column(overflow="fold")
+    table.add_column(style="dim", overflow="fold")
+    return table
+
+
+def _overview(gf: GGUFFile) -> Table:
+    table = _section(f"{gf.path.name}")
+    arch = gf.get("general.architecture")
+    if arch is None:
+        arch_note = "missing general.architecture"
+    elif arch in SUPPORTED_ARCHS:
+        arch_note = "supported"
+    else:
+        arch_note = f"llmtune cannot run it (supported: {', '.join(SUPPORTED_ARCHS)})"
+    table.add_row("file", Text(str(gf.path)), f"GGUF v{gf.version}")
+    table.add_row("size", human_bytes(gf.file_size), f"{gf.file_size:,} bytes")
+    table.add_row("architecture", Text(str(arch if arch is not None else "—")), arch_note)
+    if gf.get("general.name") is not None:
+        table.add_row("name", Text(str(gf.get("general.name"))), "")
+    table.add_row("file type", _file_type(gf), "general.file_type")
+    n_params = gf.n_params()
+    if gf.tensors:
+        table.add_row("parameters", human_count(n_params), f"{n_params:,} in {len(gf.tensors)} tensors")
+    else:
+        table.add_row("parameters", "none", "tokenizer-only file (no tensors)")
+    return table
+
+
+def _file_type(gf: GGUFFile) -> str:
+    ftype = gf.get("general.file_type")
+    if ftype is None:
+        return "—"
+    try:
+        return gguf.LlamaFileType(ftype).name
+    except ValueError:
+        return f"unknown ({ftype})"
+
+
+def _hparams_table(gf: GGUFFile) -> Table:
+    table = _section("Hyper-parameters")
+    md = gf.metadata
+    try:
+        hp = HParams.from_metadata(md, set(gf.tensors), source=str(gf.path))
+    except LlmtuneError as exc:
+        table.add_row("not available", Text(str(exc).split(": ", 1)[-1]), "")
+        return table
+
+    def source(*keys: str) -> str:
+        found = [f"{hp.arch}.{k}" for k in keys if f"{hp.arch}.{k}" in md]
+        return found[0] if found else "default"
+
+    vocab_source = source("vocab_size")
+    if vocab_source == "default":
+        vocab_source = "tokenizer.ggml.tokens" if "tokenizer.ggml.tokens" in md else "unknown"
+    rows = [
+        ("n_vocab", hp.n_vocab, vocab_source),
+        ("n_ctx_train", hp.n_ctx_train, source("context_length")),
+        ("n_embd", hp.n_embd, source("embedding_length")),
+        ("n_layer", hp.n_layer, source("block_count")),
+        ("n_head", hp.n_head, source("attention.head_count")),
+        ("n_head_kv", hp.n_head_kv, source("attention.head_count_kv")),
+        ("head_dim", hp.head_dim, "n_embd / n_head"),
+        ("n_ff", hp.n_ff, source("feed_forward_length")),
+        ("n_rot", hp.n_rot, source("rope.dimension_count")),
+        ("rope base", _fmt_float(hp.rope_freq_base), source("rope.freq_base")),
+        ("rope scale", _fmt_float(hp.rope_freq_scale), source("rope.scaling.factor")),
+        ("norm eps", _fmt_float(hp.norm_eps), source("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon")),
+        ("tied output", *_tied_output(gf)),
+    ]
+    for name, value, src in rows:
+        table.add_row(name, str(value), src)
+    return table
+
+
+def _tied_output(gf: GGUFFile) -> tuple[str, str]:
+    if not gf.tensors:
+        return "—", "no tensors"
+    if "output.weight" in gf.tensors:
+        return "no", "output.weight present"
+    return "yes", "output reuses token_embd.weight"
+
+
+def _tensor_type_table(gf: GGUFFile) -> Table:
+    table = Table(title="Tensor types", title_justify="left", title_style="bold", box=None, padding=(0, 2))
+    for name, justify in (("type", "left"), ("tensors", "right"), ("elements", "right"), ("bytes", "right")):
+        table.add_column(name, justify=justify, style="cyan" if name == "type" else None)
+    if not gf.tensors:
+        table.add_row("none", "0", "0", "0 B")
+        return table
+    counts, elements, sizes = Counter(), Counter(), Counter()
+    for t in gf.tensors.values():
+        counts[t.type.name] += 1
+        elements[t.type.name] += t.n_elements
+        sizes[t.type.name] += t.n_bytes
+    for name in sorted(counts, key=lambda n: -sizes[n]):
+        table.add_row(name, str(counts[name]), f"{elements[name]:,}", human_bytes(sizes[name]))
+    if len(counts) > 1:
+        total = sum(sizes.values())
+        table.add_row("total", str(len(gf.tensors)), f"{sum(elements.values()):,}", human_bytes(total), style="bold")
+    return table
+
+
+def _tokenizer_table(gf: GGUFFile) -> Table:
+    table = _section("Tokenizer")
+    model = gf.get("tokenizer.ggml.model")
+    tokens = gf.get("tokenizer.ggml.tokens")
+    if model is None and tokens is None:
+        table.add_row("none", "no tokenizer.* metadata", "")
+        return table
+    kind = TOKENIZER_KINDS.get(model, "unknown") if model is not None else "—"
+    table.add_row("kind", kind, f"tokenizer.ggml.model = {model!r}")
+    pre = gf.get("tokenizer.ggml.pre")
+    if pre is not None:
+        table.add_row("pre-tokenizer", Text(str(pre)), "tokenizer.ggml.pre")
+    table.add_row("vocab size", f"{len(tokens):,}" if tokens is not None else "—", "tokenizer.ggml.tokens")
+    if gf.get("tokenizer.ggml.merges") is not None:
+        table.add_row("merges", f"{len(gf.get('tokenizer.ggml.merges')):,}", "tokenizer.ggml.merges")
+    for role, key in SPECIAL_TOKEN_KEYS.items():
+        token_id = gf.get(key)
+        if token_id is not None:
+            table.add_row(f"{role} token", _token_text(token_id, tokens), key)
+    for flag in ("add_bos_token", "add_eos_token"):
+        value = gf.get(f"tokenizer.ggml.{flag}")
+        if value is not None:
+            table.add_row(flag.replace("_token", ""), "yes" if value else "no", f"tokenizer.ggml.{flag}")
+    return table
+
+
+def _token_text(token_id: int, tokens: list[str] | None) -> Text:
+    if token_id in (NO_TOKEN, -1):
+        return Text("none")
+    if tokens is None or not 0 <= token_id < len(tokens):
+        return Text(f"{token_id} (out of range)", style="red")
+    return Text(f"{token_id} {tokens[token_id]!r}")
