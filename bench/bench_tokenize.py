@@ -3,8 +3,9 @@
     python bench/bench_tokenize.py [--repeat N]
 
 Reports the vocabulary build time, the first (cold: empty memo) and a warm encode of the whole
-text, and the reference whole-text SPM algorithm without chunking, each with tokens/s. Exits
-non-zero if the ids differ from llama-tokenize's (tests/data/...stories260K.ids.npz).
+text, and the reference whole-text SPM algorithm without chunking, each with tokens/s; then the
+time to build each test vocabulary (up to 65k tokens + merges) from already-loaded metadata.
+Exits non-zero if the ids differ from llama-tokenize's (tests/data/...stories260K.ids.npz).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def main() -> int:
     print(f"encode, warm memo      {t_warm:8.3f} s   {n / t_warm:>12,.0f} tok/s   (best of {args.repeat})")
     print(f"whole-text reference   {t_whole:8.3f} s   {n / t_whole:>12,.0f} tok/s   (no chunking)")
     print(f"ids identical to llama.cpp: chunked {exact}, whole-text {exact_whole}")
+    for path in sorted((DATA / "vocab").glob("ggml-vocab-*.gguf")):
+        md = load_gguf(path).metadata
+        vocab, t = timed(lambda: Tokenizer.from_metadata(md, source=path.name))
+        print(f"build {path.name:32s} {vocab.kind} {vocab.n_vocab:6d} tokens  {t * 1e3:7.1f} ms")
     return 0 if exact and exact_whole else 1
 
 

@@ -24,7 +24,7 @@ import heapq
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Sequence
 
 import regex
 
@@ -215,54 +215,80 @@ def _ecmascript_anchors(pattern: str) -> str:
     return "".join(out)
 
 
-Splitter = Callable[[str], list[str]]
+class _PatternSplit:
+    """One pattern applied to one piece: its matches and the gaps between them, in order.
+
+    `table` (if any) maps the piece to the view the pattern runs on (llama.cpp's collapsed or
+    wide text); views have one character per character of the piece, so spans carry over.
+    """
+
+    def __init__(self, compiled, table: dict | None = None):
+        self._finditer = compiled.finditer
+        self._table = table
+        engine = re if isinstance(compiled, re.Pattern) else regex
+        wrapped = engine.compile(f"({compiled.pattern})", compiled.flags)
+        # split() with one capturing group returns gap, match, gap, ... without a Python loop
+        self._split = wrapped.split if wrapped.groups == 1 else None
+
+    def __call__(self, piece: str) -> list[str]:
+        if self._split is not None and (self._table is None or piece.isascii()):
+            return [part for part in self._split(piece) if part]
+        view = piece if self._table is None else piece.translate(self._table)
+        out = []
+        start = 0
+        for m in self._finditer(view):
+            a, b = m.span()
+            if a > start:
+                out.append(piece[start:a])
+            if b > a:
+                out.append(piece[a:b])
+            start = b
+        if start < len(piece):
+            out.append(piece[start:])
+        return out
 
 
-def _pieces(finditer, view: str, piece: str) -> list[str]:
-    """Matches and the gaps between them, as slices of `piece` (`view` has the same length)."""
-    out = []
-    start = 0
-    for m in finditer(view):
-        a, b = m.span()
-        if a > start:
-            out.append(piece[start:a])
-        if b > a:
-            out.append(piece[a:b])
-        start = b
-    if start < len(piece):
-        out.append(piece[start:])
-    return out
-
-
-def _make_splitter(pattern: str) -> Splitter:
+def _make_splitter(pattern: str) -> _PatternSplit:
     if pattern == GPT2_PATTERN:  # llama.cpp's hand-written matcher also takes a trailing \s+
-        finditer = regex.compile(pattern + r"|\s+").finditer
-        return lambda piece: _pieces(finditer, piece, piece)
+        return _PatternSplit(regex.compile(pattern + r"|\s+"))
     if pattern in (LLAMA3_PATTERN, LLAMA3_PATTERN_CASEI):
-        finditer = regex.compile(LLAMA3_PATTERN).finditer
-        return lambda piece: _pieces(finditer, piece, piece)
+        return _PatternSplit(regex.compile(LLAMA3_PATTERN))
     uses_categories = any(f"\\p{{{name}}}" in pattern for name in _CLASS_NAMES)
     if uses_categories:
         if any(ord(c) >= 128 for c in pattern):
             raise ValueError("pattern mixes unicode categories and non-ASCII characters")
-        finditer = re.compile(_ecmascript_anchors(_collapse_pattern(pattern)), re.ASCII).finditer
-        table = _COLLAPSE
-    else:
-        finditer = re.compile(_ecmascript_anchors(pattern), re.ASCII).finditer
-        table = _WIDE
-    return lambda piece: _pieces(finditer, piece.translate(table), piece)
+        return _PatternSplit(re.compile(_ecmascript_anchors(_collapse_pattern(pattern)), re.ASCII), _COLLAPSE)
+    return _PatternSplit(re.compile(_ecmascript_anchors(pattern), re.ASCII), _WIDE)
+
+
+_SPLIT_MEMO_LIMIT = 1 << 18
+_SPLIT_MEMO_MAX_PIECE = 32
 
 
 class RegexSplitter:
-    """llama.cpp's `unicode_regex_split`: each pattern re-splits every piece of the previous one."""
+    """llama.cpp's `unicode_regex_split`: each pattern re-splits every piece of the previous one.
+
+    A piece's split depends only on the piece, so short pieces (words, mostly) are memoized.
+    """
 
     def __init__(self, patterns: Sequence[str]):
         self._splitters = [_make_splitter(p) for p in patterns]
+        self._memos: list[dict[str, list[str]]] = [{} for _ in patterns]
 
     def __call__(self, text: str) -> list[str]:
         pieces = [text] if text else []
-        for split in self._splitters:
-            pieces = [part for piece in pieces for part in split(piece)]
+        for split, memo in zip(self._splitters, self._memos):
+            out: list[str] = []
+            for piece in pieces:
+                parts = memo.get(piece)
+                if parts is None:
+                    parts = split(piece)
+                    if len(piece) <= _SPLIT_MEMO_MAX_PIECE:
+                        if len(memo) >= _SPLIT_MEMO_LIMIT:
+                            memo.clear()
+                        memo[piece] = parts
+                out.extend(parts)
+            pieces = out
         return pieces
 
 
