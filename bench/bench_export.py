@@ -83,18 +83,24 @@ def _ppl_rows(src: Path, types: list[str], tmp: Path, text: Path, label: str) ->
     from llmtune.model.export import export
 
     base = llmtune.perplexity(src, text, ctx=128, chunks=40)
-    print(f"| {label} | f32 | {base.ppl:.4f} ± {base.ppl_err:.4f} | | 32 | |")
+    print(f"| {label} | f32 | {base.ppl:.4f} ± {base.ppl_err:.4f} | | 32 | 32 | |")
     for type_name in types:
         out = tmp / f"{src.stem}-{type_name}.gguf"
         summary = export(src, out, type_name)
         r = llmtune.perplexity(out, text, ctx=128, chunks=40)
         mix = ", ".join(f"{k} {v}" for k, v in summary.type_counts().most_common())
         print(f"| {label} | {type_name} | {r.ppl:.4f} ± {r.ppl_err:.4f} | {100 * (r.ppl / base.ppl - 1):+.4f}% | "
-              f"{summary.quantized_bpw:.2f} | {mix} |")
+              f"{summary.quantized_bpw:.2f} | {_layer_bpw(summary):.2f} | {mix} |")
 
 
-_PPL_HEADER = ("| model | type | PPL (ctx 128, 40 chunks) | vs f32 | quantized bits/weight | tensor types |\n"
-               "| --- | --- | ---: | ---: | ---: | --- |")
+def _layer_bpw(summary) -> float:
+    """Bits per weight of the quantized tensors inside the transformer blocks (no embedding/output)."""
+    layers = [t for t in summary.tensors if t.quantizable and t.name.startswith("blk.")]
+    return 8 * sum(t.dst_bytes for t in layers) / sum(t.n_elements for t in layers)
+
+
+_PPL_HEADER = ("| model | type | PPL (ctx 128, 40 chunks) | vs f32 | quantized bits/weight | in blk.* | tensor types |\n"
+               "| --- | --- | ---: | ---: | ---: | ---: | --- |")
 
 
 def bench_ppl260k(tmp: Path) -> None:
