@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 from rich.console import Console
 
 from llmtune.errors import LlmtuneError
-from llmtune.model.gguf_io import MetaValue, load_gguf, write_gguf
+from llmtune.model.gguf_io import MetaValue, check_output_path, load_gguf, write_gguf
 from llmtune.model.hparams import HParams
 from llmtune.model.init import init_model, load_init_config
 from llmtune.model.summary import human_bytes, human_count, render_info
@@ -352,6 +352,9 @@ def test_output_folder_is_created_and_a_file_in_the_way_is_reported(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(LlmtuneError, match="not a directory"):
         write_gguf(tmp_path / "afile" / "v.gguf", gf.arch, gf.meta, [])
+    # checking a path prepares its folder, for writers that open the file themselves
+    metrics = check_output_path(tmp_path / "runs" / "m.jsonl", SPM_VOCAB)
+    metrics.write_text("{}\n")
 
 
 # -- info ---------------------------------------------------------------------------------------

@@ -355,8 +355,8 @@ def _same_file(a: Path, b: Path) -> bool:
 def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
     """Refuse to write over an input file or into something that is not a folder; returns the path.
 
-    A missing output folder is fine (the writer creates it), so `-o out/model.gguf` works on
-    a fresh checkout.
+    A missing output folder is created here, so `-o out/model.gguf` works on a fresh checkout
+    and every writer that checks its path first (GGUF, JSON, metrics) can simply open it.
     """
     out = Path(out)
     for src in inputs:
@@ -369,6 +369,10 @@ def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Pat
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise LlmtuneError(f"{out}: cannot create a file under {ancestor} (not a directory)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LlmtuneError(f"{out}: cannot create its folder ({exc.strerror or exc})") from None
     return out
 
 
@@ -402,7 +406,6 @@ def write_gguf(
     alignment = _alignment(path, meta)
     encoded = [(name, _encode(data, qtype), qtype) for name, data, qtype in tensors]
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
     except OSError as exc:
         raise LlmtuneError(f"{path}: cannot write ({exc.strerror or exc})") from None
