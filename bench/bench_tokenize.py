@@ -4,7 +4,8 @@
 
 Reports the vocabulary build time, the first (cold: empty memo) and a warm encode of the whole
 text, and the reference whole-text SPM algorithm without chunking, each with tokens/s; then the
-time to build each test vocabulary (up to 65k tokens + merges) from already-loaded metadata.
+time to build each test vocabulary (up to 65k tokens + merges) from already-loaded metadata and
+to encode the same text with it.
 Exits non-zero if the ids differ from llama-tokenize's (tests/data/...stories260K.ids.npz).
 """
 
@@ -53,10 +54,14 @@ def main() -> int:
     print(f"encode, warm memo      {t_warm:8.3f} s   {n / t_warm:>12,.0f} tok/s   (best of {args.repeat})")
     print(f"whole-text reference   {t_whole:8.3f} s   {n / t_whole:>12,.0f} tok/s   (no chunking)")
     print(f"ids identical to llama.cpp: chunked {exact}, whole-text {exact_whole}")
+    print("other vocabularies: build from loaded metadata; encode the same text (cold memo)")
     for path in sorted((DATA / "vocab").glob("ggml-vocab-*.gguf")):
         md = load_gguf(path).metadata
         vocab, t = timed(lambda: Tokenizer.from_metadata(md, source=path.name))
-        print(f"build {path.name:32s} {vocab.kind} {vocab.n_vocab:6d} tokens  {t * 1e3:7.1f} ms")
+        ids, t_enc = timed(lambda: vocab.encode(text))
+        name = path.name[len("ggml-vocab-") : -len(".gguf")]
+        print(f"  {name:15s} {vocab.kind} {vocab.n_vocab:6d} tokens  build {t * 1e3:6.1f} ms"
+              f"  encode {t_enc:6.3f} s ({len(ids):,} tokens)")
     return 0 if exact and exact_whole else 1
 
 
