@@ -222,3 +222,17 @@ def _stories_with_other_vocab(path: Path) -> Path:
     meta["tokenizer.ggml.tokens"] = MetaValue(tokens, old.type, old.sub_type)
     tensors = [(name, gf.tensor(name), info.type) for name, info in gf.tensors.items()]
     return write_gguf(path, gf.arch, meta, tensors)
+
+
+@pytest.mark.parametrize("offset", [0.0, 120.0, -120.0])
+def test_token_nll_exact_for_extreme_logits(offset):
+    """Rows far from 0 take the shifted exp path; both paths agree with float64."""
+    from llmtune.eval.perplexity import token_nll
+
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((3, 5, 1000)) * 4 + offset).astype(np.float32)
+    targets = rng.integers(0, 1000, (3, 5))
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    want = np.log(np.exp(x - m).sum(axis=-1)) + m[..., 0] - np.take_along_axis(x, targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(token_nll(logits.copy(), targets), want, rtol=1e-6, atol=1e-6)
