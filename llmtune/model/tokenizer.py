@@ -53,6 +53,11 @@ _EOG_TEXTS = (
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<｜end▁of▁sentence｜>", "[e~[",
 )  # fmt: skip
+# End-of-turn tokens found by text when tokenizer.ggml.eot_token_id is absent (first match is used).
+_EOT_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+)  # fmt: skip
 # Fill-in-the-middle tokens found by text when their id key is absent (first match is used).
 _FIM_TEXTS = {
     "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
@@ -99,7 +104,6 @@ class Tokenizer:
         pre: str,
         tokens: list[str],
         token_to_id: dict[str, int],
-        scores: list[float],
         attrs: np.ndarray,
         special: dict[str, int | None],
         flags: _Flags,
@@ -111,7 +115,6 @@ class Tokenizer:
         self.source = source
         self._tokens = tokens
         self._token_to_id = token_to_id
-        self._scores = scores
         self._attrs = attrs
         self._special = special
         self._flags = flags
@@ -222,6 +225,8 @@ class Tokenizer:
     # -- decoding -----------------------------------------------------------------------------
     def token_to_bytes(self, token_id: int, special: bool = True) -> bytes:
         """The bytes llama.cpp's `llama_token_to_piece` gives (control tokens: empty unless special)."""
+        if not 0 <= token_id < len(self._tokens):
+            self._check_ids([token_id])
         attr = int(self._attrs[token_id])
         if not special and attr & (ATTR_UNKNOWN | ATTR_CONTROL):
             return b""
@@ -405,17 +410,31 @@ def _build(md: dict[str, Any], source: str) -> Tokenizer:
     if len(token_to_id) != len(tokens):
         raise LlmtuneError(f"{source}: duplicate token {_first_duplicate(tokens)!r} in the vocabulary")
     n = len(tokens)
-    scores = _read_array(md, _KEY + "scores", n, np.float32, source, default=0.0).tolist()
     types = _read_array(md, _KEY + "token_type", n, np.int64, source, default=1)
-    attrs = np.where((types >= 0) & (types < len(_TYPE_TO_ATTR)), _TYPE_TO_ATTR[np.clip(types, 0, 6)], 0)
-    attrs = attrs.astype(np.int32)
-
+    known = (types >= 0) & (types < len(_TYPE_TO_ATTR))
+    attrs = np.where(known, _TYPE_TO_ATTR[np.where(known, types, 0)], ATTR_UNDEFINED).astype(np.int32)
     special = _special_ids(md, kind, n)
     _fix_attributes(attrs, token_to_id, special, md, tokens)
+    flags = _read_flags(md, kind, pre, special, source)
 
-    defaults_bos = True if kind == "spm" else pre.add_bos
+    if kind == "spm":
+        scores = _read_array(md, _KEY + "scores", n, np.float32, source, default=0.0).tolist()
+        encoder: SpmEncoder | BpeEncoder = SpmEncoder(token_to_id, scores, _byte_lookup(token_to_id, source), tokens)
+    else:
+        merges = md.get(_KEY + "merges")
+        if merges is None:
+            raise LlmtuneError(f"{source}: BPE tokenizer without {_KEY}merges")
+        encoder = BpeEncoder(token_to_id, list(merges), pre)
+    return Tokenizer(
+        kind=kind, pre=pre_name, tokens=tokens, token_to_id=token_to_id, attrs=attrs,
+        special=special, flags=flags, encoder=encoder, source=source,
+    )  # fmt: skip
+
+
+def _read_flags(md: dict[str, Any], kind: str, pre: PreTokenizer, special: dict, source: str) -> _Flags:
+    """add_bos/add_eos/add_space_prefix from metadata, else llama.cpp's per-model defaults."""
     flags = _Flags(
-        add_bos=bool(md.get(_KEY + "add_bos_token", defaults_bos)),
+        add_bos=bool(md.get(_KEY + "add_bos_token", True if kind == "spm" else pre.add_bos)),
         add_eos=bool(md.get(_KEY + "add_eos_token", False)),
         add_space_prefix=bool(md.get(_KEY + "add_space_prefix", kind == "spm")),
         clean_spaces=False if kind == "spm" else pre.clean_spaces,
@@ -423,20 +442,7 @@ def _build(md: dict[str, Any], source: str) -> Tokenizer:
     for flag, which in ((flags.add_bos, "bos"), (flags.add_eos, "eos")):
         if flag and special[which] is None:
             raise LlmtuneError(f"{source}: add_{which}_token is true but {which}_token_id is not set")
-
-    if kind == "spm":
-        encoder: SpmEncoder | BpeEncoder = SpmEncoder(
-            token_to_id, scores, _byte_lookup(token_to_id, source), tokens
-        )
-    else:
-        merges = md.get(_KEY + "merges")
-        if merges is None:
-            raise LlmtuneError(f"{source}: BPE tokenizer without {_KEY}merges")
-        encoder = BpeEncoder(token_to_id, list(merges), pre)
-    return Tokenizer(
-        kind=kind, pre=pre_name, tokens=tokens, token_to_id=token_to_id, scores=scores, attrs=attrs,
-        special=special, flags=flags, encoder=encoder, source=source,
-    )  # fmt: skip
+    return flags
 
 
 def _pre_tokenizer(kind: str, name: str, source: str) -> PreTokenizer:
@@ -452,7 +458,7 @@ def _pre_tokenizer(kind: str, name: str, source: str) -> PreTokenizer:
 
 def _read_tokens(md: dict[str, Any], source: str) -> list[str]:
     tokens = md.get(_KEY + "tokens")
-    if not isinstance(tokens, list) or not tokens:
+    if not isinstance(tokens, (list, tuple)) or not tokens:
         raise LlmtuneError(f"{source}: missing or empty {_KEY}tokens")
     tokens = list(tokens)
     if "" in tokens:  # llama.cpp renames empty pieces so they stay unique and visible
@@ -504,7 +510,7 @@ def _fix_attributes(attrs: np.ndarray, token_to_id: dict[str, int], special: dic
         attrs[token_id] |= ATTR_CONTROL
 
     if special["eot"] is None:
-        special["eot"] = _first_present(token_to_id, _EOG_EOT_TEXTS)
+        special["eot"] = _first_present(token_to_id, _EOT_TEXTS)
     if special["eom"] is None:
         special["eom"] = token_to_id.get("<|eom_id|>")
     for name, texts in _FIM_TEXTS.items():
@@ -528,12 +534,6 @@ def _fix_attributes(attrs: np.ndarray, token_to_id: dict[str, int], special: dic
         attrs[token_to_id["</s>"]] = ATTR_NORMAL
     _model_specific_strips(attrs, token_to_id, md)
 
-
-# EOT candidates, in llama.cpp's list order.
-_EOG_EOT_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
-)  # fmt: skip
 
 
 def _first_present(token_to_id: dict[str, int], texts: Sequence[str]) -> int | None:

@@ -10,7 +10,7 @@ Speed: merges only ever join two adjacent symbols into a vocabulary piece, so a 
 between characters `a` and `b` is never crossed when no piece contains the pair `ab`. The text
 is cut before every "▁" whose left neighbour cannot precede "▁" inside any piece (verified
 from the vocabulary at build time); the chunks are then independent and their ids are
-memoized, which turns 1.3 MB of text into a few tens of thousands of distinct words.
+memoized (WikiText-2's 1.3 MB test text: 244k chunks, 21k distinct).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def _build_chunker(tokens: Sequence[str]) -> Callable[[str], list[str]]:
     blocked: set[str] = set()
     inner_space = re.compile(f"([^{SPACE_ESCAPE}]){SPACE_ESCAPE}")
     for tok in tokens:
-        if SPACE_ESCAPE in tok[1:]:
+        if tok.find(SPACE_ESCAPE, 1) > 0:
             blocked.update(inner_space.findall(tok))
     blocked_class = "".join(re.escape(c) for c in sorted(blocked))
     return re.compile(f"(?<=[^{SPACE_ESCAPE}{blocked_class}])(?={SPACE_ESCAPE})").split
