@@ -43,7 +43,7 @@ def tokenize_cmd(
     no_bos: bool = typer.Option(False, "--no-bos", help="Do not add the BOS token the model asks for."),
     no_parse_special: bool = typer.Option(False, "--no-parse-special", help="Treat special-token strings such as <s> as plain text."),
 ):
-    """Tokenize text exactly as llama.cpp's llama-tokenize does (one `id -> 'piece'` per line).
+    """Tokenize text exactly as llama.cpp's `llama-tokenize --no-escape` does: one `id -> 'piece'` per line.
 
     Example: llmtune tokenize model.gguf notes.txt --ids
     """
