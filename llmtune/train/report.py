@@ -29,7 +29,7 @@ class FinetuneReporter:
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]:.4f}  acc {task.fields[acc]:.3f}  lr {task.fields[lr]:.2e}  "
                        "{task.fields[tps]:,.0f} tok/s"),
-            TimeRemainingColumn(), console=err,
+            TimeRemainingColumn(), console=err, disable=not err.is_terminal,
         )
         self.tasks = {}
         self.epochs = []

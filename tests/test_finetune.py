@@ -1,0 +1,201 @@
+"""finetune: llama.cpp's semantics (windows, first-step loss, ubatch invariance), determinism,
+partial training, configs, bad input."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import llmtune
+from llmtune.backends.cpu import CPUBackend
+from llmtune.errors import LlmtuneError
+from llmtune.model.gguf_io import load_gguf
+from llmtune.model.loaded import load_model
+from llmtune.train.data import WindowDataset
+from llmtune.train.optim import LRSchedule
+from llmtune.train.trainer import RunningStats, Trainer
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory, wiki100k_path):
+    """About 12 KB of WikiText: enough windows at ctx 64 for a quick run."""
+    path = tmp_path_factory.mktemp("ft") / "small.txt"
+    text = wiki100k_path.read_text(encoding="utf-8")
+    path.write_text(text[:12000], encoding="utf-8")
+    return path
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "llmtune", *map(str, args)], capture_output=True, text=True)
+
+
+def test_first_step_reports_reference_loss(stories_path, wiki100k_path, tmp_path):
+    """First window of the WikiText ids is ids[0:257]: the first step's loss is 5.326544."""
+    res = llmtune.finetune(stories_path, wiki100k_path, tmp_path / "o.gguf", ctx=256, epochs=1, shuffle=False,
+                           lr=1e-5, val_split=0.9)
+    assert abs(res.first_loss - 5.326544) < 1e-4
+
+
+def test_windows_follow_llama_cpp_layout():
+    tokens = np.arange(1000, dtype=np.int32)
+    ds = WindowDataset.build(tokens, 64, 0.1)
+    assert ds.stride == 32
+    assert ds.n_train + ds.n_val == (1000 - 65) // 32 + 1
+    x, y = ds.gather([0, 3])
+    np.testing.assert_array_equal(x[1], tokens[96:160])
+    np.testing.assert_array_equal(y[1], tokens[97:161])
+    assert ds.val_indices()[0] == ds.n_train
+    assert list(ds.train_order(0, 1, False)) == list(range(ds.n_train))
+    assert sorted(ds.train_order(0, 1, True)) == list(range(ds.n_train))
+    assert list(ds.train_order(0, 1, True)) != list(ds.train_order(1, 1, True))
+
+
+def test_ubatch_does_not_change_the_result(stories_path, wikitext_ids):
+    """Weights after 3 steps with ubatch = ctx and ubatch = batch agree within 1e-5 relative."""
+    model = load_model(stories_path)
+    ctx, batch = 64, 256
+    results = []
+    for ubatch in (ctx, batch):
+        tr = Trainer(model, CPUBackend(), n_ctx=ctx, n_batch=batch, n_ubatch=ubatch, trainable=list(model.weights))
+        stats = RunningStats()
+        for step in range(3):
+            starts = [(step * 4 + i) * 32 for i in range(4)]
+            x = np.stack([wikitext_ids[s : s + ctx] for s in starts])
+            y = np.stack([wikitext_ids[s + 1 : s + ctx + 1] for s in starts])
+            tr.train_step(x, y, 1e-3, stats)
+        results.append(tr.flat_w.copy())
+    base = load_model(stories_path)
+    moved = np.concatenate([(results[0] - np.concatenate([w.ravel() for w in base.weights.values()]))])
+    assert np.abs(moved).max() > 1e-4  # training did change the weights
+    rel = np.abs(results[0] - results[1]).max() / np.abs(results[1]).max()
+    assert rel < 1e-5, rel
+
+
+def test_training_and_validation_loss_fall_and_output_is_deterministic(stories_path, small_text, tmp_path):
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"ft{i}.gguf"
+        res = llmtune.finetune(stories_path, small_text, out, ctx=64, epochs=2, lr=1e-4, seed=7, val_split=0.1,
+                               metrics=str(tmp_path / f"m{i}.jsonl"))
+        outs.append(out.read_bytes())
+    e1, e2 = res.epochs
+    assert e2.train_loss < e1.train_loss < res.first_loss
+    assert e2.val_loss < e1.val_loss
+    assert 0 < e1.train_accuracy < 1 and e1.val_loss_err > 0
+    assert outs[0] == outs[1]  # same seed -> byte-identical file
+    records = [json.loads(line) for line in (tmp_path / "m0.jsonl").read_text().splitlines()]
+    kinds = {r["type"] for r in records}
+    assert kinds == {"train_step", "validation", "epoch"}
+    assert sum(r["type"] == "train_step" for r in records) == 2 * (res.n_train_windows)
+
+
+def test_output_keeps_metadata_and_loads_back(stories_path, small_text, tmp_path):
+    out = tmp_path / "ft.gguf"
+    llmtune.finetune(stories_path, small_text, out, ctx=64, epochs=1, lr=1e-3)
+    src, dst = load_gguf(stories_path), load_gguf(out)
+    assert src.meta == dst.meta
+    assert list(src.tensors) == list(dst.tensors)
+    assert all(src.tensors[n].type == dst.tensors[n].type for n in src.tensors)
+    changed = [n for n in src.tensors if not np.array_equal(src.tensor(n), dst.tensor(n))]
+    assert len(changed) == len(src.tensors)
+    load_model(out)
+
+
+def test_params_regex_freezes_the_rest(stories_path, small_text, tmp_path):
+    out = tmp_path / "ft.gguf"
+    llmtune.finetune(stories_path, small_text, out, ctx=64, epochs=1, lr=1e-3, params=r"attn_(q|v)\.weight$",
+                     optimizer="sgd")
+    src, dst = load_gguf(stories_path), load_gguf(out)
+    for name in src.tensors:
+        same = np.array_equal(src.tensor(name), dst.tensor(name))
+        trained = name.endswith(("attn_q.weight", "attn_v.weight"))
+        assert same != trained, name
+
+
+def test_frozen_tensors_carry_no_gradient_memory(stories_path):
+    model = load_model(stories_path)
+    names = model.select("output")
+    tr = Trainer(model, CPUBackend(), n_ctx=32, n_batch=32, n_ubatch=32, trainable=names)
+    assert tr.n_trainable == sum(model.weights[n].size for n in names)
+    assert tr.memory_bytes()["gradients"] == tr.n_trainable * 4
+
+
+def test_config_file_and_flag_precedence(stories_path, small_text, tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[finetune]\nctx = 64\nepochs = 1\nlr = 0.002\nno-shuffle = true\nval-split = 0.2\n')
+    res = llmtune.finetune(stories_path, small_text, tmp_path / "a.gguf", config_file=cfg, lr=0.001)
+    assert res.config.ctx == 64 and res.config.lr == 0.001 and res.config.shuffle is False
+    assert res.config.val_split == 0.2
+    bad = tmp_path / "bad.toml"
+    bad.write_text("learning_rate = 1\n")
+    with pytest.raises(LlmtuneError, match="unknown setting"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "b.gguf", config_file=bad)
+
+
+def test_lr_schedule_matches_llama_cpp():
+    s = LRSchedule(1e-3, 1e-5, 0, 4)  # decay over all 4 epochs: halves log2(100)/4 times per epoch
+    assert s.lr(0, 10) == pytest.approx(1e-3)
+    assert s.lr(2, 10) == pytest.approx(1e-4)
+    assert s.lr(4, 10) == pytest.approx(1e-5)
+    assert LRSchedule(1e-3).lr(3.5, 99) == 1e-3
+    warm = LRSchedule(1e-3, warmup=4)
+    assert [warm.lr(0, i) for i in range(5)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+
+
+def test_jsonl_documents(stories_path, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"Once upon a time there was a cat number {i}."}) for i in range(60)))
+    res = llmtune.finetune(stories_path, data, tmp_path / "j.gguf", ctx=32, epochs=1, lr=1e-3)
+    assert res.n_tokens > 60 * 10
+
+
+def test_memory_refusal(stories_path, small_text, tmp_path, monkeypatch):
+    import llmtune.train.finetune as ft
+
+    monkeypatch.setattr(ft, "available_memory", lambda backend: 1000)
+    with pytest.raises(LlmtuneError, match="MiB is available"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "m.gguf", ctx=64, epochs=1)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (b"", "empty"),
+        (b"tiny text", "shorter than one training window"),
+        (b"caf\xe9 au lait\n" * 50, "not valid UTF-8"),
+    ],
+)
+def test_bad_text_data(stories_path, tmp_path, content, needle):
+    data = tmp_path / "bad.txt"
+    data.write_bytes(content)
+    r = run_cli("finetune", stories_path, data, "-o", tmp_path / "o.gguf", "--ctx", "64")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert needle in r.stderr and "bad.txt" in r.stderr
+
+
+def test_bad_jsonl_names_the_line(stories_path, tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    r = run_cli("finetune", stories_path, data, "-o", tmp_path / "o.gguf", "--ctx", "8")
+    assert r.returncode == 2 and "bad.jsonl:2" in r.stderr and "text" in r.stderr
+
+
+def test_refuses_to_overwrite_input(stories_path, small_text, tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(stories_path.read_bytes())
+    before = model.read_bytes()
+    r = run_cli("finetune", model, small_text, "-o", model, "--ctx", "64")
+    assert r.returncode == 2 and "overwrite" in r.stderr
+    assert model.read_bytes() == before
+
+
+def test_bad_flags(stories_path, small_text, tmp_path):
+    r = run_cli("finetune", stories_path, small_text, "-o", tmp_path / "o.gguf", "--ctx", "64", "--batch", "100")
+    assert r.returncode == 2 and "--batch" in r.stderr
+    r = run_cli("finetune", stories_path, small_text, "-o", tmp_path / "o.gguf", "--optimizer", "lion", "--ctx", "64")
+    assert r.returncode == 2 and "--optimizer" in r.stderr
+    r = run_cli("finetune", stories_path, small_text, "-o", tmp_path / "o.gguf", "--params", "nomatch", "--ctx", "64")
+    assert r.returncode == 2 and "matches no tensor" in r.stderr
