@@ -83,14 +83,14 @@ def _ppl_rows(src: Path, types: list[str], tmp: Path, text: Path, label: str) ->
     from llmtune.model.export import export
 
     base = llmtune.perplexity(src, text, ctx=128, chunks=40)
-    print(f"| {label} | f32 | {base.ppl:.4f} ± {base.ppl_err:.4f} | | 32 | 32 | |")
+    print(f"| {label} | f32 | {base.ppl:.4f} ± {base.ppl_err:.4f} | | | | 32 | 32 | |")
     for type_name in types:
         out = tmp / f"{src.stem}-{type_name}.gguf"
         summary = export(src, out, type_name)
-        r = llmtune.perplexity(out, text, ctx=128, chunks=40)
+        r = llmtune.perplexity(out, text, ctx=128, chunks=40, kl_base=src)
         mix = ", ".join(f"{k} {v}" for k, v in summary.type_counts().most_common())
         print(f"| {label} | {type_name} | {r.ppl:.4f} ± {r.ppl_err:.4f} | {100 * (r.ppl / base.ppl - 1):+.4f}% | "
-              f"{summary.quantized_bpw:.2f} | {_layer_bpw(summary):.2f} | {mix} |")
+              f"{r.kl:.6f} | {100 * r.same_top:.2f}% | {summary.quantized_bpw:.2f} | {_layer_bpw(summary):.2f} | {mix} |")
 
 
 def _layer_bpw(summary) -> float:
@@ -99,8 +99,8 @@ def _layer_bpw(summary) -> float:
     return 8 * sum(t.dst_bytes for t in layers) / sum(t.n_elements for t in layers)
 
 
-_PPL_HEADER = ("| model | type | PPL (ctx 128, 40 chunks) | vs f32 | quantized bits/weight | in blk.* | tensor types |\n"
-               "| --- | --- | ---: | ---: | ---: | ---: | --- |")
+_PPL_HEADER = ("| model | type | PPL (ctx 128, 40 chunks) | vs f32 | KL(f32 ‖ type) | same top token | "
+               "quantized bits/weight | in blk.* | tensor types |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 
 
 def bench_ppl260k(tmp: Path) -> None:

@@ -7,8 +7,10 @@ given. Blocks are laid out byte for byte as ggml's block_q4_K / block_q5_K / blo
 `gguf.quants.dequantize` and llama.cpp read them back.
 
 Every sub-block search runs for all blocks at once: the per-row loops of the C code become loops
-over the (few) candidate scales, each step a whole-array numpy expression. Arithmetic is kept in
-float32 as in C; results agree with the reference up to float summation order.
+over the (few) candidate scales, each step a whole-array numpy expression. Arithmetic stays in
+float32 and sums run in the C loops' order, so the bytes equal those of an element-by-element
+float32 port of the reference (tests/kquant_ref.py). A llama.cpp build that fuses a*b+c into FMA
+can break an occasional near-tie between two candidate scales the other way.
 """
 
 from __future__ import annotations
