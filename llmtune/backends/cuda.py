@@ -1,0 +1,807 @@
+"""CUDA backend: cupy arrays, cuBLAS for matmuls, RawKernels for everything else.
+
+Importing this module never imports cupy: `available()` and `CUDABackend()` do, lazily, so a
+CPU-only install (no cupy, no driver) can import every llmtune module.
+
+The backend talks to the device through a small runtime object (`_CupyRuntime`): an array
+module `xp` (cupy), `launch` for the RawKernels in KERNEL_SOURCE, `gemm` for
+cublas<t>gemmStridedBatched, and host/device copies. Kernel semantics follow backends/cpu.py
+op for op. KERNEL_SOURCE is compiled once per float type, with `typedef <float|double> real;`
+in front, so float64 (gradient checks) costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmtune.backends.base import Backend
+from llmtune.errors import LlmtuneError
+
+KERNEL_SOURCE = r"""
+// Everything below is compiled with `typedef float real;` or `typedef double real;` in front.
+#define FULL_MASK 0xffffffffu
+#define POS_INF ((real)__int_as_float(0x7f800000))
+#define NEG_INF ((real)__int_as_float(0xff800000))
+#define QUIET_NAN ((real)__int_as_float(0x7fc00000))
+// Grid-stride loop: any grid size covers any n.
+#define GRID_STRIDE(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)blockDim.x * gridDim.x)
+
+__device__ __forceinline__ real warp_reduce(real v, bool is_max) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const real other = __shfl_xor_sync(FULL_MASK, v, offset);
+        v = is_max ? fmax(v, other) : v + other;
+    }
+    return v;
+}
+
+// Sum or max over the whole block (blockDim.x a multiple of 32); every thread gets the result.
+// `scratch` is 32 values of shared memory; the leading barrier lets consecutive calls reuse it.
+__device__ real block_reduce(real v, real* scratch, bool is_max) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_reduce(v, is_max);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < n_warps ? scratch[lane] : (is_max ? NEG_INF : (real)0);
+        v = warp_reduce(v, is_max);
+        if (lane == 0) scratch[0] = v;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
+__device__ __forceinline__ real sigmoid(real x) { return (real)1 / ((real)1 + exp(-x)); }
+
+// ------------------------------------------------------------------ embeddings
+extern "C" __global__ void get_rows(const real* __restrict__ w, const int* __restrict__ ids, real* __restrict__ out,
+                                    long long n_ids, int n_cols, int n_rows) {
+    GRID_STRIDE(i, n_ids * n_cols) {
+        const long long r = i / n_cols;
+        const int c = (int)(i - r * n_cols);
+        const int id = ids[r];
+        out[i] = (id >= 0 && id < n_rows) ? w[(long long)id * n_cols + c] : QUIET_NAN;  // NaN flags a bad id
+    }
+}
+
+// out (zeroed by the caller)[ids[r]] += g[r]: the gradient of get_rows; repeated ids meet in atomicAdd.
+extern "C" __global__ void add_rows(const real* __restrict__ g, const int* __restrict__ ids, real* __restrict__ out,
+                                    long long n_ids, int n_cols, int n_rows) {
+    GRID_STRIDE(i, n_ids * n_cols) {
+        const long long r = i / n_cols;
+        const int c = (int)(i - r * n_cols);
+        const int id = ids[r];
+        if (id >= 0 && id < n_rows) atomicAdd(out + (long long)id * n_cols + c, g[i]);
+    }
+}
+
+// ------------------------------------------------------------------ rms norm (one block per row)
+extern "C" __global__ void rms_norm(const real* __restrict__ x, real* __restrict__ out, int n, real eps) {
+    __shared__ real scratch[32];
+    const real* xr = x + (long long)blockIdx.x * n;
+    real* yr = out + (long long)blockIdx.x * n;
+    real ss = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    const real s = sqrt(block_reduce(ss, scratch, false) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / s;
+}
+
+// y = x r, r = 1/sqrt(mean(x^2) + eps)  =>  dx = r (g - x r^2 mean(g x))
+extern "C" __global__ void rms_norm_back(const real* __restrict__ x, const real* __restrict__ g, real* __restrict__ out,
+                                         int n, real eps) {
+    __shared__ real scratch[32];
+    const long long base = (long long)blockIdx.x * n;
+    real sxx = 0, sgx = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        sxx += x[base + i] * x[base + i];
+        sgx += g[base + i] * x[base + i];
+    }
+    sxx = block_reduce(sxx, scratch, false);
+    sgx = block_reduce(sgx, scratch, false);
+    const real r = (real)1 / sqrt(sxx / n + eps);
+    const real coef = sgx * (r * r / n);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[base + i] = (g[base + i] - x[base + i] * coef) * r;
+}
+
+// ------------------------------------------------------------------ rope
+// cos/sin of theta = freq_scale * pos[t] * base^(-2j/n_rot), in double like the CPU tables.
+extern "C" __global__ void rope_table(const int* __restrict__ pos, real* __restrict__ cos_t, real* __restrict__ sin_t,
+                                      int n_tok, int half, int n_rot, double base, double freq_scale, int inverse) {
+    GRID_STRIDE(i, (long long)n_tok * half) {
+        const int t = (int)(i / half), j = (int)(i - (long long)t * half);
+        const double theta = freq_scale * (double)pos[t] * pow(base, -(2.0 * j) / n_rot);
+        const double s = sin(theta);
+        cos_t[i] = (real)cos(theta);
+        sin_t[i] = (real)(inverse ? -s : s);
+    }
+}
+
+// x[n_seq, n_tok, n_head, head_dim] with any element strides -> contiguous out. NORM mode rotates
+// pairs (2k, 2k+1), NEOX mode (k, k + n_rot/2); dims from n_rot on pass through.
+extern "C" __global__ void rope(const real* __restrict__ x, const real* __restrict__ cos_t,
+                                const real* __restrict__ sin_t, real* __restrict__ out,
+                                int n_seq, int n_tok, int n_head, int head_dim,
+                                long long s_seq, long long s_tok, long long s_head, long long s_dim,
+                                int n_rot, int neox) {
+    const int half = n_rot / 2;
+    GRID_STRIDE(i, (long long)n_seq * n_tok * n_head * head_dim) {
+        const int j = (int)(i % head_dim);
+        long long rest = i / head_dim;
+        const int h = (int)(rest % n_head);
+        rest /= n_head;
+        const int t = (int)(rest % n_tok);
+        const long long b = rest / n_tok;
+        const real* xr = x + b * s_seq + t * s_tok + h * s_head;
+        if (j >= n_rot) {
+            out[i] = xr[j * s_dim];
+            continue;
+        }
+        bool second;
+        int k, i0, i1;
+        if (neox) {
+            second = j >= half;
+            k = second ? j - half : j;
+            i0 = k;
+            i1 = k + half;
+        } else {
+            second = (j & 1) != 0;
+            k = j >> 1;
+            i0 = 2 * k;
+            i1 = 2 * k + 1;
+        }
+        const real c = cos_t[(long long)t * half + k], s = sin_t[(long long)t * half + k];
+        const real x0 = xr[i0 * s_dim], x1 = xr[i1 * s_dim];
+        out[i] = second ? x0 * s + x1 * c : x0 * c - x1 * s;
+    }
+}
+
+// ------------------------------------------------------------------ attention softmax (one block per row)
+// Row r is query position n_past + r % n_q and sees keys 0..that position. x and out may alias:
+// each element is read and then written by the same thread, after both reductions.
+extern "C" __global__ void softmax_causal(const real* x, real* out, int n_kv, int n_q, int n_past, real scale) {
+    __shared__ real scratch[32];
+    const long long row = blockIdx.x;
+    const real* xr = x + row * n_kv;
+    real* yr = out + row * n_kv;
+    const int n_visible = min(n_kv, n_past + (int)(row % n_q) + 1);
+    real mx = NEG_INF;
+    for (int c = threadIdx.x; c < n_visible; c += blockDim.x) mx = fmax(mx, xr[c] * scale);
+    mx = block_reduce(mx, scratch, true);
+    real sum = 0;
+    for (int c = threadIdx.x; c < n_visible; c += blockDim.x) sum += exp(xr[c] * scale - mx);
+    sum = block_reduce(sum, scratch, false);
+    for (int c = threadIdx.x; c < n_kv; c += blockDim.x) yr[c] = c < n_visible ? exp(xr[c] * scale - mx) / sum : (real)0;
+}
+
+// dx = scale * y * (g - sum(g y))
+extern "C" __global__ void softmax_back(const real* __restrict__ y, const real* __restrict__ g, real* __restrict__ out,
+                                        int n, real scale) {
+    __shared__ real scratch[32];
+    const long long base = (long long)blockIdx.x * n;
+    real dot = 0;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) dot += g[base + c] * y[base + c];
+    dot = block_reduce(dot, scratch, false);
+    for (int c = threadIdx.x; c < n; c += blockDim.x) out[base + c] = (g[base + c] - dot) * y[base + c] * scale;
+}
+
+// ------------------------------------------------------------------ activations (contiguous, same shape)
+extern "C" __global__ void silu_fwd(const real* __restrict__ x, real* __restrict__ out, long long n) {
+    GRID_STRIDE(i, n) { out[i] = sigmoid(x[i]) * x[i]; }
+}
+
+// d silu = s (1 + x (1 - s))
+extern "C" __global__ void silu_back(const real* __restrict__ x, const real* __restrict__ g, real* __restrict__ out,
+                                     long long n) {
+    GRID_STRIDE(i, n) {
+        const real s = sigmoid(x[i]);
+        out[i] = ((real)1 + x[i] * ((real)1 - s)) * s * g[i];
+    }
+}
+
+extern "C" __global__ void swiglu_fwd(const real* __restrict__ gate, const real* __restrict__ up,
+                                      real* __restrict__ out, long long n) {
+    GRID_STRIDE(i, n) { out[i] = sigmoid(gate[i]) * gate[i] * up[i]; }
+}
+
+// wrt 0: d/d gate = silu'(gate) up g;  wrt 1: d/d up = silu(gate) g
+extern "C" __global__ void swiglu_back(const real* __restrict__ gate, const real* __restrict__ up,
+                                       const real* __restrict__ g, real* __restrict__ out, long long n, int wrt) {
+    GRID_STRIDE(i, n) {
+        const real a = gate[i], s = sigmoid(a);
+        out[i] = wrt == 1 ? s * a * g[i] : ((real)1 + a * ((real)1 - s)) * s * up[i] * g[i];
+    }
+}
+
+// ------------------------------------------------------------------ loss (one block per row of logits)
+extern "C" __global__ void cross_entropy_rows(const real* __restrict__ logits, const int* __restrict__ targets,
+                                              real* __restrict__ loss, int n_vocab) {
+    __shared__ real scratch[32];
+    const long long row = blockIdx.x;
+    const real* lr = logits + row * n_vocab;
+    real mx = NEG_INF;
+    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x) mx = fmax(mx, lr[c]);
+    mx = block_reduce(mx, scratch, true);
+    real sum = 0;
+    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x) sum += exp(lr[c] - mx);
+    sum = block_reduce(sum, scratch, false);
+    if (threadIdx.x == 0) {
+        const int t = targets[row];
+        loss[row] = (t >= 0 && t < n_vocab) ? (log(sum) + mx) - lr[t] : QUIET_NAN;
+    }
+}
+
+// d mean_rows(lse - logit[target]) = (softmax - onehot(target)) * g / n_rows
+extern "C" __global__ void cross_entropy_back(const real* __restrict__ logits, const int* __restrict__ targets,
+                                              const real* __restrict__ g, real* __restrict__ out,
+                                              int n_vocab, int n_rows) {
+    __shared__ real scratch[32];
+    const long long row = blockIdx.x;
+    const real* lr = logits + row * n_vocab;
+    real* orow = out + row * n_vocab;
+    real mx = NEG_INF;
+    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x) mx = fmax(mx, lr[c]);
+    mx = block_reduce(mx, scratch, true);
+    real sum = 0;
+    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x) sum += exp(lr[c] - mx);
+    sum = block_reduce(sum, scratch, false);
+    const real gs = g[0] / (real)n_rows;
+    const int t = targets[row];
+    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x)
+        orow[c] = (exp(lr[c] - mx) / sum - (c == t ? (real)1 : (real)0)) * gs;
+}
+
+// numpy.argmax order: NaN above everything, ties to the lower index.
+__device__ __forceinline__ bool argmax_better(real v, int i, real best_v, int best_i) {
+    if (isnan(v)) return !isnan(best_v) || i < best_i;
+    if (isnan(best_v)) return false;
+    return v > best_v || (v == best_v && i < best_i);
+}
+
+// hit[row] = 1 when argmax(logits[row]) == targets[row], else 0.
+extern "C" __global__ void count_correct_rows(const real* __restrict__ logits, const int* __restrict__ targets,
+                                              real* __restrict__ hit, int n_vocab) {
+    __shared__ real best_vs[32];
+    __shared__ int best_is[32];
+    const long long row = blockIdx.x;
+    const real* lr = logits + row * n_vocab;
+    real best_v = NEG_INF;
+    int best_i = 0x7fffffff;
+    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x)
+        if (argmax_better(lr[c], c, best_v, best_i)) { best_v = lr[c]; best_i = c; }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const real v = __shfl_xor_sync(FULL_MASK, best_v, offset);
+        const int i = __shfl_xor_sync(FULL_MASK, best_i, offset);
+        if (argmax_better(v, i, best_v, best_i)) { best_v = v; best_i = i; }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { best_vs[warp] = best_v; best_is[warp] = best_i; }
+    __syncthreads();
+    if (warp == 0) {
+        best_v = lane < (int)(blockDim.x >> 5) ? best_vs[lane] : NEG_INF;
+        best_i = lane < (int)(blockDim.x >> 5) ? best_is[lane] : 0x7fffffff;
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const real v = __shfl_xor_sync(FULL_MASK, best_v, offset);
+            const int i = __shfl_xor_sync(FULL_MASK, best_i, offset);
+            if (argmax_better(v, i, best_v, best_i)) { best_v = v; best_i = i; }
+        }
+        if (lane == 0) hit[row] = best_i == targets[row] ? (real)1 : (real)0;
+    }
+}
+
+// ------------------------------------------------------------------ optimizers (one flat buffer)
+// ggml_opt_step_adamw: beta1h = 1/(1 - beta1^t), beta2h = 1/(1 - beta2^t), decoupled weight decay.
+extern "C" __global__ void adamw_step(real* __restrict__ w, const real* __restrict__ g, real* __restrict__ m,
+                                      real* __restrict__ v, long long n, real alpha, real beta1, real beta2,
+                                      real eps, real wd, real beta1h, real beta2h) {
+    GRID_STRIDE(i, n) {
+        const real gi = g[i];
+        const real mi = m[i] * beta1 + gi * ((real)1 - beta1);
+        const real vi = v[i] * beta2 + gi * gi * ((real)1 - beta2);
+        m[i] = mi;
+        v[i] = vi;
+        const real vh = sqrt(vi * beta2h) + eps;
+        w[i] = w[i] * ((real)1 - alpha * wd) - alpha * (mi * beta1h) / vh;
+    }
+}
+
+extern "C" __global__ void sgd_step(real* __restrict__ w, const real* __restrict__ g, long long n, real alpha, real wd) {
+    GRID_STRIDE(i, n) { w[i] = w[i] * ((real)1 - alpha * wd) - alpha * g[i]; }
+}
+"""
+
+_C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+_BLOCK = 256  # threads per block of the flat (grid-stride) kernels
+_MAX_BLOCKS = 1 << 16
+
+
+def kernel_source(dtype) -> str:
+    """KERNEL_SOURCE specialised for one float type."""
+    return f"typedef {_C_TYPES[np.dtype(dtype)]} real;\n{KERNEL_SOURCE}"
+
+
+def _flat_grid(n: int) -> tuple:
+    return (max(1, min((n + _BLOCK - 1) // _BLOCK, _MAX_BLOCKS)),)
+
+
+def _row_threads(n: int) -> tuple:
+    """Threads per block for a row of n elements: about 4 elements per thread, 32..1024."""
+    t = 32
+    while t < 1024 and t * 4 < n:
+        t *= 2
+    return (t,)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _unavailable_reason() -> str | None:
+    """Why the CUDA backend cannot run here, or None when cupy sees a device."""
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken install raising something else
+        return f"cupy is not importable ({_one_line(exc)}); install it with pip install 'llmtune[cuda]'"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"no usable CUDA device ({_one_line(exc)})"
+    return None if n > 0 else "no CUDA device found"
+
+
+def available() -> bool:
+    """True when cupy is importable and sees at least one device. Never raises."""
+    try:
+        return _unavailable_reason() is None
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------------------------------- matmul plan
+_OP_N, _OP_T = 0, 1  # cublasOperation_t
+
+
+def _matrix_layout(rows: int, cols: int, s_row: int, s_col: int):
+    """How cuBLAS (column-major) can read a row-major-indexed matrix with these element strides.
+
+    (False, ld): rows are contiguous, so the memory holds its transpose column-major;
+    (True, ld): columns are contiguous (a transposed view), memory holds the matrix column-major;
+    None: neither (needs a copy). ld obeys cuBLAS's ld >= max(1, stored rows)."""
+    if (cols == 1 or s_col == 1) and (rows == 1 or s_row >= cols):
+        return False, s_row if rows > 1 else max(cols, 1)
+    if (rows == 1 or s_row == 1) and (cols == 1 or s_col >= rows):
+        return True, s_col if cols > 1 else max(rows, 1)
+    return None
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """One cublas<t>gemmStridedBatched call per entry of `offsets`.
+
+    In cuBLAS's column-major terms it computes C^T = op(X) op(Y) with X = op_b(b), Y = op_a(a):
+    C[m, n] row-major is C^T[n, m] column-major, so `m_cm` = n, `n_cm` = m."""
+
+    trans_x: int
+    trans_y: int
+    m_cm: int
+    n_cm: int
+    k: int
+    ldx: int
+    ldy: int
+    ldc: int
+    stride_x: int
+    stride_y: int
+    stride_c: int
+    batch: int
+    offsets: tuple  # ((offset_x, offset_y, offset_c), ...) in elements, one per call
+
+
+def _batch_strides(shape, strides, batch_shape):
+    """Element strides of an operand's batch axes aligned to batch_shape (0 where broadcast)."""
+    lead = len(batch_shape) - (len(shape) - 2)
+    out = [0] * len(batch_shape)
+    for i, (size, stride) in enumerate(zip(shape[:-2], strides[:-2])):
+        out[lead + i] = stride if size != 1 else 0
+    return out
+
+
+def _collapse_batch(batch_shape, per_operand):
+    """Merge batch axes that index memory as one axis in every operand -> [(size, (strides...))]."""
+    dims = []
+    for i, size in enumerate(batch_shape):
+        if size == 1:
+            continue
+        st = tuple(s[i] for s in per_operand)
+        if dims and all(p == q * size for p, q in zip(dims[-1][1], st)):
+            dims[-1] = (dims[-1][0] * size, st)
+        else:
+            dims.append((size, st))
+    return dims
+
+
+def plan_gemm(a_shape, a_strides, b_shape, b_strides, c_shape, c_strides, ta: bool, tb: bool):
+    """The cuBLAS calls computing c = op(a) @ op(b) (numpy batch broadcasting), strides in elements.
+
+    None when an operand's matrices are neither row- nor column-contiguous, or c is not
+    row-contiguous: the caller copies that operand and plans again. Transposed views (the
+    `ta`/`tb` flags and permuted inputs) are read in place through cuBLAS's transpose flags."""
+    def mat(shape, strides, t):
+        r, c, sr, sc = shape[-2], shape[-1], strides[-2], strides[-1]
+        return (c, r, sc, sr) if t else (r, c, sr, sc)
+
+    am, ak, asr, asc = mat(a_shape, a_strides, ta)
+    bk, bn, bsr, bsc = mat(b_shape, b_strides, tb)
+    la, lb = _matrix_layout(am, ak, asr, asc), _matrix_layout(bk, bn, bsr, bsc)
+    lc = _matrix_layout(c_shape[-2], c_shape[-1], c_strides[-2], c_strides[-1])
+    if la is None or lb is None or lc is None or lc[0]:
+        return None
+    batch_shape = tuple(c_shape[:-2])
+    per_operand = [_batch_strides(b_shape, b_strides, batch_shape), _batch_strides(a_shape, a_strides, batch_shape),
+                   _batch_strides(c_shape, c_strides, batch_shape)]
+    dims = _collapse_batch(batch_shape, per_operand)
+    batch, inner = (dims[-1][0], dims[-1][1]) if dims else (1, (0, 0, 0))
+    outer = dims[:-1]
+    offsets = []
+    for idx in itertools.product(*[range(size) for size, _ in outer]):
+        offsets.append(tuple(sum(i * st[j] for i, (_, st) in zip(idx, outer)) for j in range(3)))
+    return GemmPlan(
+        trans_x=_OP_T if lb[0] else _OP_N, trans_y=_OP_T if la[0] else _OP_N,
+        m_cm=bn, n_cm=am, k=ak, ldx=lb[1], ldy=la[1], ldc=lc[1],
+        stride_x=inner[0], stride_y=inner[1], stride_c=inner[2], batch=batch, offsets=tuple(offsets),
+    )
+
+
+def _element_strides(a) -> tuple:
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+# ---------------------------------------------------------------------------------------- runtime
+class _CupyRuntime:
+    """Device primitives on a real GPU through cupy (kernels compiled with NVRTC, cuBLAS gemm)."""
+
+    def __init__(self):
+        reason = _unavailable_reason()
+        if reason is not None:
+            raise LlmtuneError(f"--backend cuda: {reason}")
+        import cupy
+
+        self.xp = cupy
+        self._functions = {}
+        self._modules = {}
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props.get("name", b"?")
+        self.device_name = name.decode() if isinstance(name, bytes) else str(name)
+
+    def prepare(self, dtype) -> None:
+        """Compile the kernels and load cuBLAS now, so a broken toolkit fails with one clear line."""
+        try:
+            self._function("sgd_step", dtype)
+            from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
+
+            self.xp.cuda.device.get_cublas_handle()
+        except LlmtuneError:
+            raise
+        except Exception as exc:
+            raise LlmtuneError(f"--backend cuda: cannot set up kernels or cuBLAS ({_one_line(exc)})") from None
+
+    def _function(self, name, dtype):
+        key = (name, np.dtype(dtype))
+        fn = self._functions.get(key)
+        if fn is None:
+            module = self._modules.get(key[1])
+            if module is None:
+                module = self._modules[key[1]] = self.xp.RawModule(code=kernel_source(dtype))
+            fn = self._functions[key] = module.get_function(name)
+        return fn
+
+    def launch(self, name, dtype, grid, block, args) -> None:
+        self._function(name, dtype)(grid, block, args)
+
+    def gemm(self, dtype, plan: GemmPlan, x_ptr: int, y_ptr: int, c_ptr: int) -> None:
+        from cupy_backends.cuda.libs import cublas
+
+        dtype = np.dtype(dtype)
+        fn = cublas.sgemmStridedBatched if dtype == np.float32 else cublas.dgemmStridedBatched
+        one, zero = np.ones((), dtype), np.zeros((), dtype)
+        handle = self.xp.cuda.device.get_cublas_handle()
+        cublas.setPointerMode(handle, 0)  # CUBLAS_POINTER_MODE_HOST: alpha/beta are host scalars
+        size = dtype.itemsize
+        for ox, oy, oc in plan.offsets:
+            fn(handle, plan.trans_x, plan.trans_y, plan.m_cm, plan.n_cm, plan.k, one.ctypes.data,
+               x_ptr + ox * size, plan.ldx, plan.stride_x, y_ptr + oy * size, plan.ldy, plan.stride_y,
+               zero.ctypes.data, c_ptr + oc * size, plan.ldc, plan.stride_c, plan.batch)
+
+    @staticmethod
+    def ptr(a) -> int:
+        return a.data.ptr
+
+    def to_device(self, host, dtype):
+        return self.xp.array(host, dtype=dtype, order="C")
+
+    def to_host(self, a) -> np.ndarray:
+        return self.xp.asnumpy(a)
+
+    def synchronize(self) -> None:
+        self.xp.cuda.get_current_stream().synchronize()
+
+
+# ---------------------------------------------------------------------------------------- backend
+class CUDABackend(Backend):
+    """Kernels of backends/cpu.py on an NVIDIA GPU. float32, or float64 for gradient checks.
+
+    `runtime` replaces the cupy runtime (tests run the same kernels under a CPU emulator)."""
+
+    name = "cuda"
+
+    def __init__(self, dtype=np.float32, runtime=None):
+        super().__init__(dtype)
+        if self.dtype not in _C_TYPES:
+            raise LlmtuneError(f"--backend cuda: dtype {self.dtype} is not supported (float32 or float64)")
+        self.rt = runtime if runtime is not None else _CupyRuntime()
+        if hasattr(self.rt, "prepare"):
+            self.rt.prepare(self.dtype)
+        self.xp = self.rt.xp
+        self.device_name = getattr(self.rt, "device_name", "?")
+        self.kernels = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("_k_")}
+
+    # -- memory --------------------------------------------------------------------------
+    def asarray(self, host, dtype=None):
+        if isinstance(host, self.xp.ndarray):
+            return self._contig(host, dtype)
+        host = np.asarray(host)
+        return self.rt.to_device(host, dtype or host.dtype)
+
+    def to_numpy(self, arr) -> np.ndarray:
+        return self.rt.to_host(arr)
+
+    def zeros(self, shape, dtype=None):
+        return self.xp.zeros(shape, dtype=dtype or self.dtype)
+
+    def arena(self, nbytes):
+        return self.xp.empty(max(int(nbytes), 1), dtype=np.uint8)
+
+    def view(self, arena, shape, dtype, offset=0):
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        return arena[offset : offset + n].view(dtype).reshape(shape)
+
+    def synchronize(self) -> None:
+        self.rt.synchronize()
+
+    def accumulate(self, dst, src) -> None:
+        self.xp.add(dst, src, out=dst)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _launch(self, name, dtype, grid, block, *args) -> None:
+        self.rt.launch(name, np.dtype(dtype), grid, block, args)
+
+    def _contig(self, a, dtype=None):
+        """a itself when C-contiguous (and of dtype), else a contiguous copy; keeps 0-d arrays 0-d."""
+        if a.flags.c_contiguous and (dtype is None or a.dtype == dtype):
+            return a
+        return self.xp.array(a, dtype=dtype or a.dtype, order="C", copy=True)
+
+    def _ids(self, ids):
+        """Integer inputs as contiguous int32 device arrays (host arrays are copied over)."""
+        if not isinstance(ids, self.xp.ndarray):
+            ids = self.rt.to_device(np.asarray(ids), np.int32)
+        return self._contig(ids, np.int32)
+
+    def _rows(self, x):
+        """x as contiguous [rows, last axis] plus its sizes."""
+        x = self._contig(x)
+        n = x.shape[-1] if x.ndim else 1
+        return x, (x.size // n if n else 0), n
+
+    def _flat(self, name, out, *inputs, extra=()):
+        """A grid-stride kernel over same-shaped contiguous inputs and out."""
+        ins = [self._contig(a) for a in inputs]
+        if out.size:
+            self._launch(name, out.dtype, _flat_grid(out.size), (_BLOCK,), *ins, out, np.int64(out.size), *extra)
+        return out
+
+    # -- elementwise (cupy ufuncs broadcast like numpy) -------------------------------------
+    def _k_add(self, out, a, b):
+        return self.xp.add(a, b, out=out)
+
+    def _k_mul(self, out, a, b):
+        return self.xp.multiply(a, b, out=out)
+
+    def _k_scale(self, out, a, s):
+        return self.xp.multiply(a, a.dtype.type(s), out=out)
+
+    def _k_sum_to(self, out, x, shape):
+        lead = x.ndim - len(shape)
+        axes = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and x.shape[lead + i] != 1)
+        reduced = tuple(d for i, d in enumerate(x.shape) if i not in axes)
+        self.xp.sum(x, axis=axes, out=out.reshape(reduced))
+        return out
+
+    def _k_broadcast_to(self, out, x, shape):
+        return self.xp.broadcast_to(x, shape)
+
+    def _k_silu(self, out, x):
+        return self._flat("silu_fwd", out, x)
+
+    def _k_silu_back(self, out, x, g):
+        return self._flat("silu_back", out, x, g)
+
+    def _k_swiglu(self, out, gate, up):
+        return self._flat("swiglu_fwd", out, gate, up)
+
+    def _k_swiglu_back(self, out, gate, up, g, wrt):
+        return self._flat("swiglu_back", out, gate, up, g, extra=(np.int32(wrt),))
+
+    # -- matmul (cuBLAS) --------------------------------------------------------------------
+    def _k_matmul(self, out, a, b, ta, tb):
+        k = a.shape[-2] if ta else a.shape[-1]
+        if out.size == 0:
+            return out
+        if k == 0:
+            out.fill(0)
+            return out
+        if not out.flags.c_contiguous:
+            tmp = self.xp.empty(out.shape, out.dtype)
+            self._k_matmul(tmp, a, b, ta, tb)
+            self.xp.copyto(out, tmp)
+            return out
+        plan = self._plan(a, b, out, ta, tb)
+        if plan is None:  # a view cuBLAS cannot read in place: copy the operand(s) that need it
+            a, b = self._readable(a, ta), self._readable(b, tb)
+            plan = self._plan(a, b, out, ta, tb)
+        self.rt.gemm(out.dtype, plan, self.rt.ptr(b), self.rt.ptr(a), self.rt.ptr(out))
+        return out
+
+    @staticmethod
+    def _plan(a, b, out, ta, tb):
+        return plan_gemm(a.shape, _element_strides(a), b.shape, _element_strides(b), out.shape,
+                         _element_strides(out), ta, tb)
+
+    def _readable(self, x, t):
+        s = _element_strides(x)
+        r, c, sr, sc = x.shape[-2], x.shape[-1], s[-2], s[-1]
+        return x if _matrix_layout(r, c, sr, sc) is not None else self._contig(x)
+
+    # -- shape ops ----------------------------------------------------------------------------
+    def _k_reshape(self, out, x, shape):
+        return x.reshape(shape)
+
+    def _k_permute(self, out, x, axes):
+        return x.transpose(axes)
+
+    def _k_cont(self, out, x):
+        self.xp.copyto(out, x)
+        return out
+
+    def _k_slice(self, out, x, axis, start, stop):
+        return x[(slice(None),) * axis + (slice(start, stop),)]
+
+    def _k_pad(self, out, x, axis, start):
+        out.fill(0)
+        out[(slice(None),) * axis + (slice(start, start + x.shape[axis]),)] = x
+        return out
+
+    # -- embeddings ---------------------------------------------------------------------------
+    def _k_get_rows(self, out, w, ids):
+        ids = self._ids(ids)
+        w2 = self._contig(w).reshape(w.shape[0], -1)
+        total = ids.size * w2.shape[1]
+        if total:
+            self._launch("get_rows", out.dtype, _flat_grid(total), (_BLOCK,), w2, ids, out,
+                         np.int64(ids.size), np.int32(w2.shape[1]), np.int32(w2.shape[0]))
+        return out
+
+    def _k_add_rows(self, out, g, ids, n_rows):
+        ids = self._ids(ids)
+        out.fill(0)
+        g2 = self._contig(g).reshape(ids.size, -1)
+        total = g2.size
+        if total:
+            self._launch("add_rows", out.dtype, _flat_grid(total), (_BLOCK,), g2, ids, out,
+                         np.int64(ids.size), np.int32(g2.shape[1]), np.int32(n_rows))
+        return out
+
+    # -- normalization ------------------------------------------------------------------------
+    def _k_rms_norm(self, out, x, eps):
+        x, rows, n = self._rows(x)
+        if rows:
+            self._launch("rms_norm", out.dtype, (rows,), _row_threads(n), x, out, np.int32(n), out.dtype.type(eps))
+        return out
+
+    def _k_rms_norm_back(self, out, x, g, eps):
+        x, rows, n = self._rows(x)
+        if rows:
+            self._launch("rms_norm_back", out.dtype, (rows,), _row_threads(n), x, self._contig(g), out,
+                         np.int32(n), out.dtype.type(eps))
+        return out
+
+    # -- rope -----------------------------------------------------------------------------------
+    def _k_rope(self, out, x, pos, n_rot, base, freq_scale, mode, inverse):
+        pos = self._ids(pos)
+        x4 = x if x.ndim == 4 else x.reshape((-1,) + x.shape[-3:])
+        n_seq, n_tok, n_head, head_dim = x4.shape
+        if out.size == 0:
+            return out
+        half = n_rot // 2
+        dtype = out.dtype
+        cos_t = self.xp.empty((n_tok, half), dtype)
+        sin_t = self.xp.empty((n_tok, half), dtype)
+        if half:
+            self._launch("rope_table", dtype, _flat_grid(n_tok * half), (_BLOCK,), pos, cos_t, sin_t,
+                         np.int32(n_tok), np.int32(half), np.int32(n_rot), np.float64(base),
+                         np.float64(freq_scale), np.int32(bool(inverse)))
+        strides = [np.int64(s) for s in _element_strides(x4)]
+        self._launch("rope", dtype, _flat_grid(out.size), (_BLOCK,), x4, cos_t, sin_t, out,
+                     np.int32(n_seq), np.int32(n_tok), np.int32(n_head), np.int32(head_dim), *strides,
+                     np.int32(n_rot), np.int32(mode == "neox"))
+        return out
+
+    # -- attention softmax ----------------------------------------------------------------------
+    def _k_softmax_causal(self, out, x, scale, n_q, n_past):
+        x, rows, n = self._rows(x)
+        if rows:
+            self._launch("softmax_causal", out.dtype, (rows,), _row_threads(n), x, out, np.int32(n),
+                         np.int32(n_q), np.int32(n_past), out.dtype.type(scale))
+        return out
+
+    def _k_softmax_back(self, out, y, g, scale):
+        y, rows, n = self._rows(y)
+        if rows:
+            self._launch("softmax_back", out.dtype, (rows,), _row_threads(n), y, self._contig(g), out,
+                         np.int32(n), out.dtype.type(scale))
+        return out
+
+    # -- loss -----------------------------------------------------------------------------------
+    def _per_row(self, name, logits, targets):
+        """A [rows] buffer filled by a one-block-per-row kernel over the logits."""
+        logits, rows, n_vocab = self._rows(logits)
+        targets = self._ids(targets).reshape(-1)
+        per_row = self.xp.empty(rows, logits.dtype)
+        if rows:
+            self._launch(name, logits.dtype, (rows,), _row_threads(n_vocab), logits, targets, per_row, np.int32(n_vocab))
+        return per_row
+
+    def _k_cross_entropy(self, out, logits, targets):
+        losses = self._per_row("cross_entropy_rows", logits, targets)
+        self.xp.sum(losses, out=out)
+        self.xp.divide(out, out.dtype.type(losses.size), out=out)  # mean (NaN for no rows, as numpy)
+        return out
+
+    def _k_cross_entropy_back(self, out, logits, targets, g):
+        logits, rows, n_vocab = self._rows(logits)
+        targets = self._ids(targets).reshape(-1)
+        g = self._contig(self.xp.asarray(g, dtype=out.dtype))
+        if rows:
+            self._launch("cross_entropy_back", out.dtype, (rows,), _row_threads(n_vocab), logits, targets, g, out,
+                         np.int32(n_vocab), np.int32(rows))
+        return out
+
+    def _k_count_correct(self, out, logits, targets):
+        hits = self._per_row("count_correct_rows", logits, targets)
+        self.xp.sum(hits, out=out)
+        return out
+
+    # -- optimizer (fused over one flat buffer) ----------------------------------------------------
+    def _check_flat(self, *bufs) -> int:
+        n = bufs[0].size
+        for b in bufs:
+            if b.size != n or not b.flags.c_contiguous or b.dtype != bufs[0].dtype:
+                raise ValueError("optimizer buffers must be contiguous, of one dtype and one size")
+        return n
+
+    def adamw_step(self, w, g, m, v, *, lr, beta1, beta2, eps, wd, t):
+        n = self._check_flat(w, g, m, v)
+        if n:
+            r = w.dtype.type
+            self._launch("adamw_step", w.dtype, _flat_grid(n), (_BLOCK,), w, g, m, v, np.int64(n), r(lr), r(beta1),
+                         r(beta2), r(eps), r(wd), r(1.0 / (1.0 - beta1**t)), r(1.0 / (1.0 - beta2**t)))
+
+    def sgd_step(self, w, g, *, lr, wd):
+        n = self._check_flat(w, g)
+        if n:
+            r = w.dtype.type
+            self._launch("sgd_step", w.dtype, _flat_grid(n), (_BLOCK,), w, g, np.int64(n), r(lr), r(wd))

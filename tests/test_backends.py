@@ -1,0 +1,447 @@
+"""Op tests for every backend present.
+
+- forward: each op (run through Program, as training does) against an independent float64
+  numpy reference, and for device backends also against the CPU backend (f32, rel 1e-5);
+- gradients: finite differences in float64 (graph/gradcheck.py) for every differentiable op;
+- optimizers: AdamW / SGD against a float64 numpy transcription of ggml_opt_step_adamw / _sgd.
+
+Backends: "cpu" always; "cuda" when cupy sees a GPU (marked `cuda`); "cuda-emu": the CUDA
+backend's own kernels and matmul planning under tests/cuda_emu.py's CPU emulator, when a C++
+compiler is available. Nothing here imports cupy unless the cuda tests actually run.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cuda_emu
+from llmtune.backends.base import get_backend
+from llmtune.backends.cpu import CPUBackend
+from llmtune.errors import LlmtuneError
+from llmtune.graph import layers, ops
+from llmtune.graph.gradcheck import check_gradients
+from llmtune.graph.planner import Program
+
+BACKEND_NAMES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda), "cuda-emu"]
+_backends: dict = {}
+
+
+def _make_backend(name: str, dtype):
+    if name == "cpu":
+        return CPUBackend(dtype)
+    from llmtune.backends.cuda import CUDABackend
+
+    if name == "cuda":
+        pytest.importorskip("cupy")
+        from llmtune.backends import cuda
+
+        if not cuda.available():
+            pytest.skip("cupy sees no CUDA device")
+        return CUDABackend(dtype)
+    if not cuda_emu.available():
+        pytest.skip("no C++ compiler for the CUDA kernel emulator")
+    return CUDABackend(dtype, runtime=cuda_emu.EmuRuntime())
+
+
+def backend_for(name: str, dtype=np.float32):
+    key = (name, np.dtype(dtype))
+    if key not in _backends:
+        try:
+            _backends[key] = _make_backend(name, dtype)
+        except pytest.skip.Exception as exc:
+            _backends[key] = exc
+    value = _backends[key]
+    if isinstance(value, pytest.skip.Exception):
+        pytest.skip(str(value))
+    return value
+
+
+@pytest.fixture(params=BACKEND_NAMES)
+def name(request):
+    backend_for(request.param)  # skip early when absent
+    return request.param
+
+
+rng = np.random.default_rng(1234)
+
+
+def randn(*shape) -> np.ndarray:
+    """float32-representable values in float64, so references see exactly the backends' inputs."""
+    return rng.standard_normal(shape).astype(np.float32).astype(np.float64)
+
+
+def assert_close(got, want, rel=1e-5):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    scale = max(float(np.abs(want).max(initial=0.0)), 1e-30)
+    err = float(np.abs(got - want).max(initial=0.0)) / scale
+    assert err <= rel, f"relative error {err:.3g} > {rel:g}"
+
+
+def run_graph(backend, build, arrays: dict) -> list[np.ndarray]:
+    """Build a graph on input nodes named like `arrays`, run it once, return outputs in float64."""
+    nodes = {k: ops.input(v.shape, "i32" if v.dtype.kind in "iu" else "f32", name=k) for k, v in arrays.items()}
+    outs = build(**nodes)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    prog = Program(outs, backend)
+    feed = {k: backend.asarray(v.astype(np.int32 if v.dtype.kind in "iu" else backend.dtype)) for k, v in arrays.items()}
+    return [backend.to_numpy(r).astype(np.float64) for r in prog.run(**feed)]
+
+
+def check_forward(name, build, refs, rel=1e-5, **arrays):
+    refs = refs if isinstance(refs, (list, tuple)) else [refs]
+    got = run_graph(backend_for(name), build, arrays)
+    assert len(got) == len(refs)
+    for g, r in zip(got, refs):
+        assert_close(g, r, rel)
+    if name != "cpu":
+        for g, c in zip(got, run_graph(backend_for("cpu"), build, arrays)):
+            assert_close(g, c, rel)
+
+
+# ------------------------------------------------------------------------------ references
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def rope_ref(x, pos, n_rot, base, freq_scale, mode, inverse):
+    """Rotation as a complex multiply: NORM pairs (2i, 2i+1), NEOX pairs (i, i + n_rot/2)."""
+    half = n_rot // 2
+    theta = freq_scale * pos[:, None] * base ** (-np.arange(0, n_rot, 2) / n_rot)
+    rot = np.exp((-1j if inverse else 1j) * theta)[:, None, :]  # [T, 1, half] over [..., T, H, half]
+    idx0 = np.arange(0, n_rot, 2) if mode == "norm" else np.arange(half)
+    idx1 = idx0 + 1 if mode == "norm" else idx0 + half
+    z = (x[..., idx0] + 1j * x[..., idx1]) * rot
+    out = x.copy()
+    out[..., idx0], out[..., idx1] = z.real, z.imag
+    return out
+
+
+def causal_softmax_ref(x, scale, n_q, n_past):
+    rows, n_kv = x.shape[-2], x.shape[-1]
+    visible = np.arange(n_kv)[None, :] <= (n_past + np.arange(rows) % n_q)[:, None]
+    z = np.where(visible, x * scale, -np.inf)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def log_softmax(x):
+    z = x - x.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+# ------------------------------------------------------------------------------ forward
+def test_elementwise_broadcasting(name):
+    a, b, c = randn(3, 5, 7), randn(5, 1), randn(7)
+    check_forward(name, lambda a, b, c: [ops.add(a, b), ops.add(b, a), ops.mul(a, c), ops.scale(a, -0.37)],
+                  [a + b, b + a, a * c, a * -0.37], a=a, b=b, c=c)
+
+
+def test_sum_to_and_broadcast_to(name):
+    x, y = randn(3, 5, 7), randn(5, 1)
+    check_forward(name, lambda x, y: [ops.sum_to(x, (5, 1)), ops.sum_to(x, ()), ops.sum_to(x, (1, 7)),
+                                      ops.sum_to(x, (7,)), ops.broadcast_to(y, (3, 5, 7))],
+                  [x.sum(axis=(0, 2))[:, None], x.sum(), x.sum(axis=(0, 1))[None], x.sum(axis=(0, 1)),
+                   np.broadcast_to(y, (3, 5, 7))], x=x, y=y)
+
+
+def test_activations(name):
+    x, u, g = randn(4, 37), randn(4, 37), randn(4, 37)
+    s = sigmoid(x)
+    check_forward(
+        name,
+        lambda x, u, g: [ops.silu(x), ops.silu_back(x, g), ops.swiglu(x, u), ops.swiglu_back(x, u, g, 0),
+                         ops.swiglu_back(x, u, g, 1)],
+        [x * s, g * s * (1 + x * (1 - s)), x * s * u, g * u * s * (1 + x * (1 - s)), g * x * s],
+        x=x, u=u, g=g,
+    )
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_matmul_flags_and_batch_broadcasting(name, ta, tb):
+    def stored(arr, t):
+        return np.ascontiguousarray(np.swapaxes(arr, -1, -2)) if t else arr
+
+    a, b = randn(2, 1, 5, 7), randn(3, 7, 4)  # batch (2,1) x (3,) -> (2,3)
+    w, x = randn(7, 9), randn(6, 9)  # a linear layer: x @ w^T
+    check_forward(name, lambda a, b, w, x: [ops.matmul(a, b, ta, tb), ops.matmul(x, w, False, True)],
+                  [np.matmul(a, b), x @ w.T], a=stored(a, ta), b=stored(b, tb), w=w, x=x)
+
+
+def test_matmul_on_strided_views(name):
+    # permuted operands whose batch axes do not merge into one stride (as K/V in attention)
+    a_raw, b_raw, c_raw = randn(2, 5, 3, 7), randn(2, 4, 3, 7), randn(2, 4, 3, 6)
+    a, b, c = (np.transpose(t, (0, 2, 1, 3)) for t in (a_raw, b_raw, c_raw))
+
+    def build(a_raw, b_raw, c_raw):
+        a, b, c = (ops.permute(t, (0, 2, 1, 3)) for t in (a_raw, b_raw, c_raw))
+        return [ops.matmul(a, b, tb=True), ops.matmul(b, c, ta=True), ops.matmul(ops.slice_rows(a, 2, 1, 4), b, tb=True)]
+
+    check_forward(name, build, [a @ np.swapaxes(b, -1, -2), np.swapaxes(b, -1, -2) @ c,
+                                a[:, :, 1:4] @ np.swapaxes(b, -1, -2)], a_raw=a_raw, b_raw=b_raw, c_raw=c_raw)
+
+
+def test_shape_ops(name):
+    x = randn(3, 4, 5)
+    check_forward(
+        name,
+        lambda x: [ops.reshape(x, (12, 5)), ops.cont(ops.permute(x, (2, 0, 1))), ops.reshape(ops.permute(x, (1, 0, 2)), (4, 15)),
+                   ops.slice_rows(x, 1, 1, 3), ops.pad_rows(x, 1, 2, 7)],
+        [x.reshape(12, 5), x.transpose(2, 0, 1), x.transpose(1, 0, 2).reshape(4, 15), x[:, 1:3],
+         np.concatenate([np.zeros((3, 2, 5)), x, np.zeros((3, 1, 5))], axis=1)],
+        x=x,
+    )
+
+
+def test_get_rows_and_add_rows(name):
+    w, g = randn(11, 6), randn(12, 6)
+    ids = np.array([[0, 10, 3, 3], [7, 0, 10, 3], [5, 5, 5, 1]], dtype=np.int32)
+    expected_scatter = np.zeros((11, 6))
+    np.add.at(expected_scatter, ids.reshape(-1), g)
+    check_forward(name, lambda w, g, ids: [ops.get_rows(w, ids), ops.add_rows(g, ids, 11)],
+                  [w[ids], expected_scatter], w=w, g=g, ids=ids)
+
+
+@pytest.mark.parametrize("shape", [(3, 37), (5, 300)])
+def test_rms_norm(name, shape):
+    x, g, eps = randn(*shape), randn(*shape), 1e-5
+    n = shape[-1]
+    r = 1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    dx = r * g - x * r**3 * (g * x).sum(axis=-1, keepdims=True) / n
+    check_forward(name, lambda x, g: [ops.rms_norm(x, eps), ops.rms_norm_back(x, g, eps)], [x * r, dx], x=x, g=g)
+
+
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+@pytest.mark.parametrize("n_rot", [10, 6])
+def test_rope(name, mode, n_rot):
+    x = randn(2, 7, 3, 10)  # head_dim 10: n_rot 6 leaves 4 dims unrotated
+    strided = randn(2, 3, 7, 10)  # [B, H, T, d] permuted to a non-contiguous [B, T, H, d]
+    pos = np.array([3, 4, 5, 6, 7, 8, 40], dtype=np.int32)
+    base, fs = 500.0, 0.5
+
+    def build(x, strided, pos):
+        rot = ops.rope(x, pos, n_rot, base, fs, mode)
+        return [rot, ops.rope(x, pos, n_rot, base, fs, mode, inverse=True),
+                ops.rope(ops.permute(strided, (0, 2, 1, 3)), pos, n_rot, base, fs, mode),
+                ops.rope(rot, pos, n_rot, base, fs, mode, inverse=True)]
+
+    p = pos.astype(np.float64)
+    check_forward(name, build, [rope_ref(x, p, n_rot, base, fs, mode, False), rope_ref(x, p, n_rot, base, fs, mode, True),
+                                rope_ref(strided.transpose(0, 2, 1, 3), p, n_rot, base, fs, mode, False), x],
+                  x=x, strided=strided, pos=pos)
+
+
+@pytest.mark.parametrize("rows,n_kv,n_q,n_past", [(10, 7, 5, 2), (8, 300, 4, 296)])
+def test_softmax_causal_and_back(name, rows, n_kv, n_q, n_past):
+    x, g, scale = randn(2, 3, rows, n_kv), randn(2, 3, rows, n_kv), 0.3
+    y = causal_softmax_ref(x, scale, n_q, n_past)
+    dx = scale * y * (g - (g * y).sum(axis=-1, keepdims=True))
+
+    def build(x, g):
+        y = ops.softmax_causal(x, scale, n_kv, n_q, n_past)
+        return [y, ops.softmax_back(y, g, scale)]
+
+    check_forward(name, build, [y, dx], x=x, g=g)
+
+
+def test_cross_entropy_and_count_correct(name):
+    logits, g = 3 * randn(6, 301), np.array(0.75)
+    targets = rng.integers(0, 301, size=6).astype(np.int32)
+    targets[0] = logits[0].argmax()  # at least one hit
+    # numpy's argmax: the first maximum wins ties, NaN beats everything
+    ties = np.array([[1, 3, 3, 0], [2, 2, 1, 2], [0, 0, 0, 0], [5, -1, 5, 5], [1, np.nan, 3, np.nan]])
+    first_max = np.array([1, 0, 0, 0, 1], dtype=np.int32)
+    last_max = np.array([2, 3, 3, 3, 3], dtype=np.int32)
+    lsm = log_softmax(logits)
+    onehot = np.eye(301)[targets]
+    check_forward(
+        name,
+        lambda logits, targets, g, ties, first_max, last_max: [
+            ops.cross_entropy(logits, targets), ops.cross_entropy_back(logits, targets, g),
+            ops.count_correct(logits, targets), ops.count_correct(ties, first_max), ops.count_correct(ties, last_max)],
+        [-lsm[np.arange(6), targets].mean(), (np.exp(lsm) - onehot) * 0.75 / 6,
+         np.count_nonzero(logits.argmax(-1) == targets), 5.0, 0.0],
+        logits=logits, targets=targets, g=g, ties=ties, first_max=first_max, last_max=last_max,
+    )
+
+
+def attention_ref(q, k, v):
+    """Causal GQA attention: query head h reads KV head h // (n_head / n_head_kv)."""
+    B, T, H, d = q.shape
+    group = H // k.shape[2]
+    kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s = np.einsum("bthd,bshd->bhts", q, kk)
+    p = causal_softmax_ref(s, 1 / math.sqrt(d), T, 0)
+    return np.einsum("bhts,bshd->bthd", p, vv).reshape(B * T, H * d)
+
+
+def test_attention_gqa(name):
+    B, T, H, Hkv, d = 2, 7, 6, 2, 5
+    spec = layers.AttnSpec(n_head=H, n_head_kv=Hkv, head_dim=d, n_rot=d - 1)
+    batch = layers.Batch.make(B, T)
+    q, k, v = randn(B, T, H, d), randn(B, T, Hkv, d), randn(B, T, Hkv, d)
+    check_forward(name, lambda q, k, v: layers.build_attn_core(q, k, v, spec, batch), attention_ref(q, k, v), q=q, k=k, v=v)
+
+
+# ------------------------------------------------------------------------------ gradients
+def _attn(q, k, v):
+    spec = layers.AttnSpec(n_head=4, n_head_kv=2, head_dim=2, n_rot=2)
+    return layers.build_attn_core(q, k, v, spec, layers.Batch.make(1, 3))
+
+
+GRAD_CASES = {
+    "add_broadcast": (lambda a, b: ops.add(a, b), {"a": (2, 3, 4), "b": (3, 1)}, {}),
+    "mul_broadcast": (lambda a, b: ops.mul(a, b), {"a": (2, 3, 4), "b": (4,)}, {}),
+    "scale": (lambda a: ops.scale(a, -1.7), {"a": (3, 4)}, {}),
+    "sum_to": (lambda a: ops.sum_to(a, (3, 1)), {"a": (2, 3, 4)}, {}),
+    "broadcast_to": (lambda a: ops.broadcast_to(a, (2, 3, 4)), {"a": (3, 1)}, {}),
+    "silu": (lambda a: ops.silu(a), {"a": (3, 5)}, {}),
+    "swiglu": (lambda a, b: ops.swiglu(a, b), {"a": (3, 5), "b": (3, 5)}, {}),
+    "matmul": (lambda a, b: ops.matmul(a, b), {"a": (2, 3, 4), "b": (4, 5)}, {}),
+    "matmul_tt": (lambda a, b: ops.matmul(a, b, True, True), {"a": (4, 3), "b": (5, 4)}, {}),
+    "matmul_batch_broadcast": (lambda a, b: ops.matmul(a, b, tb=True), {"a": (2, 1, 3, 4), "b": (3, 2, 4)}, {}),
+    "permute_reshape": (lambda a: ops.reshape(ops.permute(a, (1, 0, 2)), (3, 8)), {"a": (2, 3, 4)}, {}),
+    "slice": (lambda a: ops.slice_rows(a, 1, 1, 3), {"a": (2, 4, 3)}, {}),
+    "pad": (lambda a: ops.pad_rows(a, 1, 2, 6), {"a": (2, 3, 2)}, {}),
+    "get_rows": (lambda w, ids: ops.get_rows(w, ids), {"w": (5, 3)}, {"ids": np.array([[4, 0, 4], [1, 1, 2]])}),
+    "add_rows": (lambda g, ids: ops.add_rows(g, ids, 5), {"g": (6, 3)}, {"ids": np.array([0, 4, 4, 2, 0, 0])}),
+    "rms_norm": (lambda x: ops.rms_norm(x, 1e-5), {"x": (3, 7)}, {}),
+    "rope_norm_partial": (lambda x, pos: ops.rope(x, pos, 4, 100.0, 1.0, "norm"), {"x": (1, 3, 2, 6)},
+                          {"pos": np.array([2, 3, 4])}),
+    "rope_neox": (lambda x, pos: ops.rope(x, pos, 6, 100.0, 0.5, "neox"), {"x": (1, 3, 2, 6)},
+                  {"pos": np.array([0, 1, 5])}),
+    "softmax_causal": (lambda x: ops.softmax_causal(x, 0.7, n_kv=4, n_q=3, n_past=1), {"x": (2, 6, 4)}, {}),
+    "cross_entropy": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)}, {"t": np.array([0, 5, 2, 2])}),
+    "attention_gqa": (_attn, {"q": (1, 3, 4, 2), "k": (1, 3, 2, 2), "v": (1, 3, 2, 2)}, {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRAD_CASES))
+def test_gradients_match_finite_differences(name, case):
+    build, shapes, int_inputs = GRAD_CASES[case]
+    arrays = {k: rng.standard_normal(s) for k, s in shapes.items()}
+    errors = check_gradients(build, arrays, backend_for(name, np.float64), int_inputs=int_inputs)
+    assert set(errors) == set(shapes)
+    assert max(errors.values()) < 1e-6, errors
+
+
+# ------------------------------------------------------------------------------ optimizers
+def adamw_ref(w, g, m, v, lr, beta1, beta2, eps, wd, t):
+    """ggml_opt_step_adamw in float64."""
+    m = m * beta1 + g * (1 - beta1)
+    v = v * beta2 + g * g * (1 - beta2)
+    mh = m / (1 - beta1**t)
+    vh = np.sqrt(v / (1 - beta2**t)) + eps
+    return w * (1 - lr * wd) - lr * mh / vh, m, v
+
+
+@pytest.mark.parametrize("dtype,rel", [(np.float32, 2e-5), (np.float64, 1e-12)])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adamw_matches_ggml(name, dtype, rel, wd):
+    be = backend_for(name, dtype)
+    n = 1001
+    w, m, v = randn(n), 0.1 * randn(n), np.abs(randn(n)) * 0.01
+    hp = dict(lr=0.05, beta1=0.9, beta2=0.999, eps=1e-8, wd=wd)
+    dw, dm, dv = (be.asarray(a.astype(dtype)) for a in (w, m, v))
+    for t in (1, 2, 3):  # each step checked from the backend's own state before it
+        g = randn(n)
+        w0, m0, v0 = (be.to_numpy(a).astype(np.float64) for a in (dw, dm, dv))
+        be.adamw_step(dw, be.asarray(g.astype(dtype)), dm, dv, t=t, **hp)
+        w_ref, m_ref, v_ref = adamw_ref(w0, g, m0, v0, t=t, **hp)
+        assert_close(be.to_numpy(dw) - w0, w_ref - w0, rel)  # the update itself, not just w
+        assert_close(be.to_numpy(dm), m_ref, rel)
+        assert_close(be.to_numpy(dv), v_ref, rel)
+
+
+@pytest.mark.parametrize("dtype,rel", [(np.float32, 2e-5), (np.float64, 1e-12)])
+def test_sgd_matches_ggml(name, dtype, rel):
+    be = backend_for(name, dtype)
+    w, g, lr, wd = randn(1001), randn(1001), 0.05, 0.1
+    dw = be.asarray(w.astype(dtype))
+    be.sgd_step(dw, be.asarray(g.astype(dtype)), lr=lr, wd=wd)
+    assert_close(be.to_numpy(dw) - w, w * (1 - lr * wd) - lr * g - w, rel)
+
+
+# ------------------------------------------------------------------------------ CUDA specifics (no GPU needed)
+def test_cuda_module_import_does_not_import_cupy():
+    code = "import sys, llmtune.backends.cuda, llmtune.backends.base; assert 'cupy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cuda_without_device_is_a_one_line_user_error():
+    from llmtune.backends import cuda
+
+    assert isinstance(cuda.available(), bool)
+    if cuda.available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(LlmtuneError) as exc:
+        get_backend("cuda")
+    assert str(exc.value).startswith("--backend cuda: ") and "\n" not in str(exc.value)
+    assert isinstance(get_backend("auto"), CPUBackend)
+
+
+def _views():
+    """(label, array) operands: contiguous, transposed, permuted, sliced, batch-broadcast."""
+    base = randn(2, 3, 5, 7)
+    return [
+        ("contiguous", base),
+        ("transposed", np.swapaxes(randn(2, 3, 7, 5), -1, -2)),
+        ("permuted", np.transpose(randn(2, 5, 3, 7), (0, 2, 1, 3))),
+        ("row_slice", randn(2, 3, 9, 7)[:, :, 2:7]),
+        ("batch_broadcast", np.broadcast_to(randn(5, 7), (2, 3, 5, 7))),
+    ]
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_gemm_plan_reads_views_in_place(ta, tb):
+    """plan_gemm + cuBLAS's column-major contract (executed literally on the raw memory) == np.matmul,
+    without copying transposed, permuted, sliced or broadcast operands."""
+    from llmtune.backends import cuda
+
+    runtime = cuda_emu.EmuRuntime()
+    st = cuda._element_strides
+    for (la, a), (lb, b) in [(x, y) for x in _views() for y in _views()]:
+        a_in = np.swapaxes(a, -1, -2) if ta else a  # op(a_in) == a, as a view
+        b_in = b if tb else np.swapaxes(b, -1, -2)  # op(b_in) == b^T, as a view
+        want = np.matmul(a, np.swapaxes(b, -1, -2))
+        out = np.empty(want.shape)
+        plan = cuda.plan_gemm(a_in.shape, st(a_in), b_in.shape, st(b_in), out.shape, st(out), ta, tb)
+        assert plan is not None, (la, lb)
+        runtime.gemm(np.float64, plan, b_in.ctypes.data, a_in.ctypes.data, out.ctypes.data)
+        assert_close(out, want, 1e-12)
+
+
+def test_gemm_plan_refuses_unreadable_views():
+    from llmtune.backends import cuda
+
+    a = randn(6, 8)[::2, ::2]  # neither rows nor columns contiguous
+    b = randn(4, 2)
+    st = cuda._element_strides
+    assert cuda.plan_gemm(a.shape, st(a), b.shape, st(b), (3, 2), (2, 1), False, False) is None
+
+
+def test_kernels_compile_with_nvrtc():
+    """The CUDA sources compile for both dtypes (needs cupy + NVRTC, not a GPU)."""
+    pytest.importorskip("cupy")
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # the NVRTC shared library is not installed
+        pytest.skip(f"NVRTC unavailable: {exc}")
+    from llmtune.backends import cuda
+
+    for dtype in (np.float32, np.float64):
+        prog = nvrtc.createProgram(cuda.kernel_source(dtype), "llmtune.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, ["-arch=compute_75"])
+        except Exception:
+            pytest.fail(nvrtc.getProgramLog(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
