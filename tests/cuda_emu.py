@@ -345,8 +345,9 @@ class EmuRuntime:
         if lib.lib.emu_launch(name.encode(), *g, *b, ptrs) != 0:
             raise RuntimeError(f"kernel {name}: {lib.lib.emu_error().decode()}")
 
-    def gemm(self, dtype, plan, x_ptr: int, y_ptr: int, c_ptr: int) -> None:
-        """cublas<t>gemmStridedBatched(alpha=1, beta=0) as cuBLAS defines it: column-major, raw pointers."""
+    def gemm(self, dtype, plan, x_ptr: int, y_ptr: int, c_ptr: int, precision: str = "f32") -> None:
+        """cublas<t>gemmStridedBatched(alpha=1, beta=0) as cuBLAS defines it: column-major, raw pointers;
+        precision tf32/bf16 rounds the inputs as the tensor-core compute types do."""
         dtype = np.dtype(dtype)
         size = dtype.itemsize
         m, n, k = plan.m_cm, plan.n_cm, plan.k
@@ -359,8 +360,8 @@ class EmuRuntime:
             x = _colmajor(x_ptr + ox * size, dtype, x_rows, x_cols, plan.ldx, plan.stride_x, plan.batch)
             y = _colmajor(y_ptr + oy * size, dtype, y_rows, y_cols, plan.ldy, plan.stride_y, plan.batch)
             c = _colmajor(c_ptr + oc * size, dtype, m, n, plan.ldc, plan.stride_c, plan.batch)
-            opx = x if plan.trans_x == 0 else np.swapaxes(x, -1, -2)
-            opy = y if plan.trans_y == 0 else np.swapaxes(y, -1, -2)
+            opx = _round_inputs(x if plan.trans_x == 0 else np.swapaxes(x, -1, -2), precision)
+            opy = _round_inputs(y if plan.trans_y == 0 else np.swapaxes(y, -1, -2), precision)
             c[...] = np.matmul(opx, opy)
 
     @staticmethod
@@ -377,6 +378,16 @@ class EmuRuntime:
 
     def synchronize(self) -> None:
         pass
+
+
+def _round_inputs(a: np.ndarray, precision: str) -> np.ndarray:
+    """float32 values rounded (to nearest even) to TF32's 10 or bf16's 7 mantissa bits."""
+    if precision == "f32":
+        return a
+    drop = {"tf32": 13, "bf16": 16}[precision]
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + (1 << (drop - 1)) - 1 + ((bits >> drop) & 1)) >> drop << drop
+    return bits.astype(np.uint32).view(np.float32)
 
 
 def _colmajor(ptr: int, dtype, rows: int, cols: int, ld: int, stride: int, batch: int) -> np.ndarray:

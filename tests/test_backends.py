@@ -288,6 +288,23 @@ def test_attention_gqa(name):
     check_forward(name, lambda q, k, v: layers.build_attn_core(q, k, v, spec, batch), attention_ref(q, k, v), q=q, k=k, v=v)
 
 
+@pytest.mark.parametrize("precision,lo,hi", [("tf32", 1e-5, 2e-3), ("bf16", 1e-4, 1e-2)])
+def test_reduced_precision_matmul(name, precision, lo, hi):
+    """tf32/bf16 products: float32 results whose error shows the inputs really were rounded."""
+    if name == "cpu":
+        pytest.skip("a CUDA backend option")
+    from llmtune.backends.cuda import CUDABackend
+
+    base = backend_for(name)
+    be = CUDABackend(np.float32, runtime=base.rt, precision=precision)
+    a, b = randn(3, 64, 96), randn(80, 96)
+    got = run_graph(be, lambda a, b: ops.matmul(a, b, tb=True), {"a": a, "b": b})[0]
+    err = np.abs(got - a @ b.T).max() / np.abs(a @ b.T).max()
+    assert lo < err < hi
+    with pytest.raises(LlmtuneError):
+        CUDABackend(np.float64, runtime=base.rt, precision=precision)
+
+
 # ------------------------------------------------------------------------------ gradients
 def _attn(q, k, v):
     spec = layers.AttnSpec(n_head=4, n_head_kv=2, head_dim=2, n_rot=2)
@@ -367,6 +384,32 @@ def test_sgd_matches_ggml(name, dtype, rel):
     assert_close(be.to_numpy(dw) - w, w * (1 - lr * wd) - lr * g - w, rel)
 
 
+# ------------------------------------------------------------------------------ whole model
+def test_training_steps_match_cpu(name, stories_path, wikitext_ids):
+    """stories260K through the Trainer: losses and SGD updates (linear in the gradients) agree with
+    the CPU backend, so every kernel also works on the layouts the real llama graph produces."""
+    if name == "cpu":
+        pytest.skip("the reference itself")
+    from llmtune.model.loaded import load_model
+    from llmtune.train.trainer import RunningStats, Trainer
+
+    model = load_model(stories_path)
+    x = np.stack([wikitext_ids[0:64], wikitext_ids[300:364]])
+    y = np.stack([wikitext_ids[1:65], wikitext_ids[301:365]])
+    results = {}
+    for be_name in ("cpu", name):
+        trainer = Trainer(model, backend_for(be_name), n_ctx=64, n_batch=128, n_ubatch=64,
+                          trainable=list(model.weights), optimizer="sgd", wd=0.1)
+        stats = RunningStats()
+        losses = [trainer.train_step(x, y, 0.5, stats) for _ in range(2)]
+        results[be_name] = losses, stats.correct, trainer.trained_weights()
+    (cpu_losses, cpu_correct, cpu_w), (losses, correct, w) = results["cpu"], results[name]
+    assert_close(losses, cpu_losses, 1e-5)
+    assert correct == cpu_correct
+    for k, w0 in model.weights.items():
+        assert_close(w[k] - w0, cpu_w[k] - w0, 1e-4)
+
+
 # ------------------------------------------------------------------------------ CUDA specifics (no GPU needed)
 def test_cuda_module_import_does_not_import_cupy():
     code = "import sys, llmtune.backends.cuda, llmtune.backends.base; assert 'cupy' not in sys.modules"
@@ -426,7 +469,7 @@ def test_gemm_plan_refuses_unreadable_views():
     assert cuda.plan_gemm(a.shape, st(a), b.shape, st(b), (3, 2), (2, 1), False, False) is None
 
 
-def test_kernels_compile_with_nvrtc():
+def test_cuda_kernels_compile_with_nvrtc():
     """The CUDA sources compile for both dtypes (needs cupy + NVRTC, not a GPU)."""
     pytest.importorskip("cupy")
     try:

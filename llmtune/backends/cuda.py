@@ -501,19 +501,29 @@ class _CupyRuntime:
     def launch(self, name, dtype, grid, block, args) -> None:
         self._function(name, dtype)(grid, block, args)
 
-    def gemm(self, dtype, plan: GemmPlan, x_ptr: int, y_ptr: int, c_ptr: int) -> None:
+    def gemm(self, dtype, plan: GemmPlan, x_ptr: int, y_ptr: int, c_ptr: int, precision: str = "f32") -> None:
+        """precision "tf32" / "bf16": float32 in and out, tensor-core products of inputs rounded to
+        TF32 / bf16 with float32 accumulation (cuBLAS's FAST_TF32 / FAST_16BF compute types)."""
         from cupy_backends.cuda.libs import cublas
 
         dtype = np.dtype(dtype)
-        fn = cublas.sgemmStridedBatched if dtype == np.float32 else cublas.dgemmStridedBatched
         one, zero = np.ones((), dtype), np.zeros((), dtype)
         handle = self.xp.cuda.device.get_cublas_handle()
         cublas.setPointerMode(handle, 0)  # CUBLAS_POINTER_MODE_HOST: alpha/beta are host scalars
         size = dtype.itemsize
         for ox, oy, oc in plan.offsets:
-            fn(handle, plan.trans_x, plan.trans_y, plan.m_cm, plan.n_cm, plan.k, one.ctypes.data,
-               x_ptr + ox * size, plan.ldx, plan.stride_x, y_ptr + oy * size, plan.ldy, plan.stride_y,
-               zero.ctypes.data, c_ptr + oc * size, plan.ldc, plan.stride_c, plan.batch)
+            head = (handle, plan.trans_x, plan.trans_y, plan.m_cm, plan.n_cm, plan.k, one.ctypes.data)
+            x, y, c = x_ptr + ox * size, y_ptr + oy * size, c_ptr + oc * size
+            if precision == "f32" or dtype != np.float32:
+                fn = cublas.sgemmStridedBatched if dtype == np.float32 else cublas.dgemmStridedBatched
+                fn(*head, x, plan.ldx, plan.stride_x, y, plan.ldy, plan.stride_y,
+                   zero.ctypes.data, c, plan.ldc, plan.stride_c, plan.batch)
+                continue
+            compute = {"tf32": cublas.CUBLAS_COMPUTE_32F_FAST_TF32, "bf16": cublas.CUBLAS_COMPUTE_32F_FAST_16BF}[precision]
+            r32 = self.xp.cuda.runtime.CUDA_R_32F
+            cublas.gemmStridedBatchedEx(*head, x, r32, plan.ldx, plan.stride_x, y, r32, plan.ldy, plan.stride_y,
+                                        zero.ctypes.data, c, r32, plan.ldc, plan.stride_c, plan.batch, compute,
+                                        cublas.CUBLAS_GEMM_DEFAULT)
 
     @staticmethod
     def ptr(a) -> int:
@@ -530,17 +540,26 @@ class _CupyRuntime:
 
 
 # ---------------------------------------------------------------------------------------- backend
+PRECISIONS = ("f32", "tf32", "bf16")
+
+
 class CUDABackend(Backend):
     """Kernels of backends/cpu.py on an NVIDIA GPU. float32, or float64 for gradient checks.
 
+    precision: matmul inputs as stored ("f32"), or rounded to TF32 / bf16 on tensor cores with
+    float32 accumulation ("tf32", "bf16"); weights, activations and optimizer state stay float32.
     `runtime` replaces the cupy runtime (tests run the same kernels under a CPU emulator)."""
 
     name = "cuda"
 
-    def __init__(self, dtype=np.float32, runtime=None):
+    def __init__(self, dtype=np.float32, runtime=None, precision: str = "f32"):
         super().__init__(dtype)
         if self.dtype not in _C_TYPES:
             raise LlmtuneError(f"--backend cuda: dtype {self.dtype} is not supported (float32 or float64)")
+        if precision not in PRECISIONS or (precision != "f32" and self.dtype != np.float32):
+            raise LlmtuneError(f"--precision: {precision!r} is not available for {self.dtype} (choose f32, tf32 or bf16 "
+                               "with float32)")
+        self.precision = precision
         self.rt = runtime if runtime is not None else _CupyRuntime()
         if hasattr(self.rt, "prepare"):
             self.rt.prepare(self.dtype)
@@ -651,9 +670,9 @@ class CUDABackend(Backend):
             return out
         plan = self._plan(a, b, out, ta, tb)
         if plan is None:  # a view cuBLAS cannot read in place: copy the operand(s) that need it
-            a, b = self._readable(a, ta), self._readable(b, tb)
+            a, b = self._readable(a), self._readable(b)
             plan = self._plan(a, b, out, ta, tb)
-        self.rt.gemm(out.dtype, plan, self.rt.ptr(b), self.rt.ptr(a), self.rt.ptr(out))
+        self.rt.gemm(out.dtype, plan, self.rt.ptr(b), self.rt.ptr(a), self.rt.ptr(out), self.precision)
         return out
 
     @staticmethod
@@ -661,7 +680,7 @@ class CUDABackend(Backend):
         return plan_gemm(a.shape, _element_strides(a), b.shape, _element_strides(b), out.shape,
                          _element_strides(out), ta, tb)
 
-    def _readable(self, x, t):
+    def _readable(self, x):
         s = _element_strides(x)
         r, c, sr, sc = x.shape[-2], x.shape[-1], s[-2], s[-1]
         return x if _matrix_layout(r, c, sr, sc) is not None else self._contig(x)
