@@ -136,6 +136,11 @@ def log_softmax(x):
 
 
 # ------------------------------------------------------------------------------ forward
+def test_every_op_has_a_kernel(name):
+    leaves = {"input", "param", "const"}
+    assert set(ops.OPS) - leaves <= set(backend_for(name).kernels)
+
+
 def test_elementwise_broadcasting(name):
     a, b, c = randn(3, 5, 7), randn(5, 1), randn(7)
     check_forward(name, lambda a, b, c: [ops.add(a, b), ops.add(b, a), ops.mul(a, c), ops.scale(a, -0.37)],
@@ -290,7 +295,9 @@ def test_attention_gqa(name):
 
 @pytest.mark.parametrize("precision,lo,hi", [("tf32", 1e-5, 2e-3), ("bf16", 1e-4, 1e-2)])
 def test_reduced_precision_matmul(name, precision, lo, hi):
-    """tf32/bf16 products: float32 results whose error shows the inputs really were rounded."""
+    """tf32/bf16 products stay accurate to their format; under the emulator (exact rounding, as the
+    tensor cores do) the error also shows the inputs really were rounded. cuBLAS may legitimately
+    pick a more precise kernel for a FAST compute type, so on a GPU only the upper bound holds."""
     if name == "cpu":
         pytest.skip("a CUDA backend option")
     from llmtune.backends.cuda import CUDABackend
@@ -300,7 +307,9 @@ def test_reduced_precision_matmul(name, precision, lo, hi):
     a, b = randn(3, 64, 96), randn(80, 96)
     got = run_graph(be, lambda a, b: ops.matmul(a, b, tb=True), {"a": a, "b": b})[0]
     err = np.abs(got - a @ b.T).max() / np.abs(a @ b.T).max()
-    assert lo < err < hi
+    assert err < hi
+    if name == "cuda-emu":
+        assert err > lo
     with pytest.raises(LlmtuneError):
         CUDABackend(np.float64, runtime=base.rt, precision=precision)
 

@@ -483,10 +483,10 @@ class _CupyRuntime:
             from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
 
             self.xp.cuda.device.get_cublas_handle()
-        except LlmtuneError:
-            raise
         except Exception as exc:
-            raise LlmtuneError(f"--backend cuda: cannot set up kernels or cuBLAS ({_one_line(exc)})") from None
+            if type(exc).__name__ == "CompileException":  # a bug in KERNEL_SOURCE, not the user's setup
+                raise
+            raise LlmtuneError(f"--backend cuda: cannot load NVRTC or cuBLAS ({_one_line(exc)})") from None
 
     def _function(self, name, dtype):
         key = (name, np.dtype(dtype))
