@@ -23,8 +23,12 @@ import gzip
 import json
 import math
 import os
+import queue
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -101,6 +105,9 @@ class _NllSums:
         self.nll_sq += float(np.einsum("ij,ij->", nll, nll))
         self.count += nll.size
 
+    def current_ppl(self) -> float:
+        return math.exp(math.fsum(self.chunk_nll) / self.count)
+
     def running_ppl(self, per_chunk: int) -> list[float]:
         cum = np.cumsum(np.asarray(self.chunk_nll, dtype=np.float64))
         return np.exp(cum / (per_chunk * np.arange(1, cum.size + 1))).tolist()
@@ -146,6 +153,26 @@ def kl_rows(base_logp: np.ndarray, model_logp: np.ndarray) -> np.ndarray:
 
 
 @dataclass
+class _BatchScores:
+    """What one forward pass over consecutive chunks contributes, merged in chunk order."""
+
+    nll: np.ndarray  # float64 [n_chunks, n_scored]
+    kl: Optional[np.ndarray] = None  # float64 [n_chunks, n_scored]: KL(base || model)
+    same_top: int = 0
+    base_nll: Optional[np.ndarray] = None
+
+
+def score_against_base(base_logits: np.ndarray, model_logits: np.ndarray, targets: np.ndarray,
+                       model_nll: np.ndarray) -> _BatchScores:
+    """KL(base || model), top-token agreement and the base's nll; base_logits is overwritten."""
+    base_logp, model_logp = log_softmax(base_logits), log_softmax(model_logits)
+    same_top = int(np.count_nonzero(base_logp.argmax(axis=-1) == model_logp.argmax(axis=-1)))
+    kl = kl_rows(base_logp, model_logp)
+    base_nll = token_nll(base_logits, targets)  # the model's own formula: equal models, equal ppl
+    return _BatchScores(model_nll, kl, same_top, base_nll)
+
+
+@dataclass
 class _KlSums:
     kl: list[np.ndarray] = field(default_factory=list)  # float32 per scored token, for median/max
     kl_sum: float = 0.0
@@ -154,15 +181,14 @@ class _KlSums:
     count: int = 0
     base: _NllSums = field(default_factory=_NllSums)
 
-    def add(self, base_logits: np.ndarray, model_logits: np.ndarray, targets: np.ndarray) -> None:
-        base_logp, model_logp = log_softmax(base_logits), log_softmax(model_logits)
-        kl = kl_rows(base_logp, model_logp)
+    def add(self, scores: _BatchScores) -> None:
+        kl = scores.kl
         self.kl.append(kl.astype(np.float32).ravel())
         self.kl_sum += float(kl.sum())
         self.kl_sq += float(np.einsum("ij,ij->", kl, kl))
-        self.same_top += int(np.count_nonzero(base_logp.argmax(axis=-1) == model_logp.argmax(axis=-1)))
+        self.same_top += scores.same_top
         self.count += kl.size
-        self.base.add(token_nll(base_logits, targets))  # the model's own formula: equal models, equal ppl
+        self.base.add(scores.base_nll)
 
     def fill(self, res: PerplexityResult) -> None:
         res.kl, res.kl_err = mean_and_uncertainty(self.kl_sum, self.kl_sq, self.count)
@@ -179,13 +205,15 @@ class ChunkScorer:
     """Logits of the scored positions of n_seq chunks per forward pass, for one model.
 
     One compiled Program per number of sequences (the full batch, and a smaller one for the
-    last partial batch); weights are copied to the backend once and shared by both.
+    last partial batch). `weights` (name -> backend array) lets several scorers share one copy.
     """
 
-    def __init__(self, model, backend, ctx: int):
+    def __init__(self, model, backend, ctx: int, weights: Optional[dict] = None):
         self.model, self.backend, self.ctx = model, backend, ctx
         self.first = ctx // 2  # llama.cpp: logits from position n_ctx/2 on
-        self.weights = {name: backend.asarray(w) for name, w in model.weights.items()}
+        if weights is None:
+            weights = {name: backend.asarray(w) for name, w in model.weights.items()}
+        self.weights = weights
         self.pos = backend.asarray(np.arange(ctx, dtype=np.int32))
         self._programs: dict[int, object] = {}
 
@@ -208,6 +236,135 @@ class ChunkScorer:
         (out,) = self._program(tokens.shape[0]).run(tokens=self.backend.asarray(tokens), pos=self.pos)
         host = self.backend.to_numpy(out)
         return host.reshape(tokens.shape[0], self.ctx - self.first, -1)
+
+
+# ------------------------------------------------------------------------------------ cpu workers
+MAX_CPU_WORKERS = 4  # each worker holds its own activations and logits
+
+
+def cpu_workers(backend, requested: Optional[int], n_batches: int) -> int:
+    """How many forward passes run at once: one per core on the cpu backend, else one.
+
+    numpy runs elementwise kernels on one core, and OpenBLAS's own threads stall whenever the
+    machine is busy; one single-threaded pass per core keeps every core on useful work.
+    """
+    if requested is not None and requested < 1:
+        raise LlmtuneError(f"workers: must be positive (got {requested})")
+    if backend.name != "cpu" or (requested or 0) == 1 or not blas_threads.available():
+        return 1
+    n = requested or min(_n_cores(), MAX_CPU_WORKERS)
+    return max(1, min(n, n_batches))
+
+
+def _n_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def run_in_order(fn, make_state, items, n_workers: int):
+    """Yield fn(state, item) for each item in order, computed by n_workers threads.
+
+    Each thread owns one `make_state()` (its compiled programs and their buffers); BLAS runs
+    single-threaded meanwhile, so the threads do not compete for cores.
+    """
+    items = list(items)
+    if n_workers <= 1:
+        state = make_state()
+        for item in items:
+            yield fn(state, item)
+        return
+    states: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(n_workers):
+        states.put(None)  # built lazily, in the worker, so compiles run in parallel too
+
+    def task(item):
+        state = states.get()
+        try:
+            if state is None:
+                state = make_state()
+            return fn(state, item)
+        finally:
+            states.put(state)
+
+    pool = ThreadPoolExecutor(n_workers, thread_name_prefix="llmtune-ppl")
+    try:
+        with blas_threads(1):
+            futures = [pool.submit(task, item) for item in items]
+            for fut in futures:
+                yield fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _BlasThreads:
+    """Set OpenBLAS's thread count for a block (numpy's bundled OpenBLAS, found through ctypes)."""
+
+    _SYMBOLS = (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
+                ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+                ("openblas_get_num_threads", "openblas_set_num_threads"))
+
+    def __init__(self):
+        self._funcs = None
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved = 0
+
+    def _load(self):
+        if self._funcs is None:
+            self._funcs = ()
+            for lib in _loaded_openblas():
+                for get_name, set_name in self._SYMBOLS:
+                    if hasattr(lib, get_name) and hasattr(lib, set_name):
+                        self._funcs = (getattr(lib, get_name), getattr(lib, set_name))
+                        return self._funcs
+        return self._funcs
+
+    def available(self) -> bool:
+        return bool(self._load())
+
+    @contextmanager
+    def __call__(self, n: int):
+        funcs = self._load()
+        if not funcs:
+            yield
+            return
+        get, set_ = funcs
+        with self._lock:
+            if self._depth == 0:
+                self._saved = get()
+                set_(n)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    set_(self._saved)
+
+
+def _loaded_openblas() -> list:
+    """ctypes handles of the OpenBLAS libraries numpy has loaded (Linux: from /proc/self/maps)."""
+    import ctypes
+
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    paths = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and ".so" in line})
+    libs = []
+    for path in paths:
+        try:
+            libs.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return libs
+
+
+blas_threads = _BlasThreads()
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -291,11 +448,13 @@ def perplexity_from_ids(
     kl_base=None,
     progress: Optional[Callable[[PerplexityProgress], None]] = None,
     source: str = "",
+    workers: Optional[int] = None,
 ) -> PerplexityResult:
     """Perplexity of `model` (Model or GGUF path) over pre-tokenized `ids` (BOS first if the model adds one).
 
     `kl_base` (Model or path) adds KL(base || model) and top-token agreement on the same chunks.
-    `source` names the text in error messages.
+    `source` names the text in error messages. `workers`: forward passes run at once on the cpu
+    backend (default: one per core, up to 4); the numbers do not depend on it.
     """
     model = _as_model(model)
     base = _as_model(kl_base) if kl_base is not None else None
@@ -308,13 +467,14 @@ def perplexity_from_ids(
     backend = _as_backend(backend)
     n_seq = _seqs_per_pass(batch, ctx, backend.name, n_chunk)
     add_bos, bos = add_bos_of(model)
-
-    scorers = [ChunkScorer(model, backend, ctx)] + ([ChunkScorer(base, backend, ctx)] if base else [])
-    first = scorers[0].first
+    first = ctx // 2
     n_scored = ctx - 1 - first
-    sums, kl_sums = _NllSums(), (_KlSums() if base else None)
-    t0 = time.perf_counter()
-    for c0 in range(0, n_chunk, n_seq):
+    weights = [{n: backend.asarray(w) for n, w in m.weights.items()} for m in (model, base) if m is not None]
+
+    def make_scorers():
+        return [ChunkScorer(m, backend, ctx, w) for m, w in zip((model, base), weights)]
+
+    def score(scorers, c0: int) -> _BatchScores:
         n = min(n_seq, n_chunk - c0)
         window = ids[c0 * ctx:(c0 + n) * ctx].reshape(n, ctx)
         targets = window[:, first + 1:]  # position j predicts token j + 1
@@ -322,13 +482,22 @@ def perplexity_from_ids(
         if add_bos:
             tokens[:, 0] = bos
         logits = scorers[0].logits(tokens)[:, :n_scored]
+        if len(scorers) == 1:
+            return _BatchScores(token_nll(logits, targets))
+        base_logits = scorers[1].logits(tokens)[:, :n_scored]
+        return score_against_base(base_logits, logits, targets, token_nll(logits.copy(), targets))
+
+    n_workers = cpu_workers(backend, workers, -(-n_chunk // n_seq))
+    sums, kl_sums = _NllSums(), (_KlSums() if base else None)
+    t0 = time.perf_counter()
+    for c0, scores in zip(range(0, n_chunk, n_seq), run_in_order(score, make_scorers, range(0, n_chunk, n_seq), n_workers)):
+        sums.add(scores.nll)
         if kl_sums is not None:
-            kl_sums.add(scorers[1].logits(tokens)[:, :n_scored], logits, targets)
-        sums.add(token_nll(logits, targets))
+            kl_sums.add(scores)
         if progress is not None:
-            done = c0 + n
-            progress(PerplexityProgress(done, n_chunk, done * ctx, n_chunk * ctx,
-                                        sums.running_ppl(n_scored)[-1], time.perf_counter() - t0))
+            done = min(c0 + n_seq, n_chunk)
+            progress(PerplexityProgress(done, n_chunk, done * ctx, n_chunk * ctx, sums.current_ppl(),
+                                        time.perf_counter() - t0))
     seconds = time.perf_counter() - t0
     ppl, ppl_err = sums.estimate()
     res = PerplexityResult(
