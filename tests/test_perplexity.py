@@ -86,6 +86,19 @@ def test_batch_larger_than_ctx_gives_same_numbers(stories, ids):
     assert several.ppl_err == pytest.approx(one.ppl_err, rel=1e-6)
 
 
+def test_workers_give_same_numbers_and_restore_blas_threads(stories, ids):
+    from llmtune.eval.perplexity import blas_threads
+
+    if not blas_threads.available():
+        pytest.skip("numpy's BLAS is not OpenBLAS: one worker only")
+    get_threads = blas_threads._load()[0]
+    before = get_threads()
+    one = perplexity_from_ids(stories, ids, ctx=64, chunks=12, batch=128, workers=1)
+    three = perplexity_from_ids(stories, ids, ctx=64, chunks=12, batch=128, workers=3)  # 6 passes, 3 threads
+    np.testing.assert_allclose(three.chunks, one.chunks, rtol=1e-6)
+    assert get_threads() == before
+
+
 def test_kl_of_model_with_itself_is_zero(stories, ids, ref_run):
     res = perplexity_from_ids(stories, ids, ctx=128, chunks=8, kl_base=stories)
     assert res.kl == 0.0 and res.kl_max == 0.0 and res.kl_err == 0.0
@@ -101,7 +114,7 @@ def test_kl_against_perturbed_model(stories, ids):
     for name in ("output.weight", "blk.4.ffn_down.weight"):
         w = noisy.weights.get(name, noisy.weights["token_embd.weight"])
         w += rng.normal(0, 0.5 * w.std(), w.shape).astype(np.float32)
-    res = perplexity_from_ids(noisy, ids, ctx=ctx, chunks=n, kl_base=stories)
+    res = perplexity_from_ids(noisy, ids, ctx=ctx, chunks=n, kl_base=stories, batch=ctx)  # a pass per chunk
     first = ctx // 2
     base = _full_logits(stories, ids, ctx, n)[:, first:ctx - 1].astype(np.float64)
     model = _full_logits(noisy, ids, ctx, n)[:, first:ctx - 1].astype(np.float64)
