@@ -130,7 +130,7 @@ def test_kl_against_perturbed_model(stories, ids):
     assert res.kl_max == pytest.approx(kl.max(), rel=1e-4)
     assert res.same_top == pytest.approx(np.mean(lb.argmax(-1) == lm.argmax(-1)))
     assert 0 < res.same_top < 1
-    assert res.ppl_base == pytest.approx(perplexity_from_ids(stories, ids, ctx=ctx, chunks=n).ppl, rel=1e-9)
+    assert res.ppl_base == pytest.approx(perplexity_from_ids(stories, ids, ctx=ctx, chunks=n, batch=ctx).ppl, rel=1e-9)
 
 
 def test_text_file_is_tokenized_like_llamacpp(stories, ids):
