@@ -5,9 +5,12 @@ CPU-only install (no cupy, no driver) can import every llmtune module.
 
 The backend talks to the device through a small runtime object (`_CupyRuntime`): an array
 module `xp` (cupy), `launch` for the RawKernels in KERNEL_SOURCE, `gemm` for
-cublas<t>gemmStridedBatched, and host/device copies. Kernel semantics follow backends/cpu.py
-op for op. KERNEL_SOURCE is compiled once per float type, with `typedef <float|double> real;`
-in front, so float64 (gradient checks) costs nothing extra.
+cublas<t>gemmStridedBatched, and host/device copies; tests swap in a CPU emulator of the same
+interface (tests/cuda_emu.py). Kernel semantics follow backends/cpu.py op for op. KERNEL_SOURCE
+is compiled once per float type, with `typedef <float|double> real;` in front, so float64
+(gradient checks) costs nothing extra. Matmuls read transposed and permuted views in place
+through cuBLAS's transpose flags and batch strides (plan_gemm); `precision="tf32"|"bf16"` runs
+them on tensor cores with float32 accumulation.
 """
 
 from __future__ import annotations
