@@ -437,6 +437,11 @@ def test_cuda_without_device_is_a_one_line_user_error():
     assert isinstance(get_backend("auto"), CPUBackend)
 
 
+def test_reduced_precision_needs_cuda():
+    with pytest.raises(LlmtuneError, match="--precision bf16"):
+        get_backend("cpu", precision="bf16")
+
+
 def _views():
     """(label, array) operands: contiguous, transposed, permuted, sliced, batch-broadcast."""
     base = randn(2, 3, 5, 7)

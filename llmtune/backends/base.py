@@ -59,8 +59,13 @@ class Backend:
         raise NotImplementedError
 
 
-def get_backend(name: str = "cpu", dtype=np.float32) -> Backend:
-    """'cpu', 'cuda', or 'auto' (cuda when cupy sees a device, else cpu)."""
+def get_backend(name: str = "cpu", dtype=np.float32, precision: str = "f32") -> Backend:
+    """'cpu', 'cuda', or 'auto' (cuda when cupy sees a device, else cpu).
+
+    precision: matmul precision, "f32", or on cuda "tf32" / "bf16" (tensor cores, float32
+    accumulation and weights)."""
+    from llmtune.errors import LlmtuneError
+
     name = (name or "cpu").lower()
     if name == "auto":
         from llmtune.backends import cuda
@@ -69,11 +74,12 @@ def get_backend(name: str = "cpu", dtype=np.float32) -> Backend:
     if name == "cpu":
         from llmtune.backends.cpu import CPUBackend
 
+        if precision != "f32":
+            raise LlmtuneError(f"--precision {precision}: needs the cuda backend (cpu computes in f32)")
         return CPUBackend(dtype)
     if name == "cuda":
         from llmtune.backends.cuda import CUDABackend
 
-        return CUDABackend(dtype)
-    from llmtune.errors import LlmtuneError
+        return CUDABackend(dtype, precision=precision)
 
     raise LlmtuneError(f"--backend: unknown backend {name!r} (choose cpu, cuda or auto)")
