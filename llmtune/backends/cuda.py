@@ -522,11 +522,13 @@ class _CupyRuntime:
                 fn(*head, x, plan.ldx, plan.stride_x, y, plan.ldy, plan.stride_y,
                    zero.ctypes.data, c, plan.ldc, plan.stride_c, plan.batch)
                 continue
-            compute = {"tf32": cublas.CUBLAS_COMPUTE_32F_FAST_TF32, "bf16": cublas.CUBLAS_COMPUTE_32F_FAST_16BF}[precision]
-            r32 = self.xp.cuda.runtime.CUDA_R_32F
+            # cuBLAS enum values (cublasComputeType_t, cudaDataType_t, cublasGemmAlgo_t) as fallbacks
+            compute = {"tf32": getattr(cublas, "CUBLAS_COMPUTE_32F_FAST_TF32", 77),
+                       "bf16": getattr(cublas, "CUBLAS_COMPUTE_32F_FAST_16BF", 75)}[precision]
+            r32 = getattr(self.xp.cuda.runtime, "CUDA_R_32F", 0)
             cublas.gemmStridedBatchedEx(*head, x, r32, plan.ldx, plan.stride_x, y, r32, plan.ldy, plan.stride_y,
                                         zero.ctypes.data, c, r32, plan.ldc, plan.stride_c, plan.batch, compute,
-                                        cublas.CUBLAS_GEMM_DEFAULT)
+                                        getattr(cublas, "CUBLAS_GEMM_DEFAULT", -1))
 
     @staticmethod
     def ptr(a) -> int:
