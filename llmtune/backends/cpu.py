@@ -245,14 +245,37 @@ def log_softmax_rows(logits):
     return z
 
 
-def k_cross_entropy(out, logits, targets):
-    logits2 = logits.reshape(-1, logits.shape[-1])
-    t = targets.reshape(-1)
-    mx = logits2.max(axis=-1)
-    e = np.exp(logits2 - mx[:, None])
-    lse = np.log(e.sum(axis=-1)) + mx
-    out[...] = np.mean(lse - logits2[np.arange(t.size), t])
-    return out
+def _ce_kernel(scratch):
+    def k_cross_entropy(out, logits, targets):
+        """Mean of logsumexp - logit[target], through a reused scratch buffer: a fresh
+        [rows, vocab] temporary per call costs more in page faults than the exp itself."""
+        logits2 = logits.reshape(-1, logits.shape[-1])
+        t = targets.reshape(-1)
+        ws = scratch.get(logits2.shape, logits2.dtype)
+        mx = logits2.max(axis=-1, keepdims=True)
+        np.subtract(logits2, mx, out=ws)
+        np.exp(ws, out=ws)
+        lse = np.log(ws.sum(axis=-1)) + mx[:, 0]
+        out[...] = np.mean(lse - logits2[np.arange(t.size), t])
+        return out
+
+    return k_cross_entropy
+
+
+class _Scratch:
+    """One reusable buffer per (shape, dtype) for kernels that need a temporary."""
+
+    def __init__(self):
+        self._bufs = {}
+
+    def get(self, shape, dtype):
+        key = (tuple(shape), np.dtype(dtype).str)
+        buf = self._bufs.get(key)
+        if buf is None:
+            if len(self._bufs) > 8:
+                self._bufs.clear()
+            buf = self._bufs[key] = np.empty(shape, dtype)
+        return buf
 
 
 def k_cross_entropy_back(out, logits, targets, g):
@@ -282,6 +305,7 @@ class CPUBackend(Backend):
         }
         self.kernels["rope"] = _rope_kernel(_RopeCache())
         self.kernels["softmax_causal"] = _softmax_kernel(_MaskCache())
+        self.kernels["cross_entropy"] = _ce_kernel(_Scratch())
 
     def asarray(self, host, dtype=None):
         host = np.asarray(host)
@@ -294,7 +318,9 @@ class CPUBackend(Backend):
         return np.zeros(shape, dtype=dtype or self.dtype)
 
     def arena(self, nbytes):
-        return np.empty(max(int(nbytes), 1), dtype=np.uint8)
+        raw = np.empty(max(int(nbytes), 1) + 64, dtype=np.uint8)
+        start = -raw.ctypes.data % 64  # 64-byte (cache line / AVX-512) alignment for every planned view
+        return raw[start : start + max(int(nbytes), 1)]
 
     def view(self, arena, shape, dtype, offset=0):
         dtype = np.dtype(dtype)

@@ -94,7 +94,7 @@ class Program:
                 alloc.free(offset_of[o], size_of[o])
         self.memory = MemoryReport(alloc.high_water, naive, len(order))
         arena = self.backend.arena(alloc.high_water)
-        self._steps = []
+        self._steps, self._assign_steps = [], []
         for n in order:
             if n.is_leaf:
                 continue
@@ -105,7 +105,11 @@ class Program:
             if kernel is None:
                 raise NotImplementedError(f"backend {self.backend.name} has no kernel for op {n.op!r}")
             ins = tuple(inp.id for inp in n.inputs)
-            self._steps.append((n.id, kernel, out, ins, n.attrs, self.accumulate.get(n)))
+            sink = self.accumulate.get(n)
+            self._steps.append((n.id, kernel, out, ins, n.attrs, sink))
+            # assign mode: a sink computed into its own buffer writes straight into the target
+            direct = sink is not None and out is not None and tuple(sink.shape) == n.shape
+            self._assign_steps.append((n.id, kernel, sink if direct else out, ins, n.attrs, None if direct else sink))
 
     def _inplace_source(self, n: Node, i: int, owner, last_use):
         """An input buffer this elementwise op may overwrite: same shape, dies here, not a view."""
@@ -117,19 +121,29 @@ class Program:
         return src.id if last_use.get(src.id) == i else None
 
     # ------------------------------------------------------------------ execution
-    def run(self, **inputs) -> list:
-        """Bind inputs by name, execute, return the output arrays (valid until the next run)."""
+    def run(self, *, assign: bool = False, **inputs) -> list:
+        """Bind inputs by name, execute, return the output arrays (valid until the next run).
+
+        Accumulate targets receive `+= value`; with assign=True they receive `= value` instead
+        (the first micro-batch of a step), mostly by computing straight into them."""
         vals = dict(self._leaf_values)
         for name, node in self.inputs.items():
             if name not in inputs:
                 raise ValueError(f"missing input {name!r}")
             vals[node.id] = inputs[name]
-        accumulate = self.backend.accumulate
-        for nid, kernel, out, ins, attrs, sink in self._steps:
-            val = kernel(out, *[vals[j] for j in ins], **attrs)
-            vals[nid] = val
-            if sink is not None:
-                accumulate(sink, val)
+        if assign:
+            for nid, kernel, out, ins, attrs, sink in self._assign_steps:
+                val = kernel(out, *[vals[j] for j in ins], **attrs)
+                vals[nid] = val
+                if sink is not None:
+                    sink[...] = val
+        else:
+            accumulate = self.backend.accumulate
+            for nid, kernel, out, ins, attrs, sink in self._steps:
+                val = kernel(out, *[vals[j] for j in ins], **attrs)
+                vals[nid] = val
+                if sink is not None:
+                    accumulate(sink, val)
         return [vals[n.id] for n in self.outputs]
 
 

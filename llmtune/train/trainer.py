@@ -99,6 +99,7 @@ class Trainer:
         correct = ops.count_correct(logits, targets)
         grads = grad(loss, [nodes[n] for n in self.trainable], seed=loss_scale)
         sinks = {grads[nodes[n]]: self.grads[n] for n in self.trainable if nodes[n] in grads}
+        # a trainable tensor the loss does not reach keeps a zero gradient (flat_g starts zeroed)
         return Program([loss, correct], self.backend, params=self._bind(nodes), accumulate=sinks)
 
     def _eval_program(self, n_seq: int) -> Program:
@@ -133,13 +134,13 @@ class Trainer:
         """One optimizer step over n_batch tokens (inputs/targets: [n_batch/n_ctx, n_ctx]).
         Returns the step's mean loss."""
         be = self.backend
-        self.flat_g[...] = 0
         scale = be.asarray(np.asarray(1.0 / self.ubatches_per_step, dtype=be.dtype))
         step_losses = []
         k = self.seqs_per_ubatch
         for u in range(self.ubatches_per_step):
             feed = self._feed(inputs[u * k : (u + 1) * k], targets[u * k : (u + 1) * k])
-            loss, correct = self._train_prog.run(loss_scale=scale, **feed)
+            # the first pass assigns the gradients, later ones add to them
+            loss, correct = self._train_prog.run(loss_scale=scale, assign=u == 0, **feed)
             loss_v = float(be.to_numpy(loss))
             stats.add(loss_v, int(be.to_numpy(correct)), self.n_ubatch)
             step_losses.append(loss_v)
