@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from llmtune.errors import LlmtuneError
 
@@ -84,12 +85,11 @@ def finetune(
     no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Keep the training windows in file order."),
     metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON record per step and per validation pass here.", show_default=False),
     backend: Optional[str] = typer.Option(None, "--backend", help="cpu, cuda or auto. [default: cpu]", show_default=False),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights). [default: f32]", show_default=False),
 ):
     """Train a GGUF model on your text and write a GGUF that llama.cpp loads unchanged.
 
-    Windows of --ctx+1 tokens are taken every --ctx/2 tokens; the last --val-split of them
-    validate. Loss is the mean next-token cross-entropy; each epoch reports train and validation
-    loss and accuracy with standard errors.
+    Windows of --ctx+1 tokens are taken every --ctx/2 tokens; the last --val-split of them validate. Loss is the mean next-token cross-entropy; each epoch reports train and validation loss and accuracy with standard errors.
 
     Example: llmtune finetune model.gguf notes.txt -o tuned.gguf --ctx 256 --epochs 2 --lr 1e-4
     """
@@ -99,7 +99,7 @@ def finetune(
     settings = dict(ctx=ctx, batch=batch, ubatch=ubatch, epochs=epochs, lr=lr, lr_min=lr_min,
                     decay_epochs=decay_epochs, warmup=warmup, wd=wd, optimizer=optimizer, val_split=val_split,
                     params=params, seed=seed, shuffle=False if no_shuffle else None,
-                    metrics=str(metrics) if metrics else None, backend=backend)
+                    metrics=str(metrics) if metrics else None, backend=backend, precision=precision)
     with FinetuneReporter(out, err) as reporter:
         run_finetune(model, data, output, config_file=config, callback=reporter, **settings)
 
@@ -201,7 +201,7 @@ def main() -> None:
     try:
         app()
     except LlmtuneError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -31,6 +31,7 @@ class FinetuneConfig:
     seed: int = 42
     shuffle: bool = True
     backend: str = "cpu"  # cpu | cuda | auto
+    precision: str = "f32"  # matmul precision: f32, or on cuda tf32 / bf16 (f32 master weights)
     metrics: Optional[str] = None  # JSONL path: one record per step and per validation pass
 
     def resolved(self) -> "FinetuneConfig":
@@ -46,6 +47,8 @@ class FinetuneConfig:
             raise LlmtuneError(f"--val-split: must be in [0, 1), got {c.val_split}")
         if c.wd < 0:
             raise LlmtuneError(f"--wd: must be >= 0, got {c.wd}")
+        if c.precision not in ("f32", "tf32", "bf16"):
+            raise LlmtuneError(f"--precision: unknown precision {c.precision!r} (choose f32, tf32 or bf16)")
         if c.warmup < 0:
             raise LlmtuneError(f"--warmup: must be >= 0, got {c.warmup}")
         return c

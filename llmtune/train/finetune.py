@@ -102,7 +102,7 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
     """Train `model_path` on `data_path` and write the result to `out_path`.
 
     settings: any FinetuneConfig field (ctx, batch, ubatch, epochs, lr, lr_min, decay_epochs,
-    warmup, wd, optimizer, val_split, params, seed, shuffle, backend, metrics); None means
+    warmup, wd, optimizer, val_split, params, seed, shuffle, backend, precision, metrics); None means
     "take it from config_file or the default". callback(event, info) receives "start", "step",
     "epoch" and "saved" events (the CLI renders them)."""
     cfg = make_config(config_file, **settings)
@@ -122,7 +122,7 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
             f"{data_path}: {dataset.n_train} training window(s) of {cfg.ctx} tokens cannot fill one batch of "
             f"{cfg.batch} tokens (lower --batch or --ctx)"
         )
-    backend = get_backend(cfg.backend)
+    backend = get_backend(cfg.backend, precision=cfg.precision)
     trainable = model.select(cfg.params)
     trainer = Trainer(model, backend, n_ctx=cfg.ctx, n_batch=cfg.batch, n_ubatch=cfg.ubatch,
                       trainable=trainable, optimizer=cfg.optimizer, wd=cfg.wd)
