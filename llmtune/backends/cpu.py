@@ -245,21 +245,43 @@ def log_softmax_rows(logits):
     return z
 
 
-def _ce_kernel(scratch):
-    def k_cross_entropy(out, logits, targets):
-        """Mean of logsumexp - logit[target], through a reused scratch buffer: a fresh
-        [rows, vocab] temporary per call costs more in page faults than the exp itself."""
+class _CrossEntropy:
+    """Fused softmax + cross-entropy. The forward leaves softmax(logits) in a reused scratch
+    buffer (a fresh [rows, vocab] temporary costs more in page faults than the exp itself) and
+    the backward of the same logits consumes it instead of recomputing four passes."""
+
+    def __init__(self, scratch):
+        self.scratch = scratch
+        self.probs_of = None  # (address, shape) of the logits whose softmax the scratch holds
+
+    def forward(self, out, logits, targets):
         logits2 = logits.reshape(-1, logits.shape[-1])
         t = targets.reshape(-1)
-        ws = scratch.get(logits2.shape, logits2.dtype)
+        probs = self.scratch.get(logits2.shape, logits2.dtype)
         mx = logits2.max(axis=-1, keepdims=True)
-        np.subtract(logits2, mx, out=ws)
-        np.exp(ws, out=ws)
-        lse = np.log(ws.sum(axis=-1)) + mx[:, 0]
+        np.subtract(logits2, mx, out=probs)
+        np.exp(probs, out=probs)
+        total = probs.sum(axis=-1, keepdims=True)
+        probs /= total
+        lse = np.log(total[:, 0]) + mx[:, 0]
         out[...] = np.mean(lse - logits2[np.arange(t.size), t])
+        self.probs_of = (logits.__array_interface__["data"][0], logits.shape)
         return out
 
-    return k_cross_entropy
+    def backward(self, out, logits, targets, g):
+        logits2 = logits.reshape(-1, logits.shape[-1])
+        o2 = out.reshape(logits2.shape)
+        t = targets.reshape(-1)
+        if self.probs_of == (logits.__array_interface__["data"][0], logits.shape):
+            np.copyto(o2, self.scratch.get(logits2.shape, logits2.dtype))
+            self.probs_of = None
+        else:
+            np.subtract(logits2, logits2.max(axis=-1, keepdims=True), out=o2)
+            np.exp(o2, out=o2)
+            o2 /= o2.sum(axis=-1, keepdims=True)
+        o2[np.arange(t.size), t] -= 1.0
+        o2 *= g / t.size
+        return out
 
 
 class _Scratch:
@@ -278,18 +300,6 @@ class _Scratch:
         return buf
 
 
-def k_cross_entropy_back(out, logits, targets, g):
-    logits2 = logits.reshape(-1, logits.shape[-1])
-    o2 = out.reshape(logits2.shape)
-    t = targets.reshape(-1)
-    np.subtract(logits2, logits2.max(axis=-1, keepdims=True), out=o2)
-    np.exp(o2, out=o2)
-    o2 /= o2.sum(axis=-1, keepdims=True)
-    o2[np.arange(t.size), t] -= 1.0
-    o2 *= g / t.size
-    return out
-
-
 def k_count_correct(out, logits, targets):
     out[...] = np.count_nonzero(logits.argmax(axis=-1) == targets)
     return out
@@ -305,7 +315,9 @@ class CPUBackend(Backend):
         }
         self.kernels["rope"] = _rope_kernel(_RopeCache())
         self.kernels["softmax_causal"] = _softmax_kernel(_MaskCache())
-        self.kernels["cross_entropy"] = _ce_kernel(_Scratch())
+        ce = _CrossEntropy(_Scratch())
+        self.kernels["cross_entropy"] = ce.forward
+        self.kernels["cross_entropy_back"] = ce.backward
 
     def asarray(self, host, dtype=None):
         host = np.asarray(host)
