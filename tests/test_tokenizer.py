@@ -283,7 +283,7 @@ def test_cli_ids_from_stdin_and_no_bos():
     assert json.loads(result.output) == tok.encode("hi <s>", parse_special=True)  # llama-tokenize parses <s>
 
 
-@pytest.mark.parametrize("content, problem", [(None, "no such file"), (b"ok \xff\xfe", "not UTF-8 text")])
+@pytest.mark.parametrize("content, problem", [(None, "no such file"), (b"ok \xff\xfe", "not valid UTF-8 text")])
 def test_cli_bad_input_is_one_line_error(tmp_path, content, problem):
     src = tmp_path / "in.txt"
     if content is not None:

@@ -603,7 +603,10 @@ def read_text(path: str | Path | None) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise LlmtuneError(f"{name}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})") from None
+        line = data[: exc.start].count(b"\n") + 1
+        raise LlmtuneError(
+            f"{name}:{line}: not valid UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        ) from None
 
 
 def format_pieces(tok: Tokenizer, ids: Sequence[int]) -> bytes:

@@ -10,21 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-
-
-def read_text(path: str | Path) -> str:
-    """A UTF-8 text file, with one-line errors for the usual problems."""
-    path = Path(path)
-    if not path.exists():
-        raise LlmtuneError(f"{path}: no such file")
-    if path.is_dir():
-        raise LlmtuneError(f"{path}: is a directory, not a text file")
-    raw = path.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise LlmtuneError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+from llmtune.model.tokenizer import read_text
 
 
 def load_documents(path: str | Path) -> tuple[list[str], bool]:
