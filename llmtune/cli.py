@@ -159,7 +159,7 @@ def perplexity_cmd(
     model: Path = ModelArg,
     text: Path = typer.Argument(..., help="UTF-8 text file (.gz allowed), e.g. wikitext-2-raw/wiki.test.raw.", show_default=False),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Tokens per chunk (llama-perplexity -c)."),
-    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass; a multiple of --ctx evaluates that many chunks at once. [default: 2048 on cpu]", show_default=False),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass; a multiple of --ctx evaluates that many chunks at once. [default: 1024 on cpu, one pass per core]", show_default=False),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate only the first N chunks. [default: all]", show_default=False),
     backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results (running values, ppl, error, tokens/s) as JSON here.", show_default=False),

@@ -46,6 +46,14 @@ def test_running_values_match_llamacpp(ref_run):
     assert ref_run.tokens_per_s > 0 and ref_run.kl is None
 
 
+def test_whole_file_matches_llamacpp(stories, ids):
+    # llama-perplexity -c 128 over all 6458 chunks: PPL = 154.7236 +/- 1.02369
+    res = perplexity_from_ids(stories, ids, ctx=128)
+    assert len(res.chunks) == ids.size // 128 == 6458
+    assert res.ppl == pytest.approx(154.7236, rel=1e-4)
+    assert res.ppl_err == pytest.approx(1.02369, rel=1e-3)
+
+
 def test_scores_second_half_of_each_chunk(stories, ids):
     """Independent float64 recomputation of two chunks from full logits, BOS at each chunk start."""
     ctx = 16

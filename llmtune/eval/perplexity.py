@@ -37,7 +37,7 @@ import numpy as np
 
 from llmtune.errors import LlmtuneError
 
-DEFAULT_BATCH_TOKENS = {"cpu": 2048}  # tokens per forward pass when --batch is not given
+DEFAULT_BATCH_TOKENS = {"cpu": 1024}  # tokens per forward pass (one per core) when --batch is not given
 DEFAULT_BATCH_TOKENS_OTHER = 8192  # accelerators amortise launches over bigger batches
 MIN_CTX = 3  # n_ctx/2 .. n_ctx-2 must hold at least one scored position
 
