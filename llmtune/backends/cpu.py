@@ -236,15 +236,6 @@ def k_softmax_back(out, y, g, scale):
     return out
 
 
-def log_softmax_rows(logits):
-    """(logits - logsumexp) per row, computed in the logits' dtype."""
-    mx = logits.max(axis=-1, keepdims=True)
-    z = logits - mx
-    lse = np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    z -= lse
-    return z
-
-
 class _CrossEntropy:
     """Fused softmax + cross-entropy. The forward leaves softmax(logits) in a reused scratch
     buffer (a fresh [rows, vocab] temporary costs more in page faults than the exp itself) and
