@@ -15,6 +15,8 @@ KL(base || model) and whether both put their highest logit on the same token
 
 Several chunks are evaluated per forward pass (`batch` tokens, a multiple of ctx); the graph
 computes logits only for positions n_ctx/2.. of each chunk, which skips half of the output head.
+On the cpu backend one pass runs per core (threads, OpenBLAS single-threaded meanwhile); passes
+are merged in chunk order, so the numbers never depend on the number of workers.
 """
 
 from __future__ import annotations
