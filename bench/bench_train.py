@@ -141,23 +141,24 @@ def main(argv):
         quality()
     if "graph" in what:
         print("## graph: stories260K")
-        r = run("train", STORIES, 256, 256, 256, 5)
+        r = run("train", STORIES, 256, 256, 256, 3)
         print(f"training graph ctx 256: planned buffers {r['planned_mib']:.1f} MiB vs sum of intermediates "
               f"{r['naive_mib']:.1f} MiB ({r['planned_mib'] / r['naive_mib']:.0%})")
         for batch in (128, 2048):
-            f = run("forward", STORIES, 128, batch, batch, 10)
+            f = run("forward", STORIES, 128, batch, batch, 30)
             print(f"forward ctx 128, {batch // 128} seq/pass: {f['tokens_per_s']:,.0f} tokens/s ({f['ms_per_pass']:.1f} ms/pass)")
     if "train" in what:
         peak = sgemm_peak()
         print(f"## train (numpy sgemm peak in this run: {peak:.0f} GFLOP/s)")
         with tempfile.TemporaryDirectory() as tmp:
             cases = [("stories260K", STORIES, 256, 256, 256), ("stories260K", STORIES, 256, 1024, 1024),
-                     ("llama-15m", model_15m(Path(tmp)), 256, 256, 256), ("llama-15m", None, 256, 512, 512)]
+                     ("llama-15m", model_15m(Path(tmp)), 256, 256, 256), ("llama-15m", None, 256, 512, 512),
+                     ("llama-15m", None, 256, 2048, 512)]
             last = None
             for name, path, ctx, batch, ubatch in cases:
                 path = path or last
                 last = path
-                r = run("train", path, ctx, batch, ubatch, 5)
+                r = run("train", path, ctx, batch, ubatch, 20 if "stories" in name else (3 if batch > 1024 else 6))
                 print(f"{name:12s} ctx {ctx} batch {batch:5d} ubatch {ubatch:5d}: {r['tokens_per_s']:8,.0f} tokens/s, "
                       f"{r['gflops']:6.1f} GFLOP/s ({r['gflops'] / peak:.0%} of sgemm peak), "
                       f"activations {r['planned_mib']:.0f} MiB, peak RSS {r['peak_rss_mib']:.0f} MiB")
