@@ -164,6 +164,7 @@ def perplexity_cmd(
     backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results (running values, ppl, error, tokens/s) as JSON here.", show_default=False),
     kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report KL-divergence (base || model) and top-token agreement.", show_default=False),
+    precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
 ):
     """Perplexity over a text file, number for number as llama.cpp's llama-perplexity computes it.
 
@@ -190,7 +191,7 @@ def perplexity_cmd(
                        rate=f"{p.tokens_done / max(p.seconds, 1e-9):,.0f} tok/s")
 
         result = perplexity(model, text, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
-                            kl_base=kl_base, progress=on_progress)
+                            kl_base=kl_base, progress=on_progress, precision=precision)
     out.print(format_report(result), highlight=False, soft_wrap=True)
     if json_out is not None:
         write_json(result, json_out, model, text, *([kl_base] if kl_base else []))

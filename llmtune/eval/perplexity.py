@@ -401,10 +401,10 @@ def _as_model(model_or_path):
     return model_or_path if isinstance(model_or_path, Model) else load_model(model_or_path)
 
 
-def _as_backend(backend):
+def _as_backend(backend, precision: str = "f32"):
     from llmtune.backends.base import Backend, get_backend
 
-    return backend if isinstance(backend, Backend) else get_backend(backend)
+    return backend if isinstance(backend, Backend) else get_backend(backend, precision=precision)
 
 
 def check_same_vocab(model, base) -> None:
@@ -449,6 +449,7 @@ def perplexity_from_ids(
     backend="cpu",
     kl_base=None,
     progress: Optional[Callable[[PerplexityProgress], None]] = None,
+    precision: str = "f32",
     source: str = "",
     workers: Optional[int] = None,
 ) -> PerplexityResult:
@@ -466,7 +467,7 @@ def perplexity_from_ids(
     n_chunk = _check_args(ids, ctx, chunks, source)
     if ids.min() < 0 or ids.max() >= model.hp.n_vocab:
         raise LlmtuneError(f"{source or 'ids'}: token ids outside the vocabulary of {model.path.name}")
-    backend = _as_backend(backend)
+    backend = _as_backend(backend, precision)
     n_seq = _seqs_per_pass(batch, ctx, backend.name, n_chunk)
     add_bos, bos = add_bos_of(model)
     first = ctx // 2
@@ -527,13 +528,14 @@ def perplexity(
     backend="cpu",
     kl_base=None,
     progress: Optional[Callable[[PerplexityProgress], None]] = None,
+    precision: str = "f32",
 ) -> PerplexityResult:
     """llama-perplexity over a text file: see the module docstring and `perplexity_from_ids`."""
     text = read_text(text_path)  # a missing text fails before the (slower) model load
     model = _as_model(model_path)
     ids = tokenize(model, text)
     return perplexity_from_ids(model, ids, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
-                               kl_base=kl_base, progress=progress, source=str(text_path))
+                               kl_base=kl_base, progress=progress, precision=precision, source=str(text_path))
 
 
 def write_json(result: PerplexityResult, path, *inputs) -> Path:
