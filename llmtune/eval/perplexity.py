@@ -21,23 +21,20 @@ are merged in chunk order, so the numbers never depend on the number of workers.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
-import queue
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from llmtune.backends.threads import blas_threads, n_cores, run_in_order
 from llmtune.errors import LlmtuneError
+from llmtune.model.tokenizer import read_text
 
 DEFAULT_BATCH_TOKENS = {"cpu": 1024}  # tokens per forward pass (one per core) when --batch is not given
 DEFAULT_BATCH_TOKENS_OTHER = 8192  # accelerators amortise launches over bigger batches
@@ -254,119 +251,8 @@ def cpu_workers(backend, requested: Optional[int], n_batches: int) -> int:
         raise LlmtuneError(f"workers: must be positive (got {requested})")
     if backend.name != "cpu" or (requested or 0) == 1 or not blas_threads.available():
         return 1
-    n = requested or min(_n_cores(), MAX_CPU_WORKERS)
+    n = requested or min(n_cores(), MAX_CPU_WORKERS)
     return max(1, min(n, n_batches))
-
-
-def _n_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def run_in_order(fn, make_state, items, n_workers: int):
-    """Yield fn(state, item) for each item in order, computed by n_workers threads.
-
-    Each thread owns one `make_state()` (its compiled programs and their buffers); BLAS runs
-    single-threaded meanwhile, so the threads do not compete for cores.
-    """
-    items = list(items)
-    if n_workers <= 1:
-        state = make_state()
-        for item in items:
-            yield fn(state, item)
-        return
-    states: queue.SimpleQueue = queue.SimpleQueue()
-    for _ in range(n_workers):
-        states.put(None)  # built lazily, in the worker, so compiles run in parallel too
-
-    def task(item):
-        state = states.get()
-        try:
-            if state is None:
-                state = make_state()
-            return fn(state, item)
-        finally:
-            states.put(state)
-
-    pool = ThreadPoolExecutor(n_workers, thread_name_prefix="llmtune-ppl")
-    try:
-        with blas_threads(1):
-            futures = [pool.submit(task, item) for item in items]
-            for fut in futures:
-                yield fut.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _BlasThreads:
-    """Set OpenBLAS's thread count for a block (numpy's bundled OpenBLAS, found through ctypes)."""
-
-    _SYMBOLS = (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-                ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
-                ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
-                ("openblas_get_num_threads", "openblas_set_num_threads"))
-
-    def __init__(self):
-        self._funcs = None
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._saved = 0
-
-    def _load(self):
-        if self._funcs is None:
-            self._funcs = ()
-            for lib in _loaded_openblas():
-                for get_name, set_name in self._SYMBOLS:
-                    if hasattr(lib, get_name) and hasattr(lib, set_name):
-                        self._funcs = (getattr(lib, get_name), getattr(lib, set_name))
-                        return self._funcs
-        return self._funcs
-
-    def available(self) -> bool:
-        return bool(self._load())
-
-    @contextmanager
-    def __call__(self, n: int):
-        funcs = self._load()
-        if not funcs:
-            yield
-            return
-        get, set_ = funcs
-        with self._lock:
-            if self._depth == 0:
-                self._saved = get()
-                set_(n)
-            self._depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    set_(self._saved)
-
-
-def _loaded_openblas() -> list:
-    """ctypes handles of the OpenBLAS libraries numpy has loaded (Linux: from /proc/self/maps)."""
-    import ctypes
-
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return []
-    paths = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and ".so" in line})
-    libs = []
-    for path in paths:
-        try:
-            libs.append(ctypes.CDLL(path))
-        except OSError:
-            continue
-    return libs
-
-
-blas_threads = _BlasThreads()
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -376,23 +262,6 @@ def add_bos_of(model) -> tuple[bool, int]:
     if tok.add_bos and tok.bos_id is None:
         raise LlmtuneError(f"{model.path}: the tokenizer adds BOS but the file names no BOS token")
     return bool(tok.add_bos), -1 if tok.bos_id is None else int(tok.bos_id)
-
-
-def read_text(path) -> str:
-    """The text file's contents (gzip-compressed when the name ends in .gz)."""
-    path = Path(path)
-    if not path.exists():
-        raise LlmtuneError(f"{path}: no such file")
-    if path.is_dir():
-        raise LlmtuneError(f"{path}: is a directory, not a text file")
-    try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
-        raise LlmtuneError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise LlmtuneError(f"{path}: not UTF-8 text (byte {exc.start})") from None
 
 
 def _as_model(model_or_path):

@@ -16,6 +16,8 @@ Ids are plain Python ints; a missing special token id is None.
 
 from __future__ import annotations
 
+import gzip
+
 import re
 import sys
 from dataclasses import dataclass
@@ -586,7 +588,8 @@ def _byte_lookup(token_to_id: dict[str, int], source: str):
 
 
 def read_text(path: str | Path | None) -> str:
-    """UTF-8 text of a file, or of stdin for None / "-"; unreadable input is a one-line error."""
+    """UTF-8 text of a file (gunzipped when its name ends in .gz), or of stdin for None / "-";
+    unreadable input is a one-line error."""
     if path is None or str(path) == "-":
         name, data = "<stdin>", sys.stdin.buffer.read()
     else:
@@ -597,9 +600,9 @@ def read_text(path: str | Path | None) -> str:
         if p.is_dir():
             raise LlmtuneError(f"{name}: is a directory, not a text file")
         try:
-            data = p.read_bytes()
-        except OSError as exc:
-            raise LlmtuneError(f"{name}: cannot read ({exc.strerror})") from None
+            data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+            raise LlmtuneError(f"{name}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -1,0 +1,126 @@
+"""CPU parallelism: one single-threaded computation per core.
+
+numpy runs elementwise kernels on one core, and OpenBLAS's own threads spin and stall whenever
+the machine is busy; independent work items (forward passes, micro-batches) run one per core
+with BLAS single-threaded keep every core on useful work.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def n_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def run_in_order(fn, make_state, items, n_workers: int):
+    """Yield fn(state, item) for each item in order, computed by n_workers threads.
+
+    Each thread owns one `make_state()` (its compiled programs and their buffers); BLAS runs
+    single-threaded meanwhile, so the threads do not compete for cores.
+    """
+    items = list(items)
+    if n_workers <= 1:
+        state = make_state()
+        for item in items:
+            yield fn(state, item)
+        return
+    states: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(n_workers):
+        states.put(None)  # built lazily, in the worker, so compiles run in parallel too
+
+    def task(item):
+        state = states.get()
+        try:
+            if state is None:
+                state = make_state()
+            return fn(state, item)
+        finally:
+            states.put(state)
+
+    pool = ThreadPoolExecutor(n_workers, thread_name_prefix="llmtune-ppl")
+    try:
+        with blas_threads(1):
+            futures = [pool.submit(task, item) for item in items]
+            for fut in futures:
+                yield fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _BlasThreads:
+    """Set OpenBLAS's thread count for a block (numpy's bundled OpenBLAS, found through ctypes)."""
+
+    _SYMBOLS = (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+                ("scipy_openblas_get_num_threads", "scipy_openblas_set_num_threads"),
+                ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
+                ("openblas_get_num_threads", "openblas_set_num_threads"))
+
+    def __init__(self):
+        self._funcs = None
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved = 0
+
+    def _load(self):
+        if self._funcs is None:
+            self._funcs = ()
+            for lib in _loaded_openblas():
+                for get_name, set_name in self._SYMBOLS:
+                    if hasattr(lib, get_name) and hasattr(lib, set_name):
+                        self._funcs = (getattr(lib, get_name), getattr(lib, set_name))
+                        return self._funcs
+        return self._funcs
+
+    def available(self) -> bool:
+        return bool(self._load())
+
+    @contextmanager
+    def __call__(self, n: int):
+        funcs = self._load()
+        if not funcs:
+            yield
+            return
+        get, set_ = funcs
+        with self._lock:
+            if self._depth == 0:
+                self._saved = get()
+                set_(n)
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    set_(self._saved)
+
+
+def _loaded_openblas() -> list:
+    """ctypes handles of the OpenBLAS libraries numpy has loaded (Linux: from /proc/self/maps)."""
+    import ctypes
+
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    paths = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and ".so" in line})
+    libs = []
+    for path in paths:
+        try:
+            libs.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return libs
+
+
+blas_threads = _BlasThreads()
