@@ -5,6 +5,8 @@ Kernels write into planned `out` buffers and avoid temporaries where numpy allow
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from llmtune.backends.base import Backend
@@ -239,11 +241,26 @@ def k_softmax_back(out, y, g, scale):
 class _CrossEntropy:
     """Fused softmax + cross-entropy. The forward leaves softmax(logits) in a reused scratch
     buffer (a fresh [rows, vocab] temporary costs more in page faults than the exp itself) and
-    the backward of the same logits consumes it instead of recomputing four passes."""
+    the backward of the same logits consumes it instead of recomputing four passes.
+    State is per thread: programs may run concurrently on one backend (one per core)."""
 
-    def __init__(self, scratch):
-        self.scratch = scratch
-        self.probs_of = None  # (address, shape) of the logits whose softmax the scratch holds
+    def __init__(self):
+        self._local = threading.local()
+
+    @property
+    def scratch(self):
+        local = self._local
+        if not hasattr(local, "scratch"):
+            local.scratch = _Scratch()
+        return local.scratch
+
+    @property
+    def probs_of(self):  # (address, shape) of the logits whose softmax the scratch holds
+        return getattr(self._local, "probs_of", None)
+
+    @probs_of.setter
+    def probs_of(self, key):
+        self._local.probs_of = key
 
     def forward(self, out, logits, targets):
         logits2 = logits.reshape(-1, logits.shape[-1])
@@ -306,7 +323,7 @@ class CPUBackend(Backend):
         }
         self.kernels["rope"] = _rope_kernel(_RopeCache())
         self.kernels["softmax_causal"] = _softmax_kernel(_MaskCache())
-        ce = _CrossEntropy(_Scratch())
+        ce = _CrossEntropy()
         self.kernels["cross_entropy"] = ce.forward
         self.kernels["cross_entropy_back"] = ce.backward
 

@@ -5,10 +5,12 @@ n_ctx tokens per sequence, n_batch tokens per optimizer step, n_ubatch tokens pe
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from llmtune.backends.threads import blas_threads, n_cores, run_in_order
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
@@ -51,8 +53,13 @@ class RunningStats:
 
 
 class Trainer:
+    MAX_WORKERS = 4  # each worker holds its own activations and gradient buffer
+
     def __init__(self, model: Model, backend, *, n_ctx: int, n_batch: int, n_ubatch: int,
-                 trainable: list[str], optimizer: str = "adamw", wd: float = 0.0):
+                 trainable: list[str], optimizer: str = "adamw", wd: float = 0.0, workers: int | None = None):
+        """workers: micro-batches computed at once (cpu: by default one per core when a step
+        has several, each with single-threaded BLAS). The result does not depend on it beyond
+        float rounding."""
         if n_batch % n_ctx or n_ubatch % n_ctx or n_batch % n_ubatch:
             raise LlmtuneError(
                 f"--batch {n_batch} / --ubatch {n_ubatch}: both must be multiples of --ctx {n_ctx}, and ubatch must divide batch"
@@ -62,10 +69,25 @@ class Trainer:
         self.seqs_per_ubatch = n_ubatch // n_ctx
         self.ubatches_per_step = n_batch // n_ubatch
         self.trainable = list(trainable)
+        self._requested_workers = workers
+        self.n_workers = self._pick_workers(workers, self.ubatches_per_step)
         self._init_buffers()
         self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd)
-        self._train_prog = self._build_train_program()
+        # worker 0 accumulates into flat_g, the others into buffers of their own, summed per step
+        self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
+        self._train_progs = [self._build_train_program(self._flat_views(g)) for g in self._worker_flat_g]
+        self._train_prog = self._train_progs[0]
         self._eval_progs: dict[int, Program] = {}
+        self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
+
+    def _pick_workers(self, requested: int | None, n_items: int) -> int:
+        """Work items (micro-batches, eval passes) computed at once: one per core on the cpu."""
+        if requested is not None and requested < 1:
+            raise LlmtuneError(f"workers: must be positive (got {requested})")
+        if self.backend.name != "cpu" or n_items < 2 or not blas_threads.available():
+            return 1
+        n = requested or min(n_cores(), self.MAX_WORKERS)
+        return max(1, min(n, n_items))
 
     # ------------------------------------------------------------------ setup
     def _init_buffers(self) -> None:
@@ -75,50 +97,52 @@ class Trainer:
         self.n_trainable = sum(weights[n].size for n in self.trainable)
         self.flat_w = be.zeros((self.n_trainable,))
         self.flat_g = be.zeros((self.n_trainable,))
-        self.values, self.grads = {}, {}
-        offset = 0
-        for name in self.trainable:
-            w = weights[name]
-            view = self.flat_w[offset : offset + w.size].reshape(w.shape)
-            view[...] = be.asarray(w.astype(be.dtype, copy=False))
+        self.values = {}
+        for name, view in self._flat_views(self.flat_w).items():
+            view[...] = be.asarray(weights[name].astype(be.dtype, copy=False))
             self.values[name] = view
-            self.grads[name] = self.flat_g[offset : offset + w.size].reshape(w.shape)
-            offset += w.size
+        self.grads = self._flat_views(self.flat_g)
         for name, w in weights.items():
             if name not in self.values:
                 self.values[name] = be.asarray(w.astype(be.dtype, copy=False))
 
+    def _flat_views(self, flat) -> dict:
+        """Per-tensor views of a flat buffer laid out in trainable order."""
+        views, offset = {}, 0
+        for name in self.trainable:
+            w = self.model.weights[name]
+            views[name] = flat[offset : offset + w.size].reshape(w.shape)
+            offset += w.size
+        return views
+
     def _bind(self, nodes):
         return {nodes[name]: self.values[name] for name in nodes}
 
-    def _build_train_program(self) -> Program:
+    def _build_train_program(self, grad_views: dict) -> Program:
         batch, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable)
         targets = ops.input((self.n_ubatch,), "i32", name="targets")
         loss_scale = ops.input((), name="loss_scale")
         loss = ops.cross_entropy(logits, targets)
         correct = ops.count_correct(logits, targets)
         grads = grad(loss, [nodes[n] for n in self.trainable], seed=loss_scale)
-        sinks = {grads[nodes[n]]: self.grads[n] for n in self.trainable if nodes[n] in grads}
-        # a trainable tensor the loss does not reach keeps a zero gradient (flat_g starts zeroed)
+        # a trainable tensor the loss does not reach keeps a zero gradient (buffers start zeroed)
+        sinks = {grads[nodes[n]]: grad_views[n] for n in self.trainable if nodes[n] in grads}
         return Program([loss, correct], self.backend, params=self._bind(nodes), accumulate=sinks)
 
-    def _eval_program(self, n_seq: int) -> Program:
-        prog = self._eval_progs.get(n_seq)
-        if prog is None:
-            batch, nodes, logits = self.model.build(n_seq, self.n_ctx)
-            targets = ops.input((n_seq * self.n_ctx,), "i32", name="targets")
-            outs = [ops.cross_entropy(logits, targets), ops.count_correct(logits, targets)]
-            prog = self._eval_progs[n_seq] = Program(outs, self.backend, params=self._bind(nodes))
-        return prog
+    def _make_eval_program(self, n_seq: int) -> Program:
+        batch, nodes, logits = self.model.build(n_seq, self.n_ctx)
+        targets = ops.input((n_seq * self.n_ctx,), "i32", name="targets")
+        outs = [ops.cross_entropy(logits, targets), ops.count_correct(logits, targets)]
+        return Program(outs, self.backend, params=self._bind(nodes))
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> dict[str, int]:
         itemsize = np.dtype(self.backend.dtype).itemsize
         return {
             "parameters": sum(w.size for w in self.model.weights.values()) * itemsize,
-            "gradients": self.n_trainable * itemsize,
+            "gradients": self.n_trainable * itemsize * self.n_workers,
             "optimizer": self.optimizer.state_bytes,
-            "activations": self._train_prog.memory.planned_bytes,
+            "activations": sum(p.memory.planned_bytes for p in self._train_progs),
         }
 
     # ------------------------------------------------------------------ steps
@@ -135,25 +159,48 @@ class Trainer:
         Returns the step's mean loss."""
         be = self.backend
         scale = be.asarray(np.asarray(1.0 / self.ubatches_per_step, dtype=be.dtype))
-        step_losses = []
-        k = self.seqs_per_ubatch
-        for u in range(self.ubatches_per_step):
-            feed = self._feed(inputs[u * k : (u + 1) * k], targets[u * k : (u + 1) * k])
-            # the first pass assigns the gradients, later ones add to them
-            loss, correct = self._train_prog.run(loss_scale=scale, assign=u == 0, **feed)
-            loss_v = float(be.to_numpy(loss))
-            stats.add(loss_v, int(be.to_numpy(correct)), self.n_ubatch)
-            step_losses.append(loss_v)
+        k, n_ub, n_w = self.seqs_per_ubatch, self.ubatches_per_step, self.n_workers
+        results: list = [None] * n_ub
+
+        def work(w: int) -> None:  # worker w takes micro-batches w, w + n_w, ...
+            prog = self._train_progs[w]
+            for j, u in enumerate(range(w, n_ub, n_w)):
+                feed = self._feed(inputs[u * k : (u + 1) * k], targets[u * k : (u + 1) * k])
+                # a worker's first pass assigns its gradients, later ones add to them
+                loss, correct = prog.run(loss_scale=scale, assign=j == 0, **feed)
+                results[u] = (float(be.to_numpy(loss)), int(be.to_numpy(correct)))
+
+        if n_w == 1:
+            work(0)
+        else:
+            with blas_threads(1):
+                list(self._pool.map(work, range(n_w)))
+            for extra in self._worker_flat_g[1:]:
+                be.accumulate(self.flat_g, extra)
+        for loss_v, correct in results:
+            stats.add(loss_v, correct, self.n_ubatch)
         self.optimizer.step(self.flat_w, self.flat_g, lr)
-        return float(np.mean(step_losses))
+        return float(np.mean([r[0] for r in results]))
 
     def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats) -> None:
-        """Loss/accuracy without gradients, in passes of at most n_ubatch tokens."""
+        """Loss/accuracy without gradients, in passes of at most n_ubatch tokens (one pass per
+        core at once on the cpu)."""
         k = self.seqs_per_ubatch
-        for start in range(0, len(inputs), k):
+        starts = list(range(0, len(inputs), k))
+        n_w = self._pick_workers(self._requested_workers, len(starts))
+
+        def score(progs: dict, start: int):
             x, y = inputs[start : start + k], targets[start : start + k]
-            loss, correct = self._eval_program(len(x)).run(**self._feed(x, y))
-            stats.add(float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), y.size)
+            prog = progs.get(len(x))
+            if prog is None:
+                prog = progs[len(x)] = self._make_eval_program(len(x))
+            loss, correct = prog.run(**self._feed(x, y))
+            return float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), y.size
+
+        # a single worker reuses the cached programs; several build their own (an arena each)
+        make_state = (lambda: self._eval_progs) if n_w == 1 else dict
+        for loss_v, correct, n in run_in_order(score, make_state, starts, n_w):
+            stats.add(loss_v, correct, n)
 
     def trained_weights(self) -> dict[str, np.ndarray]:
         """Host float32 copies of the trainable tensors."""
