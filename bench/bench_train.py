@@ -87,13 +87,13 @@ def _worker(kind: str, path: str, ctx: int, batch: int, ubatch: int, steps: int)
         tr.train_step(w[:, :-1], w[:, 1:], 1e-4, stats)
         times.append(time.perf_counter() - t)
     dt = float(np.median(times[1:]))
-    mem = tr._train_prog.memory
     return {
         "tokens_per_s": batch / dt,
         "ms_per_step": dt * 1e3,
         "gflops": train_flops_per_token(model, ctx) * batch / dt / 1e9,
-        "planned_mib": mem.planned_bytes / 2**20,
-        "naive_mib": mem.naive_bytes / 2**20,
+        "planned_mib": sum(p.memory.planned_bytes for p in tr._train_progs) / 2**20,
+        "naive_mib": sum(p.memory.naive_bytes for p in tr._train_progs) / 2**20,
+        "workers": tr.n_workers,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "n_params": model.n_params(),
     }
@@ -151,7 +151,8 @@ def main(argv):
         peak = sgemm_peak()
         print(f"## train (numpy sgemm peak in this run: {peak:.0f} GFLOP/s)")
         with tempfile.TemporaryDirectory() as tmp:
-            cases = [("stories260K", STORIES, 256, 256, 256), ("stories260K", STORIES, 256, 1024, 1024),
+            # one micro-batch per step runs with 2-thread BLAS; several run one per core
+            cases = [("stories260K", STORIES, 256, 256, 256), ("stories260K", STORIES, 256, 1024, 256),
                      ("llama-15m", model_15m(Path(tmp)), 256, 256, 256), ("llama-15m", None, 256, 512, 512),
                      ("llama-15m", None, 256, 2048, 512)]
             last = None
@@ -161,7 +162,7 @@ def main(argv):
                 r = run("train", path, ctx, batch, ubatch, 20 if "stories" in name else (3 if batch > 1024 else 6))
                 print(f"{name:12s} ctx {ctx} batch {batch:5d} ubatch {ubatch:5d}: {r['tokens_per_s']:8,.0f} tokens/s, "
                       f"{r['gflops']:6.1f} GFLOP/s ({r['gflops'] / peak:.0%} of sgemm peak), "
-                      f"activations {r['planned_mib']:.0f} MiB, peak RSS {r['peak_rss_mib']:.0f} MiB")
+                      f"{r['workers']} worker(s), activations {r['planned_mib']:.0f} MiB, peak RSS {r['peak_rss_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -199,3 +199,28 @@ def test_bad_flags(stories_path, small_text, tmp_path):
     assert r.returncode == 2 and "--optimizer" in r.stderr
     r = run_cli("finetune", stories_path, small_text, "-o", tmp_path / "o.gguf", "--params", "nomatch", "--ctx", "64")
     assert r.returncode == 2 and "matches no tensor" in r.stderr
+
+
+def test_parallel_micro_batches_match_sequential(stories_path, wikitext_ids):
+    """Micro-batches computed one per core give the sequential result (float rounding aside)."""
+    from llmtune.backends.threads import blas_threads
+
+    if not blas_threads.available():
+        pytest.skip("OpenBLAS thread control unavailable: workers fall back to 1")
+    model = load_model(stories_path)
+    flat = []
+    for workers in (1, 2):
+        tr = Trainer(model, CPUBackend(), n_ctx=32, n_batch=128, n_ubatch=32, trainable=list(model.weights),
+                     workers=workers)
+        assert tr.n_workers == workers
+        stats = RunningStats()
+        for step in range(2):
+            x = np.stack([wikitext_ids[s : s + 32] for s in range(step * 200, step * 200 + 128, 32)])
+            y = np.stack([wikitext_ids[s + 1 : s + 33] for s in range(step * 200, step * 200 + 128, 32)])
+            tr.train_step(x, y, 1e-3, stats)
+        val = RunningStats()
+        tr.evaluate(x, y, val)
+        flat.append((tr.flat_w.copy(), stats.losses, val.loss, val.correct))
+    np.testing.assert_allclose(flat[0][0], flat[1][0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(flat[0][1], flat[1][1], rtol=1e-5)
+    assert flat[0][2] == pytest.approx(flat[1][2], rel=1e-5) and flat[0][3] == flat[1][3]
