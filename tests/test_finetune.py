@@ -221,6 +221,7 @@ def test_parallel_micro_batches_match_sequential(stories_path, wikitext_ids):
         val = RunningStats()
         tr.evaluate(x, y, val)
         flat.append((tr.flat_w.copy(), stats.losses, val.loss, val.correct))
-    np.testing.assert_allclose(flat[0][0], flat[1][0], rtol=1e-5, atol=1e-7)
+    rel = np.abs(flat[0][0] - flat[1][0]).max() / np.abs(flat[1][0]).max()
+    assert rel < 1e-5, rel
     np.testing.assert_allclose(flat[0][1], flat[1][1], rtol=1e-5)
     assert flat[0][2] == pytest.approx(flat[1][2], rel=1e-5) and flat[0][3] == flat[1][3]
