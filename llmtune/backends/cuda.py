@@ -479,6 +479,10 @@ class _CupyRuntime:
         name = props.get("name", b"?")
         self.device_name = name.decode() if isinstance(name, bytes) else str(name)
 
+    def free_memory(self) -> int:
+        free, _total = self.xp.cuda.runtime.memGetInfo()
+        return int(free) + int(self.xp.get_default_memory_pool().free_bytes())
+
     def prepare(self, dtype) -> None:
         """Compile the kernels and load cuBLAS now, so a broken toolkit fails with one clear line."""
         try:
@@ -595,6 +599,11 @@ class CUDABackend(Backend):
 
     def synchronize(self) -> None:
         self.rt.synchronize()
+
+    def available_memory(self):
+        """Free device memory in bytes (the finetune memory check), or None when unknown."""
+        probe = getattr(self.rt, "free_memory", None)
+        return probe() if probe is not None else None
 
     def accumulate(self, dst, src) -> None:
         self.xp.add(dst, src, out=dst)
