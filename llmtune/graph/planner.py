@@ -35,7 +35,6 @@ class Program:
         self.outputs = list(outputs)
         self.accumulate = dict(accumulate or {})
         self.order = topo_order(self.outputs + list(self.accumulate))
-        self.index = {n.id: i for i, n in enumerate(self.order)}
         self.inputs = {n.name: n for n in self.order if n.op == "input"}
         self._leaf_values = {}
         for n in self.order:
@@ -55,7 +54,7 @@ class Program:
         return node.size * np.dtype(self._dtype(node)).itemsize
 
     def _plan(self) -> None:
-        order, index = self.order, self.index
+        order = self.order
         owner: dict[int, int | None] = {}  # node id -> id of the node owning its buffer (None: leaf memory)
         for n in order:
             if n.is_leaf:
