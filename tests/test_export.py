@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import gguf
@@ -11,6 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT, LlamaFileType as FT
 
 import kquant_ref
+from cli_helpers import run_cli as _run_cli
 from llmtune.errors import LlmtuneError
 from llmtune.model import quants
 from llmtune.model.export import export
@@ -245,19 +245,6 @@ def test_library_errors(tmp_path):
 
 
 # --- command line -----------------------------------------------------------------------------------
-
-
-def _run_cli(monkeypatch, capsys, *args):
-    from llmtune import cli
-
-    monkeypatch.setattr(sys, "argv", ["llmtune", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_cli_unknown_type(monkeypatch, capsys, tmp_path):

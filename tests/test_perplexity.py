@@ -3,11 +3,11 @@
 import gzip
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli
 
 from llmtune.errors import LlmtuneError
 from llmtune.eval.perplexity import ChunkScorer, perplexity, perplexity_from_ids
@@ -164,16 +164,7 @@ def test_library_errors(stories, ids, tmp_path):
 
 
 def _run_cli(monkeypatch, capsys, *args):
-    from llmtune import cli
-
-    monkeypatch.setattr(sys, "argv", ["llmtune", "perplexity", *map(str, args)])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return run_cli(monkeypatch, capsys, "perplexity", *args)
 
 
 def _one_line_error(code, err, *words):

@@ -1,0 +1,17 @@
+"""Run the llmtune CLI in-process (through `llmtune.cli.main`, as the console script does)."""
+
+import sys
+
+
+def run_cli(monkeypatch, capsys, *args):
+    """-> (exit code, stdout, stderr) of `llmtune ARGS...`."""
+    from llmtune import cli
+
+    monkeypatch.setattr(sys, "argv", ["llmtune", *map(str, args)])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
