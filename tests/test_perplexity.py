@@ -10,7 +10,7 @@ import pytest
 from cli_helpers import run_cli
 
 from llmtune.errors import LlmtuneError
-from llmtune.eval.perplexity import ChunkScorer, perplexity, perplexity_from_ids
+from llmtune.eval.perplexity import perplexity, perplexity_from_ids
 from llmtune.model.gguf_io import MetaValue, load_gguf, write_gguf
 from llmtune.model.loaded import load_model
 
