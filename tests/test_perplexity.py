@@ -120,8 +120,8 @@ def test_kl_against_perturbed_model(stories, ids):
     noisy = load_model(STORIES)
     rng = np.random.default_rng(0)
     for name in ("output.weight", "blk.4.ffn_down.weight"):
-        w = noisy.weights.get(name, noisy.weights["token_embd.weight"])
-        w += rng.normal(0, 0.5 * w.std(), w.shape).astype(np.float32)
+        w = noisy.weights[name]  # weights are read-only views of the file: replace, don't mutate
+        noisy.weights[name] = w + rng.normal(0, 0.5 * w.std(), w.shape).astype(np.float32)
     res = perplexity_from_ids(noisy, ids, ctx=ctx, chunks=n, kl_base=stories, batch=ctx)  # a pass per chunk
     first = ctx // 2
     base = _full_logits(stories, ids, ctx, n)[:, first:ctx - 1].astype(np.float64)

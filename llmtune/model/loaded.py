@@ -72,7 +72,7 @@ def load_model(path) -> Model:
             raise LlmtuneError(f"{gf.path}: missing tensor {name}")
         if tuple(info.shape) != tuple(shape):
             raise LlmtuneError(f"{gf.path}: tensor {name} has shape {info.shape}, expected {shape}")
-        weights[name] = np.array(gf.tensor(name), dtype=np.float32, copy=True)
+        weights[name] = gf.tensor(name)  # F32: a read-only view of the memory map, no second copy
     if hp.n_vocab != weights["token_embd.weight"].shape[0]:
         raise LlmtuneError(f"{gf.path}: vocab size {hp.n_vocab} does not match token_embd rows")
     return Model(Path(path), gf, hp, weights)
