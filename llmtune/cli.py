@@ -69,23 +69,23 @@ def finetune(
     data: Path = typer.Argument(..., help="Training text: a plain UTF-8 file (tokenized whole) or .jsonl with a \"text\" field per line.", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained GGUF (never the input).", show_default=False),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of these settings (flags override it)."),
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="Tokens per training sequence (n_ctx). [default: 512]", show_default=False),
-    batch: Optional[int] = typer.Option(None, "--batch", help="Tokens per optimizer step, a multiple of --ctx. [default: ctx]", show_default=False),
-    ubatch: Optional[int] = typer.Option(None, "--ubatch", help="Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades memory for speed, never the result. [default: batch]", show_default=False),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training windows. [default: 2]", show_default=False),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate. [default: 1e-5]", show_default=False),
-    lr_min: Optional[float] = typer.Option(None, "--lr-min", help="Decay the learning rate (halving steadily) down to this value. [default: off]", show_default=False),
-    decay_epochs: Optional[float] = typer.Option(None, "--decay-epochs", help="Epochs over which --lr decays to --lr-min. [default: all]", show_default=False),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Linear warmup over this many optimizer steps. [default: 0]", show_default=False),
-    wd: Optional[float] = typer.Option(None, "--wd", help="Decoupled weight decay. [default: 0]", show_default=False),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw or sgd. [default: adamw]", show_default=False),
-    val_split: Optional[float] = typer.Option(None, "--val-split", help="Fraction of windows (the last ones) held out for validation. [default: 0.05]", show_default=False),
-    params: Optional[str] = typer.Option(None, "--params", help="Regex over GGUF tensor names choosing what trains, e.g. 'attn_(q|v)'. [default: all]", show_default=False),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Shuffling seed; same seed, same output file. [default: 42]", show_default=False),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Tokens per training sequence (n_ctx). \\[default: 512]", show_default=False),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Tokens per optimizer step, a multiple of --ctx. \\[default: ctx]", show_default=False),
+    ubatch: Optional[int] = typer.Option(None, "--ubatch", help="Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades memory for speed, never the result. \\[default: batch]", show_default=False),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training windows. \\[default: 2]", show_default=False),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate. \\[default: 1e-5]", show_default=False),
+    lr_min: Optional[float] = typer.Option(None, "--lr-min", help="Decay the learning rate (halving steadily) down to this value. \\[default: off]", show_default=False),
+    decay_epochs: Optional[float] = typer.Option(None, "--decay-epochs", help="Epochs over which --lr decays to --lr-min. \\[default: all]", show_default=False),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Linear warmup over this many optimizer steps. \\[default: 0]", show_default=False),
+    wd: Optional[float] = typer.Option(None, "--wd", help="Decoupled weight decay. \\[default: 0]", show_default=False),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw or sgd. \\[default: adamw]", show_default=False),
+    val_split: Optional[float] = typer.Option(None, "--val-split", help="Fraction of windows (the last ones) held out for validation. \\[default: 0.05]", show_default=False),
+    params: Optional[str] = typer.Option(None, "--params", help="Regex over GGUF tensor names choosing what trains, e.g. 'attn_(q|v)'. \\[default: all]", show_default=False),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Shuffling seed; same seed, same output file. \\[default: 42]", show_default=False),
     no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Keep the training windows in file order."),
     metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON record per step and per validation pass here.", show_default=False),
-    backend: Optional[str] = typer.Option(None, "--backend", help="cpu, cuda or auto. [default: cpu]", show_default=False),
-    precision: Optional[str] = typer.Option(None, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights). [default: f32]", show_default=False),
+    backend: Optional[str] = typer.Option(None, "--backend", help="cpu, cuda or auto. \\[default: cpu]", show_default=False),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights). \\[default: f32]", show_default=False),
 ):
     """Train a GGUF model on your text and write a GGUF that llama.cpp loads unchanged.
 
@@ -159,8 +159,8 @@ def perplexity_cmd(
     model: Path = ModelArg,
     text: Path = typer.Argument(..., help="UTF-8 text file (.gz allowed), e.g. wikitext-2-raw/wiki.test.raw.", show_default=False),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Tokens per chunk (llama-perplexity -c)."),
-    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass; a multiple of --ctx evaluates that many chunks at once. [default: 1024 on cpu, one pass per core]", show_default=False),
-    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate only the first N chunks. [default: all]", show_default=False),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass; a multiple of --ctx evaluates that many chunks at once. \\[default: 1024 on cpu, one pass per core]", show_default=False),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate only the first N chunks. \\[default: all]", show_default=False),
     backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results (running values, ppl, error, tokens/s) as JSON here.", show_default=False),
     kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report KL-divergence (base || model) and top-token agreement.", show_default=False),
@@ -169,7 +169,7 @@ def perplexity_cmd(
     """Perplexity over a text file, number for number as llama.cpp's llama-perplexity computes it.
 
     The text is cut into chunks of --ctx tokens; the second half of each chunk is scored.
-    Running values print as [i]ppl, then `Final estimate: PPL = X +/- Y`.
+    Running values print as \\[i]ppl, then `Final estimate: PPL = X +/- Y`.
 
     Example: llmtune perplexity model.gguf wiki.test.raw --ctx 512 --kl-base base.gguf
     """
