@@ -1,9 +1,9 @@
 """Planner and executor: topological order, buffer reuse by liveness, then a flat run loop.
 
 A Program is compiled once per graph shape and run many times; each run only binds new
-inputs. Every intermediate gets a view into one of a few arenas: a buffer is returned to the
-pool after its last reader (views extend the life of the buffer they alias), and elementwise
-ops may write over an input that dies at that op.
+inputs. Every intermediate is a view at a planned offset of ONE arena: its bytes return to the
+free list after its last reader (views extend the life of the buffer they alias), and
+elementwise ops may write over an input that dies at that op.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ _FOREVER = 1 << 62
 
 @dataclass
 class MemoryReport:
-    planned_bytes: int  # sum of arena sizes actually allocated
+    planned_bytes: int  # the arena's size (high-water mark of live buffers, with fragmentation)
     naive_bytes: int  # sum of every intermediate's size (no reuse)
     n_nodes: int
 
