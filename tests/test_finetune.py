@@ -225,3 +225,17 @@ def test_parallel_micro_batches_match_sequential(stories_path, wikitext_ids):
     assert rel < 1e-5, rel
     np.testing.assert_allclose(flat[0][1], flat[1][1], rtol=1e-5)
     assert flat[0][2] == pytest.approx(flat[1][2], rel=1e-5) and flat[0][3] == flat[1][3]
+
+
+def test_quantized_model_trains_and_keeps_its_types(stories_path, small_text, tmp_path):
+    """A q8_0 export (with llama.cpp's F16 fallback for rows that do not split into blocks)
+    finetunes in f32 and is written back with every tensor in its original type."""
+    quantized = tmp_path / "q8.gguf"
+    llmtune.export(stories_path, quantized, "q8_0")
+    out = tmp_path / "q8-ft.gguf"
+    llmtune.finetune(quantized, small_text, out, ctx=64, epochs=1, lr=1e-3)
+    src, dst = load_gguf(quantized), load_gguf(out)
+    assert {t.type.name for t in src.tensors.values()} >= {"Q8_0", "F32"}
+    assert all(src.tensors[n].type == dst.tensors[n].type for n in src.tensors)
+    assert src.meta == dst.meta
+    assert not np.array_equal(src.tensor("blk.0.attn_q.weight"), dst.tensor("blk.0.attn_q.weight"))
