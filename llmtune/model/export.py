@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
+from gguf import GGML_QUANT_VERSION, GGUFValueType as VT
 
 from llmtune.model import quants
 from llmtune.model.gguf_io import GGUFFile, MetaValue, TensorSpec, check_output_path, load_gguf, write_gguf
@@ -29,19 +29,11 @@ Progress = Callable[[int, int, str], None]  # (tensors done, total, name of the 
 
 
 @dataclass(frozen=True)
-class TensorExport:
-    name: str
-    shape: tuple[int, ...]
-    src_type: QT
-    dst_type: QT
-    src_bytes: int
-    dst_bytes: int
-    quantizable: bool  # a weight the export type converts (False: norms etc., copied as is)
-    fallback: bool  # stored in a fallback type because its rows do not split into blocks
+class TensorExport(TensorPlan):
+    """A planned tensor with the bytes it took before and after the export."""
 
-    @property
-    def n_elements(self) -> int:
-        return int(np.prod(self.shape))
+    src_bytes: int = 0
+    dst_bytes: int = 0
 
 
 @dataclass
@@ -122,10 +114,8 @@ def _converted(gf: GGUFFile, plans: list[TensorPlan], summary: ExportSummary,
             data = np.asarray(info.raw)
         else:
             data = quants.quantize(gf.tensor(plan.name), plan.dst_type)
-        summary.tensors.append(TensorExport(
-            plan.name, plan.shape, info.type, plan.dst_type, info.n_bytes,
-            quants.nbytes(plan.shape, plan.dst_type), plan.quantizable, plan.fallback,
-        ))
+        summary.tensors.append(TensorExport(**vars(plan), src_bytes=info.n_bytes,
+                                            dst_bytes=quants.nbytes(plan.shape, plan.dst_type)))
         if progress is not None:
             progress(i + 1, len(plans), plan.name)
         yield plan.name, data, plan.dst_type

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
 from gguf import GGMLQuantizationType as QT, LlamaFileType as FT
 
 from llmtune.errors import LlmtuneError
@@ -146,6 +147,10 @@ class TensorPlan:
     dst_type: QT
     quantizable: bool  # converted by the export type (False: copied as is)
     fallback: bool = False  # the preferred type did not fit the row length
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
 
 
 @dataclass(frozen=True)
