@@ -5,6 +5,7 @@ n_ctx tokens per sequence, n_batch tokens per optimizer step, n_ubatch tokens pe
 from __future__ import annotations
 
 import math
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -77,7 +78,9 @@ class Trainer:
         self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
         self._train_progs = [self._build_train_program(self._flat_views(g)) for g in self._worker_flat_g]
         self._train_prog = self._train_progs[0]
-        self._eval_progs: dict[int, Program] = {}
+        # compiled eval programs by sequence count, one cache per concurrent worker
+        self._eval_caches: list[dict[int, Program]] = [{} for _ in range(self.MAX_WORKERS)]
+        self._pos = backend.asarray(np.arange(n_ctx, dtype=np.int32))
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
 
     def _pick_workers(self, requested: int | None, n_items: int) -> int:
@@ -150,7 +153,7 @@ class Trainer:
         be = self.backend
         return {
             "tokens": be.asarray(np.ascontiguousarray(inputs, dtype=np.int32)),
-            "pos": be.asarray(np.arange(self.n_ctx, dtype=np.int32)),
+            "pos": self._pos,
             "targets": be.asarray(np.ascontiguousarray(targets, dtype=np.int32).reshape(-1)),
         }
 
@@ -197,9 +200,10 @@ class Trainer:
             loss, correct = prog.run(**self._feed(x, y))
             return float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), y.size
 
-        # a single worker reuses the cached programs; several build their own (an arena each)
-        make_state = (lambda: self._eval_progs) if n_w == 1 else dict
-        for loss_v, correct, n in run_in_order(score, make_state, starts, n_w):
+        caches: queue.SimpleQueue = queue.SimpleQueue()  # each worker takes its own cache
+        for cache in self._eval_caches[:n_w]:
+            caches.put(cache)
+        for loss_v, correct, n in run_in_order(score, caches.get, starts, n_w):
             stats.add(loss_v, correct, n)
 
     def trained_weights(self) -> dict[str, np.ndarray]:
