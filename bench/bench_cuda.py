@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from llmtune.backends.cuda import CUDABackend  # noqa: E402
-from llmtune.model.init import init_tensors, load_init_config  # noqa: E402
+from llmtune.convert.init import init_tensors, load_init_config  # noqa: E402
 from llmtune.model.loaded import Model  # noqa: E402
 from llmtune.train.trainer import RunningStats, Trainer  # noqa: E402
 

@@ -31,7 +31,7 @@ TYPES = (QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, 
 
 
 def bench_rms() -> None:
-    from llmtune.model import quants
+    from llmtune.quant import blocks as quants
 
     n = 32 * 128
     cos_data = (0.1 + 2.0 * np.cos(np.arange(n, dtype=np.float32)).astype(np.float64)).astype(np.float32)
@@ -57,8 +57,8 @@ def _cli_export(src: Path, out: Path, type_name: str) -> float:
 
 
 def bench_speed(tmp: Path) -> None:
-    from llmtune.model.export import export
-    from llmtune.model.init import init_model
+    from llmtune.convert.export import export
+    from llmtune.convert.init import init_model
 
     src = init_model(ROOT / "configs" / "llama-110m.toml", VOCAB_32K, tmp / "m110.gguf")
     print(f"source: {src.stat().st_size / 2**20:.1f} MiB F32")
@@ -80,7 +80,7 @@ def _wikitext(tmp: Path) -> Path:
 
 def _ppl_rows(src: Path, types: list[str], tmp: Path, text: Path, label: str) -> None:
     import llmtune
-    from llmtune.model.export import export
+    from llmtune.convert.export import export
 
     base = llmtune.perplexity(src, text, ctx=128, chunks=40)
     print(f"| {label} | f32 | {base.ppl:.4f} ± {base.ppl_err:.4f} | | | | 32 | 32 | |")
@@ -109,7 +109,7 @@ def bench_ppl260k(tmp: Path) -> None:
 
 
 def bench_ppl15m(tmp: Path) -> None:
-    from llmtune.model.init import init_model
+    from llmtune.convert.init import init_model
 
     config = ROOT / "configs" / "llama-15m.toml"
     aligned = tmp / "llama-15m-e256.toml"  # same shape with rows that split into 256-value super-blocks

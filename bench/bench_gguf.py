@@ -40,7 +40,7 @@ def reference_load(path: Path) -> None:
 
 
 def bench_load() -> None:
-    from llmtune.model.gguf_io import load_gguf
+    from llmtune.gguf.file import load_gguf
 
     print("| file | tokens | llmtune | gguf.GGUFReader |")
     print("| --- | ---: | ---: | ---: |")
@@ -65,8 +65,8 @@ def bench_init() -> None:
                 subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
 
             seconds = median_seconds(run, 3)
-            from llmtune.model.gguf_io import load_gguf
-            from llmtune.model.summary import human_bytes, human_count
+            from llmtune.gguf.file import load_gguf
+            from llmtune.ui.info import human_bytes, human_count
 
             gf = load_gguf(out)
             print(f"| {config} | {human_count(gf.n_params())} | {human_bytes(gf.file_size)} | {seconds:.1f} s |")

@@ -46,7 +46,7 @@ def run_one(model: str, ctx: int, batch: int | None, chunks: int | None, backend
 def model_for(case: str, tmp: Path) -> Path:
     if case == "stories":
         return STORIES
-    from llmtune.model.init import init_model
+    from llmtune.convert.init import init_model
 
     return init_model(CONFIG_15M, VOCAB_32K, tmp / "llama-15m.gguf", seed=0)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtune.model.gguf_io import load_gguf
-from llmtune.model.tokenizer import SPACE_ESCAPE, Tokenizer
+from llmtune.gguf.file import load_gguf
+from llmtune.tokenizer import SPACE_ESCAPE, Tokenizer
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 

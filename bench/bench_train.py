@@ -107,7 +107,7 @@ def run(kind, path, ctx, batch, ubatch, steps) -> dict:
 
 
 def model_15m(tmp: Path) -> Path:
-    from llmtune.model.init import init_model
+    from llmtune.convert.init import init_model
 
     path = tmp / "llama-15m.gguf"
     init_model(REPO / "configs" / "llama-15m.toml", VOCAB, path, seed=0)

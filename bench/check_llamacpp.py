@@ -69,7 +69,7 @@ def llama_tokens_per_s(bin_dir, model, text, ctx, chunks) -> float:
 
 def speed(bin_dir: Path, text: Path, tmp: Path) -> None:
     import llmtune
-    from llmtune.model.init import init_model
+    from llmtune.convert.init import init_model
 
     m15 = init_model(ROOT / "configs" / "llama-15m.toml", DATA / "vocab" / "ggml-vocab-llama-spm.gguf", tmp / "m15.gguf")
     print("| model | ctx | chunks | llama.cpp tokens/s | llmtune tokens/s | ratio |")
@@ -83,7 +83,7 @@ def speed(bin_dir: Path, text: Path, tmp: Path) -> None:
 
 def files(bin_dir: Path, text: Path, tmp: Path) -> None:
     import llmtune
-    from llmtune.model.init import init_model
+    from llmtune.convert.init import init_model
 
     ft = tmp / "stories-ft.gguf"
     llmtune.finetune(STORIES, ROOT / "data" / "wikitext-100k.txt", ft, ctx=128, epochs=1, lr=1e-4)
@@ -108,8 +108,8 @@ def files(bin_dir: Path, text: Path, tmp: Path) -> None:
 
 def quant(bin_dir: Path, tmp: Path) -> None:
     import llmtune
-    from llmtune.model.gguf_io import load_gguf
-    from llmtune.model.init import init_model
+    from llmtune.gguf.file import load_gguf
+    from llmtune.convert.init import init_model
 
     cfg = tmp / "m256.toml"
     cfg.write_text(CHECK_MODEL)

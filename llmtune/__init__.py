@@ -3,7 +3,7 @@
 Library entry points (the CLI calls the same functions):
     llmtune.finetune(...)    -> llmtune.train.finetune.finetune
     llmtune.perplexity(...)  -> llmtune.eval.perplexity.perplexity
-    llmtune.export(...)      -> llmtune.model.export.export
+    llmtune.export(...)      -> llmtune.convert.export.export
 """
 
 __version__ = "0.1.0"
@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "finetune": ("llmtune.train.finetune", "finetune"),
     "perplexity": ("llmtune.eval.perplexity", "perplexity"),
-    "export": ("llmtune.model.export", "export"),
-    "load_gguf": ("llmtune.model.gguf_io", "load_gguf"),
+    "export": ("llmtune.convert.export", "export"),
+    "load_gguf": ("llmtune.gguf.file", "load_gguf"),
     "LlmtuneError": ("llmtune.errors", "LlmtuneError"),
 }
 

@@ -28,14 +28,14 @@ ModelArg = typer.Argument(..., help="Model file in GGUF format (as used by llama
 @app.command()
 def info(model: Path = ModelArg):
     """Show a model's architecture, hyper-parameters, tensor types and tokenizer."""
-    from llmtune.model.summary import render_info
+    from llmtune.ui.info import render_info
 
     out.print(render_info(model))
 
 
 # --- commands added by other modules register below this line (keep one block per command) ---
 
-# --- tokenize (llmtune/model/tokenizer.py) ---
+# --- tokenize (llmtune/tokenizer/tokenizer.py) ---
 @app.command("tokenize")
 def tokenize_cmd(
     model: Path = ModelArg,
@@ -48,8 +48,8 @@ def tokenize_cmd(
 
     Example: llmtune tokenize model.gguf notes.txt --ids
     """
-    from llmtune.model.gguf_io import load_gguf
-    from llmtune.model.tokenizer import Tokenizer, format_ids, format_pieces, read_text
+    from llmtune.gguf.file import load_gguf
+    from llmtune.tokenizer import Tokenizer, format_ids, format_pieces, read_text
 
     tok = Tokenizer.from_gguf(load_gguf(model))
     text = read_text(file)
@@ -94,7 +94,7 @@ def finetune(
     Example: llmtune finetune model.gguf notes.txt -o tuned.gguf --ctx 256 --epochs 2 --lr 1e-4
     """
     from llmtune.train.finetune import finetune as run_finetune
-    from llmtune.train.report import FinetuneReporter
+    from llmtune.ui.finetune import FinetuneReporter
 
     settings = dict(ctx=ctx, batch=batch, ubatch=ubatch, epochs=epochs, lr=lr, lr_min=lr_min,
                     decay_epochs=decay_epochs, warmup=warmup, wd=wd, optimizer=optimizer, val_split=val_split,
@@ -104,7 +104,7 @@ def finetune(
         run_finetune(model, data, output, config_file=config, callback=reporter, **settings)
 
 
-# --- init (llmtune/model/init.py) ---
+# --- init (llmtune/convert/init.py) ---
 @app.command("init")
 def init_cmd(
     config: Path = typer.Option(..., "--config", "-c", help="Model shape: a TOML [model] table, e.g. configs/llama-15m.toml.", show_default=False),
@@ -113,9 +113,9 @@ def init_cmd(
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed writes the same file."),
 ):
     """Write a new randomly initialised model (to train from scratch) with another model's tokenizer."""
-    from llmtune.model.gguf_io import load_gguf
-    from llmtune.model.init import init_model
-    from llmtune.model.summary import human_bytes, human_count
+    from llmtune.gguf.file import load_gguf
+    from llmtune.convert.init import init_model
+    from llmtune.ui.info import human_bytes, human_count
 
     path = init_model(config, vocab_from, output, seed=seed)
     gf = load_gguf(path)
@@ -123,7 +123,7 @@ def init_cmd(
               f"{human_bytes(gf.file_size)}, seed {seed}", highlight=False)
 
 
-# --- export / save (llmtune/model/export.py) ---
+# --- export / save (llmtune/convert/export.py) ---
 def _export_cmd(
     model: Path = ModelArg,
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the converted GGUF.", show_default=False),
@@ -135,7 +135,7 @@ def _export_cmd(
     """Convert a model's weights to another type (F16, Q8_0, K-quants, llama.cpp's Q4_K_M / Q5_K_M mixes)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from llmtune.model.export import export, summary_table
+    from llmtune.convert.export import export, summary_table
 
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("{task.fields[tensor]}"))
@@ -176,7 +176,7 @@ def perplexity_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from llmtune.eval.perplexity import format_report, perplexity, write_json
-    from llmtune.model.gguf_io import check_output_path
+    from llmtune.gguf.file import check_output_path
 
     if json_out is not None:
         check_output_path(json_out, model, text, *([kl_base] if kl_base else []))

@@ -1,7 +1,7 @@
 """Scalar, element-by-element float32 ports of ggml's reference K-quant quantizers (test oracle).
 
 Deliberately written as plain loops in the order of ggml-quants.c (quantize_row_q4_K_ref,
-quantize_row_q5_K_ref, quantize_row_q6_K_ref) so the vectorized versions in llmtune.model.quants
+quantize_row_q5_K_ref, quantize_row_q6_K_ref) so the vectorized versions in llmtune.quant.blocks
 can be checked block by block. Slow: only for a handful of blocks.
 """
 

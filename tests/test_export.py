@@ -12,10 +12,10 @@ from gguf import GGMLQuantizationType as QT, LlamaFileType as FT
 import kquant_ref
 from cli_helpers import run_cli as _run_cli
 from llmtune.errors import LlmtuneError
-from llmtune.model import quants
-from llmtune.model.export import export
-from llmtune.model.gguf_io import load_gguf
-from llmtune.model.quant_plan import EXPORT_TYPES, ModelFacts, allows_quantization, plan_types, use_more_bits
+from llmtune.quant import blocks as quants
+from llmtune.convert.export import export
+from llmtune.gguf.file import load_gguf
+from llmtune.quant.plan import EXPORT_TYPES, ModelFacts, allows_quantization, plan_types, use_more_bits
 
 DATA = Path(__file__).parent / "data"
 STORIES = DATA / "stories260K.gguf"

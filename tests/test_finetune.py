@@ -11,7 +11,7 @@ import pytest
 import llmtune
 from llmtune.backends.cpu import CPUBackend
 from llmtune.errors import LlmtuneError
-from llmtune.model.gguf_io import load_gguf
+from llmtune.gguf.file import load_gguf
 from llmtune.model.loaded import load_model
 from llmtune.train.data import WindowDataset
 from llmtune.train.optim import LRSchedule

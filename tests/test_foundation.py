@@ -23,10 +23,10 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 from rich.console import Console
 
 from llmtune.errors import LlmtuneError
-from llmtune.model.gguf_io import MetaValue, check_output_path, load_gguf, write_gguf
+from llmtune.gguf.file import MetaValue, check_output_path, load_gguf, write_gguf
 from llmtune.model.hparams import HParams
-from llmtune.model.init import init_model, load_init_config
-from llmtune.model.summary import human_bytes, human_count, render_info
+from llmtune.convert.init import init_model, load_init_config
+from llmtune.ui.info import human_bytes, human_count, render_info
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -484,7 +484,7 @@ def test_init_is_deterministic(model_15m, tmp_path):
 
 
 def test_110m_config_shape():
-    from llmtune.graph.arch import get_arch
+    from llmtune.arch import get_arch
 
     hp = load_init_config(CONFIG_110M).model.hparams(n_vocab=N_VOCAB)
     assert (hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_ctx_train) == (768, 12, 12, 12, 2048, 1024)

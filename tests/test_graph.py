@@ -113,7 +113,7 @@ def test_attention_block_gradients(mode, n_head, n_head_kv, head_dim, n_rot):
 def test_whole_model_gradients_tiny_llama():
     """Finite differences through a full 2-layer llama (embeddings, norms, GQA, SwiGLU, head, loss)."""
     from llmtune.model.hparams import HParams
-    from llmtune.graph.arch import llama
+    from llmtune.arch import llama
 
     hp = HParams("llama", n_vocab=11, n_ctx_train=16, n_embd=8, n_layer=2, n_head=4, n_head_kv=2, n_ff=12, n_rot=2,
                  norm_eps=1e-5)

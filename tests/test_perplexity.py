@@ -11,7 +11,7 @@ from cli_helpers import run_cli
 
 from llmtune.errors import LlmtuneError
 from llmtune.eval.perplexity import perplexity, perplexity_from_ids
-from llmtune.model.gguf_io import MetaValue, load_gguf, write_gguf
+from llmtune.gguf.file import MetaValue, load_gguf, write_gguf
 from llmtune.model.loaded import load_model
 
 DATA = Path(__file__).parent / "data"

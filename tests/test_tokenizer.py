@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from llmtune.cli import app
 from llmtune.errors import LlmtuneError
-from llmtune.model.gguf_io import load_gguf
-from llmtune.model.tokenizer import Tokenizer
-from llmtune.model.tokenizer_bpe import PRE_TOKENIZERS, RegexSplitter
+from llmtune.gguf.file import load_gguf
+from llmtune.tokenizer import Tokenizer
+from llmtune.tokenizer.bpe import PRE_TOKENIZERS, RegexSplitter
 
 DATA = Path(__file__).parent / "data"
 VOCABS = sorted((DATA / "vocab").glob("ggml-vocab-*.gguf"))

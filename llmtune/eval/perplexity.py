@@ -34,7 +34,7 @@ import numpy as np
 
 from llmtune.backends.threads import blas_threads, n_cores, run_in_order
 from llmtune.errors import LlmtuneError
-from llmtune.model.tokenizer import read_text
+from llmtune.tokenizer import read_text
 
 DEFAULT_BATCH_TOKENS = {"cpu": 1024}  # tokens per forward pass (one per core) when --batch is not given
 DEFAULT_BATCH_TOKENS_OTHER = 8192  # accelerators amortise launches over bigger batches
@@ -409,7 +409,7 @@ def perplexity(
 
 def write_json(result: PerplexityResult, path, *inputs) -> Path:
     """Write the result as JSON atomically; never over an input file."""
-    from llmtune.model.gguf_io import check_output_path
+    from llmtune.gguf.file import check_output_path
 
     path = check_output_path(path, *inputs)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,9 @@ import numpy as np
 
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
-from llmtune.graph.arch import get_arch
+from llmtune.arch import get_arch
 from llmtune.graph.layers import Batch
-from llmtune.model.gguf_io import GGUFFile, load_gguf
+from llmtune.gguf.file import GGUFFile, load_gguf
 from llmtune.model.hparams import HParams
 
 
@@ -31,7 +31,7 @@ class Model:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from llmtune.model.tokenizer import Tokenizer
+            from llmtune.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_gguf(self.gguf)
         return self._tokenizer

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.model.tokenizer import read_text
+from llmtune.tokenizer import read_text
 
 
 def load_documents(path: str | Path) -> tuple[list[str], bool]:

@@ -13,7 +13,7 @@ import numpy as np
 
 from llmtune.backends.base import get_backend
 from llmtune.errors import LlmtuneError
-from llmtune.model.gguf_io import check_output_path, write_gguf
+from llmtune.gguf.file import check_output_path, write_gguf
 from llmtune.model.loaded import Model, load_model
 from llmtune.train.config import FinetuneConfig, make_config
 from llmtune.train.data import WindowDataset, load_documents, tokenize_documents
@@ -69,7 +69,7 @@ def available_memory(backend) -> Optional[int]:
 def _encode_for_output(model: Model, trained: dict[str, np.ndarray]):
     """Every tensor of the input file in its order: trained ones re-encoded in their original
     type, untouched ones copied byte for byte."""
-    from llmtune.model import quants
+    from llmtune.quant import blocks as quants
 
     for name, info in model.gguf.tensors.items():
         if name in trained:

@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT, LlamaFileType as FT
 
 from llmtune.errors import LlmtuneError
-from llmtune.model.quants import row_fits
+from llmtune.quant.blocks import row_fits
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.model.tokenizer_bpe import CHAR_TO_BYTE, PRE_TOKENIZERS, BpeEncoder, PreTokenizer
-from llmtune.model.tokenizer_spm import SPACE_ESCAPE, SpmEncoder
+from llmtune.tokenizer.bpe import CHAR_TO_BYTE, PRE_TOKENIZERS, BpeEncoder, PreTokenizer
+from llmtune.tokenizer.spm import SPACE_ESCAPE, SpmEncoder
 
 # llama_token_attr bits
 ATTR_UNDEFINED = 0
@@ -127,7 +127,7 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, gf) -> "Tokenizer":
-        """Build from a loaded `llmtune.model.gguf_io.GGUFFile`."""
+        """Build from a loaded `llmtune.gguf.file.GGUFFile`."""
         return cls.from_metadata(gf.metadata, source=str(gf.path))
 
     @classmethod

@@ -18,9 +18,9 @@ from typing import Callable, Iterator
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType as VT
 
-from llmtune.model import quants
-from llmtune.model.gguf_io import GGUFFile, MetaValue, TensorSpec, check_output_path, load_gguf, write_gguf
-from llmtune.model.quant_plan import ExportType, ModelFacts, TensorPlan, export_type, plan_types
+from llmtune.quant import blocks as quants
+from llmtune.gguf.file import GGUFFile, MetaValue, TensorSpec, check_output_path, load_gguf, write_gguf
+from llmtune.quant.plan import ExportType, ModelFacts, TensorPlan, export_type, plan_types
 
 # llama-quantize drops these: the output is always a single file.
 _SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")

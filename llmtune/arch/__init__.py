@@ -1,6 +1,6 @@
 """Architecture registry: arch name -> module with `tensor_shapes(hp)` and `build(hp, w, batch, logits_start)`."""
 
-from llmtune.graph.arch import llama
+from llmtune.arch import llama
 
 ARCHS = {"llama": llama}
 

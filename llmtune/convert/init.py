@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT, LlamaFileType
 
 from llmtune.errors import LlmtuneError
-from llmtune.model.gguf_io import MetaValue, load_gguf, write_gguf
+from llmtune.gguf.file import MetaValue, load_gguf, write_gguf
 from llmtune.model.hparams import SUPPORTED_ARCHS, HParams
 
 try:
@@ -200,7 +200,7 @@ def model_metadata(hp: HParams, name: str) -> dict[str, MetaValue]:
 
 def init_tensors(hp: HParams, std: float, seed: int):
     """(name, float32 array, F32) for every tensor of the architecture, drawn in file order."""
-    from llmtune.graph.arch import get_arch
+    from llmtune.arch import get_arch
 
     rng = np.random.default_rng(seed)
     residual_std = std / math.sqrt(2 * hp.n_layer)

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtune.errors import LlmtuneError
-from llmtune.model.gguf_io import GGUFFile, load_gguf
+from llmtune.gguf.file import GGUFFile, load_gguf
 from llmtune.model.hparams import SUPPORTED_ARCHS, HParams
 
 # tokenizer.ggml.model -> llama.cpp's vocabulary type

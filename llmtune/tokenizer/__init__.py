@@ -1,0 +1,3 @@
+"""Tokenizers read from GGUF metadata, token for token as llama.cpp's llama-vocab.cpp (SPM, byte-level BPE)."""
+
+from llmtune.tokenizer.tokenizer import SPACE_ESCAPE, Tokenizer, format_ids, format_pieces, read_text  # noqa: F401

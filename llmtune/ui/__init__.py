@@ -1,0 +1,1 @@
+"""Presentation: every table, report, progress bar and JSON writer the CLI shows or writes."""
