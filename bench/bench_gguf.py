@@ -66,7 +66,7 @@ def bench_init() -> None:
 
             seconds = median_seconds(run, 3)
             from llmtune.gguf.file import load_gguf
-            from llmtune.ui.info import human_bytes, human_count
+            from llmtune.ui.format import human_bytes, human_count
 
             gf = load_gguf(out)
             print(f"| {config} | {human_count(gf.n_params())} | {human_bytes(gf.file_size)} | {seconds:.1f} s |")

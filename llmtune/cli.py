@@ -1,4 +1,4 @@
-"""llmtune command line: parse, validate, call the library, render with rich. No math here."""
+"""llmtune command line: parse, validate, call the library, render with llmtune.ui. No math here."""
 
 from __future__ import annotations
 
@@ -63,29 +63,43 @@ def tokenize_cmd(
 
 
 # --- finetune (llmtune/train/finetune.py) ---
+def _finetune_default(name: str, unset: str = "") -> str:
+    """' [default: X]' for a finetune flag, X read from FinetuneConfig so --help cannot drift from
+    the library; `unset` words a default that is a rule (None or 0 meaning 'derive it')."""
+    from llmtune.train.config import FIELDS
+
+    value = FIELDS[name].default
+    if unset and not value:
+        return f" \\[default: {unset}]"
+    if isinstance(value, float):  # 1e-05 -> 1e-5, 0.0 -> 0, as one writes them on the command line
+        mantissa, _, exponent = f"{value:g}".partition("e")
+        value = mantissa + (f"e{int(exponent)}" if exponent else "")
+    return f" \\[default: {value}]"
+
+
 @app.command()
 def finetune(
     model: Path = ModelArg,
     data: Path = typer.Argument(..., help="Training text: a plain UTF-8 file (tokenized whole) or .jsonl with a \"text\" field per line.", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained GGUF (never the input).", show_default=False),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of these settings (flags override it)."),
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="Tokens per training sequence (n_ctx). \\[default: 512]", show_default=False),
-    batch: Optional[int] = typer.Option(None, "--batch", help="Tokens per optimizer step, a multiple of --ctx. \\[default: ctx]", show_default=False),
-    ubatch: Optional[int] = typer.Option(None, "--ubatch", help="Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades memory for speed, never the result. \\[default: batch]", show_default=False),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training windows. \\[default: 2]", show_default=False),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate. \\[default: 1e-5]", show_default=False),
-    lr_min: Optional[float] = typer.Option(None, "--lr-min", help="Decay the learning rate (halving steadily) down to this value. \\[default: off]", show_default=False),
-    decay_epochs: Optional[float] = typer.Option(None, "--decay-epochs", help="Epochs over which --lr decays to --lr-min. \\[default: all]", show_default=False),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Linear warmup over this many optimizer steps. \\[default: 0]", show_default=False),
-    wd: Optional[float] = typer.Option(None, "--wd", help="Decoupled weight decay. \\[default: 0]", show_default=False),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw or sgd. \\[default: adamw]", show_default=False),
-    val_split: Optional[float] = typer.Option(None, "--val-split", help="Fraction of windows (the last ones) held out for validation. \\[default: 0.05]", show_default=False),
-    params: Optional[str] = typer.Option(None, "--params", help="Regex over GGUF tensor names choosing what trains, e.g. 'attn_(q|v)'. \\[default: all]", show_default=False),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Shuffling seed; same seed, same output file. \\[default: 42]", show_default=False),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Tokens per training sequence (n_ctx)." + _finetune_default("ctx"), show_default=False),
+    batch: Optional[int] = typer.Option(None, "--batch", help="Tokens per optimizer step, a multiple of --ctx." + _finetune_default("batch", unset="ctx"), show_default=False),
+    ubatch: Optional[int] = typer.Option(None, "--ubatch", help="Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades memory for speed, never the result." + _finetune_default("ubatch", unset="batch"), show_default=False),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training windows." + _finetune_default("epochs"), show_default=False),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate." + _finetune_default("lr"), show_default=False),
+    lr_min: Optional[float] = typer.Option(None, "--lr-min", help="Decay the learning rate (halving steadily) down to this value." + _finetune_default("lr_min", unset="off"), show_default=False),
+    decay_epochs: Optional[float] = typer.Option(None, "--decay-epochs", help="Epochs over which --lr decays to --lr-min." + _finetune_default("decay_epochs", unset="all"), show_default=False),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Linear warmup over this many optimizer steps." + _finetune_default("warmup"), show_default=False),
+    wd: Optional[float] = typer.Option(None, "--wd", help="Decoupled weight decay." + _finetune_default("wd"), show_default=False),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw or sgd." + _finetune_default("optimizer"), show_default=False),
+    val_split: Optional[float] = typer.Option(None, "--val-split", help="Fraction of windows (the last ones) held out for validation." + _finetune_default("val_split"), show_default=False),
+    params: Optional[str] = typer.Option(None, "--params", help="Regex over GGUF tensor names choosing what trains, e.g. 'attn_(q|v)'." + _finetune_default("params", unset="all"), show_default=False),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Shuffling seed; same seed, same output file." + _finetune_default("seed"), show_default=False),
     no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Keep the training windows in file order."),
     metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON record per step and per validation pass here.", show_default=False),
-    backend: Optional[str] = typer.Option(None, "--backend", help="cpu, cuda or auto. \\[default: cpu]", show_default=False),
-    precision: Optional[str] = typer.Option(None, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights). \\[default: f32]", show_default=False),
+    backend: Optional[str] = typer.Option(None, "--backend", help="cpu, cuda or auto." + _finetune_default("backend"), show_default=False),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights)." + _finetune_default("precision"), show_default=False),
 ):
     """Train a GGUF model on your text and write a GGUF that llama.cpp loads unchanged.
 
@@ -115,7 +129,7 @@ def init_cmd(
     """Write a new randomly initialised model (to train from scratch) with another model's tokenizer."""
     from llmtune.gguf.file import load_gguf
     from llmtune.convert.init import init_model
-    from llmtune.ui.info import human_bytes, human_count
+    from llmtune.ui.format import human_bytes, human_count
 
     path = init_model(config, vocab_from, output, seed=seed)
     gf = load_gguf(path)
@@ -133,18 +147,10 @@ def _export_cmd(
     ),
 ):
     """Convert a model's weights to another type (F16, Q8_0, K-quants, llama.cpp's Q4_K_M / Q5_K_M mixes)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from llmtune.convert.export import export
+    from llmtune.ui.export import export_progress, summary_table
 
-    from llmtune.convert.export import export, summary_table
-
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn(), TextColumn("{task.fields[tensor]}"))
-    with Progress(*columns, console=err, transient=True) as bar:
-        task = bar.add_task(f"export {type}", total=None, tensor="")
-
-        def on_tensor(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, tensor=name)
-
+    with export_progress(err, type) as on_tensor:
         summary = export(model, output, type, progress=on_tensor)
     out.print(summary_table(summary))
 
@@ -173,28 +179,19 @@ def perplexity_cmd(
 
     Example: llmtune perplexity model.gguf wiki.test.raw --ctx 512 --kl-base base.gguf
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from llmtune.eval.perplexity import format_report, perplexity, write_json
+    from llmtune.eval.perplexity import perplexity
     from llmtune.gguf.file import check_output_path
+    from llmtune.ui.perplexity import format_report, perplexity_progress, write_json
 
+    inputs = (model, text, *([kl_base] if kl_base else []))
     if json_out is not None:
-        check_output_path(json_out, model, text, *([kl_base] if kl_base else []))
-    columns = (TextColumn("[bold]perplexity"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-               TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-               TextColumn("{task.fields[ppl]}"))
-    with Progress(*columns, console=err, transient=True, redirect_stdout=False) as bar:
-        task = bar.add_task("", total=None, rate="", ppl="")
-
-        def on_progress(p) -> None:
-            bar.update(task, completed=p.tokens_done, total=p.n_tokens, ppl=f"ppl {p.ppl:.4f}",
-                       rate=f"{p.tokens_done / max(p.seconds, 1e-9):,.0f} tok/s")
-
+        check_output_path(json_out, *inputs)  # refuse a bad --json before the (long) evaluation
+    with perplexity_progress(err) as on_progress:
         result = perplexity(model, text, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
                             kl_base=kl_base, progress=on_progress, precision=precision)
     out.print(format_report(result), highlight=False, soft_wrap=True)
     if json_out is not None:
-        write_json(result, json_out, model, text, *([kl_base] if kl_base else []))
+        write_json(result, json_out, *inputs)
 
 
 def main() -> None:

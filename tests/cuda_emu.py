@@ -42,8 +42,8 @@ EMU_HEADER = r"""
 #include <utility>
 #include <vector>
 
-using std::cos; using std::exp; using std::fmax; using std::isnan; using std::log; using std::min;
-using std::pow; using std::sin; using std::sqrt;
+using std::cos; using std::exp; using std::fmax; using std::isnan; using std::log; using std::max; using std::min;
+using std::pow; using std::sin; using std::sqrt; using std::tanh;
 
 struct uint3 { unsigned x, y, z; };
 struct dim3 { unsigned x, y, z; };

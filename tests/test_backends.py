@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 import cuda_emu
-from llmtune.backends.base import get_backend
+from llmtune.backends import get_backend
 from llmtune.backends.cpu import CPUBackend
 from llmtune.errors import LlmtuneError
-from llmtune.graph import layers, ops
+from llmtune.arch.context import causal_attention
+from llmtune.graph import ops
 from llmtune.graph.gradcheck import check_gradients
 from llmtune.graph.planner import Program
 
@@ -109,10 +110,25 @@ def sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def rope_ref(x, pos, n_rot, base, freq_scale, mode, inverse):
-    """Rotation as a complex multiply: NORM pairs (2i, 2i+1), NEOX pairs (i, i + n_rot/2)."""
+GELU_C = math.sqrt(2 / math.pi)
+
+
+def gelu_ref(x):
+    """ggml_gelu's formula (the tanh approximation) in float64."""
+    return 0.5 * x * (1 + np.tanh(GELU_C * (x + 0.044715 * x**3)))
+
+
+def gelu_grad_ref(x):
+    th = np.tanh(GELU_C * (x + 0.044715 * x**3))
+    return 0.5 * (1 + th) + 0.5 * x * (1 - th**2) * GELU_C * (1 + 3 * 0.044715 * x**2)
+
+
+def rope_ref(x, pos, n_rot, base, freq_scale, mode, inverse, freq_factors=None):
+    """Rotation as a complex multiply: NORM pairs (2i, 2i+1), NEOX pairs (i, i + n_rot/2); pair i
+    turns by pos * freq_scale * base^(-2i/n_rot) / freq_factors[i] (ggml_rope_ext)."""
     half = n_rot // 2
-    theta = freq_scale * pos[:, None] * base ** (-np.arange(0, n_rot, 2) / n_rot)
+    ff = np.ones(half) if freq_factors is None else np.asarray(freq_factors, np.float64)[:half]
+    theta = freq_scale * pos[:, None] * base ** (-np.arange(0, n_rot, 2) / n_rot) / ff
     rot = np.exp((-1j if inverse else 1j) * theta)[:, None, :]  # [T, 1, half] over [..., T, H, half]
     idx0 = np.arange(0, n_rot, 2) if mode == "norm" else np.arange(half)
     idx1 = idx0 + 1 if mode == "norm" else idx0 + half
@@ -122,9 +138,12 @@ def rope_ref(x, pos, n_rot, base, freq_scale, mode, inverse):
     return out
 
 
-def causal_softmax_ref(x, scale, n_q, n_past):
+def causal_softmax_ref(x, scale, n_q, n_past, window=0):
+    """Key k is visible to query position p when k <= p and (window > 0) p - k < window."""
     rows, n_kv = x.shape[-2], x.shape[-1]
-    visible = np.arange(n_kv)[None, :] <= (n_past + np.arange(rows) % n_q)[:, None]
+    p = (n_past + np.arange(rows) % n_q)[:, None]
+    k = np.arange(n_kv)[None, :]
+    visible = (k <= p) & ((p - k < window) if window else True)
     z = np.where(visible, x * scale, -np.inf)
     e = np.exp(z - z.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
@@ -136,11 +155,6 @@ def log_softmax(x):
 
 
 # ------------------------------------------------------------------------------ forward
-def test_every_op_has_a_kernel(name):
-    leaves = {"input", "param", "const"}
-    assert set(ops.OPS) - leaves <= set(backend_for(name).kernels)
-
-
 def test_elementwise_broadcasting(name):
     a, b, c = randn(3, 5, 7), randn(5, 1), randn(7)
     check_forward(name, lambda a, b, c: [ops.add(a, b), ops.add(b, a), ops.mul(a, c), ops.scale(a, -0.37)],
@@ -165,6 +179,30 @@ def test_activations(name):
         [x * s, g * s * (1 + x * (1 - s)), x * s * u, g * u * s * (1 + x * (1 - s)), g * x * s],
         x=x, u=u, g=g,
     )
+
+
+def test_gelu_and_geglu(name):
+    x, u, g = randn(4, 37), randn(4, 37), randn(4, 37)
+    x[0, :6] = [-30.0, -12.0, -9.5, 9.5, 12.0, 30.0]  # saturated tanh: exact 0 / x, no NaN
+    gx = gelu_grad_ref(x)
+    check_forward(
+        name,
+        lambda x, u, g: [ops.gelu(x), ops.gelu_back(x, g), ops.geglu(x, u), ops.geglu_back(x, u, g, 0),
+                         ops.geglu_back(x, u, g, 1)],
+        [gelu_ref(x), g * gx, gelu_ref(x) * u, g * u * gx, g * gelu_ref(x)],
+        x=x, u=u, g=g,
+    )
+
+
+def test_softcap_and_back(name):
+    x, g, cap = 40 * randn(3, 5, 41), randn(3, 5, 41), 30.0
+    y = cap * np.tanh(x / cap)
+
+    def build(x, g):
+        y = ops.softcap(x, cap)
+        return [y, ops.softcap_back(y, g, cap), ops.softcap(ops.scale(x, 0.5), 50.0)]
+
+    check_forward(name, build, [y, g * (1 - (y / cap) ** 2), 50.0 * np.tanh(0.5 * x / 50.0)], x=x, g=g)
 
 
 @pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
@@ -212,6 +250,39 @@ def test_get_rows_and_add_rows(name):
                   [w[ids], expected_scatter], w=w, g=g, ids=ids)
 
 
+def test_slice_last_axis_then_cont(name):
+    """phi3 splits fused matrices along the last axis of a 2-D product: strided views, made dense
+    by cont (also with a negative axis), or read directly by elementwise ops and matmul."""
+    x, w, u = randn(5, 12), randn(16, 7), randn(6, 7)
+
+    def build(x, w, u):
+        fused = ops.linear(u, w)  # [6, 16]: gate rows 0..7, up rows 8..15 of w
+        gate, up = ops.cont(ops.slice_rows(fused, 1, 0, 8)), ops.cont(ops.slice_rows(fused, -1, 8, 16))
+        return [ops.cont(ops.slice_rows(x, 1, 0, 6)), ops.cont(ops.slice_rows(x, 1, 6, 12)),
+                ops.cont(ops.slice_rows(x, -1, 2, 5)), ops.swiglu(gate, up), ops.geglu(gate, up),
+                ops.add(ops.slice_rows(x, 1, 3, 10), ops.slice_rows(x, 1, 0, 7)),
+                ops.matmul(ops.slice_rows(x, 1, 5, 12), ops.slice_rows(w, 0, 0, 7))]
+
+    f = u @ w.T
+    check_forward(name, build, [x[:, :6], x[:, 6:], x[:, 2:5], f[:, :8] * sigmoid(f[:, :8]) * f[:, 8:],
+                                gelu_ref(f[:, :8]) * f[:, 8:], x[:, 3:10] + x[:, :7], x[:, 5:] @ w[:7]],
+                  x=x, w=w, u=u)
+
+
+def test_learned_position_embeddings(name):
+    """gpt2: rows of a position table at the [T] int32 positions, added to every sequence."""
+    tok, pos_w = randn(11, 6), randn(9, 6)
+    ids = np.array([[0, 10, 3, 3], [7, 0, 10, 3]], dtype=np.int32)
+    pos = np.array([0, 1, 2, 8], dtype=np.int32)
+    g = randn(4, 6)
+    scatter = np.zeros((9, 6))
+    scatter[pos] = g
+    check_forward(name, lambda tok, pos_w, ids, pos, g: [ops.get_rows(pos_w, pos),
+                                                         ops.add(ops.get_rows(tok, ids), ops.get_rows(pos_w, pos)),
+                                                         ops.add_rows(g, pos, 9)],
+                  [pos_w[pos], tok[ids] + pos_w[pos], scatter], tok=tok, pos_w=pos_w, ids=ids, pos=pos, g=g)
+
+
 @pytest.mark.parametrize("shape", [(3, 37), (5, 300)])
 def test_rms_norm(name, shape):
     x, g, eps = randn(*shape), randn(*shape), 1e-5
@@ -219,6 +290,17 @@ def test_rms_norm(name, shape):
     r = 1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
     dx = r * g - x * r**3 * (g * x).sum(axis=-1, keepdims=True) / n
     check_forward(name, lambda x, g: [ops.rms_norm(x, eps), ops.rms_norm_back(x, g, eps)], [x * r, dx], x=x, g=g)
+
+
+@pytest.mark.parametrize("shape", [(3, 37), (5, 300), (2, 3, 4, 8)])
+def test_layer_norm(name, shape):
+    x, g, eps = 2 + 3 * randn(*shape), randn(*shape), 1e-5  # an offset: the mean matters
+    n = shape[-1]
+    xc = x - x.mean(axis=-1, keepdims=True)
+    r = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    y = xc * r
+    dx = r * (g - g.mean(axis=-1, keepdims=True) - y * (g * y).sum(axis=-1, keepdims=True) / n)
+    check_forward(name, lambda x, g: [ops.layer_norm(x, eps), ops.layer_norm_back(x, g, eps)], [y, dx], x=x, g=g)
 
 
 @pytest.mark.parametrize("mode", ["norm", "neox"])
@@ -241,14 +323,58 @@ def test_rope(name, mode, n_rot):
                   x=x, strided=strided, pos=pos)
 
 
-@pytest.mark.parametrize("rows,n_kv,n_q,n_past", [(10, 7, 5, 2), (8, 300, 4, 296)])
-def test_softmax_causal_and_back(name, rows, n_kv, n_q, n_past):
+@pytest.mark.parametrize("mode", ["norm", "neox"])
+@pytest.mark.parametrize("n_rot,n_factors", [(10, 5), (6, 3), (6, 4)])
+def test_rope_freq_factors(name, mode, n_rot, n_factors):
+    """Llama 3.1's rope_freqs / phi3's factors: a third input dividing each pair's angle; a longer
+    factor vector than n_rot/2 is read from its start, as ggml does."""
+    x = randn(2, 7, 3, 10)
+    strided = randn(2, 3, 7, 10)
+    pos = np.array([0, 1, 2, 3, 17, 300, 4095], dtype=np.int32)
+    ff = np.array([1.0, 1.0, 2.5, 8.0, 31.25, 0.5][:n_factors])
+    base, fs = 500000.0, 0.25
+
+    def build(x, strided, pos, ff):
+        rot = ops.rope(x, pos, n_rot, base, fs, mode, freq_factors=ff)
+        return [rot, ops.rope(x, pos, n_rot, base, fs, mode, inverse=True, freq_factors=ff),
+                ops.rope(ops.permute(strided, (0, 2, 1, 3)), pos, n_rot, base, fs, mode, freq_factors=ff),
+                ops.rope(rot, pos, n_rot, base, fs, mode, inverse=True, freq_factors=ff),
+                ops.rope(x, pos, n_rot, base, fs, mode)]  # the same graph without factors
+
+    p = pos.astype(np.float64)
+    check_forward(name, build, [rope_ref(x, p, n_rot, base, fs, mode, False, ff),
+                                rope_ref(x, p, n_rot, base, fs, mode, True, ff),
+                                rope_ref(strided.transpose(0, 2, 1, 3), p, n_rot, base, fs, mode, False, ff), x,
+                                rope_ref(x, p, n_rot, base, fs, mode, False)],
+                  x=x, strided=strided, pos=pos, ff=ff)
+
+
+def test_rope_freq_factors_are_frozen():
+    """No gradient flows into the factors, even when they are a trainable parameter, and they do
+    not make the rotation of a constant need one; the old positional call still works."""
+    from llmtune.graph.autodiff import grad
+
+    x, ff, c = ops.param((1, 3, 2, 4), name="x"), ops.param((2,), name="ff"), ops.input((1, 3, 2, 4), name="c")
+    pos = ops.input((3,), "i32", name="pos")
+    y = ops.rope(x, pos, 4, 100.0, 1.0, "neox", freq_factors=ff)
+    grads = grad(ops.sum_to(y, ()), [x, ff])
+    assert set(grads) == {x}
+    assert grads[x].op == "rope" and grads[x].inputs[2] is ff and grads[x].attrs["inverse"]
+    assert not ops.rope(c, pos, 4, 100.0, 1.0, "neox", False, ff).requires_grad
+    assert ops.rope(x, pos, 4, 100.0, 1.0, "norm").inputs == (x, pos)
+    with pytest.raises(ValueError):
+        ops.rope(x, pos, 4, freq_factors=ops.param((1,), name="short"))
+
+
+@pytest.mark.parametrize("rows,n_kv,n_q,n_past,window", [(10, 7, 5, 2, 0), (8, 300, 4, 296, 0), (10, 7, 5, 2, 3),
+                                                           (10, 7, 5, 2, 1), (8, 300, 4, 296, 100), (6, 6, 6, 0, 40)])
+def test_softmax_causal_and_back(name, rows, n_kv, n_q, n_past, window):
     x, g, scale = randn(2, 3, rows, n_kv), randn(2, 3, rows, n_kv), 0.3
-    y = causal_softmax_ref(x, scale, n_q, n_past)
+    y = causal_softmax_ref(x, scale, n_q, n_past, window)
     dx = scale * y * (g - (g * y).sum(axis=-1, keepdims=True))
 
     def build(x, g):
-        y = ops.softmax_causal(x, scale, n_kv, n_q, n_past)
+        y = ops.softmax_causal(x, scale, n_kv, n_q, n_past, window=window)
         return [y, ops.softmax_back(y, g, scale)]
 
     check_forward(name, build, [y, dx], x=x, g=g)
@@ -267,30 +393,35 @@ def test_cross_entropy_and_count_correct(name):
     check_forward(
         name,
         lambda logits, targets, g, ties, first_max, last_max: [
-            ops.cross_entropy(logits, targets), ops.cross_entropy_back(logits, targets, g),
+            ops.logsumexp(logits), ops.cross_entropy(logits, targets),
+            ops.cross_entropy_back(logits, targets, ops.logsumexp(logits), g),
             ops.count_correct(logits, targets), ops.count_correct(ties, first_max), ops.count_correct(ties, last_max)],
-        [-lsm[np.arange(6), targets].mean(), (np.exp(lsm) - onehot) * 0.75 / 6,
+        [(logits - lsm)[:, 0], -lsm[np.arange(6), targets].mean(), (np.exp(lsm) - onehot) * 0.75 / 6,
          np.count_nonzero(logits.argmax(-1) == targets), 5.0, 0.0],
         logits=logits, targets=targets, g=g, ties=ties, first_max=first_max, last_max=last_max,
     )
 
 
-def attention_ref(q, k, v):
-    """Causal GQA attention: query head h reads KV head h // (n_head / n_head_kv)."""
+def attention_ref(q, k, v, softcap=0.0, window=0):
+    """Causal GQA attention: query head h reads KV head h // (n_head / n_head_kv); softcapped
+    scores cap * tanh(scale * s / cap) (gemma2), sliding window as llama.cpp's is_masked_swa."""
     B, T, H, d = q.shape
     group = H // k.shape[2]
     kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     s = np.einsum("bthd,bshd->bhts", q, kk)
-    p = causal_softmax_ref(s, 1 / math.sqrt(d), T, 0)
+    scale = 1 / math.sqrt(d)
+    if softcap:
+        s, scale = softcap * np.tanh(s * scale / softcap), 1.0
+    p = causal_softmax_ref(s, scale, T, 0, window)
     return np.einsum("bhts,bshd->bthd", p, vv).reshape(B * T, H * d)
 
 
-def test_attention_gqa(name):
+@pytest.mark.parametrize("softcap,window", [(0.0, 0), (2.0, 0), (0.0, 3), (1.5, 2)])
+def test_attention_gqa(name, softcap, window):
     B, T, H, Hkv, d = 2, 7, 6, 2, 5
-    spec = layers.AttnSpec(n_head=H, n_head_kv=Hkv, head_dim=d, n_rot=d - 1)
-    batch = layers.Batch.make(B, T)
-    q, k, v = randn(B, T, H, d), randn(B, T, Hkv, d), randn(B, T, Hkv, d)
-    check_forward(name, lambda q, k, v: layers.build_attn_core(q, k, v, spec, batch), attention_ref(q, k, v), q=q, k=k, v=v)
+    q, k, v = 2 * randn(B, T, H, d), randn(B, T, Hkv, d), randn(B, T, Hkv, d)
+    check_forward(name, lambda q, k, v: _attn(q, k, v, softcap, window), attention_ref(q, k, v, softcap, window),
+                  q=q, k=k, v=v)
 
 
 @pytest.mark.parametrize("precision,lo,hi", [("tf32", 1e-5, 2e-3), ("bf16", 1e-4, 1e-2)])
@@ -315,9 +446,26 @@ def test_reduced_precision_matmul(name, precision, lo, hi):
 
 
 # ------------------------------------------------------------------------------ gradients
-def _attn(q, k, v):
-    spec = layers.AttnSpec(n_head=4, n_head_kv=2, head_dim=2, n_rot=2)
-    return layers.build_attn_core(q, k, v, spec, layers.Batch.make(1, 3))
+def _attn(q, k, v, softcap=0.0, window=0):
+    """Causal grouped-query attention -> [B * T, H * d] (the shape the output projection reads)."""
+    B, T, H, d = q.shape
+    return ops.reshape(causal_attention(q, k, v, 1.0 / math.sqrt(d), softcap=softcap, window=window), (B * T, H * d))
+
+
+def _consts(values):
+    """A float vector known to the graph (no gradient): one-hot pads of scalar constants, summed."""
+    out = None
+    for i, v in enumerate(values):
+        term = ops.pad_rows(ops.const(v, (1,)), 0, i, len(values))
+        out = term if out is None else ops.add(out, term)
+    return out
+
+
+def _fused_gate_up(x, w):
+    """phi3's FFN entry: one product, split in halves of its last axis."""
+    fused = ops.linear(x, w)
+    n = w.shape[0] // 2
+    return ops.swiglu(ops.cont(ops.slice_rows(fused, 1, 0, n)), ops.cont(ops.slice_rows(fused, 1, n, 2 * n)))
 
 
 GRAD_CASES = {
@@ -328,22 +476,47 @@ GRAD_CASES = {
     "broadcast_to": (lambda a: ops.broadcast_to(a, (2, 3, 4)), {"a": (3, 1)}, {}),
     "silu": (lambda a: ops.silu(a), {"a": (3, 5)}, {}),
     "swiglu": (lambda a, b: ops.swiglu(a, b), {"a": (3, 5), "b": (3, 5)}, {}),
+    "gelu": (lambda a: ops.gelu(a), {"a": (3, 5)}, {}),
+    "geglu": (lambda a, b: ops.geglu(a, b), {"a": (3, 5), "b": (3, 5)}, {}),
+    "softcap": (lambda a: ops.softcap(a, 1.5), {"a": (3, 5)}, {}),
+    # softcap of a computed value runs in place, and so does its backward over the output
+    "softcap_inplace": (lambda a, b: ops.softcap(ops.matmul(a, b), 2.0), {"a": (3, 4), "b": (4, 5)}, {}),
     "matmul": (lambda a, b: ops.matmul(a, b), {"a": (2, 3, 4), "b": (4, 5)}, {}),
     "matmul_tt": (lambda a, b: ops.matmul(a, b, True, True), {"a": (4, 3), "b": (5, 4)}, {}),
     "matmul_batch_broadcast": (lambda a, b: ops.matmul(a, b, tb=True), {"a": (2, 1, 3, 4), "b": (3, 2, 4)}, {}),
     "permute_reshape": (lambda a: ops.reshape(ops.permute(a, (1, 0, 2)), (3, 8)), {"a": (2, 3, 4)}, {}),
     "slice": (lambda a: ops.slice_rows(a, 1, 1, 3), {"a": (2, 4, 3)}, {}),
     "pad": (lambda a: ops.pad_rows(a, 1, 2, 6), {"a": (2, 3, 2)}, {}),
+    "slice_last_axis_cont": (lambda a: ops.geglu(ops.cont(ops.slice_rows(a, 1, 0, 3)), ops.cont(ops.slice_rows(a, -1, 3, 6))),
+                             {"a": (4, 6)}, {}),
+    # phi3's fused gate+up projection, split in halves of the product's last axis
+    "fused_gate_up": (_fused_gate_up, {"x": (4, 5), "w": (6, 5)}, {}),
+    "pos_embd": (lambda tok, pos_w, ids, pos: ops.add(ops.get_rows(tok, ids), ops.get_rows(pos_w, pos)),
+                 {"tok": (5, 3), "pos_w": (6, 3)}, {"ids": np.array([[4, 0, 4], [1, 1, 2]]), "pos": np.array([0, 1, 5])}),
     "get_rows": (lambda w, ids: ops.get_rows(w, ids), {"w": (5, 3)}, {"ids": np.array([[4, 0, 4], [1, 1, 2]])}),
     "add_rows": (lambda g, ids: ops.add_rows(g, ids, 5), {"g": (6, 3)}, {"ids": np.array([0, 4, 4, 2, 0, 0])}),
     "rms_norm": (lambda x: ops.rms_norm(x, 1e-5), {"x": (3, 7)}, {}),
+    "layer_norm": (lambda x: ops.layer_norm(x, 1e-5), {"x": (3, 7)}, {}),
+    # with the caller's affine weight and bias, as build_norm applies them
+    "layer_norm_affine": (lambda x, w, b: ops.add(ops.mul(ops.layer_norm(x, 1e-5), w), b),
+                          {"x": (2, 3, 5), "w": (5,), "b": (5,)}, {}),
     "rope_norm_partial": (lambda x, pos: ops.rope(x, pos, 4, 100.0, 1.0, "norm"), {"x": (1, 3, 2, 6)},
                           {"pos": np.array([2, 3, 4])}),
     "rope_neox": (lambda x, pos: ops.rope(x, pos, 6, 100.0, 0.5, "neox"), {"x": (1, 3, 2, 6)},
                   {"pos": np.array([0, 1, 5])}),
+    "rope_norm_factors": (lambda x, pos: ops.rope(x, pos, 4, 100.0, 1.0, "norm", freq_factors=_consts([2.0, 0.3])),
+                          {"x": (1, 3, 2, 6)}, {"pos": np.array([2, 3, 4])}),
+    "rope_neox_factors": (lambda x, pos: ops.rope(x, pos, 6, 100.0, 0.5, "neox", freq_factors=_consts([1.0, 4.0, 0.25])),
+                          {"x": (2, 3, 2, 6)}, {"pos": np.array([0, 1, 5])}),
     "softmax_causal": (lambda x: ops.softmax_causal(x, 0.7, n_kv=4, n_q=3, n_past=1), {"x": (2, 6, 4)}, {}),
+    "softmax_causal_window": (lambda x: ops.softmax_causal(x, 0.7, n_kv=5, n_q=3, n_past=2, window=2), {"x": (2, 6, 5)}, {}),
     "cross_entropy": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)}, {"t": np.array([0, 5, 2, 2])}),
+    # logits computed by an op: the backward overwrites them in place
+    "cross_entropy_inplace": (lambda a, b, t: ops.cross_entropy(ops.matmul(a, b), t), {"a": (4, 3), "b": (3, 6)},
+                              {"t": np.array([1, 5, 0, 0])}),
     "attention_gqa": (_attn, {"q": (1, 3, 4, 2), "k": (1, 3, 2, 2), "v": (1, 3, 2, 2)}, {}),
+    "attention_softcap_window": (lambda q, k, v: _attn(q, k, v, softcap=1.5, window=2),
+                                 {"q": (1, 4, 4, 2), "k": (1, 4, 2, 2), "v": (1, 4, 2, 2)}, {}),
 }
 
 

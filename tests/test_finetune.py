@@ -2,6 +2,7 @@
 partial training, configs, bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -134,6 +135,44 @@ def test_config_file_and_flag_precedence(stories_path, small_text, tmp_path):
         llmtune.finetune(stories_path, small_text, tmp_path / "b.gguf", config_file=bad)
 
 
+def test_config_file_errors_name_the_file(tmp_path):
+    from llmtune.train.config import make_config
+
+    (tmp_path / "broken.toml").write_text("ctx = [\n")
+    for path, problem in ((tmp_path / "nope.toml", "no such file"), (tmp_path, "is a directory"),
+                          (tmp_path / "broken.toml", "invalid TOML")):
+        with pytest.raises(LlmtuneError, match="^" + re.escape(f"{path}: {problem}")):
+            make_config(path)
+
+
+def test_help_shows_the_config_defaults(monkeypatch):
+    """--help's defaults are read from FinetuneConfig, so they follow a changed default."""
+    import llmtune.train.config as config
+    from llmtune.cli import _finetune_default
+
+    assert [_finetune_default(n) for n in ("ctx", "lr", "wd", "val_split", "optimizer")] == [
+        " \\[default: 512]", " \\[default: 1e-5]", " \\[default: 0]", " \\[default: 0.05]", " \\[default: adamw]"]
+    assert _finetune_default("batch", unset="ctx") == " \\[default: ctx]"
+    monkeypatch.setitem(config.FIELDS, "lr_min", type("F", (), {"default": 2.5e-6})())
+    assert _finetune_default("lr_min", unset="off") == " \\[default: 2.5e-6]"
+
+
+def test_cpu_workers_rule(monkeypatch):
+    """One worker off the cpu, for a single item, or without OpenBLAS thread control; else one per core up to 4."""
+    from llmtune.backends import threads
+
+    with pytest.raises(LlmtuneError, match="workers: must be positive"):
+        threads.cpu_workers("cpu", 0, 8)
+    monkeypatch.setattr(threads.blas_threads, "available", lambda: True)
+    monkeypatch.setattr(threads, "n_cores", lambda: 16)
+    assert threads.cpu_workers("cuda", None, 8) == 1
+    assert threads.cpu_workers("cpu", None, 1) == 1
+    assert threads.cpu_workers("cpu", None, 8) == threads.MAX_CPU_WORKERS
+    assert threads.cpu_workers("cpu", 6, 8) == 6 and threads.cpu_workers("cpu", 6, 3) == 3
+    monkeypatch.setattr(threads.blas_threads, "available", lambda: False)
+    assert threads.cpu_workers("cpu", 6, 8) == 1
+
+
 def test_lr_schedule_matches_llama_cpp():
     s = LRSchedule(1e-3, 1e-5, 0, 4)  # decay over all 4 epochs: halves log2(100)/4 times per epoch
     assert s.lr(0, 10) == pytest.approx(1e-3)
@@ -199,6 +238,22 @@ def test_bad_flags(stories_path, small_text, tmp_path):
     assert r.returncode == 2 and "--optimizer" in r.stderr
     r = run_cli("finetune", stories_path, small_text, "-o", tmp_path / "o.gguf", "--params", "nomatch", "--ctx", "64")
     assert r.returncode == 2 and "matches no tensor" in r.stderr
+
+
+def test_validation_with_more_workers_than_the_default_cap(stories_path, wikitext_ids):
+    """workers above MAX_CPU_WORKERS: each evaluation worker still gets its own program cache."""
+    from llmtune.backends.threads import MAX_CPU_WORKERS, blas_threads
+
+    if not blas_threads.available():
+        pytest.skip("OpenBLAS thread control unavailable: workers fall back to 1")
+    model = load_model(stories_path)
+    n = MAX_CPU_WORKERS + 2
+    tr = Trainer(model, CPUBackend(), n_ctx=16, n_batch=16, n_ubatch=16, trainable=[], workers=n)
+    x = np.stack([wikitext_ids[s : s + 16] for s in range(0, 16 * n, 16)])
+    y = np.stack([wikitext_ids[s + 1 : s + 17] for s in range(0, 16 * n, 16)])
+    stats = RunningStats()
+    tr.evaluate(x, y, stats)
+    assert stats.tokens == 16 * n and len(tr._eval_caches) == n
 
 
 def test_parallel_micro_batches_match_sequential(stories_path, wikitext_ids):

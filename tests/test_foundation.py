@@ -24,9 +24,10 @@ from rich.console import Console
 
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import MetaValue, check_output_path, load_gguf, write_gguf
-from llmtune.model.hparams import HParams
+from llmtune.model.loaded import hparams_of
 from llmtune.convert.init import init_model, load_init_config
-from llmtune.ui.info import human_bytes, human_count, render_info
+from llmtune.ui.format import human_bytes, human_count
+from llmtune.ui.info import render_info
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -178,7 +179,7 @@ def test_unsupported_architecture(tmp_path):
     assert "mamba" in result.stdout and "cannot run" in result.stdout
     # loading it as a model is a user error
     with pytest.raises(LlmtuneError, match=r"mamba\.gguf: unsupported architecture 'mamba'"):
-        HParams.from_gguf(load_gguf(mamba))
+        hparams_of(load_gguf(mamba))
     for command in ("perplexity", "finetune"):
         if command in registered_commands():
             result = run_cli(*_model_commands(mamba, tmp_path)[command])
@@ -419,7 +420,7 @@ def test_init_15m_shape_and_metadata(model_15m):
     gf = load_gguf(model_15m)
     n = expected_llama_params(N_VOCAB, 288, 6, 6, 6, 768)
     assert gf.n_params() == n == 24_407_712
-    hp = HParams.from_gguf(gf)
+    hp = hparams_of(gf)
     assert (hp.n_vocab, hp.n_ctx_train, hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_rot) == (
         N_VOCAB, 256, 288, 6, 6, 6, 768, 48)
     assert not hp.tied_output and hp.norm_eps == pytest.approx(1e-5)
@@ -484,11 +485,11 @@ def test_init_is_deterministic(model_15m, tmp_path):
 
 
 def test_110m_config_shape():
-    from llmtune.arch import get_arch
+    from llmtune.arch import get_family
 
     hp = load_init_config(CONFIG_110M).model.hparams(n_vocab=N_VOCAB)
     assert (hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_ctx_train) == (768, 12, 12, 12, 2048, 1024)
-    n = sum(math.prod(s) for s in get_arch("llama").tensor_shapes(hp).values())
+    n = sum(math.prod(s) for s in (spec.shape for spec in get_family("llama").tensors(hp)))
     assert n == expected_llama_params(N_VOCAB, 768, 12, 12, 12, 2048) == 134_105_856
 
 
@@ -500,7 +501,7 @@ def test_init_small_gqa_model_from_a_model_vocab(tmp_path):
     assert gf.get("general.name") == "tiny" and gf.get("llama.context_length") == 2048
     assert gf.tensors["blk.1.attn_k.weight"].shape == (16, 64)
     assert gf.tensor("token_embd.weight").std() == pytest.approx(0.05, rel=0.05)
-    assert HParams.from_gguf(gf).n_vocab == 512
+    assert hparams_of(gf).n_vocab == 512
 
 
 @pytest.mark.parametrize(

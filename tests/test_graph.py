@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from llmtune.backends.cpu import CPUBackend
-from llmtune.graph import layers as L
+from llmtune.arch import get_family
+from llmtune.arch.context import Batch, BuildContext
 from llmtune.graph import ops
 from llmtune.graph.gradcheck import check_gradients
 from llmtune.graph.planner import Program
@@ -64,7 +65,7 @@ def test_logits_start_only_skips_work(stories, wikitext_ids):
 def test_planner_reuses_memory_on_training_graph(stories):
     """Training graph of stories260K at ctx 256: planned buffers far below the sum of intermediates."""
     tr = Trainer(stories, CPUBackend(), n_ctx=256, n_batch=256, n_ubatch=256, trainable=list(stories.weights))
-    mem = tr._train_prog.memory
+    mem = tr._train_progs[0].memory
     assert mem.planned_bytes < 0.5 * mem.naive_bytes, mem
 
 
@@ -91,12 +92,14 @@ def test_attention_block_gradients(mode, n_head, n_head_kv, head_dim, n_rot):
     """Finite differences through a whole attention block: projections, rope (both modes, partial
     n_rot), grouped-query attention, causal softmax, output projection (float64)."""
     n_seq, n_tok, n_embd = 2, 5, 7
-    spec = L.AttnSpec(n_head, n_head_kv, head_dim, n_rot, 10000.0, 1.0, mode)
+    hp = get_family("llama").make_hparams(n_vocab=1, n_ctx_train=16, n_embd=n_embd, n_layer=1, n_head=n_head,
+                                          n_head_kv=n_head_kv, n_ff=1, n_rot=n_rot, head_dim_kq=head_dim, rope_mode=mode)
     rng = np.random.default_rng(n_head * 10 + n_rot)
 
     def build(x, wq, wk, wv, wo, tokens, pos):
-        batch = L.Batch(tokens, pos)
-        return L.build_attn(x, wq, wk, wv, wo, spec, batch)
+        weights = {"blk.0.attn_q.weight": wq, "blk.0.attn_k.weight": wk, "blk.0.attn_v.weight": wv,
+                   "blk.0.attn_output.weight": wo}
+        return BuildContext(hp, weights, Batch(tokens, pos)).attn(x, 0)
 
     arrays = {
         "x": rng.standard_normal((n_seq * n_tok, n_embd)),
@@ -112,18 +115,16 @@ def test_attention_block_gradients(mode, n_head, n_head_kv, head_dim, n_rot):
 
 def test_whole_model_gradients_tiny_llama():
     """Finite differences through a full 2-layer llama (embeddings, norms, GQA, SwiGLU, head, loss)."""
-    from llmtune.model.hparams import HParams
-    from llmtune.arch import llama
-
-    hp = HParams("llama", n_vocab=11, n_ctx_train=16, n_embd=8, n_layer=2, n_head=4, n_head_kv=2, n_ff=12, n_rot=2,
-                 norm_eps=1e-5)
+    llama = get_family("llama")
+    hp = llama.make_hparams(n_vocab=11, n_ctx_train=16, n_embd=8, n_layer=2, n_head=4, n_head_kv=2, n_ff=12, n_rot=2,
+                            norm_eps=1e-5)
     rng = np.random.default_rng(3)
-    shapes = llama.tensor_shapes(hp)
+    shapes = {spec.name: spec.shape for spec in llama.tensors(hp)}
     arrays = {k.replace(".", "_"): rng.standard_normal(s) * (1.0 if "norm" in k else 0.4) for k, s in shapes.items()}
 
     def build(tokens, pos, targets, **w):
         named = {k: w[k.replace(".", "_")] for k in shapes}
-        logits = llama.build(hp, named, L.Batch(tokens, pos))
+        logits = llama.build(BuildContext(hp, named, Batch(tokens, pos)))
         return ops.cross_entropy(logits, targets)
 
     ints = {"tokens": rng.integers(0, 11, (2, 4)), "pos": np.arange(4), "targets": rng.integers(0, 11, 8)}

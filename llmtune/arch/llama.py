@@ -1,45 +1,57 @@
-"""llama: pre-norm decoder, RMSNorm, RoPE (adjacent pairs), grouped-query attention, SwiGLU FFN."""
+"""llama (llama.cpp's LLM_ARCH_LLAMA, src/models/llama.cpp): pre-norm decoder, RMSNorm, RoPE on
+adjacent pairs, grouped-query attention, SwiGLU feed-forward. Mistral files are llama too.
+
+Llama 3.1+ files carry rope_freqs.weight (n_rot/2 factors, the converter's "llama3" rope scaling):
+each rotary frequency is divided by its factor (ggml_rope_ext's c argument); llama.cpp marks it
+TENSOR_NOT_REQUIRED, so Llama 2 / Mistral files without it run as before. rope.dimension_count
+must equal the head size, as llama.cpp checks ("invalid n_rot")."""
 
 from __future__ import annotations
 
-from llmtune.graph import layers as L
-from llmtune.graph.node import Node
+from llmtune.arch import register
+from llmtune.arch.context import BuildContext
+from llmtune.arch.family import Family, TensorSpec, output_tensors
+from llmtune.errors import LlmtuneError
+from llmtune.graph import ops
 
 
-def tensor_shapes(hp) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the architecture with its numpy shape (GGUF ne reversed)."""
-    shapes = {"token_embd.weight": (hp.n_vocab, hp.n_embd), "output_norm.weight": (hp.n_embd,)}
-    if not hp.tied_output:
-        shapes["output.weight"] = (hp.n_vocab, hp.n_embd)
-    for i in range(hp.n_layer):
-        p = f"blk.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (hp.n_embd,),
-            p + "attn_q.weight": (hp.n_head * hp.head_dim, hp.n_embd),
-            p + "attn_k.weight": (hp.n_embd_kv, hp.n_embd),
-            p + "attn_v.weight": (hp.n_embd_kv, hp.n_embd),
-            p + "attn_output.weight": (hp.n_embd, hp.n_head * hp.head_dim),
-            p + "ffn_norm.weight": (hp.n_embd,),
-            p + "ffn_gate.weight": (hp.n_ff, hp.n_embd),
-            p + "ffn_up.weight": (hp.n_ff, hp.n_embd),
-            p + "ffn_down.weight": (hp.n_embd, hp.n_ff),
-        })
-    return shapes
+@register
+class Llama(Family):
+    name = "llama"
 
+    def read_hparams(self, keys, n_vocab_default, tensor_names):
+        hp = super().read_hparams(keys, n_vocab_default, tensor_names)
+        if hp.n_head > 0 and hp.n_rot != hp.head_dim:
+            raise LlmtuneError(f"{keys.source}: {keys.arch}.rope.dimension_count {hp.n_rot} must equal the head size "
+                               f"{hp.head_dim} (llama.cpp: invalid n_rot)")
+        return hp
 
-def build(hp, w: dict[str, Node], batch: L.Batch, logits_start: int = 0) -> Node:
-    """Logits [n_seq * (n_tok - logits_start), n_vocab] for positions logits_start.. of each sequence."""
-    spec = L.AttnSpec(hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot, hp.rope_freq_base, hp.rope_freq_scale, hp.rope_mode)
-    x = L.build_inp_embd(w["token_embd.weight"], batch)
-    for i in range(hp.n_layer):
-        p = f"blk.{i}."
-        h = L.build_norm(x, w[p + "attn_norm.weight"], hp.norm_eps)
-        h = L.build_attn(h, w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"],
-                         w[p + "attn_output.weight"], spec, batch)
-        if i == hp.n_layer - 1:  # rows that produce no logits need no more work
-            h, x = L.select_positions(h, batch, logits_start), L.select_positions(x, batch, logits_start)
-        x = L.ops.add(x, h)
-        h = L.build_norm(x, w[p + "ffn_norm.weight"], hp.norm_eps)
-        x = L.ops.add(x, L.build_ffn_swiglu(h, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"]))
-    out_w = w.get("output.weight", w["token_embd.weight"])
-    return L.build_output(x, w["output_norm.weight"], out_w, hp.norm_eps)
+    def tensors(self, hp):
+        # the converter writes rope_freqs first (generate_extra_tensors); one tensor for all layers
+        specs = [TensorSpec("rope_freqs.weight", (hp.n_rot // 2,), "factors", optional=True)]
+        specs += output_tensors(hp)
+        for i in range(hp.n_layer):
+            p = f"blk.{i}."
+            specs += [
+                TensorSpec(p + "attn_norm.weight", (hp.n_embd,), "ones"),
+                TensorSpec(p + "attn_q.weight", (hp.n_embd_q, hp.n_embd)),
+                TensorSpec(p + "attn_k.weight", (hp.n_embd_kv, hp.n_embd)),
+                TensorSpec(p + "attn_v.weight", (hp.n_embd_kv, hp.n_embd)),
+                TensorSpec(p + "attn_output.weight", (hp.n_embd, hp.n_embd_q), "residual"),
+                TensorSpec(p + "ffn_norm.weight", (hp.n_embd,), "ones"),
+                TensorSpec(p + "ffn_gate.weight", (hp.n_ff, hp.n_embd)),
+                TensorSpec(p + "ffn_up.weight", (hp.n_ff, hp.n_embd)),
+                TensorSpec(p + "ffn_down.weight", (hp.n_embd, hp.n_ff), "residual"),
+            ]
+        return specs
+
+    def build(self, ctx: BuildContext):
+        x = ctx.inp_embd()
+        for il in range(ctx.hp.n_layer):
+            blk = f"blk.{il}"
+            h = ctx.attn(ctx.norm(x, f"{blk}.attn_norm"), il)
+            if il == ctx.hp.n_layer - 1:  # rows that produce no logits need no more work
+                x, h = ctx.logit_rows(x), ctx.logit_rows(h)
+            x = ops.add(x, h)
+            x = ops.add(x, ctx.ffn(ctx.norm(x, f"{blk}.ffn_norm"), blk))
+        return ctx.output(x)

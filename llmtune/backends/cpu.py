@@ -5,8 +5,6 @@ Kernels write into planned `out` buffers and avoid temporaries where numpy allow
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from llmtune.backends.base import Backend
@@ -77,6 +75,89 @@ def k_swiglu_back(out, gate, up, g, wrt):
     out += 1.0
     out *= s
     out *= up
+    out *= g
+    return out
+
+
+_GELU_C = float(np.sqrt(2.0 / np.pi))  # sqrt(2/pi)
+_GELU_A = 0.044715
+
+
+def _gelu_into(out, x):
+    """0.5 x (1 + tanh(c x (1 + a x^2))) into out (out must not alias x)."""
+    t = x.dtype.type
+    np.multiply(x, x, out=out)
+    out *= t(_GELU_A * _GELU_C)
+    out += t(_GELU_C)
+    out *= x
+    np.tanh(out, out=out)
+    out += t(1.0)
+    out *= x
+    out *= t(0.5)
+    return out
+
+
+def _gelu_grad_into(out, x):
+    """d gelu / dx = 0.5 (1 + th) (1 + x (1 - th) c (1 + 3 a x^2)), th = tanh(c x (1 + a x^2));
+    one temporary."""
+    t = x.dtype.type
+    th = np.multiply(x, x)
+    th *= t(_GELU_A * _GELU_C)
+    th += t(_GELU_C)
+    th *= x
+    np.tanh(th, out=th)
+    np.subtract(t(1.0), th, out=th)  # 1 - th
+    np.multiply(x, x, out=out)
+    out *= t(3.0 * _GELU_A * _GELU_C)
+    out += t(_GELU_C)
+    out *= x
+    out *= th
+    out += t(1.0)
+    np.subtract(t(2.0), th, out=th)  # 1 + th
+    out *= th
+    out *= t(0.5)
+    return out
+
+
+def k_gelu(out, x):
+    return _gelu_into(out, x)
+
+
+def k_gelu_back(out, x, g):
+    _gelu_grad_into(out, x)
+    out *= g
+    return out
+
+
+def k_geglu(out, gate, up):
+    _gelu_into(out, gate)
+    out *= up
+    return out
+
+
+def k_geglu_back(out, gate, up, g, wrt):
+    if wrt == 1:  # d/d up = gelu(gate) * g
+        _gelu_into(out, gate)
+    else:  # d/d gate = gelu'(gate) * up * g
+        _gelu_grad_into(out, gate)
+        out *= up
+    out *= g
+    return out
+
+
+def k_softcap(out, x, cap):
+    """cap * tanh(x / cap); `out` may be `x`."""
+    np.multiply(x, x.dtype.type(1.0 / cap), out=out)
+    np.tanh(out, out=out)
+    out *= out.dtype.type(cap)
+    return out
+
+
+def k_softcap_back(out, y, g, cap):
+    """g * (1 - (y / cap)^2); `out` may be `y`."""
+    np.multiply(y, y.dtype.type(1.0 / cap), out=out)
+    np.square(out, out=out)
+    np.subtract(out.dtype.type(1.0), out, out=out)
     out *= g
     return out
 
@@ -156,15 +237,57 @@ def k_rms_norm_back(out, x, g, eps):
     return out
 
 
+def k_layer_norm(out, x, eps):
+    n = x.shape[-1]
+    mean = x.sum(axis=-1, keepdims=True)
+    mean /= n
+    np.subtract(x, mean, out=out)
+    var = np.einsum("...i,...i->...", out, out)[..., None]
+    var /= n
+    var += eps
+    np.sqrt(var, out=var)
+    out /= var
+    return out
+
+
+def k_layer_norm_back(out, x, g, eps):
+    # xc = x - mean, r = 1/sqrt(mean(xc^2) + eps), y = xc r;  dx = r (g - mean(g) - y mean(g y))
+    n = x.shape[-1]
+    mean = x.sum(axis=-1, keepdims=True)
+    mean /= n
+    np.subtract(x, mean, out=out)  # xc
+    r = np.einsum("...i,...i->...", out, out)[..., None]
+    r /= n
+    r += eps
+    np.sqrt(r, out=r)
+    np.reciprocal(r, out=r)
+    coef = np.einsum("...i,...i->...", g, out)[..., None]
+    coef *= r * r / n  # y mean(g y) = xc r^2 mean(g xc)
+    mg = g.sum(axis=-1, keepdims=True)
+    mg /= n
+    out *= coef
+    np.subtract(g, out, out=out)
+    out -= mg
+    out *= r
+    return out
+
+
 class _RopeCache:
+    """cos/sin tables per (positions, n_rot, base, freq_scale, freq factors, dtype): the same few
+    every run."""
+
     def __init__(self):
         self._tables = {}
 
-    def get(self, pos, n_rot, base, freq_scale, dtype):
-        key = (pos.tobytes(), n_rot, base, freq_scale, np.dtype(dtype).str)
+    def get(self, pos, n_rot, base, freq_scale, dtype, freq_factors=None):
+        half = n_rot // 2
+        ff = None if freq_factors is None else np.asarray(freq_factors).reshape(-1)[:half]
+        key = (pos.tobytes(), n_rot, base, freq_scale, np.dtype(dtype).str, None if ff is None else ff.tobytes())
         tab = self._tables.get(key)
         if tab is None:
             inv_freq = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+            if ff is not None:  # ggml_rope_cache_init: theta / freq_factors[i]
+                inv_freq = inv_freq / ff.astype(np.float64)
             theta = freq_scale * pos.astype(np.float64)[:, None] * inv_freq[None, :]
             tab = (np.cos(theta).astype(dtype), np.sin(theta).astype(dtype))
             if len(self._tables) > 64:
@@ -173,61 +296,68 @@ class _RopeCache:
         return tab
 
 
-def _rope_kernel(cache):
-    def k_rope(out, x, pos, n_rot, base, freq_scale, mode, inverse):
-        cos, sin = cache.get(pos, n_rot, base, freq_scale, x.dtype)
-        if inverse:
-            sin = -sin
-        # x[B, T, H, d]; tables [T, n_rot/2] broadcast over batch and heads
-        cos = cos[:, None, :]
-        sin = sin[:, None, :]
-        half = n_rot // 2
-        if mode == "norm":
-            x0, x1 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
-            o0, o1 = out[..., 0:n_rot:2], out[..., 1:n_rot:2]
-        else:
-            x0, x1 = x[..., :half], x[..., half:n_rot]
-            o0, o1 = out[..., :half], out[..., half:n_rot]
-        t = x1 * sin
-        np.multiply(x0, cos, out=o0)
-        o0 -= t
-        np.multiply(x0, sin, out=t)
-        np.multiply(x1, cos, out=o1)
-        o1 += t
-        if n_rot < x.shape[-1]:
-            out[..., n_rot:] = x[..., n_rot:]
-        return out
-
-    return k_rope
-
-
 class _MaskCache:
+    """Additive causal masks per (rows, n_kv, n_q, n_past, window, dtype): key k is visible to
+    query position p when k <= p and, with a sliding window, p - k < window."""
+
     def __init__(self):
         self._masks = {}
 
-    def get(self, rows, n_kv, n_q, n_past, dtype):
-        key = (rows, n_kv, n_q, n_past, np.dtype(dtype).str)
+    def get(self, rows, n_kv, n_q, n_past, window, dtype):
+        key = (rows, n_kv, n_q, n_past, window, np.dtype(dtype).str)
         m = self._masks.get(key)
         if m is None:
-            qpos = n_past + (np.arange(rows) % n_q)
-            m = np.where(np.arange(n_kv)[None, :] <= qpos[:, None], 0.0, -np.inf).astype(dtype)
+            qpos = (n_past + (np.arange(rows) % n_q))[:, None]
+            kpos = np.arange(n_kv)[None, :]
+            visible = kpos <= qpos
+            if window > 0:
+                visible &= qpos - kpos < window
+            m = np.where(visible, 0.0, -np.inf).astype(dtype)
             if len(self._masks) > 64:
                 self._masks.clear()
             self._masks[key] = m
         return m
 
 
-def _softmax_kernel(cache):
-    def k_softmax_causal(out, x, scale, n_q, n_past):
-        mask = cache.get(x.shape[-2], x.shape[-1], n_q, n_past, x.dtype)
-        np.multiply(x, x.dtype.type(scale), out=out)
-        out += mask
-        out -= out.max(axis=-1, keepdims=True)
-        np.exp(out, out=out)
-        out /= out.sum(axis=-1, keepdims=True)
-        return out
+# Pure functions of their keys, so one per process serves every backend and thread (a lost race
+# only computes a table twice).
+_ROPE_TABLES = _RopeCache()
+_CAUSAL_MASKS = _MaskCache()
 
-    return k_softmax_causal
+
+def k_rope(out, x, pos, freq_factors=None, *, n_rot, base, freq_scale, mode, inverse):
+    cos, sin = _ROPE_TABLES.get(pos, n_rot, base, freq_scale, x.dtype, freq_factors)
+    if inverse:
+        sin = -sin
+    # x[B, T, H, d]; tables [T, n_rot/2] broadcast over batch and heads
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
+    half = n_rot // 2
+    if mode == "norm":
+        x0, x1 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        o0, o1 = out[..., 0:n_rot:2], out[..., 1:n_rot:2]
+    else:
+        x0, x1 = x[..., :half], x[..., half:n_rot]
+        o0, o1 = out[..., :half], out[..., half:n_rot]
+    t = x1 * sin
+    np.multiply(x0, cos, out=o0)
+    o0 -= t
+    np.multiply(x0, sin, out=t)
+    np.multiply(x1, cos, out=o1)
+    o1 += t
+    if n_rot < x.shape[-1]:
+        out[..., n_rot:] = x[..., n_rot:]
+    return out
+
+
+def k_softmax_causal(out, x, scale, n_q, n_past, window=0):
+    mask = _CAUSAL_MASKS.get(x.shape[-2], x.shape[-1], n_q, n_past, window, x.dtype)
+    np.multiply(x, x.dtype.type(scale), out=out)
+    out += mask
+    out -= out.max(axis=-1, keepdims=True)
+    np.exp(out, out=out)
+    out /= out.sum(axis=-1, keepdims=True)
+    return out
 
 
 def k_softmax_back(out, y, g, scale):
@@ -238,74 +368,44 @@ def k_softmax_back(out, y, g, scale):
     return out
 
 
-class _CrossEntropy:
-    """Fused softmax + cross-entropy. The forward leaves softmax(logits) in a reused scratch
-    buffer (a fresh [rows, vocab] temporary costs more in page faults than the exp itself) and
-    the backward of the same logits consumes it instead of recomputing four passes.
-    State is per thread: programs may run concurrently on one backend (one per core)."""
-
-    def __init__(self):
-        self._local = threading.local()
-
-    @property
-    def scratch(self):
-        local = self._local
-        if not hasattr(local, "scratch"):
-            local.scratch = _Scratch()
-        return local.scratch
-
-    @property
-    def probs_of(self):  # (address, shape) of the logits whose softmax the scratch holds
-        return getattr(self._local, "probs_of", None)
-
-    @probs_of.setter
-    def probs_of(self, key):
-        self._local.probs_of = key
-
-    def forward(self, out, logits, targets):
-        logits2 = logits.reshape(-1, logits.shape[-1])
-        t = targets.reshape(-1)
-        probs = self.scratch.get(logits2.shape, logits2.dtype)
-        mx = logits2.max(axis=-1, keepdims=True)
-        np.subtract(logits2, mx, out=probs)
-        np.exp(probs, out=probs)
-        total = probs.sum(axis=-1, keepdims=True)
-        probs /= total
-        lse = np.log(total[:, 0]) + mx[:, 0]
-        out[...] = np.mean(lse - logits2[np.arange(t.size), t])
-        self.probs_of = (logits.__array_interface__["data"][0], logits.shape)
-        return out
-
-    def backward(self, out, logits, targets, g):
-        logits2 = logits.reshape(-1, logits.shape[-1])
-        o2 = out.reshape(logits2.shape)
-        t = targets.reshape(-1)
-        if self.probs_of == (logits.__array_interface__["data"][0], logits.shape):
-            np.copyto(o2, self.scratch.get(logits2.shape, logits2.dtype))
-            self.probs_of = None
-        else:
-            np.subtract(logits2, logits2.max(axis=-1, keepdims=True), out=o2)
-            np.exp(o2, out=o2)
-            o2 /= o2.sum(axis=-1, keepdims=True)
-        o2[np.arange(t.size), t] -= 1.0
-        o2 *= g / t.size
-        return out
+_LSE_BLOCK = 1 << 16  # elements of exp temporary per block of rows: stays in L2
 
 
-class _Scratch:
-    """One reusable buffer per (shape, dtype) for kernels that need a temporary."""
+def k_logsumexp(out, x):
+    """max + log(sum(exp(x - max))) over the last axis, a block of rows at a time: the exp
+    temporary stays in cache, where a whole [rows, vocab] one costs more in page faults than
+    the exp itself."""
+    x2 = x.reshape(-1, x.shape[-1])
+    o1 = out.reshape(-1)
+    rows = max(1, _LSE_BLOCK // max(x2.shape[1], 1))
+    tmp = np.empty((min(rows, x2.shape[0]), x2.shape[1]), x2.dtype)
+    for s in range(0, x2.shape[0], rows):
+        xs, dst = x2[s : s + rows], o1[s : s + rows]
+        ts = tmp[: xs.shape[0]]
+        mx = xs.max(axis=-1, keepdims=True)
+        np.subtract(xs, mx, out=ts)
+        np.exp(ts, out=ts)
+        np.log(ts.sum(axis=-1), out=dst)
+        dst += mx[:, 0]
+    return out
 
-    def __init__(self):
-        self._bufs = {}
 
-    def get(self, shape, dtype):
-        key = (tuple(shape), np.dtype(dtype).str)
-        buf = self._bufs.get(key)
-        if buf is None:
-            if len(self._bufs) > 8:
-                self._bufs.clear()
-            buf = self._bufs[key] = np.empty(shape, dtype)
-        return buf
+def k_cross_entropy(out, logits, targets, lse):
+    logits2 = logits.reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    out[...] = np.mean(lse.reshape(-1) - logits2[np.arange(t.size), t])
+    return out
+
+
+def k_cross_entropy_back(out, logits, targets, lse, g):
+    """(softmax - onehot(target)) * g / rows, softmax = exp(logits - lse); `out` may be `logits`."""
+    o2 = out.reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    np.subtract(logits.reshape(o2.shape), lse.reshape(-1, 1), out=o2)
+    np.exp(o2, out=o2)
+    o2[np.arange(t.size), t] -= 1.0
+    o2 *= g / t.size
+    return out
 
 
 def k_count_correct(out, logits, targets):
@@ -313,19 +413,51 @@ def k_count_correct(out, logits, targets):
     return out
 
 
+# op name -> kernel, one entry per op of graph/ops.OPS
+KERNELS = {
+    "sum_to": k_sum_to,
+    "broadcast_to": k_broadcast_to,
+    "add": k_add,
+    "mul": k_mul,
+    "scale": k_scale,
+    "silu": k_silu,
+    "silu_back": k_silu_back,
+    "swiglu": k_swiglu,
+    "swiglu_back": k_swiglu_back,
+    "gelu": k_gelu,
+    "gelu_back": k_gelu_back,
+    "geglu": k_geglu,
+    "geglu_back": k_geglu_back,
+    "softcap": k_softcap,
+    "softcap_back": k_softcap_back,
+    "matmul": k_matmul,
+    "reshape": k_reshape,
+    "permute": k_permute,
+    "cont": k_cont,
+    "slice": k_slice,
+    "pad": k_pad,
+    "get_rows": k_get_rows,
+    "add_rows": k_add_rows,
+    "rms_norm": k_rms_norm,
+    "rms_norm_back": k_rms_norm_back,
+    "layer_norm": k_layer_norm,
+    "layer_norm_back": k_layer_norm_back,
+    "rope": k_rope,
+    "softmax_causal": k_softmax_causal,
+    "softmax_back": k_softmax_back,
+    "logsumexp": k_logsumexp,
+    "cross_entropy": k_cross_entropy,
+    "cross_entropy_back": k_cross_entropy_back,
+    "count_correct": k_count_correct,
+}
+
+
 class CPUBackend(Backend):
     name = "cpu"
 
     def __init__(self, dtype=np.float32):
         super().__init__(dtype)
-        self.kernels = {
-            name[2:]: fn for name, fn in globals().items() if name.startswith("k_") and callable(fn)
-        }
-        self.kernels["rope"] = _rope_kernel(_RopeCache())
-        self.kernels["softmax_causal"] = _softmax_kernel(_MaskCache())
-        ce = _CrossEntropy()
-        self.kernels["cross_entropy"] = ce.forward
-        self.kernels["cross_entropy_back"] = ce.backward
+        self.kernels = dict(KERNELS)
 
     def asarray(self, host, dtype=None):
         host = np.asarray(host)

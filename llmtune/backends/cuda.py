@@ -110,13 +110,57 @@ extern "C" __global__ void rms_norm_back(const real* __restrict__ x, const real*
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[base + i] = (g[base + i] - x[base + i] * coef) * r;
 }
 
+// ------------------------------------------------------------------ layer norm (one block per row, ggml_norm)
+extern "C" __global__ void layer_norm(const real* __restrict__ x, real* __restrict__ out, int n, real eps) {
+    __shared__ real scratch[32];
+    const real* xr = x + (long long)blockIdx.x * n;
+    real* yr = out + (long long)blockIdx.x * n;
+    real sx = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sx += xr[i];
+    const real mean = block_reduce(sx, scratch, false) / n;
+    real sxx = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const real d = xr[i] - mean;
+        sxx += d * d;
+    }
+    const real s = sqrt(block_reduce(sxx, scratch, false) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (xr[i] - mean) / s;
+}
+
+// xc = x - mean, r = 1/sqrt(mean(xc^2) + eps), y = xc r  =>  dx = r (g - mean(g) - xc r^2 mean(g xc))
+extern "C" __global__ void layer_norm_back(const real* __restrict__ x, const real* __restrict__ g,
+                                           real* __restrict__ out, int n, real eps) {
+    __shared__ real scratch[32];
+    const long long base = (long long)blockIdx.x * n;
+    real sx = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sx += x[base + i];
+    const real mean = block_reduce(sx, scratch, false) / n;
+    real sxx = 0, sg = 0, sgx = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const real d = x[base + i] - mean, gi = g[base + i];
+        sxx += d * d;
+        sg += gi;
+        sgx += gi * d;
+    }
+    sxx = block_reduce(sxx, scratch, false);
+    sg = block_reduce(sg, scratch, false);
+    sgx = block_reduce(sgx, scratch, false);
+    const real r = (real)1 / sqrt(sxx / n + eps);
+    const real coef = sgx * (r * r / n), mg = sg / n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        out[base + i] = (g[base + i] - (x[base + i] - mean) * coef - mg) * r;
+}
+
 // ------------------------------------------------------------------ rope
-// cos/sin of theta = freq_scale * pos[t] * base^(-2j/n_rot), in double like the CPU tables.
-extern "C" __global__ void rope_table(const int* __restrict__ pos, real* __restrict__ cos_t, real* __restrict__ sin_t,
-                                      int n_tok, int half, int n_rot, double base, double freq_scale, int inverse) {
+// cos/sin of theta = freq_scale * pos[t] * base^(-2j/n_rot) / freq_factors[j] (ggml_rope_ext's
+// factors; has_ff = 0: none, ff unread), in double like the CPU tables.
+extern "C" __global__ void rope_table(const int* __restrict__ pos, const real* __restrict__ ff, real* __restrict__ cos_t,
+                                      real* __restrict__ sin_t, int n_tok, int half, int n_rot, double base,
+                                      double freq_scale, int has_ff, int inverse) {
     GRID_STRIDE(i, (long long)n_tok * half) {
         const int t = (int)(i / half), j = (int)(i - (long long)t * half);
-        const double theta = freq_scale * (double)pos[t] * pow(base, -(2.0 * j) / n_rot);
+        double theta = freq_scale * (double)pos[t] * pow(base, -(2.0 * j) / n_rot);
+        if (has_ff) theta /= (double)ff[j];
         const double s = sin(theta);
         cos_t[i] = (real)cos(theta);
         sin_t[i] = (real)(inverse ? -s : s);
@@ -163,21 +207,26 @@ extern "C" __global__ void rope(const real* __restrict__ x, const real* __restri
 }
 
 // ------------------------------------------------------------------ attention softmax (one block per row)
-// Row r is query position n_past + r % n_q and sees keys 0..that position. x and out may alias:
-// each element is read and then written by the same thread, after both reductions.
-extern "C" __global__ void softmax_causal(const real* x, real* out, int n_kv, int n_q, int n_past, real scale) {
+// Row r is query position p = n_past + r % n_q and sees keys 0..p, or with window > 0 only keys
+// p - window + 1..p (llama.cpp's LLAMA_SWA_TYPE_STANDARD). x and out may alias: each element is
+// read and then written by the same thread, after both reductions.
+extern "C" __global__ void softmax_causal(const real* x, real* out, int n_kv, int n_q, int n_past, int window,
+                                          real scale) {
     __shared__ real scratch[32];
     const long long row = blockIdx.x;
     const real* xr = x + row * n_kv;
     real* yr = out + row * n_kv;
-    const int n_visible = min(n_kv, n_past + (int)(row % n_q) + 1);
+    const int p = n_past + (int)(row % n_q);
+    const int end = min(n_kv, p + 1);
+    const int first = window > 0 ? max(0, p - window + 1) : 0;
     real mx = NEG_INF;
-    for (int c = threadIdx.x; c < n_visible; c += blockDim.x) mx = fmax(mx, xr[c] * scale);
+    for (int c = first + threadIdx.x; c < end; c += blockDim.x) mx = fmax(mx, xr[c] * scale);
     mx = block_reduce(mx, scratch, true);
     real sum = 0;
-    for (int c = threadIdx.x; c < n_visible; c += blockDim.x) sum += exp(xr[c] * scale - mx);
+    for (int c = first + threadIdx.x; c < end; c += blockDim.x) sum += exp(xr[c] * scale - mx);
     sum = block_reduce(sum, scratch, false);
-    for (int c = threadIdx.x; c < n_kv; c += blockDim.x) yr[c] = c < n_visible ? exp(xr[c] * scale - mx) / sum : (real)0;
+    for (int c = threadIdx.x; c < n_kv; c += blockDim.x)
+        yr[c] = c >= first && c < end ? exp(xr[c] * scale - mx) / sum : (real)0;
 }
 
 // dx = scale * y * (g - sum(g y))
@@ -219,42 +268,87 @@ extern "C" __global__ void swiglu_back(const real* __restrict__ gate, const real
     }
 }
 
-// ------------------------------------------------------------------ loss (one block per row of logits)
-extern "C" __global__ void cross_entropy_rows(const real* __restrict__ logits, const int* __restrict__ targets,
-                                              real* __restrict__ loss, int n_vocab) {
-    __shared__ real scratch[32];
-    const long long row = blockIdx.x;
-    const real* lr = logits + row * n_vocab;
-    real mx = NEG_INF;
-    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x) mx = fmax(mx, lr[c]);
-    mx = block_reduce(mx, scratch, true);
-    real sum = 0;
-    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x) sum += exp(lr[c] - mx);
-    sum = block_reduce(sum, scratch, false);
-    if (threadIdx.x == 0) {
-        const int t = targets[row];
-        loss[row] = (t >= 0 && t < n_vocab) ? (log(sum) + mx) - lr[t] : QUIET_NAN;
+// GELU, tanh approximation (ggml_gelu): 0.5 x (1 + tanh(c x (1 + a x^2))), c = sqrt(2/pi), a = 0.044715
+#define GELU_C ((real)0.79788456080286535587989211986876)
+#define GELU_A ((real)0.044715)
+__device__ __forceinline__ real gelu(real x) {
+    return (real)0.5 * x * ((real)1 + tanh(GELU_C * x * ((real)1 + GELU_A * x * x)));
+}
+
+// d gelu = 0.5 (1 + th) (1 + x (1 - th) c (1 + 3 a x^2)), th = tanh(c x (1 + a x^2))
+__device__ __forceinline__ real gelu_grad(real x) {
+    const real th = tanh(GELU_C * x * ((real)1 + GELU_A * x * x));
+    return (real)0.5 * ((real)1 + th) * ((real)1 + x * ((real)1 - th) * GELU_C * ((real)1 + (real)3 * GELU_A * x * x));
+}
+
+extern "C" __global__ void gelu_fwd(const real* __restrict__ x, real* __restrict__ out, long long n) {
+    GRID_STRIDE(i, n) { out[i] = gelu(x[i]); }
+}
+
+extern "C" __global__ void gelu_back(const real* __restrict__ x, const real* __restrict__ g, real* __restrict__ out,
+                                     long long n) {
+    GRID_STRIDE(i, n) { out[i] = gelu_grad(x[i]) * g[i]; }
+}
+
+extern "C" __global__ void geglu_fwd(const real* __restrict__ gate, const real* __restrict__ up,
+                                     real* __restrict__ out, long long n) {
+    GRID_STRIDE(i, n) { out[i] = gelu(gate[i]) * up[i]; }
+}
+
+// wrt 0: d/d gate = gelu'(gate) up g;  wrt 1: d/d up = gelu(gate) g
+extern "C" __global__ void geglu_back(const real* __restrict__ gate, const real* __restrict__ up,
+                                      const real* __restrict__ g, real* __restrict__ out, long long n, int wrt) {
+    GRID_STRIDE(i, n) { out[i] = wrt == 1 ? gelu(gate[i]) * g[i] : gelu_grad(gate[i]) * up[i] * g[i]; }
+}
+
+// cap tanh(x / cap). x and out may alias (softcap runs in place): one thread reads, then writes.
+extern "C" __global__ void softcap_fwd(const real* x, real* out, long long n, real inv_cap, real cap) {
+    GRID_STRIDE(i, n) { out[i] = tanh(x[i] * inv_cap) * cap; }
+}
+
+// g (1 - (y / cap)^2) from the output y; y and out may alias.
+extern "C" __global__ void softcap_back(const real* y, const real* __restrict__ g, real* out, long long n, real inv_cap) {
+    GRID_STRIDE(i, n) {
+        const real t = y[i] * inv_cap;
+        out[i] = ((real)1 - t * t) * g[i];
     }
 }
 
-// d mean_rows(lse - logit[target]) = (softmax - onehot(target)) * g / n_rows
-extern "C" __global__ void cross_entropy_back(const real* __restrict__ logits, const int* __restrict__ targets,
-                                              const real* __restrict__ g, real* __restrict__ out,
-                                              int n_vocab, int n_rows) {
+// ------------------------------------------------------------------ loss
+// out[row] = max + log(sum(exp(x - max))) over a row of n (one block per row).
+extern "C" __global__ void logsumexp_rows(const real* __restrict__ x, real* __restrict__ out, int n) {
     __shared__ real scratch[32];
-    const long long row = blockIdx.x;
-    const real* lr = logits + row * n_vocab;
-    real* orow = out + row * n_vocab;
+    const real* xr = x + (long long)blockIdx.x * n;
     real mx = NEG_INF;
-    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x) mx = fmax(mx, lr[c]);
+    for (int c = threadIdx.x; c < n; c += blockDim.x) mx = fmax(mx, xr[c]);
     mx = block_reduce(mx, scratch, true);
     real sum = 0;
-    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x) sum += exp(lr[c] - mx);
+    for (int c = threadIdx.x; c < n; c += blockDim.x) sum += exp(xr[c] - mx);
     sum = block_reduce(sum, scratch, false);
+    if (threadIdx.x == 0) out[blockIdx.x] = log(sum) + mx;
+}
+
+// loss[row] = lse[row] - logits[row, target[row]]; NaN flags a target outside the vocabulary.
+extern "C" __global__ void cross_entropy_rows(const real* __restrict__ logits, const int* __restrict__ targets,
+                                              const real* __restrict__ lse, real* __restrict__ loss,
+                                              long long n_rows, int n_vocab) {
+    GRID_STRIDE(row, n_rows) {
+        const int t = targets[row];
+        loss[row] = (t >= 0 && t < n_vocab) ? lse[row] - logits[row * n_vocab + t] : QUIET_NAN;
+    }
+}
+
+// d mean_rows(lse - logit[target]) = (exp(logit - lse) - onehot(target)) * g / n_rows. logits and out
+// may alias (the backward runs in place): each element is read and then written by one thread.
+extern "C" __global__ void cross_entropy_back(const real* logits, const int* __restrict__ targets,
+                                              const real* __restrict__ lse, const real* __restrict__ g, real* out,
+                                              long long n_rows, int n_vocab) {
     const real gs = g[0] / (real)n_rows;
-    const int t = targets[row];
-    for (int c = threadIdx.x; c < n_vocab; c += blockDim.x)
-        orow[c] = (exp(lr[c] - mx) / sum - (c == t ? (real)1 : (real)0)) * gs;
+    GRID_STRIDE(i, n_rows * n_vocab) {
+        const long long row = i / n_vocab;
+        const int c = (int)(i - row * n_vocab);
+        out[i] = (exp(logits[i] - lse[row]) - (c == targets[row] ? (real)1 : (real)0)) * gs;
+    }
 }
 
 // numpy.argmax order: NaN above everything, ties to the lower index.
@@ -560,6 +654,43 @@ class CUDABackend(Backend):
     `runtime` replaces the cupy runtime (tests run the same kernels under a CPU emulator)."""
 
     name = "cuda"
+    # op name -> kernel method, one entry per op of graph/ops.OPS (bound per instance in __init__)
+    KERNELS = {
+        "sum_to": "_k_sum_to",
+        "broadcast_to": "_k_broadcast_to",
+        "add": "_k_add",
+        "mul": "_k_mul",
+        "scale": "_k_scale",
+        "silu": "_k_silu",
+        "silu_back": "_k_silu_back",
+        "swiglu": "_k_swiglu",
+        "swiglu_back": "_k_swiglu_back",
+        "gelu": "_k_gelu",
+        "gelu_back": "_k_gelu_back",
+        "geglu": "_k_geglu",
+        "geglu_back": "_k_geglu_back",
+        "softcap": "_k_softcap",
+        "softcap_back": "_k_softcap_back",
+        "matmul": "_k_matmul",
+        "reshape": "_k_reshape",
+        "permute": "_k_permute",
+        "cont": "_k_cont",
+        "slice": "_k_slice",
+        "pad": "_k_pad",
+        "get_rows": "_k_get_rows",
+        "add_rows": "_k_add_rows",
+        "rms_norm": "_k_rms_norm",
+        "rms_norm_back": "_k_rms_norm_back",
+        "layer_norm": "_k_layer_norm",
+        "layer_norm_back": "_k_layer_norm_back",
+        "rope": "_k_rope",
+        "softmax_causal": "_k_softmax_causal",
+        "softmax_back": "_k_softmax_back",
+        "logsumexp": "_k_logsumexp",
+        "cross_entropy": "_k_cross_entropy",
+        "cross_entropy_back": "_k_cross_entropy_back",
+        "count_correct": "_k_count_correct",
+    }
 
     def __init__(self, dtype=np.float32, runtime=None, precision: str = "f32"):
         super().__init__(dtype)
@@ -574,7 +705,7 @@ class CUDABackend(Backend):
             self.rt.prepare(self.dtype)
         self.xp = self.rt.xp
         self.device_name = getattr(self.rt, "device_name", "?")
-        self.kernels = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("_k_")}
+        self.kernels = {op: getattr(self, method) for op, method in self.KERNELS.items()}
 
     # -- memory --------------------------------------------------------------------------
     def asarray(self, host, dtype=None):
@@ -669,6 +800,25 @@ class CUDABackend(Backend):
     def _k_swiglu_back(self, out, gate, up, g, wrt):
         return self._flat("swiglu_back", out, gate, up, g, extra=(np.int32(wrt),))
 
+    def _k_gelu(self, out, x):
+        return self._flat("gelu_fwd", out, x)
+
+    def _k_gelu_back(self, out, x, g):
+        return self._flat("gelu_back", out, x, g)
+
+    def _k_geglu(self, out, gate, up):
+        return self._flat("geglu_fwd", out, gate, up)
+
+    def _k_geglu_back(self, out, gate, up, g, wrt):
+        return self._flat("geglu_back", out, gate, up, g, extra=(np.int32(wrt),))
+
+    def _k_softcap(self, out, x, cap):
+        r = out.dtype.type
+        return self._flat("softcap_fwd", out, x, extra=(r(1.0 / cap), r(cap)))
+
+    def _k_softcap_back(self, out, y, g, cap):
+        return self._flat("softcap_back", out, y, g, extra=(out.dtype.type(1.0 / cap),))
+
     # -- matmul (cuBLAS) --------------------------------------------------------------------
     def _k_matmul(self, out, a, b, ta, tb):
         k = a.shape[-2] if ta else a.shape[-1]
@@ -752,8 +902,21 @@ class CUDABackend(Backend):
                          np.int32(n), out.dtype.type(eps))
         return out
 
+    def _k_layer_norm(self, out, x, eps):
+        x, rows, n = self._rows(x)
+        if rows:
+            self._launch("layer_norm", out.dtype, (rows,), _row_threads(n), x, out, np.int32(n), out.dtype.type(eps))
+        return out
+
+    def _k_layer_norm_back(self, out, x, g, eps):
+        x, rows, n = self._rows(x)
+        if rows:
+            self._launch("layer_norm_back", out.dtype, (rows,), _row_threads(n), x, self._contig(g), out,
+                         np.int32(n), out.dtype.type(eps))
+        return out
+
     # -- rope -----------------------------------------------------------------------------------
-    def _k_rope(self, out, x, pos, n_rot, base, freq_scale, mode, inverse):
+    def _k_rope(self, out, x, pos, freq_factors=None, *, n_rot, base, freq_scale, mode, inverse):
         pos = self._ids(pos)
         x4 = x if x.ndim == 4 else x.reshape((-1,) + x.shape[-3:])
         n_seq, n_tok, n_head, head_dim = x4.shape
@@ -764,9 +927,10 @@ class CUDABackend(Backend):
         cos_t = self.xp.empty((n_tok, half), dtype)
         sin_t = self.xp.empty((n_tok, half), dtype)
         if half:
-            self._launch("rope_table", dtype, _flat_grid(n_tok * half), (_BLOCK,), pos, cos_t, sin_t,
+            ff = cos_t if freq_factors is None else self._contig(freq_factors.reshape(-1), dtype)
+            self._launch("rope_table", dtype, _flat_grid(n_tok * half), (_BLOCK,), pos, ff, cos_t, sin_t,
                          np.int32(n_tok), np.int32(half), np.int32(n_rot), np.float64(base),
-                         np.float64(freq_scale), np.int32(bool(inverse)))
+                         np.float64(freq_scale), np.int32(freq_factors is not None), np.int32(bool(inverse)))
         strides = [np.int64(s) for s in _element_strides(x4)]
         self._launch("rope", dtype, _flat_grid(out.size), (_BLOCK,), x4, cos_t, sin_t, out,
                      np.int32(n_seq), np.int32(n_tok), np.int32(n_head), np.int32(head_dim), *strides,
@@ -774,11 +938,11 @@ class CUDABackend(Backend):
         return out
 
     # -- attention softmax ----------------------------------------------------------------------
-    def _k_softmax_causal(self, out, x, scale, n_q, n_past):
+    def _k_softmax_causal(self, out, x, scale, n_q, n_past, window=0):
         x, rows, n = self._rows(x)
         if rows:
             self._launch("softmax_causal", out.dtype, (rows,), _row_threads(n), x, out, np.int32(n),
-                         np.int32(n_q), np.int32(n_past), out.dtype.type(scale))
+                         np.int32(n_q), np.int32(n_past), np.int32(window), out.dtype.type(scale))
         return out
 
     def _k_softmax_back(self, out, y, g, scale):
@@ -789,6 +953,30 @@ class CUDABackend(Backend):
         return out
 
     # -- loss -----------------------------------------------------------------------------------
+    def _k_logsumexp(self, out, x):
+        x, rows, n = self._rows(x)
+        if rows:
+            self._launch("logsumexp_rows", out.dtype, (rows,), _row_threads(n), x, out, np.int32(n))
+        return out
+
+    def _k_cross_entropy(self, out, logits, targets, lse):
+        logits, rows, n_vocab = self._rows(logits)
+        losses = self.xp.empty(rows, logits.dtype)
+        if rows:
+            self._launch("cross_entropy_rows", out.dtype, _flat_grid(rows), (_BLOCK,), logits,
+                         self._ids(targets).reshape(-1), self._contig(lse), losses, np.int64(rows), np.int32(n_vocab))
+        self.xp.sum(losses, out=out)
+        self.xp.divide(out, out.dtype.type(rows), out=out)  # mean (NaN for no rows, as numpy)
+        return out
+
+    def _k_cross_entropy_back(self, out, logits, targets, lse, g):
+        logits, rows, n_vocab = self._rows(logits)
+        g = self._contig(self.xp.asarray(g, dtype=out.dtype))
+        if out.size:
+            self._launch("cross_entropy_back", out.dtype, _flat_grid(out.size), (_BLOCK,), logits,
+                         self._ids(targets).reshape(-1), self._contig(lse), g, out, np.int64(rows), np.int32(n_vocab))
+        return out
+
     def _per_row(self, name, logits, targets):
         """A [rows] buffer filled by a one-block-per-row kernel over the logits."""
         logits, rows, n_vocab = self._rows(logits)
@@ -797,21 +985,6 @@ class CUDABackend(Backend):
         if rows:
             self._launch(name, logits.dtype, (rows,), _row_threads(n_vocab), logits, targets, per_row, np.int32(n_vocab))
         return per_row
-
-    def _k_cross_entropy(self, out, logits, targets):
-        losses = self._per_row("cross_entropy_rows", logits, targets)
-        self.xp.sum(losses, out=out)
-        self.xp.divide(out, out.dtype.type(losses.size), out=out)  # mean (NaN for no rows, as numpy)
-        return out
-
-    def _k_cross_entropy_back(self, out, logits, targets, g):
-        logits, rows, n_vocab = self._rows(logits)
-        targets = self._ids(targets).reshape(-1)
-        g = self._contig(self.xp.asarray(g, dtype=out.dtype))
-        if rows:
-            self._launch("cross_entropy_back", out.dtype, (rows,), _row_threads(n_vocab), logits, targets, g, out,
-                         np.int32(n_vocab), np.int32(rows))
-        return out
 
     def _k_count_correct(self, out, logits, targets):
         hits = self._per_row("count_correct_rows", logits, targets)

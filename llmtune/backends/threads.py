@@ -13,6 +13,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
+
+from llmtune.errors import LlmtuneError
+
+MAX_CPU_WORKERS = 4  # each worker holds its own activations (and logits or a gradient buffer)
 
 
 def n_cores() -> int:
@@ -20,6 +25,21 @@ def n_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def cpu_workers(backend_name: str, requested: Optional[int], n_items: int) -> int:
+    """How many work items (forward passes, micro-batches) run at once.
+
+    On the cpu backend, with at least two items, and where OpenBLAS's thread count can be set
+    (else its threads and ours would fight over the cores): `requested`, or one per core up to
+    MAX_CPU_WORKERS, never more than there are items. Everywhere else: one.
+    """
+    if requested is not None and requested < 1:
+        raise LlmtuneError(f"workers: must be positive (got {requested})")
+    if backend_name != "cpu" or n_items < 2 or not blas_threads.available():
+        return 1
+    n = requested or min(n_cores(), MAX_CPU_WORKERS)
+    return max(1, min(n, n_items))
 
 
 def run_in_order(fn, make_state, items, n_workers: int):

@@ -1,7 +1,7 @@
 """`llmtune export`: rewrite a GGUF model with its weights stored in another type (f16, q8_0, q4_k_m, ...).
 
 The library call is `export(model_path, out_path, type, progress=None) -> ExportSummary`. Which tensor
-gets which type follows llama.cpp (see quant_plan.py); the block encodings come from quants.py.
+gets which type follows llama.cpp (see quant/plan.py); the block encodings come from quant/blocks.py.
 All metadata is kept; general.file_type and general.quantization_version are set as llama-quantize
 sets them.
 """
@@ -62,10 +62,6 @@ class ExportSummary:
         return self.out_path.stat().st_size
 
     @property
-    def bpw_in(self) -> float:
-        return 8.0 * self.bytes_in / max(self.n_params, 1)
-
-    @property
     def bpw_out(self) -> float:
         return 8.0 * self.bytes_out / max(self.n_params, 1)
 
@@ -119,36 +115,3 @@ def _converted(gf: GGUFFile, plans: list[TensorPlan], summary: ExportSummary,
         if progress is not None:
             progress(i + 1, len(plans), plan.name)
         yield plan.name, data, plan.dst_type
-
-
-# --- rendering (used by the CLI) -------------------------------------------------------------------
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.2f} MiB"
-
-
-def summary_table(summary: ExportSummary):
-    """A rich table: sizes before and after, per output type and in total."""
-    from rich.table import Table
-
-    table = Table(title=f"{summary.model_path.name} -> {summary.out_path.name} ({summary.type})", title_justify="left")
-    table.add_column("tensors", no_wrap=True)
-    for col in ("count", "params", "size before", "size after", "bits/weight"):
-        table.add_column(col, justify="right")
-    groups: dict[str, list[TensorExport]] = {}
-    for t in summary.tensors:
-        key = f"{t.src_type.name} -> {t.dst_type.name}" + (" *" if t.fallback else "")
-        groups.setdefault(key, []).append(t)
-    for key, ts in sorted(groups.items(), key=lambda kv: -sum(t.dst_bytes for t in kv[1])):
-        n = sum(t.n_elements for t in ts)
-        after = sum(t.dst_bytes for t in ts)
-        table.add_row(key, str(len(ts)), f"{n:,}", _mib(sum(t.src_bytes for t in ts)), _mib(after), f"{8 * after / n:.2f}")
-    table.add_section()
-    table.add_row("total", str(len(summary.tensors)), f"{summary.n_params:,}", _mib(summary.bytes_in),
-                  _mib(summary.bytes_out), f"{summary.bpw_out:.2f}", style="bold")
-    table.caption = (f"quantized weights: {summary.quantized_bpw:.2f} bits/weight; "
-                     f"file {_mib(summary.file_bytes)}; {summary.seconds:.1f} s")
-    if summary.n_fallback:
-        table.caption += "\n* rows do not split into blocks of the wanted type: llama.cpp's fallback type"
-    return table

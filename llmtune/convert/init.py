@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +19,9 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT, LlamaFileType
 
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import MetaValue, load_gguf, write_gguf
-from llmtune.model.hparams import SUPPORTED_ARCHS, HParams
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # python 3.10
-    import tomli as tomllib
-
-RESIDUAL_PROJECTIONS = ("attn_output.weight", "ffn_down.weight")
+from llmtune.arch import get_family, supported
+from llmtune.arch.hparams import HParams
+from llmtune.tomlfile import read_toml
 
 
 @dataclass(frozen=True)
@@ -42,14 +37,16 @@ class ModelShape:
     n_ctx: int = 2048
     n_head_kv: int | None = None  # None: n_head (no grouped-query attention)
     n_rot: int | None = None  # None: head_dim (rotate the whole head)
+    head_dim: int | None = None  # None: n_embd / n_head (attention.key_length when set)
+    extra: dict = field(default_factory=dict)  # the family's own keys (Family.config_keys)
     rope_freq_base: float = 10000.0
     norm_eps: float = 1e-5
     tied_output: bool = False
 
     def hparams(self, n_vocab: int) -> HParams:
-        head_dim = self.n_embd // self.n_head
-        return HParams(
-            arch=self.architecture,
+        """The family's hyper-parameters for this shape (the family fixes rope mode, norm kind...)."""
+        head_dim = self.head_dim or self.n_embd // self.n_head
+        return get_family(self.architecture).make_hparams(
             n_vocab=n_vocab,
             n_ctx_train=self.n_ctx,
             n_embd=self.n_embd,
@@ -58,9 +55,11 @@ class ModelShape:
             n_head_kv=self.n_head_kv or self.n_head,
             n_ff=self.n_ff,
             n_rot=self.n_rot or head_dim,
+            head_dim_kq=self.head_dim,
             rope_freq_base=self.rope_freq_base,
             norm_eps=self.norm_eps,
             tied_output=self.tied_output,
+            **self.extra,
         )
 
 
@@ -76,46 +75,47 @@ class InitConfig:
 def load_init_config(path: str | os.PathLike) -> InitConfig:
     """Parse and validate an init config; every problem names the file and the key."""
     path = Path(path)
-    doc = _read_toml(path)
+    doc = read_toml(path)
     unknown = set(doc) - {"model", "init"}
     if unknown:
         raise LlmtuneError(f"{path}: unknown table(s) {', '.join(sorted(unknown))} (expected [model] and [init])")
     if not isinstance(doc.get("model"), dict):
         raise LlmtuneError(f"{path}: missing the [model] table")
-    shape = ModelShape(**_typed_table(path, "model", doc["model"], ModelShape))
-    init = _typed_table(path, "init", doc.get("init", {}), InitConfig, skip=("model",))
+    shape = _model_shape(path, doc["model"])
+    init_types = {f.name: str(f.type) for f in fields(InitConfig) if f.name != "model"}
+    init = _typed_table(path, "init", doc.get("init", {}), init_types)
     config = InitConfig(shape, **init)
     _validate(path, config)
     return config
 
 
-def _read_toml(path: Path) -> dict:
-    if not path.exists():
-        raise LlmtuneError(f"{path}: no such file")
-    if path.is_dir():
-        raise LlmtuneError(f"{path}: is a directory, not a TOML config")
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise LlmtuneError(f"{path}: invalid TOML ({exc})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LlmtuneError(f"{path}: cannot read ({exc})") from None
+def _model_shape(path: Path, values: dict) -> ModelShape:
+    """The [model] table: ModelShape's keys, plus the keys the chosen family adds (its
+    `config_keys`, HParams fields such as sliding_window or attn_softcap)."""
+    arch = values.get("architecture", "llama") if isinstance(values, dict) else "llama"
+    family_keys = get_family(arch, str(path)).config_keys if arch in supported() else {}
+    known = {f.name: str(f.type) for f in fields(ModelShape) if f.name != "extra"}
+    checked = _typed_table(path, "model", values, {**known, **family_keys}, required=_required(ModelShape))
+    extra = {k: checked.pop(k) for k in list(checked) if k in family_keys}
+    return ModelShape(**checked, extra=extra)
 
 
-def _typed_table(path: Path, table: str, values: dict, cls, skip=()) -> dict:
-    """`values` checked against the dataclass `cls`: known keys, right types, required ones present."""
+def _required(cls) -> set[str]:
+    return {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+
+
+def _typed_table(path: Path, table: str, values: dict, types: dict[str, str], required=()) -> dict:
+    """`values` checked against `types` (key -> type name): known keys, right types, required ones present."""
     if not isinstance(values, dict):
         raise LlmtuneError(f"{path}: [{table}] must be a table")
-    specs = {f.name: f for f in fields(cls) if f.name not in skip}
     for key, value in values.items():
-        spec = specs.get(key)
-        if spec is None:
-            raise LlmtuneError(f"{path}: unknown key {key!r} in [{table}] (known: {', '.join(specs)})")
-        if not _has_type(value, str(spec.type)):
-            raise LlmtuneError(f"{path}: [{table}] {key} = {value!r} should be {_type_words(str(spec.type))}")
-    for name, spec in specs.items():
-        if name not in values and spec.default is MISSING:
+        type_name = types.get(key)
+        if type_name is None:
+            raise LlmtuneError(f"{path}: unknown key {key!r} in [{table}] (known: {', '.join(types)})")
+        if not _has_type(value, type_name):
+            raise LlmtuneError(f"{path}: [{table}] {key} = {value!r} should be {_type_words(type_name)}")
+    for name in required:
+        if name not in values:
             raise LlmtuneError(f"{path}: [{table}] needs {name}")
     return dict(values)
 
@@ -140,11 +140,11 @@ def _type_words(type_name: str) -> str:
 
 def _validate(path: Path, config: InitConfig) -> None:
     m = config.model
-    if m.architecture not in SUPPORTED_ARCHS:
+    if m.architecture not in supported():
         raise LlmtuneError(
-            f"{path}: unsupported architecture {m.architecture!r} (supported: {', '.join(SUPPORTED_ARCHS)})"
+            f"{path}: unsupported architecture {m.architecture!r} (supported: {', '.join(supported())})"
         )
-    for key in ("n_embd", "n_layer", "n_head", "n_ff", "n_ctx", "n_head_kv", "n_rot"):
+    for key in ("n_embd", "n_layer", "n_head", "n_ff", "n_ctx", "n_head_kv", "n_rot", "head_dim"):
         value = getattr(m, key)
         if value is not None and value <= 0:
             raise LlmtuneError(f"{path}: [model] {key} must be positive, got {value}")
@@ -152,12 +152,12 @@ def _validate(path: Path, config: InitConfig) -> None:
         if not value > 0:
             raise LlmtuneError(f"{path}: {key} must be positive, got {value}")
     n_head_kv = m.n_head_kv or m.n_head
-    if m.n_embd % m.n_head or m.n_head % n_head_kv:
+    if (m.head_dim is None and m.n_embd % m.n_head) or m.n_head % n_head_kv:
         raise LlmtuneError(
             f"{path}: n_embd ({m.n_embd}) must be a multiple of n_head ({m.n_head}), "
             f"and n_head a multiple of n_head_kv ({n_head_kv})"
         )
-    head_dim = m.n_embd // m.n_head
+    head_dim = m.head_dim or m.n_embd // m.n_head
     n_rot = m.n_rot or head_dim
     if n_rot % 2 or n_rot > head_dim:
         raise LlmtuneError(f"{path}: n_rot ({n_rot}) must be even and at most head_dim ({head_dim}) for RoPE")
@@ -177,40 +177,40 @@ def tokenizer_metadata(vocab_from: str | os.PathLike) -> dict[str, MetaValue]:
 
 
 def model_metadata(hp: HParams, name: str) -> dict[str, MetaValue]:
-    """The general.* and {arch}.* keys llama.cpp writes for an all-F32 model of this shape."""
-    u32 = lambda v: MetaValue(int(v), VT.UINT32)  # noqa: E731
-    f32 = lambda v: MetaValue(float(v), VT.FLOAT32)  # noqa: E731
-    a = hp.arch
-    return {
-        "general.architecture": MetaValue(a, VT.STRING),
+    """The general.* keys and the family's {arch}.* keys llama.cpp writes for an all-F32 model."""
+    meta = {
+        "general.architecture": MetaValue(hp.arch, VT.STRING),
         "general.name": MetaValue(name, VT.STRING),
-        "general.file_type": u32(LlamaFileType.ALL_F32),
-        f"{a}.vocab_size": u32(hp.n_vocab),
-        f"{a}.context_length": u32(hp.n_ctx_train),
-        f"{a}.embedding_length": u32(hp.n_embd),
-        f"{a}.feed_forward_length": u32(hp.n_ff),
-        f"{a}.block_count": u32(hp.n_layer),
-        f"{a}.attention.head_count": u32(hp.n_head),
-        f"{a}.attention.head_count_kv": u32(hp.n_head_kv),
-        f"{a}.rope.dimension_count": u32(hp.n_rot),
-        f"{a}.rope.freq_base": f32(hp.rope_freq_base),
-        f"{a}.attention.layer_norm_rms_epsilon": f32(hp.norm_eps),
+        "general.file_type": MetaValue(int(LlamaFileType.ALL_F32), VT.UINT32),
     }
+    for key, (value, vtype) in get_family(hp.arch).write_hparams(hp).items():
+        meta[key] = MetaValue(value, vtype)
+    return meta
 
 
-def init_tensors(hp: HParams, std: float, seed: int):
-    """(name, float32 array, F32) for every tensor of the architecture, drawn in file order."""
-    from llmtune.arch import get_arch
+def init_tensors(hp: HParams, std: float, seed: int, test_weights: bool = False, optional=()):
+    """(name, float32 array, F32) for every required tensor of the family, drawn in file order.
 
+    test_weights: every tensor random, for cross-checks against other implementations, so that
+    leaving out any feature moves the numbers: norm weights 1 + normal(0, 0.1), biases
+    normal(0, 0.1), frequency factors uniform(1, 8). `optional`: names of optional tensors to
+    write as well (e.g. "rope_freqs.weight")."""
     rng = np.random.default_rng(seed)
-    residual_std = std / math.sqrt(2 * hp.n_layer)
-    for name, shape in get_arch(hp.arch).tensor_shapes(hp).items():
-        if name.endswith("norm.weight"):
-            data = np.ones(shape, dtype=np.float32)
+    stds = {"normal": std, "residual": std if test_weights else std / math.sqrt(2 * hp.n_layer)}
+    for spec in get_family(hp.arch).tensors(hp):
+        if spec.optional and spec.name not in optional:
+            continue
+        if spec.init in stds:
+            data = rng.standard_normal(spec.shape, dtype=np.float32)
+            data *= stds[spec.init]
+        elif not test_weights:
+            data = np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype=np.float32)
+        elif spec.init == "factors":
+            data = rng.uniform(1.0, 8.0, spec.shape).astype(np.float32)
         else:
-            data = rng.standard_normal(shape, dtype=np.float32)
-            data *= residual_std if name.endswith(RESIDUAL_PROJECTIONS) else std
-        yield name, data, QT.F32
+            data = rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(0.1)
+            data += np.float32(1.0 if spec.init == "ones" else 0.0)
+        yield spec.name, data, QT.F32
 
 
 def init_model(
@@ -218,16 +218,19 @@ def init_model(
     vocab_from: str | os.PathLike,
     out_path: str | os.PathLike,
     seed: int = 0,
+    *,
+    test_weights: bool = False,
+    optional=(),
 ) -> Path:
     """Write a new model shaped by `config_path` with the tokenizer of `vocab_from`.
 
-    The same config, vocabulary and seed give a byte-identical file.
-    """
+    The same config, vocabulary and seed give a byte-identical file. test_weights/optional:
+    see init_tensors (random-everything models for cross-checks)."""
     if seed < 0:
         raise LlmtuneError(f"--seed: must be 0 or more, got {seed}")
     config = load_init_config(config_path)
     tok_meta = tokenizer_metadata(vocab_from)
     hp = config.model.hparams(n_vocab=len(tok_meta["tokenizer.ggml.tokens"].value))
     meta = {**model_metadata(hp, config.model.name or Path(config_path).stem), **tok_meta}
-    tensors = init_tensors(hp, config.std, seed)
+    tensors = init_tensors(hp, config.std, seed, test_weights, optional)
     return write_gguf(out_path, hp.arch, meta, tensors, inputs=[config_path, vocab_from])

@@ -21,18 +21,15 @@ are merged in chunk order, so the numbers never depend on the number of workers.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
 
-from llmtune.backends.threads import blas_threads, n_cores, run_in_order
+from llmtune.backends.threads import cpu_workers, run_in_order
 from llmtune.errors import LlmtuneError
 from llmtune.tokenizer import read_text
 
@@ -237,24 +234,6 @@ class ChunkScorer:
         return host.reshape(tokens.shape[0], self.ctx - self.first, -1)
 
 
-# ------------------------------------------------------------------------------------ cpu workers
-MAX_CPU_WORKERS = 4  # each worker holds its own activations and logits
-
-
-def cpu_workers(backend, requested: Optional[int], n_batches: int) -> int:
-    """How many forward passes run at once: one per core on the cpu backend, else one.
-
-    numpy runs elementwise kernels on one core, and OpenBLAS's own threads stall whenever the
-    machine is busy; one single-threaded pass per core keeps every core on useful work.
-    """
-    if requested is not None and requested < 1:
-        raise LlmtuneError(f"workers: must be positive (got {requested})")
-    if backend.name != "cpu" or (requested or 0) == 1 or not blas_threads.available():
-        return 1
-    n = requested or min(n_cores(), MAX_CPU_WORKERS)
-    return max(1, min(n, n_batches))
-
-
 # ------------------------------------------------------------------------------------ inputs
 def add_bos_of(model) -> tuple[bool, int]:
     """Whether the model's tokenizer adds BOS (then every chunk starts with it), and the BOS id."""
@@ -271,7 +250,7 @@ def _as_model(model_or_path):
 
 
 def _as_backend(backend, precision: str = "f32"):
-    from llmtune.backends.base import Backend, get_backend
+    from llmtune.backends import Backend, get_backend
 
     return backend if isinstance(backend, Backend) else get_backend(backend, precision=precision)
 
@@ -294,7 +273,18 @@ def _seqs_per_pass(batch: Optional[int], ctx: int, backend_name: str, n_chunk: i
     return max(1, min(batch // ctx, n_chunk))  # a batch below ctx still evaluates whole chunks
 
 
-def _check_args(ids: np.ndarray, ctx: int, chunks: Optional[int], source: str) -> int:
+def _load_models(model, kl_base) -> list:
+    """[model] or [model, base]: Models from Models or GGUF paths, vocabularies checked."""
+    models = [_as_model(model)]
+    if kl_base is not None:
+        models.append(_as_model(kl_base))
+        check_same_vocab(*models)
+    return models
+
+
+def _checked_ids(model, ids, ctx: int, chunks: Optional[int], source: str) -> tuple[np.ndarray, int]:
+    """The ids as flat int32 and the number of chunks to evaluate; one-line errors for bad arguments."""
+    ids = np.asarray(ids).astype(np.int32, copy=False).ravel()
     if ctx < MIN_CTX:
         raise LlmtuneError(f"--ctx: must be at least {MIN_CTX} (got {ctx})")
     if chunks is not None and chunks < 1:
@@ -303,8 +293,96 @@ def _check_args(ids: np.ndarray, ctx: int, chunks: Optional[int], source: str) -
         raise LlmtuneError(
             f"{source or 'text'}: tokenizes to only {ids.size} tokens; --ctx {ctx} needs at least {2 * ctx}"
         )
+    if ids.min() < 0 or ids.max() >= model.hp.n_vocab:
+        raise LlmtuneError(f"{source or 'ids'}: token ids outside the vocabulary of {model.path.name}")
     n_chunk = ids.size // ctx
-    return n_chunk if chunks is None else min(chunks, n_chunk)
+    return ids, n_chunk if chunks is None else min(chunks, n_chunk)
+
+
+# ------------------------------------------------------------------------------------ evaluation
+@dataclass(frozen=True)
+class _Chunks:
+    """How the token stream is cut (perplexity.cpp's loop over chunks): n_chunk chunks of ctx
+    tokens, n_seq of them per forward pass, the first token of each replaced by BOS."""
+
+    ids: np.ndarray
+    ctx: int
+    n_chunk: int
+    n_seq: int
+    add_bos: bool
+    bos: int
+
+    @property
+    def first(self) -> int:
+        return self.ctx // 2  # llama.cpp scores from position n_ctx/2 on
+
+    @property
+    def n_scored(self) -> int:
+        return self.ctx - 1 - self.first  # positions first .. ctx-2 each predict the next token
+
+    @property
+    def pass_starts(self) -> range:
+        """The first chunk of each forward pass."""
+        return range(0, self.n_chunk, self.n_seq)
+
+    def pass_tokens(self, c0: int) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs [n, ctx] and targets [n, n_scored] of the pass starting at chunk c0."""
+        n = min(self.n_seq, self.n_chunk - c0)
+        window = self.ids[c0 * self.ctx:(c0 + n) * self.ctx].reshape(n, self.ctx)
+        tokens = window.copy()
+        if self.add_bos:
+            tokens[:, 0] = self.bos
+        return tokens, window[:, self.first + 1:]
+
+
+def _plan_chunks(model, ids: np.ndarray, ctx: int, n_chunk: int, batch: Optional[int], backend_name: str) -> _Chunks:
+    n_seq = _seqs_per_pass(batch, ctx, backend_name, n_chunk)
+    return _Chunks(ids, ctx, n_chunk, n_seq, *add_bos_of(model))
+
+
+def _scorer_factory(models: list, backend, ctx: int) -> Callable[[], list[ChunkScorer]]:
+    """Makes each worker its own scorers (compiled programs, buffers) over one shared upload of the weights."""
+    weights = [{n: backend.asarray(w) for n, w in m.weights.items()} for m in models]
+    return lambda: [ChunkScorer(m, backend, ctx, w) for m, w in zip(models, weights)]
+
+
+def _score_pass(chunks: _Chunks, scorers: list[ChunkScorer], c0: int) -> _BatchScores:
+    """The nll (and, with a base scorer, the KL statistics) of the chunks of one forward pass."""
+    tokens, targets = chunks.pass_tokens(c0)
+    logits = scorers[0].logits(tokens)[:, :chunks.n_scored]
+    if len(scorers) == 1:
+        return _BatchScores(token_nll(logits, targets))
+    base_logits = scorers[1].logits(tokens)[:, :chunks.n_scored]
+    return score_against_base(base_logits, logits, targets, token_nll(logits.copy(), targets))
+
+
+def _accumulate(chunks: _Chunks, passes, with_kl: bool,
+                progress: Optional[Callable[[PerplexityProgress], None]]) -> PerplexityResult:
+    """Merge the passes' scores in chunk order, reporting progress after each pass."""
+    sums, kl_sums = _NllSums(), (_KlSums() if with_kl else None)
+    t0 = time.perf_counter()
+    for c0, scores in zip(chunks.pass_starts, passes):
+        sums.add(scores.nll)
+        if kl_sums is not None:
+            kl_sums.add(scores)
+        if progress is not None:
+            done = min(c0 + chunks.n_seq, chunks.n_chunk)
+            progress(PerplexityProgress(done, chunks.n_chunk, done * chunks.ctx, chunks.n_chunk * chunks.ctx,
+                                        sums.current_ppl(), time.perf_counter() - t0))
+    res = _result(chunks, sums, time.perf_counter() - t0)
+    if kl_sums is not None:
+        kl_sums.fill(res)
+    return res
+
+
+def _result(chunks: _Chunks, sums: _NllSums, seconds: float) -> PerplexityResult:
+    n_tokens = chunks.n_chunk * chunks.ctx
+    ppl, ppl_err = sums.estimate()
+    return PerplexityResult(
+        chunks=sums.running_ppl(chunks.n_scored), ppl=ppl, ppl_err=ppl_err, n_tokens=n_tokens,
+        tokens_per_s=n_tokens / seconds if seconds > 0 else float("inf"), ctx=chunks.ctx,
+        n_scored=sums.count, n_text_tokens=int(chunks.ids.size), seconds=seconds,
+    )
 
 
 # ------------------------------------------------------------------------------------ entry points
@@ -322,64 +400,20 @@ def perplexity_from_ids(
     source: str = "",
     workers: Optional[int] = None,
 ) -> PerplexityResult:
-    """Perplexity of `model` (Model or GGUF path) over pre-tokenized `ids` (BOS first if the model adds one).
+    """Perplexity of `model` (Model or GGUF path) over pre-tokenized `ids` (BOS first if the model adds one),
+    as perplexity.cpp's `perplexity()` (and, with `kl_base`, `kl_divergence()`) compute it.
 
     `kl_base` (Model or path) adds KL(base || model) and top-token agreement on the same chunks.
     `source` names the text in error messages. `workers`: forward passes run at once on the cpu
     backend (default: one per core, up to 4); the numbers do not depend on it.
     """
-    model = _as_model(model)
-    base = _as_model(kl_base) if kl_base is not None else None
-    if base is not None:
-        check_same_vocab(model, base)
-    ids = np.asarray(ids).astype(np.int32, copy=False).ravel()
-    n_chunk = _check_args(ids, ctx, chunks, source)
-    if ids.min() < 0 or ids.max() >= model.hp.n_vocab:
-        raise LlmtuneError(f"{source or 'ids'}: token ids outside the vocabulary of {model.path.name}")
+    models = _load_models(model, kl_base)
+    ids, n_chunk = _checked_ids(models[0], ids, ctx, chunks, source)
     backend = _as_backend(backend, precision)
-    n_seq = _seqs_per_pass(batch, ctx, backend.name, n_chunk)
-    add_bos, bos = add_bos_of(model)
-    first = ctx // 2
-    n_scored = ctx - 1 - first
-    weights = [{n: backend.asarray(w) for n, w in m.weights.items()} for m in (model, base) if m is not None]
-
-    def make_scorers():
-        return [ChunkScorer(m, backend, ctx, w) for m, w in zip((model, base), weights)]
-
-    def score(scorers, c0: int) -> _BatchScores:
-        n = min(n_seq, n_chunk - c0)
-        window = ids[c0 * ctx:(c0 + n) * ctx].reshape(n, ctx)
-        targets = window[:, first + 1:]  # position j predicts token j + 1
-        tokens = window.copy()
-        if add_bos:
-            tokens[:, 0] = bos
-        logits = scorers[0].logits(tokens)[:, :n_scored]
-        if len(scorers) == 1:
-            return _BatchScores(token_nll(logits, targets))
-        base_logits = scorers[1].logits(tokens)[:, :n_scored]
-        return score_against_base(base_logits, logits, targets, token_nll(logits.copy(), targets))
-
-    n_workers = cpu_workers(backend, workers, -(-n_chunk // n_seq))
-    sums, kl_sums = _NllSums(), (_KlSums() if base else None)
-    t0 = time.perf_counter()
-    for c0, scores in zip(range(0, n_chunk, n_seq), run_in_order(score, make_scorers, range(0, n_chunk, n_seq), n_workers)):
-        sums.add(scores.nll)
-        if kl_sums is not None:
-            kl_sums.add(scores)
-        if progress is not None:
-            done = min(c0 + n_seq, n_chunk)
-            progress(PerplexityProgress(done, n_chunk, done * ctx, n_chunk * ctx, sums.current_ppl(),
-                                        time.perf_counter() - t0))
-    seconds = time.perf_counter() - t0
-    ppl, ppl_err = sums.estimate()
-    res = PerplexityResult(
-        chunks=sums.running_ppl(n_scored), ppl=ppl, ppl_err=ppl_err, n_tokens=n_chunk * ctx,
-        tokens_per_s=n_chunk * ctx / seconds if seconds > 0 else float("inf"), ctx=ctx,
-        n_scored=sums.count, n_text_tokens=int(ids.size), seconds=seconds,
-    )
-    if kl_sums is not None:
-        kl_sums.fill(res)
-    return res
+    plan = _plan_chunks(models[0], ids, ctx, n_chunk, batch, backend.name)
+    n_workers = cpu_workers(backend.name, workers, len(plan.pass_starts))
+    passes = run_in_order(partial(_score_pass, plan), _scorer_factory(models, backend, ctx), plan.pass_starts, n_workers)
+    return _accumulate(plan, passes, with_kl=kl_base is not None, progress=progress)
 
 
 def tokenize(model, text: str) -> np.ndarray:
@@ -405,38 +439,3 @@ def perplexity(
     ids = tokenize(model, text)
     return perplexity_from_ids(model, ids, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
                                kl_base=kl_base, progress=progress, precision=precision, source=str(text_path))
-
-
-def write_json(result: PerplexityResult, path, *inputs) -> Path:
-    """Write the result as JSON atomically; never over an input file."""
-    from llmtune.gguf.file import check_output_path
-
-    path = check_output_path(path, *inputs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(result.to_dict(), fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def format_report(res: PerplexityResult) -> str:
-    """llama-perplexity's output: running values, the final estimate, KL statistics when present."""
-    lines = ["".join(f"[{i}]{v:.4f}," for i, v in enumerate(res.chunks, 1)),
-             f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f}"]
-    if res.kl is not None:
-        lines += [
-            f"Mean PPL(base): {res.ppl_base:.4f} +/- {res.ppl_base_err:.5f}",
-            f"Mean    KLD: {res.kl:10.6f} +/- {res.kl_err:10.6f}",
-            f"Maximum KLD: {res.kl_max:10.6f}",
-            f"Median  KLD: {res.kl_median:10.6f}",
-            f"Same top p: {100 * res.same_top:7.3f} +/- {100 * res.same_top_err:5.3f} %",
-        ]
-    lines.append(f"{res.n_tokens} tokens in {res.seconds:.2f} s: {res.tokens_per_s:,.0f} tokens/s")
-    return "\n".join(lines)

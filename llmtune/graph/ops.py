@@ -129,6 +129,60 @@ _register(
 _register("swiglu_back", None)
 
 
+def gelu(x: Node) -> Node:
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (ggml_gelu).
+
+    Computed exactly, as ggml's CUDA/Metal kernels and ggml_gelu_f32 do; ggml's CPU f32 path
+    rounds x to fp16 and reads a precomputed fp16 table (GGML_GELU_FP16), which only adds
+    fp16 rounding (~5e-4 relative) on top of the same formula."""
+    return _node("gelu", (x,), {}, x.shape)
+
+
+def gelu_back(x: Node, g: Node) -> Node:
+    return _node("gelu_back", (x, g), {}, x.shape)
+
+
+_register("gelu", lambda n, g: (gelu_back(n.inputs[0], g),))
+_register("gelu_back", None)
+
+
+def geglu(gate: Node, up: Node) -> Node:
+    """gelu(gate) * up, fused (ggml_geglu_split)."""
+    assert gate.shape == up.shape
+    return _node("geglu", (gate, up), {}, gate.shape)
+
+
+def geglu_back(gate: Node, up: Node, g: Node, wrt: int) -> Node:
+    return _node("geglu_back", (gate, up, g), {"wrt": wrt}, gate.shape)
+
+
+_register(
+    "geglu",
+    lambda n, g: (
+        geglu_back(n.inputs[0], n.inputs[1], g, 0) if n.inputs[0].requires_grad else None,
+        geglu_back(n.inputs[0], n.inputs[1], g, 1) if n.inputs[1].requires_grad else None,
+    ),
+)
+_register("geglu_back", None)
+
+
+def softcap(x: Node, cap: float) -> Node:
+    """cap * tanh(x / cap) elementwise (gemma2's attention and final-logit softcapping)."""
+    if not cap > 0:
+        raise ValueError(f"softcap: cap {cap} must be > 0")
+    return _node("softcap", (x,), {"cap": float(cap)}, x.shape)
+
+
+def softcap_back(y: Node, g: Node, cap: float) -> Node:
+    """g * (1 - (y / cap)^2): the gradient of softcap from its output y."""
+    return _node("softcap_back", (y, g), {"cap": float(cap)}, y.shape)
+
+
+# The backward reads the output, never x, so both may overwrite their first input when it dies.
+_register("softcap", lambda n, g: (softcap_back(n, g, n.attrs["cap"]),), inplace=True)
+_register("softcap_back", None, inplace=True)
+
+
 # --------------------------------------------------------------------------- matmul
 def matmul(a: Node, b: Node, ta: bool = False, tb: bool = False) -> Node:
     """op(a) @ op(b), op = transpose of the last two axes when the flag is set."""
@@ -186,8 +240,19 @@ def cont(x: Node) -> Node:
     return _node("cont", (x,), {}, x.shape)
 
 
+def _axis(x: Node, axis: int) -> int:
+    nd = len(x.shape)
+    if not -nd <= axis < nd:
+        raise ValueError(f"axis {axis} of {x.shape}")
+    return axis % nd
+
+
 def slice_rows(x: Node, axis: int, start: int, stop: int) -> Node:
-    """x[..., start:stop, ...] along `axis` (a view)."""
+    """x[..., start:stop, ...] along `axis` (a view; axis may be negative). A slice of the last
+    axis of a matrix (a fused projection's halves) is strided: `cont` it for a dense consumer."""
+    axis = _axis(x, axis)
+    if not 0 <= start <= stop <= x.shape[axis]:
+        raise ValueError(f"slice_rows: [{start}:{stop}] of axis {axis} of {x.shape}")
     shape = list(x.shape)
     shape[axis] = stop - start
     contiguous = x.contiguous and all(s == 1 for s in x.shape[:axis])
@@ -196,6 +261,7 @@ def slice_rows(x: Node, axis: int, start: int, stop: int) -> Node:
 
 def pad_rows(x: Node, axis: int, start: int, full: int) -> Node:
     """Zeros of length `full` along `axis` with x placed at `start` (backward of slice)."""
+    axis = _axis(x, axis)
     shape = list(x.shape)
     shape[axis] = full
     return _node("pad", (x,), {"axis": axis, "start": start}, shape)
@@ -237,41 +303,71 @@ _register("rms_norm", lambda n, g: (rms_norm_back(n.inputs[0], g, n.attrs["eps"]
 _register("rms_norm_back", None)
 
 
+def layer_norm(x: Node, eps: float) -> Node:
+    """(x - mean) / sqrt(var + eps) over the last axis (ggml_norm; no affine: apply weight and
+    bias with mul/add)."""
+    return _node("layer_norm", (x,), {"eps": float(eps)}, x.shape)
+
+
+def layer_norm_back(x: Node, g: Node, eps: float) -> Node:
+    return _node("layer_norm_back", (x, g), {"eps": float(eps)}, x.shape)
+
+
+_register("layer_norm", lambda n, g: (layer_norm_back(n.inputs[0], g, n.attrs["eps"]),))
+_register("layer_norm_back", None)
+
+
 # --------------------------------------------------------------------------- rope
 def rope(x: Node, pos: Node, n_rot: int, base: float = 10000.0, freq_scale: float = 1.0,
-         mode: str = "norm", inverse: bool = False) -> Node:
-    """Rotary embedding of x[B, T, H, d] at integer positions pos[T].
+         mode: str = "norm", inverse: bool = False, freq_factors: Optional[Node] = None) -> Node:
+    """Rotary embedding of x[B, T, H, d] at integer positions pos[T] (ggml_rope_ext, no YaRN).
 
-    mode "norm" rotates adjacent pairs (x[2i], x[2i+1]) as llama does; "neox" rotates halves
-    (x[i], x[i + n_rot/2]). Dims past n_rot pass through. inverse=True rotates by -theta
-    (the backward of the forward rotation, since rotations are orthogonal).
+    Pair i (i < n_rot/2) turns by theta_i = pos * freq_scale * base^(-2i/n_rot) / freq_factors[i]
+    (freq_factors: rope_freqs.weight of Llama 3.1+ or phi3's rope factors, float [>= n_rot/2],
+    frozen: no gradient flows into it; absent = all ones). mode "norm" rotates adjacent pairs
+    (x[2i], x[2i+1]) as llama does; "neox" rotates halves (x[i], x[i + n_rot/2]). Dims past
+    n_rot pass through. inverse=True rotates by -theta (the backward of the forward rotation,
+    since rotations are orthogonal).
     """
     if mode not in ("norm", "neox"):
         raise ValueError(f"rope mode {mode!r}")
     if n_rot % 2 or n_rot > x.shape[-1]:
         raise ValueError(f"rope: n_rot {n_rot} vs head dim {x.shape[-1]}")
-    attrs = {"n_rot": int(n_rot), "base": float(base), "freq_scale": float(freq_scale), "mode": mode, "inverse": inverse}
-    return _node("rope", (x, pos), attrs, x.shape)
+    attrs = {"n_rot": int(n_rot), "base": float(base), "freq_scale": float(freq_scale), "mode": mode,
+             "inverse": bool(inverse)}
+    if freq_factors is None:
+        return _node("rope", (x, pos), attrs, x.shape)
+    if len(freq_factors.shape) != 1 or freq_factors.shape[0] < n_rot // 2 or freq_factors.dtype != "f32":
+        raise ValueError(f"rope: freq_factors {freq_factors.shape} must be float [>= n_rot/2 = {n_rot // 2}]")
+    node = _node("rope", (x, pos, freq_factors), attrs, x.shape)
+    node.requires_grad = x.requires_grad  # the factors are constants to the rotation's gradient
+    return node
 
 
 def _rope_backward(n, g):
     a = dict(n.attrs)
     a["inverse"] = not a["inverse"]
-    return rope(g, n.inputs[1], **a), None
+    factors = n.inputs[2] if len(n.inputs) > 2 else None
+    return (rope(g, n.inputs[1], **a, freq_factors=factors), None) + ((None,) if factors is not None else ())
 
 
 _register("rope", _rope_backward)
 
 
 # --------------------------------------------------------------------------- attention softmax
-def softmax_causal(x: Node, scale_: float, n_kv: int, n_q: int, n_past: int = 0) -> Node:
+def softmax_causal(x: Node, scale_: float, n_kv: int, n_q: int, n_past: int = 0, window: int = 0) -> Node:
     """softmax(scale * x + causal mask) over the last axis.
 
-    x[..., R, n_kv] where row r is query position n_past + (r % n_q): grouped-query attention
-    stacks the query heads sharing one KV head along rows, so the mask repeats every n_q rows.
+    x[..., R, n_kv] where row r is query position p = n_past + (r % n_q) and column k is key
+    position k: grouped-query attention stacks the query heads sharing one KV head along rows, so
+    the mask repeats every n_q rows. Key k is masked when k > p, and with window > 0 also when
+    p - k >= window (a sliding window: llama.cpp's LLAMA_SWA_TYPE_STANDARD, is_masked_swa).
     """
     assert x.shape[-1] == n_kv and x.shape[-2] % n_q == 0
-    return _node("softmax_causal", (x,), {"scale": float(scale_), "n_q": n_q, "n_past": n_past}, x.shape)
+    if window < 0:
+        raise ValueError(f"softmax_causal: window {window} < 0")
+    attrs = {"scale": float(scale_), "n_q": int(n_q), "n_past": int(n_past), "window": int(window)}
+    return _node("softmax_causal", (x,), attrs, x.shape)
 
 
 def softmax_back(y: Node, g: Node, scale_: float) -> Node:
@@ -283,14 +379,28 @@ _register("softmax_back", None)
 
 
 # --------------------------------------------------------------------------- loss
+def logsumexp(x: Node) -> Node:
+    """log(sum(exp(x))) over the last axis, as max + log(sum(exp(x - max))): x[..., V] -> x[...].
+
+    No backward rule of its own: it exists as the row normaliser that cross_entropy and its
+    backward share."""
+    return _node("logsumexp", (x,), {}, x.shape[:-1])
+
+
 def cross_entropy(logits: Node, targets: Node) -> Node:
-    """Mean over rows of -log softmax(logits)[target]: logits[N, V], targets[N] int32 -> scalar."""
+    """Mean over rows of logsumexp(logits) - logits[target]: logits[N, V], targets[N] int32 -> scalar.
+
+    The row normalisers lse = logsumexp(logits) are a graph value read by the loss and by its
+    backward, softmax(logits) = exp(logits - lse): the planner keeps those N values alive until the
+    backward by ordinary liveness, and the backward is one pass over the logits where
+    ggml_cross_entropy_loss_back recomputes the whole softmax (max, exp, sum)."""
     assert logits.shape[:-1] == targets.shape
-    return _node("cross_entropy", (logits, targets), {}, ())
+    return _node("cross_entropy", (logits, targets, logsumexp(logits)), {}, ())
 
 
-def cross_entropy_back(logits: Node, targets: Node, g: Node) -> Node:
-    return _node("cross_entropy_back", (logits, targets, g), {}, logits.shape)
+def cross_entropy_back(logits: Node, targets: Node, lse: Node, g: Node) -> Node:
+    """(exp(logits - lse) - onehot(targets)) * g / N: the gradient of cross_entropy wrt the logits."""
+    return _node("cross_entropy_back", (logits, targets, lse, g), {}, logits.shape)
 
 
 def count_correct(logits: Node, targets: Node) -> Node:
@@ -298,6 +408,9 @@ def count_correct(logits: Node, targets: Node) -> Node:
     return Node("count_correct", (logits, targets), {}, (), "f32")
 
 
-_register("cross_entropy", lambda n, g: (cross_entropy_back(n.inputs[0], n.inputs[1], g), None))
-_register("cross_entropy_back", None)
+_register("logsumexp", None)
+# The logits gradient is the total one (through lse too), so lse itself gets none.
+_register("cross_entropy", lambda n, g: (cross_entropy_back(*n.inputs, g), None, None))
+# In place over the logits when the backward is their last reader (training never reads them later).
+_register("cross_entropy_back", None, inplace=True)
 _register("count_correct", None)

@@ -54,30 +54,24 @@ class Program:
         return node.size * np.dtype(self._dtype(node)).itemsize
 
     def _plan(self) -> None:
-        order = self.order
-        owner: dict[int, int | None] = {}  # node id -> id of the node owning its buffer (None: leaf memory)
-        for n in order:
-            if n.is_leaf:
-                owner[n.id] = None
-            elif OPS[n.op].view:
-                owner[n.id] = owner[n.inputs[0].id]
-            else:
-                owner[n.id] = n.id
-        last_use: dict[int, int] = {}
-        for i, n in enumerate(order):
-            for inp in n.inputs:
-                o = owner[inp.id]
-                if o is not None:
-                    last_use[o] = max(last_use.get(o, -1), i)
-        for n in self.outputs:
-            if owner[n.id] is not None:
-                last_use[owner[n.id]] = _FOREVER
+        """ggml_gallocr_alloc_graph's steps: whose buffer each node uses, when each buffer is last
+        read, where in one arena each buffer lives, then the kernel calls that fill them."""
+        owner = _buffer_owners(self.order)
+        last_use = _last_uses(self.order, self.outputs, owner)
+        offsets, self.memory = self._allocate(owner, last_use)
+        arena = self.backend.arena(self.memory.planned_bytes)
+        self._steps, self._assign_steps = self._build_steps(arena, owner, offsets)
+
+    def _allocate(self, owner, last_use) -> tuple[dict[int, int], MemoryReport]:
+        """Arena offset of every owned buffer, walking the graph in order: a buffer is allocated
+        when its node runs (or takes over an input that dies there) and freed after its last
+        reader, as ggml_gallocr_allocate_node / ggml_gallocr_free_node do."""
         alloc = _ArenaAllocator()
         offset_of: dict[int, int] = {}
         size_of: dict[int, int] = {}
-        dying: dict[int, list[int]] = {}
+        dying: dict[int, list[int]] = {}  # step -> buffers whose last reader it is
         naive = 0
-        for i, n in enumerate(order):
+        for i, n in enumerate(self.order):
             if owner[n.id] == n.id:
                 need = self._nbytes(n)
                 naive += need
@@ -91,24 +85,28 @@ class Program:
                 dying.setdefault(end, []).append(n.id)
             for o in dying.pop(i, []):
                 alloc.free(offset_of[o], size_of[o])
-        self.memory = MemoryReport(alloc.high_water, naive, len(order))
-        arena = self.backend.arena(alloc.high_water)
-        self._steps, self._assign_steps = [], []
-        for n in order:
+        return offset_of, MemoryReport(alloc.high_water, naive, len(self.order))
+
+    def _build_steps(self, arena, owner, offsets) -> tuple[list, list]:
+        """One (node id, kernel, out, input ids, attrs, sink) per computed node, for `run` and for
+        `run(assign=True)`; `out` is the node's arena view, None for views of an input."""
+        steps, assign_steps = [], []
+        for n in self.order:
             if n.is_leaf:
                 continue
             out = None
             if owner[n.id] == n.id:
-                out = self.backend.view(arena, n.shape, self._dtype(n), offset_of[n.id])
+                out = self.backend.view(arena, n.shape, self._dtype(n), offsets[n.id])
             kernel = self.backend.kernels.get(n.op)
             if kernel is None:
                 raise NotImplementedError(f"backend {self.backend.name} has no kernel for op {n.op!r}")
             ins = tuple(inp.id for inp in n.inputs)
             sink = self.accumulate.get(n)
-            self._steps.append((n.id, kernel, out, ins, n.attrs, sink))
+            steps.append((n.id, kernel, out, ins, n.attrs, sink))
             # assign mode: a sink computed into its own buffer writes straight into the target
             direct = sink is not None and out is not None and tuple(sink.shape) == n.shape
-            self._assign_steps.append((n.id, kernel, sink if direct else out, ins, n.attrs, None if direct else sink))
+            assign_steps.append((n.id, kernel, sink if direct else out, ins, n.attrs, None if direct else sink))
+        return steps, assign_steps
 
     def _inplace_source(self, n: Node, i: int, owner, last_use):
         """An input buffer this elementwise op may overwrite: same shape, dies here, not a view."""
@@ -144,6 +142,35 @@ class Program:
                 if sink is not None:
                     accumulate(sink, val)
         return [vals[n.id] for n in self.outputs]
+
+
+def _buffer_owners(order: list[Node]) -> dict[int, int | None]:
+    """Node id -> id of the node whose buffer holds its value (ggml's view_src): itself, the
+    owner of its first input for views, None for leaves (memory bound from outside)."""
+    owner: dict[int, int | None] = {}
+    for n in order:
+        if n.is_leaf:
+            owner[n.id] = None
+        elif OPS[n.op].view:
+            owner[n.id] = owner[n.inputs[0].id]
+        else:
+            owner[n.id] = n.id
+    return owner
+
+
+def _last_uses(order: list[Node], outputs: list[Node], owner) -> dict[int, int]:
+    """Owner id -> index in `order` of the last node reading its buffer (through any view):
+    ggml-alloc's child and view counts as positions. Outputs live forever."""
+    last_use: dict[int, int] = {}
+    for i, n in enumerate(order):
+        for inp in n.inputs:
+            o = owner[inp.id]
+            if o is not None:
+                last_use[o] = max(last_use.get(o, -1), i)
+    for n in outputs:
+        if owner[n.id] is not None:
+            last_use[owner[n.id]] = _FOREVER
+    return last_use
 
 
 class _ArenaAllocator:

@@ -1,4 +1,4 @@
-"""A GGUF model ready for graphs: hyper-parameters, float32 weights, the architecture's builder."""
+"""A GGUF model ready for graphs: its family, hyper-parameters and float32 weights."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from llmtune.arch import check_tensors, get_family, read_hparams
+from llmtune.arch.context import Batch, BuildContext
+from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
-from llmtune.graph import ops
-from llmtune.arch import get_arch
-from llmtune.graph.layers import Batch
 from llmtune.gguf.file import GGUFFile, load_gguf
-from llmtune.model.hparams import HParams
+from llmtune.graph import ops
 
 
 @dataclass
@@ -21,12 +21,12 @@ class Model:
     path: Path
     gguf: GGUFFile
     hp: HParams
-    weights: dict[str, np.ndarray]  # float32, numpy shape, in the architecture's tensor order
+    weights: dict[str, np.ndarray]  # float32, numpy shape, in the family's tensor order
     _tokenizer: object = field(default=None, repr=False)
 
     @property
-    def arch(self):
-        return get_arch(self.hp.arch)
+    def family(self):
+        return get_family(self.hp.arch)
 
     @property
     def tokenizer(self):
@@ -57,22 +57,27 @@ class Model:
         trainable = set(trainable)
         nodes = {name: ops.param(w.shape, name=name, requires_grad=name in trainable) for name, w in self.weights.items()}
         batch = Batch.make(n_seq, n_tok)
-        logits = self.arch.build(self.hp, nodes, batch, logits_start)
+        logits = self.family.build(BuildContext(self.hp, nodes, batch, logits_start))
         return batch, nodes, logits
+
+
+def hparams_of(gf: GGUFFile) -> HParams:
+    """A GGUF file's hyper-parameters, read by its family."""
+    return read_hparams(gf.metadata, set(gf.tensors), str(gf.path))
+
+
+def check_model(gf: GGUFFile) -> tuple[HParams, list]:
+    """What load_model accepts, without reading tensor data: (hparams, the tensors present)."""
+    hp = hparams_of(gf)
+    present = check_tensors(hp, {name: info.shape for name, info in gf.tensors.items()}, str(gf.path))
+    if hp.n_vocab != gf.tensors["token_embd.weight"].shape[0]:
+        raise LlmtuneError(f"{gf.path}: vocab size {hp.n_vocab} does not match token_embd rows")
+    return hp, present
 
 
 def load_model(path) -> Model:
     gf = load_gguf(path)
-    hp = HParams.from_gguf(gf)
-    expected = get_arch(hp.arch).tensor_shapes(hp)
-    weights: dict[str, np.ndarray] = {}
-    for name, shape in expected.items():
-        info = gf.tensors.get(name)
-        if info is None:
-            raise LlmtuneError(f"{gf.path}: missing tensor {name}")
-        if tuple(info.shape) != tuple(shape):
-            raise LlmtuneError(f"{gf.path}: tensor {name} has shape {info.shape}, expected {shape}")
-        weights[name] = gf.tensor(name)  # F32: a read-only view of the memory map, no second copy
-    if hp.n_vocab != weights["token_embd.weight"].shape[0]:
-        raise LlmtuneError(f"{gf.path}: vocab size {hp.n_vocab} does not match token_embd rows")
+    hp, present = check_model(gf)
+    # F32 tensors: read-only views of the memory map, no second copy of the file in RAM
+    weights = {spec.name: gf.tensor(spec.name) for spec in present}
     return Model(Path(path), gf, hp, weights)

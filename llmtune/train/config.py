@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from llmtune.errors import LlmtuneError
+from llmtune.tomlfile import read_toml
 
 
 @dataclass
@@ -61,12 +58,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     """Settings from a TOML file: top-level keys or a [finetune] table, named like the flags
     (`lr-min` or `lr_min`). Unknown keys are errors, so typos don't pass silently."""
     path = Path(path)
-    if not path.exists():
-        raise LlmtuneError(f"{path}: no such config file")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise LlmtuneError(f"{path}: invalid TOML ({exc})") from None
+    data = read_toml(path)
     table = data.get("finetune", data)
     out = {}
     for key, value in table.items():

@@ -61,10 +61,6 @@ class Optimizer:
     def state_bytes(self) -> int:
         return 0 if self.m is None else 2 * self.m.nbytes
 
-    @staticmethod
-    def state_floats_per_param(kind: str) -> int:
-        return 2 if kind.lower() == "adamw" else 0
-
     def step(self, w, g, lr: float) -> None:
         self.t += 1
         if self.kind == "adamw":

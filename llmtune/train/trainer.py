@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmtune.backends.threads import blas_threads, n_cores, run_in_order
+from llmtune.backends.threads import blas_threads, cpu_workers, run_in_order
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
@@ -54,8 +54,6 @@ class RunningStats:
 
 
 class Trainer:
-    MAX_WORKERS = 4  # each worker holds its own activations and gradient buffer
-
     def __init__(self, model: Model, backend, *, n_ctx: int, n_batch: int, n_ubatch: int,
                  trainable: list[str], optimizer: str = "adamw", wd: float = 0.0, workers: int | None = None):
         """workers: micro-batches computed at once (cpu: by default one per core when a step
@@ -71,26 +69,16 @@ class Trainer:
         self.ubatches_per_step = n_batch // n_ubatch
         self.trainable = list(trainable)
         self._requested_workers = workers
-        self.n_workers = self._pick_workers(workers, self.ubatches_per_step)
+        self.n_workers = cpu_workers(backend.name, workers, self.ubatches_per_step)
         self._init_buffers()
         self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd)
         # worker 0 accumulates into flat_g, the others into buffers of their own, summed per step
         self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
         self._train_progs = [self._build_train_program(self._flat_views(g)) for g in self._worker_flat_g]
-        self._train_prog = self._train_progs[0]
-        # compiled eval programs by sequence count, one cache per concurrent worker
-        self._eval_caches: list[dict[int, Program]] = [{} for _ in range(self.MAX_WORKERS)]
+        # compiled eval programs by sequence count, one cache per concurrent worker (grown on demand)
+        self._eval_caches: list[dict[int, Program]] = []
         self._pos = backend.asarray(np.arange(n_ctx, dtype=np.int32))
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
-
-    def _pick_workers(self, requested: int | None, n_items: int) -> int:
-        """Work items (micro-batches, eval passes) computed at once: one per core on the cpu."""
-        if requested is not None and requested < 1:
-            raise LlmtuneError(f"workers: must be positive (got {requested})")
-        if self.backend.name != "cpu" or n_items < 2 or not blas_threads.available():
-            return 1
-        n = requested or min(n_cores(), self.MAX_WORKERS)
-        return max(1, min(n, n_items))
 
     # ------------------------------------------------------------------ setup
     def _init_buffers(self) -> None:
@@ -190,7 +178,7 @@ class Trainer:
         core at once on the cpu)."""
         k = self.seqs_per_ubatch
         starts = list(range(0, len(inputs), k))
-        n_w = self._pick_workers(self._requested_workers, len(starts))
+        n_w = cpu_workers(self.backend.name, self._requested_workers, len(starts))
 
         def score(progs: dict, start: int):
             x, y = inputs[start : start + k], targets[start : start + k]
@@ -200,6 +188,7 @@ class Trainer:
             loss, correct = prog.run(**self._feed(x, y))
             return float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), y.size
 
+        self._eval_caches += [{} for _ in range(n_w - len(self._eval_caches))]
         caches: queue.SimpleQueue = queue.SimpleQueue()  # each worker takes its own cache
         for cache in self._eval_caches[:n_w]:
             caches.put(cache)

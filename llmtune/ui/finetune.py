@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import math
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-
-def _pm(value: float, err: float, fmt: str = ".4f") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if err is None or math.isnan(err):
-        return format(value, fmt)
-    return f"{format(value, fmt)} ± {format(err, fmt)}"
+from llmtune.ui.format import mib, plus_minus
+from llmtune.ui.progress import progress_bar
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+# EpochResult fields reported with their standard error (`<name>_err`), in column order
+_EPOCH_STATS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy")
+
+
+def _with_err(info: dict, key: str) -> str:
+    return plus_minus(info[key], info[key + "_err"])
 
 
 class FinetuneReporter:
@@ -25,11 +24,11 @@ class FinetuneReporter:
 
     def __init__(self, out, err):
         self.out, self.err = out, err
-        self.progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        self.progress = progress_bar(
+            err,
             TextColumn("loss {task.fields[loss]:.4f}  acc {task.fields[acc]:.3f}  lr {task.fields[lr]:.2e}  "
                        "{task.fields[tps]:,.0f} tok/s"),
-            TimeRemainingColumn(), console=err, disable=not err.is_terminal,
+            TimeRemainingColumn(), transient=False, disable=not err.is_terminal,  # one finished bar per epoch stays
         )
         self.tasks = {}
         self.epochs = []
@@ -57,7 +56,7 @@ class FinetuneReporter:
             f"parameters ({len(info['trainable'])} tensors) with {cfg.optimizer}"
         )
         self.err.print(
-            "memory: " + ", ".join(f"{k} {_mib(v)}" for k, v in mem.items()) + f"; total {_mib(sum(mem.values()))}"
+            "memory: " + ", ".join(f"{k} {mib(v)}" for k, v in mem.items()) + f"; total {mib(sum(mem.values()))}"
         )
 
     def _task(self, epoch: int, steps: int):
@@ -73,21 +72,17 @@ class FinetuneReporter:
 
     def _on_epoch(self, info):
         self.epochs.append(info)
-        self.err.print(
-            f"epoch {info['epoch']}: train loss {_pm(info['train_loss'], info['train_loss_err'])}, "
-            f"acc {_pm(info['train_accuracy'], info['train_accuracy_err'])} | "
-            f"val loss {_pm(info['val_loss'], info['val_loss_err'])}, acc {_pm(info['val_accuracy'], info['val_accuracy_err'])}"
-        )
+        train_loss, train_acc, val_loss, val_acc = (_with_err(info, key) for key in _EPOCH_STATS)
+        self.err.print(f"epoch {info['epoch']}: train loss {train_loss}, acc {train_acc} | val loss {val_loss}, acc {val_acc}")
 
     def _on_saved(self, info):
-        self.err.print(f"wrote {info['path']} ({_mib(info['bytes'])})")
+        self.err.print(f"wrote {info['path']} ({mib(info['bytes'])})")
 
     def _summary(self) -> Table:
         table = Table(title="finetune summary")
         for col in ("epoch", "train loss", "train acc", "val loss", "val acc", "tok/s", "time"):
             table.add_column(col, justify="right")
         for e in self.epochs:
-            table.add_row(str(e["epoch"]), _pm(e["train_loss"], e["train_loss_err"]),
-                          _pm(e["train_accuracy"], e["train_accuracy_err"]), _pm(e["val_loss"], e["val_loss_err"]),
-                          _pm(e["val_accuracy"], e["val_accuracy_err"]), f"{e['tokens_per_s']:,.0f}", f"{e['seconds']:.1f}s")
+            table.add_row(str(e["epoch"]), *(_with_err(e, key) for key in _EPOCH_STATS),
+                          f"{e['tokens_per_s']:,.0f}", f"{e['seconds']:.1f}s")
         return table

@@ -7,16 +7,20 @@ llmtune cannot run: it shows what exists and says what is missing instead of fai
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 
 import gguf
 from rich.console import Group
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, load_gguf
-from llmtune.model.hparams import SUPPORTED_ARCHS, HParams
+from llmtune.arch import read_hparams, supported
+from llmtune.model.loaded import check_model
+from llmtune.ui.format import human_bytes, human_count
 
 # tokenizer.ggml.model -> llama.cpp's vocabulary type
 TOKENIZER_KINDS = {
@@ -43,35 +47,36 @@ SPECIAL_TOKEN_KEYS = {
 NO_TOKEN = 0xFFFFFFFF  # -1 stored as uint32: "no such token"
 
 
-def render_info(path: str | os.PathLike) -> Group:
+def render_info(path: str | os.PathLike) -> "_Printable":
     gf = load_gguf(path)
-    return Group(
+    return _Printable(Group(
         _overview(gf),
         _hparams_table(gf),
         _tensor_type_table(gf),
         _tokenizer_table(gf),
-    )
+    ))  # fmt: skip
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+class _Printable:
+    """Renders as its content, with lone surrogates (a metadata string's undecodable bytes, kept
+    so the file can be written back unchanged) shown as U+FFFD: a strict UTF-8 stdout cannot
+    print them."""
+
+    def __init__(self, renderable):
+        self.renderable = renderable
+
+    def __rich_console__(self, console, options):
+        for segment in console.render(self.renderable, options):
+            text = segment.text
+            if not text.isascii() and _SURROGATES.search(text):
+                segment = Segment(_SURROGATES.sub("\ufffd", text), segment.style, segment.control)
+            yield segment
 
 
 # -- number formatting --------------------------------------------------------------------------
-
-
-def human_count(n: int) -> str:
-    """24413472 -> '24.4M' (decimal units, as parameter counts are quoted)."""
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(n)
-
-
-def human_bytes(n: int) -> str:
-    """1185376 -> '1.1 MiB'."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _fmt_float(x: float) -> str:
@@ -94,10 +99,12 @@ def _overview(gf: GGUFFile) -> Table:
     arch = gf.get("general.architecture")
     if arch is None:
         arch_note = "missing general.architecture"
-    elif arch in SUPPORTED_ARCHS:
-        arch_note = "supported"
+    elif arch not in supported():
+        arch_note = f"llmtune cannot run it (supported: {', '.join(supported())})"
+    elif not gf.tensors:
+        arch_note = "supported family (no tensors in this file)"
     else:
-        arch_note = f"llmtune cannot run it (supported: {', '.join(SUPPORTED_ARCHS)})"
+        arch_note = _loader_verdict(gf)
     table.add_row("file", Text(str(gf.path)), f"GGUF v{gf.version}")
     table.add_row("size", human_bytes(gf.file_size), f"{gf.file_size:,} bytes")
     table.add_row("architecture", Text(str(arch if arch is not None else "—")), arch_note)
@@ -110,6 +117,15 @@ def _overview(gf: GGUFFile) -> Table:
     else:
         table.add_row("parameters", "none", "tokenizer-only file (no tensors)")
     return table
+
+
+def _loader_verdict(gf: GGUFFile) -> str:
+    """'supported' only when the model loader accepts the file (hyper-parameters and tensors)."""
+    try:
+        check_model(gf)
+    except LlmtuneError as exc:
+        return f"llmtune cannot run it: {str(exc).split(': ', 1)[-1]}"
+    return "supported"
 
 
 def _file_type(gf: GGUFFile) -> str:
@@ -126,7 +142,7 @@ def _hparams_table(gf: GGUFFile) -> Table:
     table = _section("Hyper-parameters")
     md = gf.metadata
     try:
-        hp = HParams.from_metadata(md, set(gf.tensors), source=str(gf.path))
+        hp = read_hparams(md, set(gf.tensors), str(gf.path), any_arch=True)
     except LlmtuneError as exc:
         table.add_row("not available", Text(str(exc).split(": ", 1)[-1]), "")
         return table
@@ -145,12 +161,15 @@ def _hparams_table(gf: GGUFFile) -> Table:
         ("n_layer", hp.n_layer, source("block_count")),
         ("n_head", hp.n_head, source("attention.head_count")),
         ("n_head_kv", hp.n_head_kv, source("attention.head_count_kv")),
-        ("head_dim", hp.head_dim, "n_embd / n_head"),
+        ("head_dim", hp.head_dim, source("attention.key_length") if hp.head_dim_kq else "n_embd / n_head"),
         ("n_ff", hp.n_ff, source("feed_forward_length")),
         ("n_rot", hp.n_rot, source("rope.dimension_count")),
         ("rope base", _fmt_float(hp.rope_freq_base), source("rope.freq_base")),
         ("rope scale", _fmt_float(hp.rope_freq_scale), source("rope.scaling.factor")),
         ("norm eps", _fmt_float(hp.norm_eps), source("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon")),
+        ("rope mode", hp.rope_mode or "none", f"{hp.arch} family"),
+        ("norm", {"rms": "RMSNorm", "layer": "LayerNorm"}.get(hp.norm_kind, hp.norm_kind), f"{hp.arch} family"),
+        ("feed-forward", f"{hp.activation}, {'gated' if hp.ffn_gated else 'sequential'}", f"{hp.arch} family"),
         ("tied output", *_tied_output(gf)),
     ]
     for name, value, src in rows:
@@ -193,14 +212,16 @@ def _tokenizer_table(gf: GGUFFile) -> Table:
     if model is None and tokens is None:
         table.add_row("none", "no tokenizer.* metadata", "")
         return table
-    kind = TOKENIZER_KINDS.get(model, "unknown") if model is not None else "—"
+    kind = "—" if model is None else TOKENIZER_KINDS.get(model, "unknown") if isinstance(model, str) else "unknown"
+    tokens = tokens if isinstance(tokens, list) else None  # (a damaged file may hold anything)
     table.add_row("kind", kind, f"tokenizer.ggml.model = {model!r}")
     pre = gf.get("tokenizer.ggml.pre")
     if pre is not None:
         table.add_row("pre-tokenizer", Text(str(pre)), "tokenizer.ggml.pre")
     table.add_row("vocab size", f"{len(tokens):,}" if tokens is not None else "—", "tokenizer.ggml.tokens")
-    if gf.get("tokenizer.ggml.merges") is not None:
-        table.add_row("merges", f"{len(gf.get('tokenizer.ggml.merges')):,}", "tokenizer.ggml.merges")
+    merges = gf.get("tokenizer.ggml.merges")
+    if merges is not None:
+        table.add_row("merges", f"{len(merges):,}" if isinstance(merges, list) else "—", "tokenizer.ggml.merges")
     for role, key in SPECIAL_TOKEN_KEYS.items():
         token_id = gf.get(key)
         if token_id is not None:
@@ -213,6 +234,8 @@ def _tokenizer_table(gf: GGUFFile) -> Table:
 
 
 def _token_text(token_id: int, tokens: list[str] | None) -> Text:
+    if not isinstance(token_id, int) or isinstance(token_id, bool):
+        return Text(f"{token_id!r} (not a token id)", style="red")
     if token_id in (NO_TOKEN, -1):
         return Text("none")
     if tokens is None or not 0 <= token_id < len(tokens):

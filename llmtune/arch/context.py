@@ -1,0 +1,224 @@
+"""The build context (llama.cpp's llm_graph_context): hyper-parameters, the batch and the weights
+of one graph, with the shared layer builders as methods. A family's `build` is a short
+composition of these; activations are 2-D [n_seq * n_tok, n_embd] between layers.
+
+Weights are looked up by their GGUF base name ("blk.3.attn_q"); a tensor the file does not have
+(an optional bias or norm) is simply skipped, as llama.cpp's builders skip null tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtune.arch.hparams import HParams
+from llmtune.graph import ops
+from llmtune.graph.node import Node
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Symbolic inputs of one forward pass: n_seq sequences of n_tok tokens."""
+
+    tokens: Node  # [n_seq, n_tok] int32
+    pos: Node  # [n_tok] int32 positions (shared by all sequences)
+
+    @property
+    def n_seq(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def n_tok(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def make(cls, n_seq: int, n_tok: int) -> "Batch":
+        return cls(ops.input((n_seq, n_tok), "i32", name="tokens"), ops.input((n_tok,), "i32", name="pos"))
+
+
+class BuildContext:
+    """One forward graph under construction.
+
+    logits_start: only positions logits_start.. of each sequence produce logits (perplexity
+    scores the second half of a chunk); the last layer drops the other rows early.
+    """
+
+    def __init__(self, hp: HParams, weights: dict[str, Node], batch: Batch, logits_start: int = 0):
+        self.hp, self.weights, self.batch, self.logits_start = hp, weights, batch, logits_start
+
+    # ------------------------------------------------------------------ weights
+    def w(self, name: str) -> Node:
+        """A required weight by base name ("blk.0.attn_q" -> blk.0.attn_q.weight)."""
+        return self.weights[f"{name}.weight"]
+
+    def opt(self, name: str) -> Node | None:
+        """An optional tensor by full name (None when the file does not have it)."""
+        return self.weights.get(name)
+
+    def mm(self, x: Node, name: str) -> Node:
+        """x @ W^T (+ bias when the model has one): the one place a weight matrix is applied
+        (llama.cpp's build_lora_mm; adapters hook in here)."""
+        y = ops.linear(x, self.w(name))
+        bias = self.opt(f"{name}.bias")
+        return y if bias is None else ops.add(y, bias)
+
+    # ------------------------------------------------------------------ layers
+    def inp_embd(self) -> Node:
+        """Token embeddings [n_seq * n_tok, n_embd] (llm_graph_context::build_inp_embd)."""
+        b = self.batch
+        x = ops.get_rows(self.w("token_embd"), b.tokens)
+        return ops.reshape(x, (b.n_seq * b.n_tok, self.hp.n_embd))
+
+    def norm(self, x: Node, name: str, kind: str | None = None) -> Node:
+        """RMS or layer norm with the optional weight and bias `name`.weight/.bias (build_norm)."""
+        kind = kind or self.hp.norm_kind
+        y = ops.rms_norm(x, self.hp.norm_eps) if kind == "rms" else ops.layer_norm(x, self.hp.norm_eps)
+        weight, bias = self.opt(f"{name}.weight"), self.opt(f"{name}.bias")
+        if weight is not None:
+            y = ops.mul(y, weight)
+        return y if bias is None else ops.add(y, bias)
+
+    def ffn(self, x: Node, blk: str) -> Node:
+        """Feed-forward block (build_ffn): gated down(act(gate x) * up x), or down(act(up x)).
+        A fused gate+up matrix (phi3's ffn_up of 2 n_ff rows) is split in halves."""
+        hp = self.hp
+        if hp.ffn_gated and self.opt(f"{blk}.ffn_gate.weight") is None:
+            up = self.mm(x, f"{blk}.ffn_up")
+            h = self.gated_act(ops.slice_rows(up, 1, 0, hp.n_ff), ops.slice_rows(up, 1, hp.n_ff, 2 * hp.n_ff))
+        elif hp.ffn_gated:
+            h = self.gated_act(self.mm(x, f"{blk}.ffn_gate"), self.mm(x, f"{blk}.ffn_up"))
+        else:
+            up = self.mm(x, f"{blk}.ffn_up")
+            h = ops.silu(up) if hp.activation == "silu" else ops.gelu(up)
+        return self.mm(h, f"{blk}.ffn_down")
+
+    def gated_act(self, gate: Node, up: Node) -> Node:
+        """act(gate) * up, fused (swiglu or geglu)."""
+        if not gate.contiguous:
+            gate, up = ops.cont(gate), ops.cont(up)
+        return ops.swiglu(gate, up) if self.hp.activation == "silu" else ops.geglu(gate, up)
+
+    def attn(self, x: Node, il: int) -> Node:
+        """Self-attention of layer il (build_attn): q/k/v projections (biases when present),
+        optional per-head q/k norms, rope, causal grouped-query attention (softcapped, sliding
+        window on the layers that have one), output projection."""
+        q, k, v = self.qkv(x, il)
+        return self.attn_out(q, k, v, il)
+
+    def qkv(self, x: Node, il: int) -> tuple[Node, Node, Node]:
+        """Per-head q, k, v [n_seq, n_tok, heads, head_dim] of layer il (build_qkv): separate
+        attn_q/k/v projections, or one fused attn_qkv whose rows are [q | k | v] (gpt2, phi3)
+        with its bias, or (legacy files) the three separate biases added to the split parts."""
+        hp, blk = self.hp, f"blk.{il}"
+        if self.opt(f"{blk}.attn_qkv.weight") is None:
+            q = self.heads(self.mm(x, f"{blk}.attn_q"), hp.n_head)
+            k = self.heads(self.mm(x, f"{blk}.attn_k"), hp.n_head_kv)
+            v = self.heads(self.mm(x, f"{blk}.attn_v"), hp.n_head_kv)
+            return q, k, v
+        qkv = self.mm(x, f"{blk}.attn_qkv")
+        nq, nkv = hp.n_embd_q, hp.n_embd_kv
+        parts = {"q": (0, nq), "k": (nq, nq + nkv), "v": (nq + nkv, nq + 2 * nkv)}
+        biases = {p: self.opt(f"{blk}.attn_{p}.bias") for p in parts}
+        if self.opt(f"{blk}.attn_qkv.bias") is not None or None in biases.values():
+            biases = dict.fromkeys(parts)  # llama.cpp adds separate biases only when all three exist
+        out = []
+        for p, (start, stop) in parts.items():
+            y = ops.slice_rows(qkv, 1, start, stop)
+            y = y if biases[p] is None else ops.add(y, biases[p])
+            out.append(self.heads(y, hp.n_head if p == "q" else hp.n_head_kv))
+        return tuple(out)
+
+    def attn_out(self, q: Node, k: Node, v: Node, il: int) -> Node:
+        """The rest of attention from per-head q, k, v [B, T, heads, head_dim] (families with a
+        fused qkv projection enter here): q/k norms, rope, attention, output projection."""
+        hp, b, blk = self.hp, self.batch, f"blk.{il}"
+        q = self.rope(self.head_norm(q, f"{blk}.attn_q_norm"), il)
+        k = self.rope(self.head_norm(k, f"{blk}.attn_k_norm"), il)
+        window = hp.sliding_window if hp.is_swa(il) else 0
+        out = causal_attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
+        return self.mm(ops.reshape(out, (b.n_seq * b.n_tok, hp.n_embd_q)), f"{blk}.attn_output")
+
+    def heads(self, x: Node, n_head: int) -> Node:
+        """[n_seq * n_tok, n_head * head_dim] -> [n_seq, n_tok, n_head, head_dim]."""
+        return ops.reshape(x, (self.batch.n_seq, self.batch.n_tok, n_head, self.hp.head_dim))
+
+    def head_norm(self, x: Node, name: str) -> Node:
+        """Per-head RMS norm over head_dim (qwen3/gemma3 q/k norms); identity when absent."""
+        if self.opt(f"{name}.weight") is None:
+            return x
+        return self.norm(x, name, "rms")
+
+    def rope(self, x: Node, il: int) -> Node:
+        """Rotary embedding of layer il: its base, and rope_freqs.weight frequency factors
+        (Llama 3.1+) when the model has them (ggml_rope_ext)."""
+        hp = self.hp
+        if hp.rope_mode is None:
+            return x
+        factors = self.rope_factors(il)
+        extra = {} if factors is None else {"freq_factors": factors}
+        y = ops.rope(x, self.batch.pos, hp.n_rot, hp.rope_base(il), hp.rope_freq_scale, hp.rope_mode, **extra)
+        f = hp.rope_attn_factor
+        if f == 1.0:
+            return y
+        # ggml_rope_ext's attn_factor scales cos and sin, so the rotated dims only
+        d = x.shape[-1]
+        if hp.n_rot == d:
+            return ops.scale(y, f)
+        rest = ops.scale(ops.slice_rows(x, len(x.shape) - 1, hp.n_rot, d), 1.0 - f)
+        return ops.add(ops.scale(y, f), ops.pad_rows(rest, len(x.shape) - 1, hp.n_rot, d))
+
+    def rope_factors(self, il: int) -> Node | None:
+        """Frequency factors (llama_model::get_rope_factors): rope_freqs.weight when present,
+        else phi3's rope_factors_long when the context exceeds the original training context,
+        rope_factors_short otherwise (None when the model has neither). The context is n_tok
+        rounded up to a multiple of 256, as llama.cpp pads n_ctx_seq (for real models, whose
+        original context is a multiple of 256, the same as comparing n_tok)."""
+        factors = self.opt("rope_freqs.weight")
+        if factors is not None:
+            return factors
+        n_ctx_orig = self.hp.n_ctx_orig or self.hp.n_ctx_train
+        n_ctx_seq = -(-self.batch.n_tok // 256) * 256
+        return self.opt("rope_factors_long.weight" if n_ctx_seq > n_ctx_orig else "rope_factors_short.weight")
+
+    def logit_rows(self, x: Node) -> Node:
+        """Keep positions logits_start.. of every sequence (rows of x are [seq, tok])."""
+        b, start = self.batch, self.logits_start
+        if start == 0:
+            return x
+        x3 = ops.reshape(x, (b.n_seq, b.n_tok, x.shape[-1]))
+        kept = ops.slice_rows(x3, 1, start, b.n_tok)
+        return ops.reshape(kept, (b.n_seq * (b.n_tok - start), x.shape[-1]))
+
+    def output(self, x: Node) -> Node:
+        """Final norm and the vocabulary projection (tied to token_embd when output is absent)."""
+        x = self.norm(x, "output_norm")
+        if self.opt("output.weight") is None:
+            logits = ops.linear(x, self.w("token_embd"))
+        else:
+            logits = self.mm(x, "output")
+        cap = self.hp.final_softcap
+        return ops.softcap(logits, cap) if cap else logits
+
+
+def causal_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float = 0.0, window: int = 0) -> Node:
+    """Causal scaled-dot-product attention, q [B, T, H, d], k/v [B, T, Hkv, d] -> [B, T, H, d].
+
+    softcap > 0: scores -> softcap * tanh(kq_scale * scores / softcap) before the softmax (gemma2);
+    window > 0: a query sees only the keys less than `window` positions back (llama.cpp's
+    LLAMA_SWA_TYPE_STANDARD). The n_head/n_head_kv query heads that share a KV head are stacked
+    along rows, so one matmul per KV head serves the whole group and K/V are never copied.
+    """
+    B, T, H, d = q.shape
+    Hkv = k.shape[2]
+    group = H // Hkv
+    qg = ops.reshape(ops.permute(q, (0, 2, 1, 3)), (B, Hkv, group * T, d))
+    # [B, Hkv, T, d], made contiguous: BLAS then runs the batched matmuls (strided stacks fall
+    # back to numpy's slow loop), and the copy is small next to the scores
+    kt = ops.cont(ops.permute(k, (0, 2, 1, 3)))
+    vt = ops.cont(ops.permute(v, (0, 2, 1, 3)))
+    scores = ops.matmul(qg, kt, tb=True)  # [B, Hkv, group*T, T]
+    if softcap:
+        scores, kq_scale = ops.softcap(ops.scale(scores, kq_scale), softcap), 1.0
+    mask = {"window": window} if window else {}
+    probs = ops.softmax_causal(scores, kq_scale, n_kv=T, n_q=T, **mask)
+    out = ops.matmul(probs, vt)  # [B, Hkv, group*T, d]
+    return ops.permute(ops.reshape(out, (B, H, T, d)), (0, 2, 1, 3))

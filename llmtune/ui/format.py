@@ -1,0 +1,38 @@
+"""Number formatting shared by every report: counts, byte sizes, values with their error."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+
+def human_count(n: int) -> str:
+    """24413472 -> '24.4M' (decimal units, as parameter counts are quoted)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+def human_bytes(n: int) -> str:
+    """1185376 -> '1.1 MiB' (the unit chosen to fit the size)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def mib(n: int, digits: int = 1) -> str:
+    """1185376 -> '1.1 MiB': always MiB, so the sizes in one table or line compare at a glance."""
+    return f"{n / 2**20:,.{digits}f} MiB"
+
+
+def plus_minus(value: Optional[float], err: Optional[float], fmt: str = ".4f") -> str:
+    """'4.1727 ± 0.0246'; just the value when its error is unknown, '-' when the value is."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if err is None or math.isnan(err):
+        return format(value, fmt)
+    return f"{format(value, fmt)} ± {format(err, fmt)}"

@@ -1,0 +1,15 @@
+"""The progress bar every long command shows on stderr: label, bar, done/total, then its own columns."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn
+
+
+def progress_bar(console: Console, *columns: ProgressColumn, transient: bool = True, **options) -> Progress:
+    """A rich Progress showing `[bold]description`, a bar and `done/total`, followed by `columns`.
+
+    Transient by default: the bar disappears when the work ends, leaving only the results.
+    """
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), *columns,
+                    console=console, transient=transient, **options)

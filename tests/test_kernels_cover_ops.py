@@ -1,0 +1,24 @@
+"""Every backend's kernel table covers exactly the ops of graph/ops.OPS, checked without a GPU:
+a missing or stale kernel fails here, not when some program first needs it."""
+
+from llmtune.backends import cpu
+from llmtune.backends.cuda import CUDABackend
+from llmtune.graph import ops
+
+KERNEL_OPS = set(ops.OPS) - {"input", "param", "const"}  # leaves are bound values, never computed
+
+
+def test_cpu_table_covers_every_op():
+    assert set(cpu.KERNELS) == KERNEL_OPS
+    assert all(callable(k) for k in cpu.KERNELS.values())
+    assert cpu.CPUBackend().kernels == cpu.KERNELS
+
+
+def test_cuda_table_covers_every_op():
+    """Inspected on the class: building a CUDABackend needs cupy and a device."""
+    assert set(CUDABackend.KERNELS) == KERNEL_OPS
+    missing = [m for m in CUDABackend.KERNELS.values() if not callable(getattr(CUDABackend, m, None))]
+    assert not missing, missing
+    # a kernel method no op reaches is dead code
+    unused = {m for m in vars(CUDABackend) if m.startswith("_k_")} - set(CUDABackend.KERNELS.values())
+    assert not unused, unused
