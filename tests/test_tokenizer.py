@@ -1,4 +1,11 @@
-"""Tokenizers against llama.cpp: its tokenizer test vectors, llama-tokenize on WikiText-2, the CLI."""
+"""Tokenizers against llama.cpp: its tokenizer test vectors, llama-tokenize on WikiText-2, the CLI.
+
+tests/data/vocab/ holds llama.cpp's ggml-vocab-*.gguf test vocabularies with their .inp/.out
+vectors: a few whole, the others as slim gzipped copies written by bench/check_tokenizers.py
+--write-fixtures (every id kept; only the token texts and merges that the vectors and mixed.txt
+use), on which llama-tokenize gives the same ids for these texts as on the full files.
+mixed.ids.json.gz holds llama-tokenize's ids of mixed.txt for each vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import gzip
 import json
 import subprocess
 import sys
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -18,24 +26,41 @@ from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import load_gguf
 from llmtune.tokenizer import Tokenizer
 from llmtune.tokenizer.bpe import PRE_TOKENIZERS, RegexSplitter
+from llmtune.tokenizer.unicode_data import category
 
 DATA = Path(__file__).parent / "data"
-VOCABS = sorted((DATA / "vocab").glob("ggml-vocab-*.gguf"))
+VOCAB_DIR = DATA / "vocab"
+VOCABS = sorted([*VOCAB_DIR.glob("ggml-vocab-*.gguf"), *VOCAB_DIR.glob("ggml-vocab-*.gguf.gz")])
 STORIES = DATA / "stories260K.gguf"
+_UNZIPPED = tempfile.TemporaryDirectory(prefix="llmtune-vocab-")
+
+
+def vocab_name(path: Path) -> str:
+    return path.name[len("ggml-vocab-") :].split(".gguf")[0]
+
+
+@lru_cache(maxsize=None)
+def plain_gguf(path: Path) -> Path:
+    """`path` itself, or for a .gguf.gz its gunzipped copy in a temporary folder."""
+    if path.suffix != ".gz":
+        return path
+    out = Path(_UNZIPPED.name) / path.name[: -len(".gz")]
+    out.write_bytes(gzip.decompress(path.read_bytes()))
+    return out
 
 
 @lru_cache(maxsize=None)
 def tokenizer(path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(load_gguf(path))
+    return Tokenizer.from_gguf(load_gguf(plain_gguf(path)))
 
 
 @lru_cache(maxsize=None)
 def metadata(path: Path) -> dict:
-    return load_gguf(path).metadata
+    return load_gguf(plain_gguf(path)).metadata
 
 
 def vocab(name: str) -> Tokenizer:
-    return tokenizer(DATA / "vocab" / f"ggml-vocab-{name}.gguf")
+    return tokenizer(next(p for p in VOCABS if vocab_name(p) == name))
 
 
 def read_vocab_tests(gguf_path: Path) -> list[tuple[str, list[int]]]:
@@ -45,6 +70,7 @@ def read_vocab_tests(gguf_path: Path) -> list[tuple[str, list[int]]]:
     ends the list, it does not open an empty text); `.out` has one line per text, stripped,
     ids separated by spaces.
     """
+    gguf_path = VOCAB_DIR / f"ggml-vocab-{vocab_name(gguf_path)}.gguf"  # (vectors of a .gguf.gz too)
     raw = Path(f"{gguf_path}.inp").read_bytes().decode("utf-8")
     sep = "\n__ggml_vocab_test__\n"
     texts, pos = [], 0
@@ -63,23 +89,80 @@ def read_vocab_tests(gguf_path: Path) -> list[tuple[str, list[int]]]:
 # -- llama.cpp's test vectors ----------------------------------------------------------------------
 
 
-def test_vocab_fixtures_cover_spm_and_bpe():
-    kinds = {vocab(p.name[len("ggml-vocab-") : -len(".gguf")]).kind for p in VOCABS}
-    assert len(VOCABS) >= 6 and kinds == {"spm", "bpe"}
+def test_vocab_fixtures_cover_every_llama_cpp_vocab_with_vectors():
+    names = {vocab_name(p) for p in VOCABS}
+    assert names == {
+        "bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe",
+        "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder",
+    }  # fmt: skip
+    assert {vocab(n).kind for n in names} == {"spm", "bpe", "wpm"}
+    assert sum(p.stat().st_size for p in VOCAB_DIR.glob("*.gz")) < 400_000  # the slim copies stay small
 
 
-@pytest.mark.parametrize("path", VOCABS, ids=lambda p: p.name[len("ggml-vocab-") : -len(".gguf")])
+@pytest.mark.parametrize("path", VOCABS, ids=vocab_name)
 def test_llama_cpp_vocab_vectors(path: Path):
     """test-tokenizer-0 tokenizes with add_special=false, parse_special=false."""
     tok = tokenizer(path)
     cases = read_vocab_tests(path)
-    assert len(cases) > 40
+    assert len(cases) >= 46
     failures = [
         (text, expected, got)
         for text, expected in cases
         if (got := tok.encode(text, add_special=False, parse_special=False)) != expected
     ]
     assert not failures, "\n".join(f"{t!r}: expected {e}, got {g}" for t, e, g in failures[:5])
+
+
+@lru_cache(maxsize=None)
+def mixed_text_ids() -> dict[str, list[int]]:
+    return json.loads(gzip.decompress((VOCAB_DIR / "mixed.ids.json.gz").read_bytes()))
+
+
+@pytest.mark.parametrize("path", VOCABS, ids=vocab_name)
+def test_mixed_text_like_llama_tokenize(path: Path):
+    """mixed.txt (many scripts, code, emoji, odd whitespace, special-token strings) as
+    `llama-tokenize --ids --no-escape` gives it: BOS as the vocabulary asks, specials parsed."""
+    tok = tokenizer(path)
+    text = (VOCAB_DIR / "mixed.txt").read_bytes().decode("utf-8")  # (bytes: keep its \r\n)
+    expected = mixed_text_ids()[vocab_name(path)]
+    ids = tok.encode(text, add_special=tok.add_bos, parse_special=True)
+    first = next((i for i, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))
+    assert ids == expected, f"first difference at token {first} of {len(expected)}"
+
+
+def test_unicode_classes_are_llama_cpp_s_not_python_s():
+    # U+1C89 (a Cyrillic capital, Unicode 16.0) is unassigned in llama.cpp's Unicode 15.1 table:
+    # not a letter, so GPT-2's pre-tokenizer cuts the word around it (Python's `regex` would not)
+    assert (category(0x1C89), category(0x0416), category(0x0301), category(0x3000)) == ("U", "L", "M", "Z")
+    gpt2 = RegexSplitter(PRE_TOKENIZERS["gpt-2"].patterns)
+    assert gpt2("a\u1c89b \u0416\u0416") == ["a", "\u1c89", "b", " \u0416\u0416"]
+    qwen35 = RegexSplitter(PRE_TOKENIZERS["qwen35"].patterns)  # marks join letter runs there only
+    assert qwen35("e\u0301e\u0301 x") == ["e\u0301e\u0301", " x"]
+    qwen2 = RegexSplitter(PRE_TOKENIZERS["qwen2"].patterns)  # a mark is only an optional lead-in
+    assert qwen2("e\u0301e\u0301 x") == ["e", "\u0301e", "\u0301", " x"]
+
+
+def test_gemma4_is_spm_style_bpe():
+    tok = vocab("gemma-4")  # tokenizer.ggml.model "gemma4": BPE over "▁"-escaped UTF-8, BOS always
+    assert (tok.kind, tok.pre, tok.add_bos, tok.bos_id) == ("bpe", "gemma4", True, 2)
+    ids = tok.encode("Hello world\n\n", add_special=False)
+    assert [tok.tokens[i] for i in ids] == ["Hello", "▁world", "\n\n"]
+    assert tok.decode(ids) == "Hello world\n\n"
+    gemma4 = next(p for p in VOCABS if vocab_name(p) == "gemma-4")
+    md = dict(metadata(gemma4), **{"tokenizer.ggml.add_bos_token": False})
+    assert Tokenizer.from_metadata(md).encode("Hello")[0] == 2  # llama.cpp overrides add_bos for Gemma 4
+    # lines are cut before "▁" where no merge can cross: same ids as merging whole lines
+    text = (VOCAB_DIR / "mixed.txt").read_bytes().decode("utf-8")
+    whole = Tokenizer.from_metadata(md)
+    whole._encoder._chunk = None
+    assert tok.encode(text) == whole.encode(text)
+
+
+def test_wordpiece_normalizes_and_brackets_with_cls_sep():
+    tok = vocab("bert-bge")
+    assert tok.kind == "wpm" and (tok.bos_id, tok.unk_id) == (101, 100)
+    ids = tok.encode("Héllo, WORLD!", add_special=True)
+    assert [tok.tokens[i] for i in ids] == ["[CLS]", "▁hello", "▁,", "▁world", "▁!", "[SEP]"]
 
 
 # -- WikiText-2 with stories260K vs llama-tokenize ------------------------------------------------
@@ -195,7 +278,8 @@ def test_rstrip_tokens_swallow_following_spaces():
 ROUND_TRIP_TEXTS = ["Hello world", "  leading and trailing  ", "tabs\tand\nnewlines\n\n", "Äpfel 🦙 нещо 我想在apple工作", "3333 x"]
 
 
-@pytest.mark.parametrize("name", ["llama-spm", "phi-3", "deepseek-coder", "starcoder", "gpt-2", "falcon"])
+@pytest.mark.parametrize("name", ["llama-spm", "phi-3", "deepseek-coder", "starcoder", "gpt-2", "falcon",
+                                  "gemma-4", "qwen35", "deepseek-llm", "llama-bpe", "command-r"])  # fmt: skip
 def test_decode_round_trip(name):
     tok = vocab(name)
     for text in ROUND_TRIP_TEXTS:
@@ -246,9 +330,23 @@ def test_collapsed_category_classes_like_llama_cpp():
 
 
 def test_unknown_tokenizer_model_is_an_error():
-    md = dict(metadata(STORIES), **{"tokenizer.ggml.model": "bert"})
-    with pytest.raises(LlmtuneError, match=r"x\.gguf: unsupported tokenizer model 'bert'"):
+    md = dict(metadata(STORIES), **{"tokenizer.ggml.model": "t5"})  # (UGM: not implemented)
+    with pytest.raises(LlmtuneError, match=r"x\.gguf: unsupported tokenizer model 't5'"):
         Tokenizer.from_metadata(md, source="x.gguf")
+
+
+def test_cli_unsupported_tokenizer_model_is_one_line_exit_2(tmp_path):
+    from gguf import GGUFValueType as VT
+
+    from llmtune.gguf.file import MetaValue, write_gguf
+
+    gf = load_gguf(STORIES)
+    meta = dict(gf.meta, **{"tokenizer.ggml.model": MetaValue("t5", VT.STRING)})
+    t5 = write_gguf(tmp_path / "t5.gguf", gf.arch, meta, [])
+    proc = subprocess.run([sys.executable, "-m", "llmtune", "tokenize", str(t5), "-", "--ids"],
+                          input="hi", capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "unsupported tokenizer model 't5'" in proc.stderr
 
 
 def test_unknown_pre_tokenizer_is_an_error():

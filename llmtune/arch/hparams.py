@@ -10,6 +10,9 @@ from typing import Optional
 from llmtune.errors import LlmtuneError
 
 
+MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
+
+
 @dataclass
 class HParams:
     arch: str
@@ -73,6 +76,12 @@ class HParams:
             value = value() if callable(value) else value  # head_dim divides by n_head: checked first
             if value <= 0:
                 raise LlmtuneError(f"{source}: {name} must be positive, got {value}")
+        if self.n_layer > MAX_LAYERS:  # before anything builds a per-layer list
+            raise LlmtuneError(f"{source}: block_count {self.n_layer} is more than llama.cpp's {MAX_LAYERS} layers")
+        for name in ("attn_softcap", "final_softcap", "sliding_window"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise LlmtuneError(f"{source}: {name} must be 0 or more, got {value}")
         if self.n_head % self.n_head_kv or (self.head_dim_kq is None and self.n_embd % self.n_head):
             raise LlmtuneError(
                 f"{source}: inconsistent heads (n_embd {self.n_embd}, n_head {self.n_head}, n_head_kv {self.n_head_kv})"
@@ -110,7 +119,7 @@ class MetaKeys:
         value = self._number(key, default)
         if value is None:
             return value
-        if isinstance(value, float) and not value.is_integer():
+        if isinstance(value, float):  # even 128.0: llama.cpp's get_key refuses a float for an integer key
             raise LlmtuneError(f"{self.source}: metadata key {self.arch}.{key} is not an integer ({value!r})")
         return int(value)
 

@@ -35,6 +35,8 @@ READ_VERSIONS = (2, 3)  # v1 used 32-bit counts and is long obsolete
 WRITE_VERSION = 3
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_NESTING = 16  # arrays of arrays (llama.cpp reads none; the gguf package writes them)
+_INT64_MAX = 2**63 - 1
 
 # Pseudo-keys some tools report (gguf.GGUFReader) that are not metadata entries; never written.
 _WRITER_OWNED_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}
@@ -129,17 +131,19 @@ def _value_type(raw: int) -> VT:
         raise _Corrupt(f"unknown metadata value type {raw}") from None
 
 
-def _read_value(cur: _Cursor, vtype: VT) -> MetaValue:
+def _read_value(cur: _Cursor, vtype: VT, depth: int = 0) -> MetaValue:
     if vtype == VT.STRING:
         return MetaValue(cur.string(), vtype)
     if vtype == VT.ARRAY:
+        if depth >= MAX_ARRAY_NESTING:
+            raise _Corrupt(f"arrays nested more than {MAX_ARRAY_NESTING} deep")
         sub = _value_type(cur.scalar(_U32))
         count = cur.scalar(_U64)
-        return MetaValue(_read_array(cur, sub, count), vtype, sub)
+        return MetaValue(_read_array(cur, sub, count, depth), vtype, sub)
     return MetaValue(cur.scalar(_SCALARS[vtype]), vtype)
 
 
-def _read_array(cur: _Cursor, sub: VT, count: int) -> list:
+def _read_array(cur: _Cursor, sub: VT, count: int, depth: int) -> list:
     if sub in _ARRAY_DTYPES:
         dtype = _ARRAY_DTYPES[sub]
         start = cur.take(count * dtype.itemsize)
@@ -149,7 +153,7 @@ def _read_array(cur: _Cursor, sub: VT, count: int) -> list:
         raise _Truncated
     if sub == VT.STRING:
         return [cur.string() for _ in range(count)]
-    return [_read_value(cur, VT.ARRAY) for _ in range(count)]
+    return [_read_value(cur, VT.ARRAY, depth + 1) for _ in range(count)]
 
 
 @dataclass(frozen=True)
@@ -246,6 +250,7 @@ class GGUFFile:
             if d.name in self.tensors:
                 raise LlmtuneError(f"{self.path}: corrupt GGUF (duplicate tensor {d.name!r})")
             self.tensors[d.name] = self._tensor_info(d)
+        _check_no_overlap(self.path, descriptors, self.tensors)
 
     def _tensor_info(self, d: _Descriptor) -> TensorInfo:
         qtype = _tensor_type(self.path, d)
@@ -255,8 +260,17 @@ class GGUFFile:
                 f"{self.path}: corrupt GGUF (tensor {d.name!r}: row of {d.ne[0]} is not a multiple of "
                 f"the {qtype.name} block size {block})"
             )
+        # llama.cpp wants every dimension and the element count in int64; numpy the byte size
+        bound = type_size
+        for n in d.ne:
+            bound *= max(n, 1)
+        if bound // block > _INT64_MAX:
+            raise LlmtuneError(f"{self.path}: corrupt GGUF (tensor {d.name!r} has impossible dimensions {list(d.ne)})")
         if d.offset % self.alignment:
-            raise LlmtuneError(f"{self.path}: corrupt GGUF (tensor {d.name!r} data is not aligned)")
+            raise LlmtuneError(
+                f"{self.path}: corrupt GGUF (tensor {d.name!r} data offset {d.offset:,} is not a multiple of "
+                f"the alignment {self.alignment})"
+            )
         shape = tuple(int(n) for n in reversed(d.ne))
         n_bytes = int(np.prod(shape, dtype=object)) // block * type_size
         start = self.data_offset + d.offset
@@ -299,6 +313,23 @@ class GGUFFile:
 
     def n_params(self) -> int:
         return sum(t.n_elements for t in self.tensors.values())
+
+
+def _check_no_overlap(path: Path, descriptors: list[_Descriptor], tensors: dict[str, TensorInfo]) -> None:
+    """Each byte of the data section belongs to at most one tensor (llama.cpp refuses shared data)."""
+    spans = sorted(  # by offset, then in file order
+        (d.offset, i, d.offset + tensors[d.name].n_bytes, d.name) for i, d in enumerate(descriptors) if tensors[d.name].n_bytes
+    )
+    prev_start, prev_end, prev_name = 0, 0, None
+    for start, _, end, name in spans:
+        if start < prev_end:
+            where = (
+                f"both start at data offset {start:,}" if start == prev_start
+                else f"{name!r} starts at data offset {start:,}, before {prev_name!r} ends at {prev_end:,}"
+            )  # fmt: skip
+            raise LlmtuneError(f"{path}: corrupt GGUF (tensors {prev_name!r} and {name!r} share data: {where})")
+        if end > prev_end:
+            prev_start, prev_end, prev_name = start, end, name
 
 
 def _plain(mv: MetaValue) -> Any:

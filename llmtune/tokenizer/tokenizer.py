@@ -1,14 +1,16 @@
 """Tokenizers built from GGUF metadata, giving exactly llama.cpp's token ids.
 
 `Tokenizer.from_gguf(gf)` reads `tokenizer.ggml.*`: model `llama` is SentencePiece-style
-(`tokenizer_spm.py`), model `gpt2` is byte-level BPE (`tokenizer_bpe.py`). This file holds what
-both share, following llama.cpp's `llama_vocab` (src/llama-vocab.cpp):
+(`spm.py`), model `gpt2` is byte-level BPE and `gemma4` SPM-style BPE (`bpe.py`), model `bert`
+is WordPiece (`wpm.py`); others (t5's UGM, rwkv, ...) are refused with a one-line error. This
+file holds what they share, following llama.cpp's `llama_vocab` (src/llama-vocab.cpp):
 
 - token attributes from `tokenizer.ggml.token_type`, plus llama.cpp's fix-ups (end-of-generation
   and fill-in-the-middle tokens recognised by their text become control tokens, ...);
 - `encode`: the text is first cut at special-token strings ("tokenizer_st_partition": user-
   defined tokens always, control/unknown ones only with `parse_special`), then each raw
-  fragment is tokenized; BOS/EOS are added per the model's flags when `add_special`;
+  fragment is tokenized; BOS/EOS are added per the model's flags when `add_special`
+  (WordPiece: always BOS ... SEP);
 - `decode` / `token_to_piece`: llama.cpp's detokenizer, including its space clean-up for BPE.
 
 Ids are plain Python ints; a missing special token id is None.
@@ -26,9 +28,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from llmtune.errors import LlmtuneError
+from llmtune.errors import LlmtuneError, require_file
 from llmtune.tokenizer.bpe import CHAR_TO_BYTE, PRE_TOKENIZERS, BpeEncoder, PreTokenizer
 from llmtune.tokenizer.spm import SPACE_ESCAPE, SpmEncoder
+from llmtune.tokenizer.wpm import WpmEncoder
 
 # llama_token_attr bits
 ATTR_UNDEFINED = 0
@@ -94,10 +97,11 @@ class _Flags:
     add_eos: bool
     add_space_prefix: bool
     clean_spaces: bool
+    escape_whitespaces: bool = False  # SPM-style BPE (Gemma 4): spaces become "▁" before encoding
 
 
 class Tokenizer:
-    """A llama.cpp-exact tokenizer for one GGUF vocabulary (SPM or byte-level BPE)."""
+    """A llama.cpp-exact tokenizer for one GGUF vocabulary (`kind`: "spm", "bpe" or "wpm")."""
 
     def __init__(
         self,
@@ -177,12 +181,6 @@ class Tokenizer:
         """Token texts by id, as stored in the GGUF (SPM pieces keep their ▁)."""
         return self._tokens
 
-    def token_attr(self, token_id: int) -> int:
-        return int(self._attrs[token_id])
-
-    def is_control(self, token_id: int) -> bool:
-        return bool(self._attrs[token_id] & ATTR_CONTROL)
-
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, source={self.source!r})"
 
@@ -191,7 +189,8 @@ class Tokenizer:
         """Token ids of `text`, as llama.cpp's `llama_tokenize(..., add_special, parse_special)`."""
         flags = self._flags
         out: list[int] = []
-        if add_special and flags.add_bos:
+        wpm = self.kind == "wpm"  # WordPiece: BOS ([CLS]) ... SEP whenever add_special, whatever the flags
+        if add_special and (flags.add_bos or wpm):
             out.append(self._special["bos"])
         prev_special = True  # SPM: a fragment at the start or after a special token gets a space
         for frag in self._partition(text, parse_special):
@@ -203,9 +202,13 @@ class Tokenizer:
                 if flags.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", SPACE_ESCAPE)
+            elif flags.escape_whitespaces:
+                frag = frag.replace(" ", SPACE_ESCAPE)
             out.extend(self._encoder.encode(frag))
             prev_special = False
-        if add_special and flags.add_eos:
+        if add_special and wpm:
+            out.append(self._special["sep"])
+        elif add_special and flags.add_eos:
             out.append(self._special["eos"])
         return out
 
@@ -281,11 +284,11 @@ class Tokenizer:
         if attr & (ATTR_UNKNOWN | ATTR_CONTROL | ATTR_USER_DEFINED):
             return _to_bytes(text)
         if attr & ATTR_NORMAL:
-            if self.kind == "spm":
+            if self.kind != "bpe" or self._flags.escape_whitespaces:
                 return _to_bytes(text.replace(SPACE_ESCAPE, " "))
             return _bpe_token_bytes(text)
         if attr & ATTR_BYTE:
-            return bytes([int(text[3:5], 16)])
+            return bytes([_hex_byte(text[3:5])])
         return b""
 
 
@@ -294,6 +297,12 @@ class Tokenizer:
 
 def _to_bytes(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
+
+
+def _hex_byte(digits: str) -> int:
+    """The byte of a `<0xXX>` token as llama.cpp reads it (strtol: a damaged one gives 0, not an error)."""
+    m = re.match(r"[0-9a-fA-F]+", digits)
+    return int(m.group(), 16) if m else 0
 
 
 def _bpe_token_bytes(text: str) -> bytes:
@@ -396,15 +405,28 @@ def _pass_contractions(t: bytearray, n: int) -> int:
 
 _KEY = "tokenizer.ggml."
 
+# tokenizer.ggml.model -> our tokenizer kind, and llama.cpp's default special ids for it
+_MODEL_KINDS = {"llama": "spm", "gpt2": "bpe", "gemma4": "bpe", "bert": "wpm"}
+_DEFAULT_SPECIAL_IDS: dict[str, dict[str, int]] = {
+    "llama": dict(bos=1, eos=2, unk=0),
+    "gpt2": dict(bos=11, eos=11),
+    "gemma4": {},
+    "bert": dict(bos=101, unk=100, sep=102, pad=0, mask=103),
+}
+
 
 def _build(md: dict[str, Any], source: str) -> Tokenizer:
     model = md.get(_KEY + "model")
     if model is None:
         raise LlmtuneError(f"{source}: no tokenizer in this file (missing {_KEY}model)")
-    if model not in ("llama", "gpt2"):
-        raise LlmtuneError(f"{source}: unsupported tokenizer model {model!r} (supported: 'llama' (SPM), 'gpt2' (BPE))")
-    kind = "spm" if model == "llama" else "bpe"
-    pre_name = md.get(_KEY + "pre") or "default"
+    kind = _MODEL_KINDS.get(model) if isinstance(model, str) else None
+    if kind is None:
+        raise LlmtuneError(
+            f"{source}: unsupported tokenizer model {model!r} "
+            "(supported: 'llama' (SPM), 'gpt2' and 'gemma4' (BPE), 'bert' (WordPiece))"
+        )
+    # llama.cpp gives model gemma4 its own pre-tokenizer whatever tokenizer.ggml.pre says
+    pre_name = "gemma4" if model == "gemma4" else md.get(_KEY + "pre") or "default"
     pre = _pre_tokenizer(kind, pre_name, source)
 
     tokens = _read_tokens(md, source)
@@ -415,18 +437,24 @@ def _build(md: dict[str, Any], source: str) -> Tokenizer:
     types = _read_array(md, _KEY + "token_type", n, np.int64, source, default=1)
     known = (types >= 0) & (types < len(_TYPE_TO_ATTR))
     attrs = np.where(known, _TYPE_TO_ATTR[np.where(known, types, 0)], ATTR_UNDEFINED).astype(np.int32)
-    special = _special_ids(md, kind, n)
+    special = _special_ids(md, model, n, source)
     _fix_attributes(attrs, token_to_id, special, md, tokens)
     flags = _read_flags(md, kind, pre, special, source)
 
     if kind == "spm":
         scores = _read_array(md, _KEY + "scores", n, np.float32, source, default=0.0).tolist()
-        encoder: SpmEncoder | BpeEncoder = SpmEncoder(token_to_id, scores, _byte_lookup(token_to_id, source), tokens)
+        encoder: SpmEncoder | BpeEncoder | WpmEncoder = SpmEncoder(
+            token_to_id, scores, _byte_lookup(token_to_id, source), tokens
+        )
+    elif kind == "wpm":
+        lowercase = _flag(md, "normalizer.lowercase", source, True)
+        strip_accents = _flag(md, "normalizer.strip_accents", source, lowercase)
+        encoder = WpmEncoder(token_to_id, special["unk"], lowercase, strip_accents)
     else:
         merges = md.get(_KEY + "merges")
         if merges is None:
             raise LlmtuneError(f"{source}: BPE tokenizer without {_KEY}merges")
-        encoder = BpeEncoder(token_to_id, list(merges), pre)
+        encoder = BpeEncoder(token_to_id, _strings(merges, _KEY + "merges", source), pre)
     return Tokenizer(
         kind=kind, pre=pre_name, tokens=tokens, token_to_id=token_to_id, attrs=attrs,
         special=special, flags=flags, encoder=encoder, source=source,
@@ -436,19 +464,31 @@ def _build(md: dict[str, Any], source: str) -> Tokenizer:
 def _read_flags(md: dict[str, Any], kind: str, pre: PreTokenizer, special: dict, source: str) -> _Flags:
     """add_bos/add_eos/add_space_prefix from metadata, else llama.cpp's per-model defaults."""
     flags = _Flags(
-        add_bos=bool(md.get(_KEY + "add_bos_token", True if kind == "spm" else pre.add_bos)),
-        add_eos=bool(md.get(_KEY + "add_eos_token", False)),
-        add_space_prefix=bool(md.get(_KEY + "add_space_prefix", kind == "spm")),
-        clean_spaces=False if kind == "spm" else pre.clean_spaces,
+        add_bos=_flag(md, "add_bos_token", source, True if kind != "bpe" else pre.add_bos) or pre.spm_style,
+        add_eos=_flag(md, "add_eos_token", source, False),
+        add_space_prefix=_flag(md, "add_space_prefix", source, kind == "spm"),
+        clean_spaces=False if kind == "spm" else kind == "wpm" or pre.clean_spaces,
+        escape_whitespaces=pre.spm_style,  # (and llama.cpp always adds BOS for these: Gemma 4)
     )
     for flag, which in ((flags.add_bos, "bos"), (flags.add_eos, "eos")):
         if flag and special[which] is None:
             raise LlmtuneError(f"{source}: add_{which}_token is true but {which}_token_id is not set")
+    if kind == "wpm" and (special["bos"] is None or special["sep"] is None):  # [CLS] ... [SEP]
+        raise LlmtuneError(f"{source}: a WordPiece vocabulary needs bos_token_id and seperator_token_id")
     return flags
 
 
+def _flag(md: dict[str, Any], name: str, source: str, default: bool) -> bool:
+    value = md.get(_KEY + name, default)
+    if not isinstance(value, (bool, int)):  # GGUF stores flags as bool (a number will do)
+        raise LlmtuneError(f"{source}: {_KEY}{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
 def _pre_tokenizer(kind: str, name: str, source: str) -> PreTokenizer:
-    if kind == "spm":  # llama.cpp ignores the pre-tokenizer for SPM vocabularies
+    if not isinstance(name, str):
+        raise LlmtuneError(f"{source}: {_KEY}pre must be a string, got {name!r}")
+    if kind != "bpe":  # llama.cpp ignores the pre-tokenizer for SPM and WordPiece vocabularies
         return PreTokenizer(())
     pre = PRE_TOKENIZERS.get(name)
     if pre is None:
@@ -462,10 +502,17 @@ def _read_tokens(md: dict[str, Any], source: str) -> list[str]:
     tokens = md.get(_KEY + "tokens")
     if not isinstance(tokens, (list, tuple)) or not tokens:
         raise LlmtuneError(f"{source}: missing or empty {_KEY}tokens")
-    tokens = list(tokens)
+    tokens = _strings(tokens, _KEY + "tokens", source)
     if "" in tokens:  # llama.cpp renames empty pieces so they stay unique and visible
         tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
     return tokens
+
+
+def _strings(values: Any, key: str, source: str) -> list[str]:
+    """A metadata array of strings as a list; any other value is a one-line error."""
+    if not isinstance(values, (list, tuple)) or not set(map(type, values)) <= {str}:
+        raise LlmtuneError(f"{source}: {key} must be an array of strings")
+    return list(values)
 
 
 def _first_duplicate(tokens: list[str]) -> str:
@@ -481,27 +528,34 @@ def _read_array(md, key, n, dtype, source, default) -> np.ndarray:
     values = md.get(key)
     if values is None:
         return np.full(n, default, dtype=dtype)
-    arr = np.asarray(values, dtype=dtype)
-    if arr.ndim != 1 or len(arr) < n:
+    try:
+        arr = np.asarray(values) if isinstance(values, (list, tuple)) else None
+    except (ValueError, TypeError):  # ragged arrays of arrays
+        arr = None
+    kinds = "iub" if np.dtype(dtype).kind in "iu" else "iubf"
+    if arr is None or arr.ndim != 1 or (arr.size and arr.dtype.kind not in kinds):
+        raise LlmtuneError(f"{source}: {key} must be an array of {'integers' if kinds == 'iub' else 'numbers'}")
+    if len(arr) < n:
         raise LlmtuneError(f"{source}: {key} has {arr.size} entries for {n} tokens")
-    return arr[:n]
+    return arr[:n].astype(dtype, copy=False)
 
 
-def _special_ids(md: dict[str, Any], kind: str, n: int) -> dict[str, int | None]:
+def _special_ids(md: dict[str, Any], model: str, n: int, source: str = "<metadata>") -> dict[str, int | None]:
     """Special token ids: llama.cpp's per-model defaults, overridden by in-range metadata ids."""
     ids: dict[str, int | None] = {name: None for name in _SPECIAL_ID_KEYS}
-    if kind == "spm":
-        ids.update(bos=1, eos=2, unk=0)
-    else:
-        ids.update(bos=11, eos=11)
+    ids.update(_DEFAULT_SPECIAL_IDS[model])
     for name in ids:
         if ids[name] is not None and ids[name] >= n:
             ids[name] = None
     keys = [(name, key) for name, key in _SPECIAL_ID_KEYS.items()] + list(_DEPRECATED_FIM_KEYS.items())
     for name, key in keys:
         value = md.get(_KEY + key)
-        if value is not None and 0 <= int(value) < n:
-            ids[name] = int(value)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):  # llama.cpp: "key has wrong type"
+            raise LlmtuneError(f"{source}: {_KEY}{key} must be an integer token id, got {value!r}")
+        if 0 <= value < n:
+            ids[name] = value
     return ids
 
 
@@ -594,11 +648,7 @@ def read_text(path: str | Path | None) -> str:
         name, data = "<stdin>", sys.stdin.buffer.read()
     else:
         name = str(path)
-        p = Path(path)
-        if not p.exists():
-            raise LlmtuneError(f"{name}: no such file")
-        if p.is_dir():
-            raise LlmtuneError(f"{name}: is a directory, not a text file")
+        p = require_file(path, "a text file")
         try:
             data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
         except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
