@@ -380,6 +380,65 @@ def test_softmax_causal_and_back(name, rows, n_kv, n_q, n_past, window):
     check_forward(name, build, [y, dx], x=x, g=g)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_softmax_causal_at_run_time_positions(name, window):
+    """pos given as an input: row r is query position pos[r % n_q] (a KV-cached decode step)."""
+    n_q, n_kv, scale = 3, 9, 0.3
+    pos = np.array([4, 5, 8], dtype=np.int32)
+    x, g = randn(2, 2 * n_q, n_kv), randn(2, 2 * n_q, n_kv)
+    p = pos[np.arange(2 * n_q) % n_q][:, None]
+    k = np.arange(n_kv)[None, :]
+    visible = (k <= p) & ((p - k < window) if window else True)
+    z = np.where(visible, x * scale, -np.inf)
+    y = np.exp(z - z.max(-1, keepdims=True))
+    y /= y.sum(-1, keepdims=True)
+    dx = scale * y * (g - (g * y).sum(axis=-1, keepdims=True))
+
+    def build(x, g, pos):
+        y = ops.softmax_causal(x, scale, n_kv, n_q, window=window, pos=pos)
+        return [y, ops.softmax_back(y, g, scale)]
+
+    check_forward(name, build, [y, dx], x=x, g=g, pos=pos)
+
+
+def test_cache_write(name):
+    """cache[:, :, pos[t]] = x[:, t] in a persistent buffer; the op's value is the cache."""
+    backend = backend_for(name)
+    B, H, N, d, T = 2, 3, 7, 4, 2
+    start, x, pos = randn(B, H, N, d), randn(B, T, H, d), np.array([5, 2], dtype=np.int32)
+    want = start.copy()
+    want[:, :, pos] = x.transpose(0, 2, 1, 3)
+    cache = backend.asarray(start.astype(np.float32))
+    c = ops.param((B, H, N, d), name="cache", requires_grad=False)
+    xn, pn = ops.input((B, T, H, d), name="x"), ops.input((T,), "i32", name="pos")
+    out = ops.slice_rows(ops.cache_write(c, ops.scale(xn, 1.0), pn), 2, 0, 6)
+    prog = Program([out], backend, params={c: cache})
+    got = prog.run(x=backend.asarray(x.astype(np.float32)), pos=backend.asarray(pos))[0]
+    assert_close(backend.to_numpy(got), want[:, :, :6])
+    assert_close(backend.to_numpy(cache), want)  # written in place
+
+
+def test_cross_entropy_ignores_negative_targets(name):
+    """Rows with target -1 (masked prompt / padding) carry no loss and no gradient; the mean is
+    over the other rows; all rows masked: loss 0."""
+    logits, g = 3 * randn(6, 301), np.array(0.75)
+    targets = np.array([4, -1, 300, -1, 0, 17], dtype=np.int32)
+    keep = targets >= 0
+    lsm = log_softmax(logits)
+    grad_ref = (np.exp(lsm) - np.eye(301)[np.where(keep, targets, 0)]) * 0.75 / keep.sum()
+    grad_ref[~keep] = 0
+    none = np.full(6, -1, dtype=np.int32)
+    check_forward(
+        name,
+        lambda logits, targets, g, none: [
+            ops.cross_entropy(logits, targets), ops.cross_entropy_back(logits, targets, ops.logsumexp(logits), g),
+            ops.count_correct(logits, targets), ops.cross_entropy(logits, none)],
+        [-lsm[np.flatnonzero(keep), targets[keep]].mean(), grad_ref,
+         np.count_nonzero(logits.argmax(-1) == targets), 0.0],
+        logits=logits, targets=targets, g=g, none=none,
+    )
+
+
 def test_cross_entropy_and_count_correct(name):
     logits, g = 3 * randn(6, 301), np.array(0.75)
     targets = rng.integers(0, 301, size=6).astype(np.int32)
@@ -511,6 +570,10 @@ GRAD_CASES = {
     "softmax_causal": (lambda x: ops.softmax_causal(x, 0.7, n_kv=4, n_q=3, n_past=1), {"x": (2, 6, 4)}, {}),
     "softmax_causal_window": (lambda x: ops.softmax_causal(x, 0.7, n_kv=5, n_q=3, n_past=2, window=2), {"x": (2, 6, 5)}, {}),
     "cross_entropy": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)}, {"t": np.array([0, 5, 2, 2])}),
+    "cross_entropy_masked": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)},
+                             {"t": np.array([0, -1, 2, -1])}),
+    "softmax_causal_pos": (lambda x, pos: ops.softmax_causal(x, 0.7, n_kv=6, n_q=2, window=3, pos=pos), {"x": (2, 4, 6)},
+                           {"pos": np.array([3, 5])}),
     # logits computed by an op: the backward overwrites them in place
     "cross_entropy_inplace": (lambda a, b, t: ops.cross_entropy(ops.matmul(a, b), t), {"a": (4, 3), "b": (3, 6)},
                               {"t": np.array([1, 5, 0, 0])}),

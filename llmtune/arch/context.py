@@ -40,10 +40,17 @@ class BuildContext:
 
     logits_start: only positions logits_start.. of each sequence produce logits (perplexity
     scores the second half of a chunk); the last layer drops the other rows early.
+    lora: the adapters' terms (model/adapter.py LoraGraph: `apply(x, y, name)` in mm,
+    `apply_rows(tokens, x, name)` in the embedding lookup), or None.
+    cache: a KV cache (arch/kvcache.py KVCache) the attention writes the new k/v into and reads
+    back, the batch's positions given at run time (generation), or None.
     """
 
-    def __init__(self, hp: HParams, weights: dict[str, Node], batch: Batch, logits_start: int = 0):
+    def __init__(self, hp: HParams, weights: dict[str, Node], batch: Batch, logits_start: int = 0, lora=None,
+                 cache=None):
         self.hp, self.weights, self.batch, self.logits_start = hp, weights, batch, logits_start
+        self.lora = lora
+        self.cache = cache
 
     # ------------------------------------------------------------------ weights
     def w(self, name: str) -> Node:
@@ -56,8 +63,10 @@ class BuildContext:
 
     def mm(self, x: Node, name: str) -> Node:
         """x @ W^T (+ bias when the model has one): the one place a weight matrix is applied
-        (llama.cpp's build_lora_mm; adapters hook in here)."""
+        (llama.cpp's build_lora_mm: the base product, then each adapter's scale * (x A^T) B^T)."""
         y = ops.linear(x, self.w(name))
+        if self.lora is not None:
+            y = self.lora.apply(x, y, f"{name}.weight")
         bias = self.opt(f"{name}.bias")
         return y if bias is None else ops.add(y, bias)
 
@@ -66,6 +75,8 @@ class BuildContext:
         """Token embeddings [n_seq * n_tok, n_embd] (llm_graph_context::build_inp_embd)."""
         b = self.batch
         x = ops.get_rows(self.w("token_embd"), b.tokens)
+        if self.lora is not None:  # token_embd adapters: + scale * A[tokens] B^T
+            x = self.lora.apply_rows(b.tokens, x, "token_embd.weight")
         return ops.reshape(x, (b.n_seq * b.n_tok, self.hp.n_embd))
 
     def norm(self, x: Node, name: str, kind: str | None = None) -> Node:
@@ -134,7 +145,10 @@ class BuildContext:
         q = self.rope(self.head_norm(q, f"{blk}.attn_q_norm"), il)
         k = self.rope(self.head_norm(k, f"{blk}.attn_k_norm"), il)
         window = hp.sliding_window if hp.is_swa(il) else 0
-        out = causal_attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
+        if self.cache is not None:
+            out = self.cache.attention(q, k, v, il, b.pos, hp.kq_scale, softcap=hp.attn_softcap, window=window)
+        else:
+            out = causal_attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
         return self.mm(ops.reshape(out, (b.n_seq * b.n_tok, hp.n_embd_q)), f"{blk}.attn_output")
 
     def heads(self, x: Node, n_head: int) -> Node:
@@ -176,7 +190,7 @@ class BuildContext:
         if factors is not None:
             return factors
         n_ctx_orig = self.hp.n_ctx_orig or self.hp.n_ctx_train
-        n_ctx_seq = -(-self.batch.n_tok // 256) * 256
+        n_ctx_seq = -(-(self.cache.n_ctx if self.cache is not None else self.batch.n_tok) // 256) * 256
         return self.opt("rope_factors_long.weight" if n_ctx_seq > n_ctx_orig else "rope_factors_short.weight")
 
     def logit_rows(self, x: Node) -> Node:

@@ -163,6 +163,11 @@ def k_softcap_back(out, y, g, cap):
 
 
 def k_matmul(out, a, b, ta, tb):
+    if tb and not ta and b.ndim == 2 and a.size == a.shape[-1] and b.flags.c_contiguous and a.dtype == b.dtype:
+        # one row times a weight matrix (a KV-cached decode step): einsum streams W's rows once,
+        # about twice OpenBLAS's sgemv_t when W is not in cache
+        np.einsum("nk,k->n", b, a.reshape(-1), out=out.reshape(-1))
+        return out
     if ta:
         a = np.swapaxes(a, -1, -2)
     if tb:
@@ -350,14 +355,47 @@ def k_rope(out, x, pos, freq_factors=None, *, n_rot, base, freq_scale, mode, inv
     return out
 
 
-def k_softmax_causal(out, x, scale, n_q, n_past, window=0):
-    mask = _CAUSAL_MASKS.get(x.shape[-2], x.shape[-1], n_q, n_past, window, x.dtype)
+_LAST_POSITION_MASK: list = [None, None]  # (key, mask): every layer of a decode step asks for the same one
+
+
+def _position_mask(pos, rows, n_kv, n_q, window, dtype):
+    """The additive mask of softmax_causal for run-time query positions pos[n_q] (row r is
+    position pos[r % n_q]): built once per step (positions change every decode step)."""
+    key = (pos.tobytes(), rows, n_kv, n_q, window, dtype.str)
+    last_key, mask = _LAST_POSITION_MASK
+    if key == last_key:
+        return mask
+    qpos = np.asarray(pos, dtype=np.int64)[np.arange(rows) % n_q][:, None]
+    kpos = np.arange(n_kv)[None, :]
+    visible = kpos <= qpos
+    if window > 0:
+        visible &= qpos - kpos < window
+    mask = np.where(visible, dtype.type(0), dtype.type(-np.inf))
+    _LAST_POSITION_MASK[:] = [key, mask]
+    return mask
+
+
+def k_softmax_causal(out, x, pos=None, *, scale, n_q, n_past, window=0):
+    if pos is None:
+        mask = _CAUSAL_MASKS.get(x.shape[-2], x.shape[-1], n_q, n_past, window, x.dtype)
+    else:
+        mask = _position_mask(pos, x.shape[-2], x.shape[-1], n_q, window, x.dtype)
     np.multiply(x, x.dtype.type(scale), out=out)
     out += mask
     out -= out.max(axis=-1, keepdims=True)
     np.exp(out, out=out)
     out /= out.sum(axis=-1, keepdims=True)
     return out
+
+
+def k_cache_write(out, cache, x, pos):
+    """cache[:, :, pos[t]] = x[:, t] in place; returns the cache (a view op)."""
+    pos = np.asarray(pos).reshape(-1)
+    if pos.size == 1:  # a decode step: basic indexing, no gather
+        cache[:, :, int(pos[0])] = x[:, 0]
+    else:
+        cache[:, :, pos] = x.transpose(0, 2, 1, 3)
+    return cache
 
 
 def k_softmax_back(out, y, g, scale):
@@ -390,21 +428,40 @@ def k_logsumexp(out, x):
     return out
 
 
+def _counted_rows(t):
+    """Rows whose target counts (>= 0; None: all of them) and the divisor of the mean: their
+    number, or when every row is masked the row count (loss 0; no rows at all: NaN, as numpy)."""
+    if t.size == 0 or t.min() >= 0:
+        return None, t.size
+    rows = np.flatnonzero(t >= 0)
+    return rows, rows.size or t.size
+
+
 def k_cross_entropy(out, logits, targets, lse):
     logits2 = logits.reshape(-1, logits.shape[-1])
     t = targets.reshape(-1)
-    out[...] = np.mean(lse.reshape(-1) - logits2[np.arange(t.size), t])
+    rows, n = _counted_rows(t)
+    if rows is None:
+        out[...] = np.mean(lse.reshape(-1) - logits2[np.arange(t.size), t])
+    else:
+        out[...] = np.sum(lse.reshape(-1)[rows] - logits2[rows, t[rows]]) / n
     return out
 
 
 def k_cross_entropy_back(out, logits, targets, lse, g):
-    """(softmax - onehot(target)) * g / rows, softmax = exp(logits - lse); `out` may be `logits`."""
+    """(softmax - onehot(target)) * g / counted rows, softmax = exp(logits - lse), zero on rows
+    with a negative (masked) target; `out` may be `logits`."""
     o2 = out.reshape(-1, logits.shape[-1])
     t = targets.reshape(-1)
+    rows, n = _counted_rows(t)
     np.subtract(logits.reshape(o2.shape), lse.reshape(-1, 1), out=o2)
     np.exp(o2, out=o2)
-    o2[np.arange(t.size), t] -= 1.0
-    o2 *= g / t.size
+    if rows is None:
+        o2[np.arange(t.size), t] -= 1.0
+    else:
+        o2[rows, t[rows]] -= 1.0
+        o2[t < 0] = 0.0
+    o2 *= g / n
     return out
 
 
@@ -445,6 +502,7 @@ KERNELS = {
     "rope": k_rope,
     "softmax_causal": k_softmax_causal,
     "softmax_back": k_softmax_back,
+    "cache_write": k_cache_write,
     "logsumexp": k_logsumexp,
     "cross_entropy": k_cross_entropy,
     "cross_entropy_back": k_cross_entropy_back,

@@ -207,16 +207,17 @@ extern "C" __global__ void rope(const real* __restrict__ x, const real* __restri
 }
 
 // ------------------------------------------------------------------ attention softmax (one block per row)
-// Row r is query position p = n_past + r % n_q and sees keys 0..p, or with window > 0 only keys
-// p - window + 1..p (llama.cpp's LLAMA_SWA_TYPE_STANDARD). x and out may alias: each element is
-// read and then written by the same thread, after both reductions.
-extern "C" __global__ void softmax_causal(const real* x, real* out, int n_kv, int n_q, int n_past, int window,
-                                          real scale) {
+// Row r is query position p = n_past + r % n_q (has_pos: p = pos[r % n_q], positions given at run
+// time) and sees keys 0..p, or with window > 0 only keys p - window + 1..p (llama.cpp's
+// LLAMA_SWA_TYPE_STANDARD). x and out may alias: each element is read and then written by the same
+// thread, after both reductions.
+extern "C" __global__ void softmax_causal(const real* x, real* out, const int* __restrict__ pos, int has_pos, int n_kv,
+                                          int n_q, int n_past, int window, real scale) {
     __shared__ real scratch[32];
     const long long row = blockIdx.x;
     const real* xr = x + row * n_kv;
     real* yr = out + row * n_kv;
-    const int p = n_past + (int)(row % n_q);
+    const int p = has_pos ? pos[row % n_q] : n_past + (int)(row % n_q);
     const int end = min(n_kv, p + 1);
     const int first = window > 0 ? max(0, p - window + 1) : 0;
     real mx = NEG_INF;
@@ -227,6 +228,21 @@ extern "C" __global__ void softmax_causal(const real* x, real* out, int n_kv, in
     sum = block_reduce(sum, scratch, false);
     for (int c = threadIdx.x; c < n_kv; c += blockDim.x)
         yr[c] = c >= first && c < end ? exp(xr[c] * scale - mx) / sum : (real)0;
+}
+
+// ------------------------------------------------------------------ KV cache
+// cache[b, h, pos[t], c] = x[b, t, h, c]: x contiguous [B, T, H, d], cache contiguous [B, H, N, d].
+extern "C" __global__ void cache_write(const real* __restrict__ x, const int* __restrict__ pos, real* __restrict__ cache,
+                                       int n_tok, int n_head, int n_ctx, int d, long long n) {
+    GRID_STRIDE(i, n) {
+        const int c = (int)(i % d);
+        long long r = i / d;
+        const int h = (int)(r % n_head);
+        r /= n_head;
+        const int t = (int)(r % n_tok);
+        const long long b = r / n_tok;
+        cache[((b * n_head + h) * n_ctx + pos[t]) * d + c] = x[i];
+    }
 }
 
 // dx = scale * y * (g - sum(g y))
@@ -328,26 +344,29 @@ extern "C" __global__ void logsumexp_rows(const real* __restrict__ x, real* __re
     if (threadIdx.x == 0) out[blockIdx.x] = log(sum) + mx;
 }
 
-// loss[row] = lse[row] - logits[row, target[row]]; NaN flags a target outside the vocabulary.
+// loss[row] = lse[row] - logits[row, target[row]]; a negative target (masked) carries 0, NaN flags a
+// target past the vocabulary.
 extern "C" __global__ void cross_entropy_rows(const real* __restrict__ logits, const int* __restrict__ targets,
                                               const real* __restrict__ lse, real* __restrict__ loss,
                                               long long n_rows, int n_vocab) {
     GRID_STRIDE(row, n_rows) {
         const int t = targets[row];
-        loss[row] = (t >= 0 && t < n_vocab) ? lse[row] - logits[row * n_vocab + t] : QUIET_NAN;
+        loss[row] = t < 0 ? (real)0 : t < n_vocab ? lse[row] - logits[row * n_vocab + t] : QUIET_NAN;
     }
 }
 
-// d mean_rows(lse - logit[target]) = (exp(logit - lse) - onehot(target)) * g / n_rows. logits and out
+// d mean_counted_rows(lse - logit[target]) = (exp(logit - lse) - onehot(target)) * gs, gs = g / counted
+// rows (divided by the caller, on the device); 0 on rows with a negative (masked) target. logits and out
 // may alias (the backward runs in place): each element is read and then written by one thread.
 extern "C" __global__ void cross_entropy_back(const real* logits, const int* __restrict__ targets,
-                                              const real* __restrict__ lse, const real* __restrict__ g, real* out,
+                                              const real* __restrict__ lse, const real* __restrict__ gs, real* out,
                                               long long n_rows, int n_vocab) {
-    const real gs = g[0] / (real)n_rows;
+    const real g = gs[0];
     GRID_STRIDE(i, n_rows * n_vocab) {
         const long long row = i / n_vocab;
         const int c = (int)(i - row * n_vocab);
-        out[i] = (exp(logits[i] - lse[row]) - (c == targets[row] ? (real)1 : (real)0)) * gs;
+        const int t = targets[row];
+        out[i] = t < 0 ? (real)0 : (exp(logits[i] - lse[row]) - (c == t ? (real)1 : (real)0)) * g;
     }
 }
 
@@ -686,6 +705,7 @@ class CUDABackend(Backend):
         "rope": "_k_rope",
         "softmax_causal": "_k_softmax_causal",
         "softmax_back": "_k_softmax_back",
+        "cache_write": "_k_cache_write",
         "logsumexp": "_k_logsumexp",
         "cross_entropy": "_k_cross_entropy",
         "cross_entropy_back": "_k_cross_entropy_back",
@@ -938,12 +958,30 @@ class CUDABackend(Backend):
         return out
 
     # -- attention softmax ----------------------------------------------------------------------
-    def _k_softmax_causal(self, out, x, scale, n_q, n_past, window=0):
+    def _k_softmax_causal(self, out, x, pos=None, *, scale, n_q, n_past, window=0):
         x, rows, n = self._rows(x)
         if rows:
-            self._launch("softmax_causal", out.dtype, (rows,), _row_threads(n), x, out, np.int32(n),
-                         np.int32(n_q), np.int32(n_past), np.int32(window), out.dtype.type(scale))
+            if pos is None:  # a valid pointer the kernel never reads
+                pos_arg, has_pos = getattr(self, "_no_pos", None), 0
+                if pos_arg is None:
+                    pos_arg = self._no_pos = self.rt.to_device(np.zeros(1, np.int32), np.int32)
+            else:
+                pos_arg, has_pos = self._ids(pos), 1
+            self._launch("softmax_causal", out.dtype, (rows,), _row_threads(n), x, out, pos_arg, np.int32(has_pos),
+                         np.int32(n), np.int32(n_q), np.int32(n_past), np.int32(window), out.dtype.type(scale))
         return out
+
+    # -- KV cache -------------------------------------------------------------------------------
+    def _k_cache_write(self, out, cache, x, pos):
+        """cache[:, :, pos[t]] = x[:, t] in place (cache contiguous); returns the cache."""
+        if not cache.flags.c_contiguous:
+            raise ValueError("cache_write: the cache must be contiguous")
+        x = self._contig(x)
+        B, T, H, d = x.shape
+        if x.size:
+            self._launch("cache_write", cache.dtype, _flat_grid(x.size), (_BLOCK,), x, self._ids(pos), cache,
+                         np.int32(T), np.int32(H), np.int32(cache.shape[2]), np.int32(d), np.int64(x.size))
+        return cache
 
     def _k_softmax_back(self, out, y, g, scale):
         y, rows, n = self._rows(y)
@@ -959,22 +997,31 @@ class CUDABackend(Backend):
             self._launch("logsumexp_rows", out.dtype, (rows,), _row_threads(n), x, out, np.int32(n))
         return out
 
+    def _counted(self, targets, rows: int, dtype):
+        """The divisor of the mean, on the device: the rows whose target is not negative (masked),
+        or the row count when every row is masked (loss 0; no rows at all: NaN, as numpy)."""
+        n = self.xp.count_nonzero(targets >= 0)
+        return self.xp.asarray(self.xp.where(n > 0, n, rows), dtype=dtype)
+
     def _k_cross_entropy(self, out, logits, targets, lse):
         logits, rows, n_vocab = self._rows(logits)
+        targets = self._ids(targets).reshape(-1)
         losses = self.xp.empty(rows, logits.dtype)
         if rows:
             self._launch("cross_entropy_rows", out.dtype, _flat_grid(rows), (_BLOCK,), logits,
-                         self._ids(targets).reshape(-1), self._contig(lse), losses, np.int64(rows), np.int32(n_vocab))
+                         targets, self._contig(lse), losses, np.int64(rows), np.int32(n_vocab))
         self.xp.sum(losses, out=out)
-        self.xp.divide(out, out.dtype.type(rows), out=out)  # mean (NaN for no rows, as numpy)
+        self.xp.divide(out, self._counted(targets, rows, out.dtype), out=out)  # mean over the counted rows
         return out
 
     def _k_cross_entropy_back(self, out, logits, targets, lse, g):
         logits, rows, n_vocab = self._rows(logits)
-        g = self._contig(self.xp.asarray(g, dtype=out.dtype))
+        targets = self._ids(targets).reshape(-1)
         if out.size:
+            gs = self._contig(self.xp.asarray(self.xp.asarray(g, dtype=out.dtype) / self._counted(targets, rows, out.dtype),
+                                              dtype=out.dtype))
             self._launch("cross_entropy_back", out.dtype, _flat_grid(out.size), (_BLOCK,), logits,
-                         self._ids(targets).reshape(-1), self._contig(lse), g, out, np.int64(rows), np.int32(n_vocab))
+                         targets, self._contig(lse), gs, out, np.int64(rows), np.int32(n_vocab))
         return out
 
     def _per_row(self, name, logits, targets):

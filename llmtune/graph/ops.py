@@ -132,9 +132,11 @@ _register("swiglu_back", None)
 def gelu(x: Node) -> Node:
     """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (ggml_gelu).
 
-    Computed exactly, as ggml's CUDA/Metal kernels and ggml_gelu_f32 do; ggml's CPU f32 path
-    rounds x to fp16 and reads a precomputed fp16 table (GGML_GELU_FP16), which only adds
-    fp16 rounding (~5e-4 relative) on top of the same formula."""
+    Computed with the formula itself, as ggml's CUDA kernel (ggml_cuda_op_gelu_single) and
+    ggml_gelu_f32 do. ggml's CPU f32 path (GGML_GELU_FP16, ggml_vec_gelu_f32) instead returns 0
+    for x <= -10 and x for x >= 10 and otherwise rounds x to fp16 and reads a table of this same
+    formula stored in fp16: only fp16 rounding on top (at most 4e-3 absolute, near x = 8), not a
+    different function, and not differentiable, so the exact formula is the one to match."""
     return _node("gelu", (x,), {}, x.shape)
 
 
@@ -355,19 +357,27 @@ _register("rope", _rope_backward)
 
 
 # --------------------------------------------------------------------------- attention softmax
-def softmax_causal(x: Node, scale_: float, n_kv: int, n_q: int, n_past: int = 0, window: int = 0) -> Node:
+def softmax_causal(x: Node, scale_: float, n_kv: int, n_q: int, n_past: int = 0, window: int = 0,
+                   pos: Optional[Node] = None) -> Node:
     """softmax(scale * x + causal mask) over the last axis.
 
     x[..., R, n_kv] where row r is query position p = n_past + (r % n_q) and column k is key
     position k: grouped-query attention stacks the query heads sharing one KV head along rows, so
     the mask repeats every n_q rows. Key k is masked when k > p, and with window > 0 also when
     p - k >= window (a sliding window: llama.cpp's LLAMA_SWA_TYPE_STANDARD, is_masked_swa).
+
+    pos: int32 [n_q], the query positions given at run time (row r is position pos[r % n_q];
+    n_past is then unused): one compiled program serves every step of a KV-cached decode.
     """
     assert x.shape[-1] == n_kv and x.shape[-2] % n_q == 0
     if window < 0:
         raise ValueError(f"softmax_causal: window {window} < 0")
     attrs = {"scale": float(scale_), "n_q": int(n_q), "n_past": int(n_past), "window": int(window)}
-    return _node("softmax_causal", (x,), attrs, x.shape)
+    if pos is None:
+        return _node("softmax_causal", (x,), attrs, x.shape)
+    if pos.shape != (n_q,) or pos.dtype != "i32":
+        raise ValueError(f"softmax_causal: pos {pos.shape} {pos.dtype} must be int32 [{n_q}]")
+    return _node("softmax_causal", (x, pos), attrs, x.shape)
 
 
 def softmax_back(y: Node, g: Node, scale_: float) -> Node:
@@ -376,6 +386,22 @@ def softmax_back(y: Node, g: Node, scale_: float) -> Node:
 
 _register("softmax_causal", lambda n, g: (softmax_back(n, g, n.attrs["scale"]),), inplace=True)
 _register("softmax_back", None)
+
+
+# --------------------------------------------------------------------------- KV cache
+def cache_write(cache: Node, x: Node, pos: Node) -> Node:
+    """Write x[B, T, H, d] into a persistent cache[B, H, N, d] at positions pos[T] (int32):
+    cache[:, :, pos[t]] = x[:, t]. The result is the cache itself (a view of its buffer, with
+    the new rows), so ops reading it run after the write. Inference only: no gradient."""
+    B, T, H, d = x.shape
+    if len(cache.shape) != 4 or cache.shape[:2] != (B, H) or cache.shape[3] != d or pos.shape != (T,) or pos.dtype != "i32":
+        raise ValueError(f"cache_write: x {x.shape}, pos {pos.shape} do not fit cache {cache.shape}")
+    node = _node("cache_write", (cache, x, pos), {}, cache.shape, contiguous=cache.contiguous)
+    node.requires_grad = False
+    return node
+
+
+_register("cache_write", None, view=True)
 
 
 # --------------------------------------------------------------------------- loss
@@ -389,6 +415,9 @@ def logsumexp(x: Node) -> Node:
 
 def cross_entropy(logits: Node, targets: Node) -> Node:
     """Mean over rows of logsumexp(logits) - logits[target]: logits[N, V], targets[N] int32 -> scalar.
+
+    A row whose target is negative (-1: a masked prompt or padding token) carries no loss and no
+    gradient, and the mean is over the other rows (all rows masked: 0).
 
     The row normalisers lse = logsumexp(logits) are a graph value read by the loss and by its
     backward, softmax(logits) = exp(logits - lse): the planner keeps those N values alive until the

@@ -1,0 +1,79 @@
+"""gpt2 (llama.cpp's LLM_ARCH_GPT2, src/models/gpt2.cpp): the original GPT-2 block.
+
+Learned absolute positions (position_embd, context_length rows) added to the token embeddings,
+no RoPE; pre-norm LayerNorm with weight and bias; a fused attn_qkv [q | k | v] projection;
+a bias on every linear; a sequential GELU (tanh) feed-forward. No grouped-query attention
+(there is no head_count_kv key). The output projection is usually tied to token_embd.
+"""
+
+from __future__ import annotations
+
+from gguf import GGUFValueType as VT
+
+from llmtune.arch import register
+from llmtune.arch.context import BuildContext
+from llmtune.arch.family import Family, TensorSpec, output_tensors
+from llmtune.errors import LlmtuneError
+from llmtune.graph import ops
+
+
+@register
+class GPT2(Family):
+    name = "gpt2"
+    traits = {"rope_mode": None, "norm_kind": "layer", "activation": "gelu", "ffn_gated": False}
+
+    def write_hparams(self, hp):
+        """The keys convert_hf_to_gguf.py's GPT2Model writes (no vocab, rope or head_count_kv keys)."""
+        if hp.n_head_kv != hp.n_head or hp.head_dim_kq is not None:
+            raise LlmtuneError("gpt2: n_head_kv and head_dim cannot be set "
+                               "(no grouped-query attention, head size n_embd / n_head)")
+        u32 = lambda v: (int(v), VT.UINT32)  # noqa: E731
+        keys = {
+            "block_count": u32(hp.n_layer),
+            "context_length": u32(hp.n_ctx_train),
+            "embedding_length": u32(hp.n_embd),
+            "feed_forward_length": u32(hp.n_ff),
+            "attention.head_count": u32(hp.n_head),
+            "attention.layer_norm_epsilon": (float(hp.norm_eps), VT.FLOAT32),
+        }
+        return {f"gpt2.{k}": v for k, v in keys.items()}
+
+    def tensors(self, hp):
+        specs = output_tensors(hp, norm_bias=True)
+        specs.insert(1, TensorSpec("position_embd.weight", (hp.n_ctx_train, hp.n_embd)))
+        n_qkv = hp.n_embd_q + 2 * hp.n_embd_kv
+        for i in range(hp.n_layer):
+            p = f"blk.{i}."
+            specs += [
+                TensorSpec(p + "attn_norm.weight", (hp.n_embd,), "ones"),
+                TensorSpec(p + "attn_norm.bias", (hp.n_embd,), "zeros"),
+                TensorSpec(p + "attn_qkv.weight", (n_qkv, hp.n_embd)),
+                TensorSpec(p + "attn_qkv.bias", (n_qkv,), "zeros"),
+                TensorSpec(p + "attn_output.weight", (hp.n_embd, hp.n_embd_q), "residual"),
+                TensorSpec(p + "attn_output.bias", (hp.n_embd,), "zeros"),
+                TensorSpec(p + "ffn_norm.weight", (hp.n_embd,), "ones"),
+                TensorSpec(p + "ffn_norm.bias", (hp.n_embd,), "zeros"),
+                TensorSpec(p + "ffn_up.weight", (hp.n_ff, hp.n_embd)),
+                TensorSpec(p + "ffn_up.bias", (hp.n_ff,), "zeros"),
+                TensorSpec(p + "ffn_down.weight", (hp.n_embd, hp.n_ff), "residual"),
+                TensorSpec(p + "ffn_down.bias", (hp.n_embd,), "zeros"),
+            ]
+        return specs
+
+    def build(self, ctx: BuildContext):
+        hp, b = ctx.hp, ctx.batch
+        if b.n_tok > hp.n_ctx_train:
+            raise LlmtuneError(f"gpt2: a context of {b.n_tok} tokens is longer than the "
+                               f"{hp.n_ctx_train} learned positions")
+        # token embeddings + learned position embeddings (position_embd rows at the batch positions)
+        x = ops.reshape(ctx.inp_embd(), (b.n_seq, b.n_tok, hp.n_embd))
+        x = ops.add(x, ops.get_rows(ctx.w("position_embd"), b.pos))
+        x = ops.reshape(x, (b.n_seq * b.n_tok, hp.n_embd))
+        for il in range(hp.n_layer):
+            blk = f"blk.{il}"
+            h = ctx.attn(ctx.norm(x, f"{blk}.attn_norm"), il)  # fused qkv with bias, no rope
+            if il == hp.n_layer - 1:  # rows that produce no logits need no more work
+                x, h = ctx.logit_rows(x), ctx.logit_rows(h)
+            x = ops.add(x, h)
+            x = ops.add(x, ctx.ffn(ctx.norm(x, f"{blk}.ffn_norm"), blk))  # gelu MLP
+        return ctx.output(x)

@@ -1,0 +1,82 @@
+"""phi3 (llama.cpp's LLM_ARCH_PHI3, src/models/phi3.cpp; Phi-3, Phi-3.5, Phi-4-mini): llama's
+pre-norm RMSNorm decoder with fused projections, NEOX RoPE and optional LongRoPE factors.
+
+- attn_qkv holds [q (n_head * D) | k | v (n_head_kv * D each)] rows; ffn_up holds the gate and
+  the up projection (2 * n_ff rows): down(silu(first half) * second half).
+- RoPE (NEOX, halves) covers the first rope.dimension_count dims of a head; the rest pass through.
+- rope_factors_long / rope_factors_short (n_rot / 2 each) divide the rotary frequencies: the long
+  ones when the context is longer than rope.scaling.original_context_length, as llama.cpp's
+  get_rope_factors chooses; rope.scaling.attn_factor scales the rotated dims.
+- phi3.attention.sliding_window is written by the converter but llama.cpp disables it: ignored.
+"""
+
+from __future__ import annotations
+
+from gguf import GGUFValueType as VT
+
+from llmtune.arch import register
+from llmtune.arch.context import BuildContext
+from llmtune.arch.family import Family, TensorSpec, output_tensors
+from llmtune.errors import LlmtuneError
+from llmtune.graph import ops
+
+
+@register
+class Phi3(Family):
+    name = "phi3"
+    traits = {"rope_mode": "neox", "norm_kind": "rms", "activation": "silu", "ffn_gated": True}
+    config_keys = {"n_ctx_orig": "int", "rope_attn_factor": "float"}
+
+    def read_hparams(self, keys, n_vocab_default, tensor_names):
+        hp = super().read_hparams(keys, n_vocab_default, tensor_names)
+        hp.n_ctx_orig = keys.int("rope.scaling.original_context_length", hp.n_ctx_train)
+        hp.rope_attn_factor = keys.float("rope.scaling.attn_factor", 1.0)
+        return hp
+
+    def write_hparams(self, hp):
+        """The keys convert_hf_to_gguf.py's Phi3MiniModel writes."""
+        if hp.head_dim_kq is not None:  # llama.cpp's phi3 has attn_output n_embd x n_embd
+            raise LlmtuneError("phi3: head_dim cannot be set (the head size is n_embd / n_head)")
+        keys = super().write_hparams(hp)
+        del keys["phi3.vocab_size"]
+        p = "phi3."
+        keys[p + "rope.scaling.original_context_length"] = (int(hp.n_ctx_orig or hp.n_ctx_train), VT.UINT32)
+        keys[p + "attention.sliding_window"] = (0, VT.UINT32)
+        if hp.rope_attn_factor != 1.0:  # written with the long/short factors (LongRoPE models)
+            keys[p + "rope.scaling.attn_factor"] = (float(hp.rope_attn_factor), VT.FLOAT32)
+        return keys
+
+    def tensors(self, hp):
+        specs = output_tensors(hp)
+        specs += [
+            TensorSpec("rope_factors_long.weight", (hp.n_rot // 2,), "factors", optional=True),
+            TensorSpec("rope_factors_short.weight", (hp.n_rot // 2,), "factors", optional=True),
+        ]
+        n_qkv = hp.n_embd_q + 2 * hp.n_embd_kv
+        for i in range(hp.n_layer):
+            p = f"blk.{i}."
+            specs += [
+                TensorSpec(p + "attn_norm.weight", (hp.n_embd,), "ones"),
+                TensorSpec(p + "attn_qkv.weight", (n_qkv, hp.n_embd)),
+                TensorSpec(p + "attn_qkv.bias", (n_qkv,), "zeros", optional=True),
+                # legacy files: separate biases beside the fused matrix (used when all three exist)
+                TensorSpec(p + "attn_q.bias", (hp.n_embd_q,), "zeros", optional=True),
+                TensorSpec(p + "attn_k.bias", (hp.n_embd_kv,), "zeros", optional=True),
+                TensorSpec(p + "attn_v.bias", (hp.n_embd_kv,), "zeros", optional=True),
+                TensorSpec(p + "attn_output.weight", (hp.n_embd, hp.n_embd_q), "residual"),
+                TensorSpec(p + "ffn_norm.weight", (hp.n_embd,), "ones"),
+                TensorSpec(p + "ffn_up.weight", (2 * hp.n_ff, hp.n_embd)),  # [gate | up]
+                TensorSpec(p + "ffn_down.weight", (hp.n_embd, hp.n_ff), "residual"),
+            ]
+        return specs
+
+    def build(self, ctx: BuildContext):
+        x = ctx.inp_embd()
+        for il in range(ctx.hp.n_layer):
+            blk = f"blk.{il}"
+            h = ctx.attn(ctx.norm(x, f"{blk}.attn_norm"), il)  # fused qkv, partial NEOX rope
+            if il == ctx.hp.n_layer - 1:  # rows that produce no logits need no more work
+                x, h = ctx.logit_rows(x), ctx.logit_rows(h)
+            x = ops.add(x, h)
+            x = ops.add(x, ctx.ffn(ctx.norm(x, f"{blk}.ffn_norm"), blk))  # fused gate+up
+        return ctx.output(x)
