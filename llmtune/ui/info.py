@@ -103,6 +103,8 @@ def _overview(gf: GGUFFile) -> Table:
         arch_note = f"llmtune cannot run it (supported: {', '.join(supported())})"
     elif not gf.tensors:
         arch_note = "supported family (no tensors in this file)"
+    elif gf.get("general.type") == "adapter":
+        arch_note = f"a LoRA adapter ({gf.get('adapter.type')}): apply it to a {arch} model with --lora"
     else:
         arch_note = _loader_verdict(gf)
     table.add_row("file", Text(str(gf.path)), f"GGUF v{gf.version}")
@@ -170,11 +172,27 @@ def _hparams_table(gf: GGUFFile) -> Table:
         ("rope mode", hp.rope_mode or "none", f"{hp.arch} family"),
         ("norm", {"rms": "RMSNorm", "layer": "LayerNorm"}.get(hp.norm_kind, hp.norm_kind), f"{hp.arch} family"),
         ("feed-forward", f"{hp.activation}, {'gated' if hp.ffn_gated else 'sequential'}", f"{hp.arch} family"),
+        *_attention_rows(hp, source),
         ("tied output", *_tied_output(gf)),
     ]
     for name, value, src in rows:
         table.add_row(name, str(value), src)
     return table
+
+
+def _attention_rows(hp, source) -> list[tuple]:
+    """Rows only for the attention features a family uses (sliding window, softcaps, local rope base)."""
+    rows = []
+    if hp.sliding_window:
+        local = "every layer" if hp.swa_layers is None else f"{sum(map(bool, hp.swa_layers))} of {hp.n_layer} layers"
+        rows.append(("sliding window", f"{hp.sliding_window} ({local})", source("attention.sliding_window")))
+        if hp.rope_freq_base_swa is not None and hp.rope_freq_base_swa != hp.rope_freq_base:
+            rows.append(("rope base (local)", _fmt_float(hp.rope_freq_base_swa), source("rope.freq_base_swa")))
+    if hp.attn_softcap:
+        rows.append(("attention softcap", _fmt_float(hp.attn_softcap), source("attn_logit_softcapping")))
+    if hp.final_softcap:
+        rows.append(("final softcap", _fmt_float(hp.final_softcap), source("final_logit_softcapping")))
+    return rows
 
 
 def _tied_output(gf: GGUFFile) -> tuple[str, str]:
