@@ -93,11 +93,13 @@ def llama_running_ppl(bin_dir: Path, model: Path, text: Path, ctx: int, chunks: 
     return values[:chunks]
 
 
-def compare_ppl(bin_dir: Path, model: Path, text: Path, ctx: int = 128, chunks: int = 20) -> tuple[float, float, float]:
-    """(llama.cpp final PPL, llmtune final PPL, max relative difference over the running values)."""
+def compare_ppl(bin_dir: Path, model: Path, text: Path, ctx: int = 128, chunks: int = 20,
+                extra=()) -> tuple[float, float, float]:
+    """(llama.cpp final PPL, llmtune final PPL, max relative difference over the running values);
+    `extra`: more llama-perplexity arguments (F32_ARGS: its KV cache and attention in f32)."""
     import llmtune
 
-    theirs = llama_running_ppl(bin_dir, model, text, ctx, chunks)
+    theirs = llama_running_ppl(bin_dir, model, text, ctx, chunks, extra)
     ours = llmtune.perplexity(model, text, ctx=ctx, chunks=chunks).chunks
     diff = max(abs(a - b) / b for a, b in zip(ours, theirs))
     return theirs[-1], ours[-1], diff
@@ -134,13 +136,15 @@ def record_family(name: str, case: FamilyCase, bin_dir: Path, tmp: Path) -> None
     print(f"| {name} | {path.relative_to(ROOT)} | {theirs[-1]:.4f} | {ours[-1]:.4f} | {diff:.2e} | {ok} |", flush=True)
 
 
-def run_family(name: str, case: FamilyCase, bin_dir: Path, text: Path, parts: list[str], tmp: Path) -> None:
+def run_family(name: str, case: FamilyCase, bin_dir: Path, text: Path, parts: list[str], tmp: Path,
+               extra=()) -> None:
     import llmtune
 
+    compare = lambda path: compare_ppl(bin_dir, path, text, extra=extra)  # noqa: E731
     model = random_model(case, tmp / f"{name}.gguf")
     rows = []
     if "ppl" in parts:
-        rows.append(("random weights", *compare_ppl(bin_dir, model, text)))
+        rows.append(("random weights", *compare(model)))
     if "finetune" in parts:
         tuned = tmp / f"{name}-ft.gguf"
         res = llmtune.finetune(model, ROOT / "data" / "wikitext-100k.txt", tuned, ctx=128, batch=512, ubatch=128,
@@ -148,13 +152,13 @@ def run_family(name: str, case: FamilyCase, bin_dir: Path, text: Path, parts: li
         before = llmtune.finetune(model, ROOT / "data" / "wikitext-100k.txt", tmp / "x.gguf", ctx=128, epochs=1,
                                   lr=1e-30, val_split=0.1).epochs[-1].val_loss  # lr > 0 required; no change
         print(f"{name}: validation loss {before:.4f} -> {res.epochs[-1].val_loss:.4f}", flush=True)
-        rows.append(("finetuned by llmtune", *compare_ppl(bin_dir, tuned, text)))
+        rows.append(("finetuned by llmtune", *compare(tuned)))
         model = tuned
     if "export" in parts:
         for t in ("q8_0", "q4_k_m"):
             out = tmp / f"{name}-{t}.gguf"
             llmtune.export(model, out, t)
-            rows.append((f"exported {t}", *compare_ppl(bin_dir, out, text)))
+            rows.append((f"exported {t}", *compare(out)))
     for what, theirs, ours, diff in rows:
         ok = "yes" if diff < 1e-3 else "NO"
         print(f"| {name} | {what} | {theirs:.4f} | {ours:.4f} | {diff:.2e} | {ok} |", flush=True)
@@ -166,6 +170,9 @@ def main() -> int:
     ap.add_argument("--bin", required=True, type=Path, help="folder holding llama-perplexity")
     ap.add_argument("--parts", default="ppl,finetune,export")
     ap.add_argument("--record", action="store_true", help="write tests/data/families/FAMILY.json fixtures")
+    ap.add_argument("--f32-kv", action="store_true",
+                    help=f"run llama-perplexity with {' '.join(F32_ARGS)} (its default f16 KV cache and flash attention "
+                         "round K, V and the attention to f16)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     unknown = [f for f in args.families if f not in FAMILIES]
@@ -185,7 +192,7 @@ def main() -> int:
         print("| family | model | llama.cpp PPL | llmtune PPL | max chunk diff | < 1e-3 |")
         print("| --- | --- | ---: | ---: | ---: | --- |")
         for name in args.families or list(FAMILIES):
-            run_family(name, FAMILIES[name], args.bin, text, parts, tmp)
+            run_family(name, FAMILIES[name], args.bin, text, parts, tmp, F32_ARGS if args.f32_kv else ())
     return 0
 
 

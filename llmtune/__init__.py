@@ -3,6 +3,7 @@
 Library entry points (the CLI calls the same functions):
     llmtune.finetune(...)    -> llmtune.train.finetune.finetune
     llmtune.perplexity(...)  -> llmtune.eval.perplexity.perplexity
+    llmtune.evaluate(...)    -> llmtune.eval.benchmarks.evaluate (HellaSwag, Winogrande, MMLU...)
     llmtune.export(...)      -> llmtune.convert.export.export
 """
 
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "finetune": ("llmtune.train.finetune", "finetune"),
     "perplexity": ("llmtune.eval.perplexity", "perplexity"),
+    "evaluate": ("llmtune.eval.benchmarks", "evaluate"),
     "export": ("llmtune.convert.export", "export"),
     "load_gguf": ("llmtune.gguf.file", "load_gguf"),
     "LlmtuneError": ("llmtune.errors", "LlmtuneError"),

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import shlex
+import signal
 import sys
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from llmtune.errors import LlmtuneError
+from llmtune.errors import Interrupted, LlmtuneError, LlmtuneWarning
+from llmtune.ui.console import NoWrapConsole
 
 app = typer.Typer(
     name="llmtune",
@@ -19,8 +22,23 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()  # results
-err = Console(stderr=True)  # progress, warnings, errors
+out = NoWrapConsole()  # results (unwrapped when piped)
+err = NoWrapConsole(stderr=True)  # progress, warnings, errors
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from llmtune import __version__
+
+        out.print(f"llmtune {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _app_options(
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True, help="Print the version and exit."),
+):
+    """Finetune and evaluate GGUF (llama.cpp) language models on CPU or NVIDIA GPUs."""
 
 ModelArg = typer.Argument(..., help="Model file in GGUF format (as used by llama.cpp).", show_default=False)
 
@@ -80,11 +98,11 @@ def _finetune_default(name: str, unset: str = "") -> str:
 @app.command()
 def finetune(
     model: Path = ModelArg,
-    data: Path = typer.Argument(..., help="Training text: a plain UTF-8 file (tokenized whole) or .jsonl with a \"text\" field per line.", show_default=False),
+    data: Path = typer.Argument(..., help="Training data: a plain UTF-8 file (tokenized whole), or .jsonl with per line {\"text\"}, {\"prompt\", \"completion\"} or {\"messages\": [{\"role\", \"content\"}, ...]}.", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained GGUF (never the input).", show_default=False),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of these settings (flags override it)."),
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="Tokens per training sequence (n_ctx)." + _finetune_default("ctx"), show_default=False),
-    batch: Optional[int] = typer.Option(None, "--batch", help="Tokens per optimizer step, a multiple of --ctx." + _finetune_default("batch", unset="ctx"), show_default=False),
+    ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Tokens per training sequence (n_ctx)." + _finetune_default("ctx"), show_default=False),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per optimizer step, a multiple of --ctx." + _finetune_default("batch", unset="ctx"), show_default=False),
     ubatch: Optional[int] = typer.Option(None, "--ubatch", help="Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades memory for speed, never the result." + _finetune_default("ubatch", unset="batch"), show_default=False),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training windows." + _finetune_default("epochs"), show_default=False),
     lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate." + _finetune_default("lr"), show_default=False),
@@ -100,12 +118,38 @@ def finetune(
     metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON record per step and per validation pass here.", show_default=False),
     backend: Optional[str] = typer.Option(None, "--backend", help="cpu, cuda or auto." + _finetune_default("backend"), show_default=False),
     precision: Optional[str] = typer.Option(None, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights)." + _finetune_default("precision"), show_default=False),
+    lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Train a LoRA adapter of this rank on the frozen model; -o then receives llama.cpp's adapter GGUF (use it with --lora).", show_default=False),
+    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha: the adapter is scaled by alpha / rank." + _finetune_default("lora_alpha", unset="the rank"), show_default=False),
+    lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="Regex over GGUF tensor names choosing the adapted matrices, e.g. 'attn_(q|v)'." + _finetune_default("lora_targets", unset="attention q/k/v/output and FFN matrices"), show_default=False),
+    lora_dropout: Optional[float] = typer.Option(None, "--lora-dropout", help="Dropout on the adapters' inputs while training (as PEFT)." + _finetune_default("lora_dropout"), show_default=False),
+    lora_init: Optional[Path] = typer.Option(None, "--lora-init", help="Continue training this adapter GGUF (llmtune's or convert_lora_to_gguf.py's); it fixes rank and targets.", show_default=False),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Also write a checkpoint every N optimizer steps (one is written at every epoch end, and on Ctrl-C / SIGTERM)." + _finetune_default("checkpoint_every", unset="epoch ends only"), show_default=False),
+    keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="Keep this run's last K checkpoints, also once the model is written. \\[default: the last one while training, none after]", show_default=False),
+    eval_benchmark: Optional[Path] = typer.Option(None, "--eval-benchmark", help="Benchmark file (any format of llmtune eval: HellaSwag, Winogrande CSV, multiple choice) scored before training and after each epoch, so the summary shows whether the finetune helps.", show_default=False),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run saved in this checkpoint (OUT.ckpt-STEP.npz) with its own settings; the result is byte-identical to an uninterrupted run.", show_default=False),
+    data_format: Optional[str] = typer.Option(None, "--format", help="Data format: auto (from the file's first record), plain, text, completion or chat." + _finetune_default("format"), show_default=False),
+    chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template rendering chat data, instead of the model's tokenizer.chat_template.", show_default=False),
+    train_on_prompt: bool = typer.Option(False, "--train-on-prompt", help="Completion / chat data: every token carries loss, not only the completion and assistant turns."),
+    sample_prompt: Optional[str] = typer.Option(None, "--sample-prompt", help="After each epoch print a short greedy continuation of this prompt (chat data: as a user turn), to watch the model change.", show_default=False),
+    sample_every: Optional[int] = typer.Option(None, "--sample-every", help="Print the --sample-prompt continuation every N optimizer steps instead.", show_default=False),
 ):
     """Train a GGUF model on your text and write a GGUF that llama.cpp loads unchanged.
 
     Windows of --ctx+1 tokens are taken every --ctx/2 tokens; the last --val-split of them validate. Loss is the mean next-token cross-entropy; each epoch reports train and validation loss and accuracy with standard errors.
 
+    With --lora-rank (or --lora-init) only a LoRA adapter trains and -o receives it as llama.cpp's adapter GGUF.
+
+    Prompt/completion and chat data (rendered with the model's chat template) train one example per window, padded; only the completion / assistant turns (with their end-of-turn token) carry loss unless --train-on-prompt.
+
     Example: llmtune finetune model.gguf notes.txt -o tuned.gguf --ctx 256 --epochs 2 --lr 1e-4
+
+    Example (LoRA): llmtune finetune model.gguf notes.txt -o adapter.gguf --lora-rank 8 --lr 1e-3
+
+    Example (chat): llmtune finetune model.gguf chats.jsonl -o tuned.gguf --ctx 512 --sample-prompt "What is LoRA?"
+
+    Checkpoints (-o's name + .ckpt-STEP.npz) are written at every epoch end, every --checkpoint-every steps, and when Ctrl-C or SIGTERM stops the run after its current step (a second Ctrl-C aborts at once). Resume: the same command plus --resume CHECKPOINT.
+
+    Exit status: 0 done, 2 bad input, 3 training diverged (no model written), 130 / 143 stopped by Ctrl-C / SIGTERM.
     """
     from llmtune.train.finetune import finetune as run_finetune
     from llmtune.ui.finetune import FinetuneReporter
@@ -113,24 +157,40 @@ def finetune(
     settings = dict(ctx=ctx, batch=batch, ubatch=ubatch, epochs=epochs, lr=lr, lr_min=lr_min,
                     decay_epochs=decay_epochs, warmup=warmup, wd=wd, optimizer=optimizer, val_split=val_split,
                     params=params, seed=seed, shuffle=False if no_shuffle else None,
-                    metrics=str(metrics) if metrics else None, backend=backend, precision=precision)
+                    metrics=str(metrics) if metrics else None, backend=backend, precision=precision,
+                    lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
+                    lora_init=str(lora_init) if lora_init else None, checkpoint_every=checkpoint_every,
+                    keep_checkpoints=keep_checkpoints, eval_benchmark=str(eval_benchmark) if eval_benchmark else None,
+                    format=data_format, chat_template=str(chat_template) if chat_template else None,
+                    train_on_prompt=train_on_prompt or None, sample_prompt=sample_prompt, sample_every=sample_every)
     with FinetuneReporter(out, err) as reporter:
-        run_finetune(model, data, output, config_file=config, callback=reporter, **settings)
+        run_finetune(model, data, output, config_file=config, callback=reporter, resume=resume, **settings)
 
 
 # --- init (llmtune/convert/init.py) ---
 @app.command("init")
 def init_cmd(
-    config: Path = typer.Option(..., "--config", "-c", help="Model shape: a TOML [model] table, e.g. configs/llama-15m.toml.", show_default=False),
+    config: Optional[Path] = typer.Option(None, "--config", help="Model shape: a TOML [model] table, e.g. configs/llama-15m.toml.", show_default=False),
+    config_c: Optional[Path] = typer.Option(None, "-c", hidden=True),  # init's old short flag: -c is --ctx in every other command
     vocab_from: Path = typer.Option(..., "--vocab-from", help="GGUF whose tokenizer (all tokenizer.* keys) the new model uses.", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the new GGUF.", show_default=False),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed writes the same file."),
 ):
-    """Write a new randomly initialised model (to train from scratch) with another model's tokenizer."""
+    """Write a new randomly initialised model (to train from scratch) with another model's tokenizer.
+
+    Example: llmtune init --config configs/llama-15m.toml --vocab-from vocab.gguf -o new.gguf --seed 0
+    """
     from llmtune.gguf.file import load_gguf
     from llmtune.convert.init import init_model
     from llmtune.ui.format import human_bytes, human_count
 
+    if config_c is not None:
+        if config is not None:
+            raise LlmtuneError("-c: give the config once, with --config")
+        err.print("warning: init's -c is deprecated (-c means --ctx in the other commands); write --config", highlight=False)
+        config = config_c
+    if config is None:
+        raise LlmtuneError("--config: missing; init needs a model shape, e.g. --config configs/llama-15m.toml")
     path = init_model(config, vocab_from, output, seed=seed)
     gf = load_gguf(path)
     out.print(f"wrote {path}: {gf.arch}, {human_count(gf.n_params())} parameters, "
@@ -145,13 +205,20 @@ def _export_cmd(
         ..., "--type", "-t", show_default=False,
         help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m or q5_k_m.",
     ),
+    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF to merge into the weights first (repeat for several, as llama-export-lora).", show_default=False),
+    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
 ):
-    """Convert a model's weights to another type (F16, Q8_0, K-quants, llama.cpp's Q4_K_M / Q5_K_M mixes)."""
+    """Convert a model's weights to another type (F16, Q8_0, K-quants, llama.cpp's Q4_K_M / Q5_K_M mixes).
+
+    With --lora, the adapters are merged first (W + scale * B A in float32): one step from a trained adapter to a deployable file.
+
+    Example: llmtune export model.gguf --lora adapter.gguf --type q4_k_m -o merged-q4_k_m.gguf
+    """
     from llmtune.convert.export import export
     from llmtune.ui.export import export_progress, summary_table
 
     with export_progress(err, type) as on_tensor:
-        summary = export(model, output, type, progress=on_tensor)
+        summary = export(model, output, type, progress=on_tensor, lora=lora, lora_scale=lora_scale)
     out.print(summary_table(summary))
 
 
@@ -171,6 +238,8 @@ def perplexity_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results (running values, ppl, error, tokens/s) as JSON here.", show_default=False),
     kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report KL-divergence (base || model) and top-token agreement.", show_default=False),
     precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
+    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
+    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora (llama.cpp's --lora-scaled). \\[default: 1]", show_default=False),
 ):
     """Perplexity over a text file, number for number as llama.cpp's llama-perplexity computes it.
 
@@ -183,27 +252,225 @@ def perplexity_cmd(
     from llmtune.gguf.file import check_output_path
     from llmtune.ui.perplexity import format_report, perplexity_progress, write_json
 
-    inputs = (model, text, *([kl_base] if kl_base else []))
+    inputs = (model, text, *([kl_base] if kl_base else []), *(lora or []))
     if json_out is not None:
-        check_output_path(json_out, *inputs)  # refuse a bad --json before the (long) evaluation
+        check_output_path(json_out, *inputs, flag="--json")  # refuse a bad --json before the (long) evaluation
     with perplexity_progress(err) as on_progress:
         result = perplexity(model, text, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
-                            kl_base=kl_base, progress=on_progress, precision=precision)
+                            kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
     out.print(format_report(result), highlight=False, soft_wrap=True)
     if json_out is not None:
         write_json(result, json_out, *inputs)
 
 
+# --- eval (llmtune/eval/benchmarks.py) ---
+@app.command("eval")
+def eval_cmd(
+    model: Path = ModelArg,
+    file: Path = typer.Argument(..., help="Tasks: HellaSwag text (6 lines per task), Winogrande CSV, llama.cpp's multiple-choice binary file, or JSONL with question, choices, answer (e.g. MMLU).", show_default=False),
+    hellaswag: bool = typer.Option(False, "--hellaswag", help="HellaSwag: acc_norm of the 4 endings (llama-perplexity --hellaswag)."),
+    winogrande: bool = typer.Option(False, "--winogrande", help="Winogrande: which of 2 choices fills the blank (llama-perplexity --winogrande)."),
+    multiple_choice: bool = typer.Option(False, "--multiple-choice", help="Multiple choice: MMLU, ARC, TruthfulQA (llama-perplexity --multiple-choice)."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="Score N tasks, chosen at random as llama.cpp chooses them. \\[default: HellaSwag 400, the others all]", show_default=False),
+    ctx: int = typer.Option(512, "--ctx", "-c", help="llama-perplexity's -c: a task (shared prefix plus every answer) must fit in 4 x ctx tokens."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass (several tasks per pass). \\[default: 1024 on cpu, one pass per core]", show_default=False),
+    backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
+    precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every task's scores and choice, the totals and timings as JSON here.", show_default=False),
+    kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report its accuracy, how often both choose alike, and KL(base || model) over the scored tokens.", show_default=False),
+    topics: bool = typer.Option(False, "--topics", help="Multiple choice from JSONL with a \"topic\" field (MMLU): accuracy per topic."),
+    summary: bool = typer.Option(False, "--summary", help="Print only the final lines, not llama.cpp's running line per task."),
+    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
+    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
+):
+    """Benchmarks scored exactly as llama.cpp's llama-perplexity --hellaswag / --winogrande / --multiple-choice.
+
+    Each answer is scored by the mean log-probability of its tokens after the question; the best wins. The kind follows from the file when no flag is given. Prints llama.cpp's running lines, then its final result.
+
+    Example: llmtune eval model.gguf mmlu-test.jsonl --multiple-choice --topics --json mmlu.json
+    """
+    from llmtune.eval.benchmarks import evaluate
+    from llmtune.gguf.file import check_output_path
+    from llmtune.ui.benchmarks import benchmark_progress, format_report, topics_table, write_json
+
+    kinds = [k for k, on in (("hellaswag", hellaswag), ("winogrande", winogrande), ("multiple-choice", multiple_choice)) if on]
+    if len(kinds) > 1:
+        raise LlmtuneError("--hellaswag, --winogrande, --multiple-choice: choose one")
+    inputs = (model, file, *([kl_base] if kl_base else []), *(lora or []))
+    if json_out is not None:
+        check_output_path(json_out, *inputs, flag="--json")  # refuse a bad --json before the (long) evaluation
+    with benchmark_progress(err) as on_progress:
+        result = evaluate(model, file, kinds[0] if kinds else None, tasks=tasks, ctx=ctx, batch=batch, backend=backend,
+                          kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
+    out.file.write(format_report(result, running=not summary) + "\n")  # raw: llama.cpp's lines hold tabs
+    out.file.flush()
+    if topics:
+        if not result.topics:
+            err.print(f"--topics: {file} names no topics (a JSONL \"topic\" field)", highlight=False)
+        else:
+            out.print(topics_table(result))
+    if json_out is not None:
+        write_json(result, json_out, *inputs)
+
+
+# --- generate (llmtune/eval/generate.py) ---
+@app.command("generate")
+def generate_cmd(
+    model: Path = ModelArg,
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="The prompt (with --chat: the first user message). Without -p or -f the prompt is read from standard input, unless it is a terminal.", show_default=False),
+    prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from this UTF-8 file.", show_default=False),
+    chat: bool = typer.Option(False, "--chat", help="Render the prompt as a user turn with the model's chat template; a terminal on stdin then gets an interactive chat."),
+    system: Optional[str] = typer.Option(None, "--system", help="With --chat: a system message first.", show_default=False),
+    n_predict: int = typer.Option(-1, "-n", "--n-predict", help="Tokens to generate; -1: until an end-of-generation token or a full context."),
+    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 picks the most likely token (greedy)."),
+    top_k: int = typer.Option(40, "--top-k", help="Keep the K most likely tokens; 0 disables."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Keep the most likely tokens up to this probability mass; 1 disables."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens less likely than this fraction of the most likely one; 0 disables."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise the last --repeat-last-n tokens (divide positive logits, multiply negative); 1 disables."),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the repeat penalty looks at."),
+    seed: Optional[int] = typer.Option(None, "-s", "--seed", help="Sampling seed (llama.cpp's: the same seed gives its choices). \\[default: random]", show_default=False),
+    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (KV cache positions). \\[default: the model's training context, at most 4096]", show_default=False),
+    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
+    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
+    chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template for --chat, instead of the model's tokenizer.chat_template.", show_default=False),
+    no_display_prompt: bool = typer.Option(False, "--no-display-prompt", help="Print only the generated text, not the prompt first."),
+    backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
+    precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
+):
+    """Generate text with a KV cache, sampling as llama.cpp's llama-completion (greedy output is token for token llama.cpp's).
+
+    The text streams to stdout as it comes; a summary (tokens, speed, seed) goes to stderr. Generation stops after -n tokens, at an end-of-generation token (EOS, <|im_end|>, <|eot_id|>, ...) or when the context is full.
+
+    Example: llmtune generate model.gguf -p "Once upon a time" -n 64 --temp 0
+
+    Example (chat): llmtune generate tuned.gguf --chat --system "Answer briefly." -p "What is LoRA?"
+    """
+    from llmtune.eval.generate import ChatSession, Generator, load_for_generation
+    from llmtune.eval.sampling import Sampler, SamplerConfig
+    from llmtune.tokenizer import read_text
+    from llmtune.ui.generate import Stream, chat_loop, summary
+
+    if prompt is not None and prompt_file is not None:
+        raise LlmtuneError("-p, -f: give the prompt one way")
+    if system is not None and not chat:
+        raise LlmtuneError("--system: needs --chat")
+    if chat_template is not None and not chat:
+        raise LlmtuneError("--chat-template: needs --chat")
+    if n_predict < -1:
+        raise LlmtuneError(f"-n: must be -1 or more, got {n_predict}")
+    sampler = Sampler(SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                                    repeat_last_n=repeat_last_n, seed=seed))
+    interactive = chat and sys.stdin.isatty()
+    if prompt_file is not None:
+        prompt = read_text(prompt_file)
+    elif prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    if prompt is None and not interactive:
+        raise LlmtuneError("generate: no prompt (give -p TEXT or -f FILE, pipe it on stdin, or use --chat in a terminal)")
+    gen = Generator(load_for_generation(model, lora, lora_scale), get_backend_for(backend, precision), n_ctx=ctx)
+    if chat:
+        from llmtune.tokenizer.chat_template import ChatTemplate
+
+        template = ChatTemplate.for_model(gen.model.gguf, gen.tokenizer, chat_template)
+        session = ChatSession(gen, template, sampler, n_predict, system)
+        if interactive:
+            chat_loop(session, err, _read_line, first=prompt)
+            return
+        stream = Stream()
+        res = session.reply(prompt, on_token=stream)
+    else:
+        ids = gen.tokenize_prompt(prompt)
+        if not no_display_prompt:
+            sys.stdout.write(prompt)
+        stream = Stream()
+        res = gen.generate(ids, n_predict, sampler, on_token=stream)
+    stream.end_line()
+    err.print(f"[dim]{escape(summary(res))}[/]", highlight=False)
+
+
+def get_backend_for(name: str, precision: str):
+    from llmtune.backends import get_backend
+
+    return get_backend(name, precision=precision)
+
+
+def _read_line():
+    """A line from the terminal (None at end of input)."""
+    line = sys.stdin.readline()
+    return line if line else None
+
+
+def _resume_command(checkpoint) -> str:
+    """This very command line with `--resume CHECKPOINT` (replacing any --resume it had)."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg.startswith("--resume="):
+            skip = False
+            continue
+        if arg == "--resume":
+            skip = True
+            continue
+        args.append(arg)
+    return shlex.join(["llmtune", *args, "--resume", str(checkpoint)])
+
+
+def _on_signal(signum, frame) -> None:
+    """SIGINT / SIGTERM outside a training loop: unwind (every `finally` removes its temp files),
+    then main() says so and exits 130 / 143. Typer would turn Ctrl-C into a silent exit 130."""
+    from llmtune.train.signals import signal_name
+
+    raise Interrupted(signum, f"interrupted by {signal_name(signum)}")
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    if issubclass(category, LlmtuneWarning):
+        err.print(f"[yellow]warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
+_default_showwarning = warnings.showwarning
+
+
+def _start_ranks() -> None:
+    """Under an MPI launcher (mpirun -n N llmtune ...): rank 0 alone prints, and MPI starts now
+    (a missing mpi4py is one line from rank 0). A plain process: nothing (llmtune/backends/dist.py)."""
+    from llmtune.backends.dist import launched, quiet_other_ranks, world
+
+    if launched() is not None:
+        quiet_other_ranks(out, err)
+        if world().rank != 0 and sys.argv[1:2] not in (["finetune"], ["perplexity"], ["eval"]):
+            sys.exit(0)  # a command that does not split its work: rank 0 alone runs it (and writes its files)
+
+
 def main() -> None:
-    """Console-script entry: user errors become one line on stderr and exit code 2."""
+    """Console-script entry: user errors become one line on stderr and exit code 2 (a run that
+    diverged: 3); Ctrl-C / SIGTERM exit 130 / 143 after saying what was kept."""
+    import threading
+
+    in_main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    warnings.showwarning = _show_warning
     try:
+        _start_ranks()
         app()
     except LlmtuneError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        if getattr(exc, "resumable", False) and getattr(exc, "checkpoint", None):
+            err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except Interrupted as exc:
+        err.print(escape(exc.message or "interrupted"), highlight=False, soft_wrap=True)
+        if exc.checkpoint is not None:
+            err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    finally:
+        warnings.showwarning = _default_showwarning
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

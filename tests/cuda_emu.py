@@ -58,6 +58,8 @@ static dim3 blockDim, gridDim;
 
 static inline float __int_as_float(int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 static inline float __int_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+static inline float __uint_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned bits; std::memcpy(&bits, &f, 4); return bits; }
 
 namespace emu {
 struct Barrier { int expected = 0, arrived = 0; std::vector<int> waiters; };

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,6 +70,7 @@ def name(request):
 
 
 rng = np.random.default_rng(1234)
+DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 def randn(*shape) -> np.ndarray:
@@ -627,6 +629,168 @@ def test_sgd_matches_ggml(name, dtype, rel):
     dw = be.asarray(w.astype(dtype))
     be.sgd_step(dw, be.asarray(g.astype(dtype)), lr=lr, wd=wd)
     assert_close(be.to_numpy(dw) - w, w * (1 - lr * wd) - lr * g - w, rel)
+
+
+# ------------------------------------------------------------------------------ weights kept in a GGUF type
+QTYPE_NAMES = ("F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+_VEC_DOT = {"F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q8_0", "Q5_0": "q8_0", "Q4_1": "q8_1",
+            "Q5_1": "q8_1", "Q4_K": "q8_K", "Q5_K": "q8_K", "Q6_K": "q8_K"}
+
+
+def stored_matrix(w: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 block bytes [rows, bytes per row], their float64 values decoded by gguf-py)."""
+    import gguf
+
+    from llmtune.quant import blocks
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    raw = np.ascontiguousarray(blocks.quantize(w.astype(np.float32), qt)).view(np.uint8).reshape(w.shape[0], -1)
+    if qtype == "F16":
+        return raw, raw.view(np.float16).astype(np.float64)
+    return raw, gguf.quants.dequantize(raw, qt).astype(np.float64).reshape(w.shape)
+
+
+def ggml_round_ref(x: np.ndarray, act: str):
+    """ggml's CPU conversion of float32 activation rows to a vec_dot_type and back, transcribed
+    block by block from quants.c / ggml-quants.c (x86 quantize_row_q8_0 / q8_1, quantize_row_q8_K_ref,
+    fp16 and bf16 rounding): (x~ float64, per-block Q8_1 correction s - fp16(d) * sum q or None)."""
+    f32 = np.float32
+    x = np.asarray(x, f32)
+    out = np.empty(x.shape, np.float64)
+    if act == "f16":
+        return x.astype(np.float16).astype(np.float64), None
+    if act == "bf16":
+        bits = x.view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(f32).astype(np.float64), None
+    size = 256 if act == "q8_K" else 32
+    corr = np.zeros((x.shape[0], x.shape[1] // size))
+    for r in range(x.shape[0]):
+        for b in range(x.shape[1] // size):
+            v = x[r, b * size:(b + 1) * size]
+            if act == "q8_K":
+                i = int(np.argmax(np.abs(v)))  # the first largest |x|
+                if v[i] == 0:
+                    out[r, b * size:(b + 1) * size] = 0
+                    continue
+                iscale = f32(-127.0) / v[i]
+                q = np.minimum(np.rint(iscale * v), f32(127))
+                out[r, b * size:(b + 1) * size] = q * (f32(1.0) / iscale)
+                continue
+            amax = np.abs(v).max()
+            d = amax / f32(127)
+            inv = f32(127) / amax if amax else f32(0)
+            q = np.rint(v * inv)
+            dh = f32(np.float16(d))
+            out[r, b * size:(b + 1) * size] = q.astype(np.float64) * dh
+            if act == "q8_1":
+                s = f32(np.float16(d * f32(q.sum())))
+                corr[r, b] = float(s) - float(dh) * float(q.sum())
+    return out, corr if act == "q8_1" else None
+
+
+def qlinear_ref(x: np.ndarray, raw: np.ndarray, wd: np.ndarray, qtype: str, round_x: bool) -> np.ndarray:
+    """float64: x (rounded as ggml rounds it) @ W^T, plus ggml's Q4_1/Q5_1 min term from s."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not round_x:
+        return (x2 @ wd.T).reshape(x.shape[:-1] + (wd.shape[0],))
+    xr, corr = ggml_round_ref(x2, _VEC_DOT[qtype])
+    y = xr @ wd.T
+    if corr is not None:
+        size = {"Q4_1": 20, "Q5_1": 24}[qtype]
+        mins = np.ascontiguousarray(raw.reshape(raw.shape[0], -1, size)[:, :, 2:4]).view(np.float16)[..., 0]
+        y += corr @ mins.astype(np.float64).T
+    return y.reshape(x.shape[:-1] + (wd.shape[0],))
+
+
+def activations(*shape) -> np.ndarray:
+    """Rows of different scales with outliers and an all-zero block, as real activations."""
+    x = randn(*shape) * np.exp(randn(*shape[:-1], 1))
+    x[..., 3] *= 30.0
+    x.reshape(-1, shape[-1])[0, :256] = 0.0
+    return x.astype(np.float32).astype(np.float64)
+
+
+def run_stored(backend, build, raw: np.ndarray, shape, arrays: dict) -> list[np.ndarray]:
+    w = ops.qweight(shape, build.qtype, name="w")
+    nodes = {k: ops.input(v.shape, "i32" if v.dtype.kind in "iu" else "f32", name=k) for k, v in arrays.items()}
+    prog = Program(build(w, **nodes), backend, params={w: backend.asarray(raw)})
+    feed = {k: backend.asarray(v.astype(np.int32 if v.dtype.kind in "iu" else backend.dtype)) for k, v in arrays.items()}
+    return [backend.to_numpy(r).astype(np.float64) for r in prog.run(**feed)]
+
+
+@pytest.mark.parametrize("qtype", QTYPE_NAMES)
+def test_stored_weight_ops(name, qtype, monkeypatch):
+    """qlinear (activations rounded as ggml's CPU matmul rounds them, and not), qlinear_back,
+    qget_rows and dequantize against gguf-py's decoding and a transcription of ggml's activation
+    quantizers; W is dequantized in blocks of 3 rows, so the blocked paths run."""
+    from llmtune.quant import matmul as qmatmul
+
+    be = backend_for(name)
+    n_out, n_in = 7, 512
+    monkeypatch.setattr(qmatmul, "SCRATCH_ELEMENTS", 3 * n_in)
+    if name != "cpu":
+        monkeypatch.setattr(be, "q_scratch_elements", 3 * n_in)
+    w = 0.05 * randn(n_out, n_in) + 0.01 * (np.arange(n_in) % 5)  # offsets: the Q4_1/Q5_1 mins matter
+    raw, wd = stored_matrix(w, qtype)
+    x, g = activations(2, 3, n_in), randn(2, 3, n_out)
+    ids = np.array([[0, 6, 3], [3, 3, 1]], dtype=np.int32)
+
+    def build(w, x, g, ids):
+        return [ops.qlinear(x, w), ops.qlinear(x, w, round_x=False), ops.qlinear_back(g, w), ops.qget_rows(w, ids),
+                ops.dequantize(w)]
+
+    build.qtype = qtype
+    want = [qlinear_ref(x, raw, wd, qtype, True), qlinear_ref(x, raw, wd, qtype, False), g @ wd, wd[ids], wd]
+    got = run_stored(be, build, raw, (n_out, n_in), {"x": x, "g": g, "ids": ids})
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b, 1e-6 if k < 3 else 0.0)
+    # the rounding is no small matter: without it the product is visibly off
+    assert np.abs(got[1] - want[0]).max() > 1e-5 * np.abs(want[0]).max()
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q5_1"])
+def test_stored_weight_gradient(name, qtype):
+    """Only the input gets a gradient, g @ W, straight through the activations' rounding."""
+    from llmtune.graph.autodiff import grad
+
+    be = backend_for(name, np.float64)
+    raw, wd = stored_matrix(0.3 * randn(3, 64), qtype)
+    w = ops.qweight((3, 64), qtype, name="w")
+    errors = check_gradients(lambda x: ops.qlinear(x, w, round_x=False), {"x": rng.standard_normal((2, 2, 64))}, be,
+                             leaves={w: be.asarray(raw)})
+    assert errors["x"] < 1e-6, errors
+    x = ops.param((2, 64), name="x")
+    y = ops.qlinear(x, w)
+    assert not w.requires_grad and y.requires_grad
+    assert grad(ops.sum_to(y, ()), [x, w]).keys() == {x}
+    assert grad(ops.sum_to(y, ()), [x])[x].op == "qlinear_back"
+
+
+def test_stored_weight_shapes_are_checked():
+    w = ops.qweight((4, 64), "Q8_0", name="w")
+    with pytest.raises(ValueError):
+        ops.qlinear(ops.input((2, 32), name="x"), w)
+    with pytest.raises(ValueError):
+        ops.qweight((4, 64), "Q2_K")
+    with pytest.raises(ValueError):
+        ops.qlinear(ops.input((2, 64), name="x"), ops.param((4, 64), name="p"))
+
+
+def test_stored_weight_matches_ggml_kernels():
+    """Products recorded from ggml's own CPU kernels (bench/check_qmatmul.py --record: from_float of
+    each type's vec_dot_type, then vec_dot) on this fixture's bytes: qlinear gives them to float
+    summation order, and the same product with unrounded activations does not."""
+    from llmtune.quant import matmul as qmatmul
+
+    rec = np.load(DATA_DIR / "qmatmul" / "ggml-products.npz")
+    x = rec["x"]
+    for qtype in QTYPE_NAMES:
+        raw, theirs = rec[f"{qtype}.raw"], rec[f"{qtype}.out"]
+        ours = qmatmul.qlinear(np.empty_like(theirs), x, raw, qtype)
+        plain = qmatmul.qlinear(np.empty_like(theirs), x, raw, qtype, round_x=False)
+        scale = np.abs(theirs).max()
+        assert np.abs(ours - theirs).max() <= 2e-6 * scale, qtype
+        assert np.abs(plain - theirs).max() > 1e-4 * scale, qtype
 
 
 # ------------------------------------------------------------------------------ whole model

@@ -551,7 +551,7 @@ def test_readme_opens_with_the_two_commands():
         "pip install -e . && llmtune finetune tests/data/stories260K.gguf data/wikitext-100k.txt "
         "--config configs/demo.toml -o out/demo.gguf" in head
     )
-    assert 'pip install -e ".[test]" && python -m pytest -q' in head
+    assert 'pip install -e ".[test,mpi]" && python -m pytest -q' in head
 
 
 def test_ci_script_runs_the_test_command(tmp_path):
@@ -559,7 +559,7 @@ def test_ci_script_runs_the_test_command(tmp_path):
     text = script.read_text()
     assert script.stat().st_mode & 0o111, ".ci/run must be executable"
     assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
-    assert 'pip install -e ".[test]" && python -m pytest -q' in text
+    assert 'pip install -e ".[test,mpi]" && python -m pytest -q' in text
     # with stand-ins for pip and python on PATH: the script passes on pytest's verdict
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -572,4 +572,4 @@ def test_ci_script_runs_the_test_command(tmp_path):
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(log), "PYTEST_RC": str(pytest_rc)}
         result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
         assert result.returncode == pytest_rc, result.stderr
-        assert log.read_text().splitlines() == ["pip install -e .[test]", "python -m pytest -q"]
+        assert log.read_text().splitlines() == ["pip install -e .[test,mpi]", "python -m pytest -q"]

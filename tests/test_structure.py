@@ -126,6 +126,9 @@ def test_toy_family_runs_every_command(tmp_path, toy_model, wiki100k_path, monke
     assert code == 0, err
     trained = load_model(tuned).weights["blk.0.attn_q.bias"]
     assert np.abs(trained).max() > 0  # biases start at zero: they moved, so the graph used them
+    mmlu = Path(__file__).parent / "data" / "benchmarks" / "mmlu-20.jsonl"
+    code, out, err = run_cli(monkeypatch, capsys, "eval", toy_model, mmlu, "--summary")
+    assert code == 0 and "Final result:" in out, err
 
 
 def test_toy_family_biases_enter_the_graph_and_its_gradients(toy_model):

@@ -30,8 +30,11 @@ def get_backend(name: str = "cpu", dtype=np.float32, precision: str = "f32") -> 
             raise LlmtuneError(f"--precision {precision}: needs the cuda backend (cpu computes in f32)")
         return CPUBackend(dtype)
     if name == "cuda":
-        from llmtune.backends.cuda import CUDABackend
+        from llmtune.backends.cuda import CUDABackend, available
+        from llmtune.backends.dist import use_local_device, world
 
+        if world().size > 1 and available():  # one GPU per rank, chosen from its rank on the machine
+            use_local_device()
         return CUDABackend(dtype, precision=precision)
 
     raise LlmtuneError(f"--backend: unknown backend {name!r} (choose cpu, cuda or auto)")

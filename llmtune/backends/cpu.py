@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmtune.backends.base import Backend
+from llmtune.quant import matmul as qmatmul
 
 
 def _sigmoid_into(out, x):
@@ -173,6 +174,22 @@ def k_matmul(out, a, b, ta, tb):
     if tb:
         b = np.swapaxes(b, -1, -2)
     return np.matmul(a, b, out=out)
+
+
+def k_qlinear(out, x, w, qtype, round_x):
+    return qmatmul.qlinear(out, x, w, qtype, round_x)
+
+
+def k_qlinear_back(out, g, w, qtype):
+    return qmatmul.qlinear_back(out, g, w, qtype)
+
+
+def k_qget_rows(out, w, ids, qtype):
+    return qmatmul.qget_rows(out, w, ids, qtype)
+
+
+def k_dequantize(out, w, qtype):
+    return qmatmul.dequantize(out, w, qtype)
 
 
 def k_reshape(out, x, shape):
@@ -488,6 +505,10 @@ KERNELS = {
     "softcap": k_softcap,
     "softcap_back": k_softcap_back,
     "matmul": k_matmul,
+    "qlinear": k_qlinear,
+    "qlinear_back": k_qlinear_back,
+    "qget_rows": k_qget_rows,
+    "dequantize": k_dequantize,
     "reshape": k_reshape,
     "permute": k_permute,
     "cont": k_cont,

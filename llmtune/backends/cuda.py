@@ -330,6 +330,149 @@ extern "C" __global__ void softcap_back(const real* y, const real* __restrict__ 
     }
 }
 
+// ------------------------------------------------------------------ weights kept in a GGUF type
+// (quant/matmul.py is the reference: same values, same rounding of the activations). Type ids are
+// ggml's: F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30.
+__device__ __forceinline__ float half_bits_to_float(unsigned int h) {
+    const unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (e == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mant << 13));
+    if (e == 0u) return (sign ? -1.0f : 1.0f) * ((float)mant * 5.9604644775390625e-08f);  // mant * 2^-24, exact
+    return __uint_as_float(sign | ((e + 112u) << 23) | (mant << 13));
+}
+
+__device__ __forceinline__ float load_half(const unsigned char* p) {
+    return half_bits_to_float((unsigned int)p[0] | ((unsigned int)p[1] << 8));
+}
+
+// x rounded to the nearest fp16 (ties to even), as a float
+__device__ __forceinline__ float round_half(float x) {
+    const unsigned int bits = __float_as_uint(x), mag = bits & 0x7fffffffu;
+    if (mag > 0x7f800000u) return x;                                                     // NaN
+    if (mag >= 0x477ff000u) return __uint_as_float((bits & 0x80000000u) | 0x7f800000u);  // past 65504: inf
+    if (mag < 0x38800000u) return rintf(x * 16777216.0f) * 5.9604644775390625e-08f;     // subnormal: 2^-24 steps
+    return __uint_as_float((bits + 0x0fffu + ((bits >> 13) & 1u)) & 0xffffe000u);
+}
+
+// x rounded to bf16 as ggml_compute_fp32_to_bf16 does, as a float
+__device__ __forceinline__ float round_bf16(float x) {
+    const unsigned int bits = __float_as_uint(x);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return __uint_as_float((bits & 0xffff0000u) | 0x00400000u);
+    return __uint_as_float((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
+}
+
+// Q4_K / Q5_K: 6-bit scale and min of sub-block s (ggml get_scale_min_k4)
+__device__ __forceinline__ void scale_min_k4(const unsigned char* q, int s, float* sc, float* m) {
+    if (s < 4) {
+        *sc = (float)(q[s] & 63);
+        *m = (float)(q[s + 4] & 63);
+    } else {
+        *sc = (float)((q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4));
+        *m = (float)((q[s + 4] >> 4) | ((q[s] >> 6) << 4));
+    }
+}
+
+// value j of a row of `type` blocks
+__device__ float dequant_value(const unsigned char* row, int type, int j) {
+    switch (type) {
+        case 1: return load_half(row + 2 * j);
+        case 30: return __uint_as_float(((unsigned int)row[2 * j] | ((unsigned int)row[2 * j + 1] << 8)) << 16);
+        case 8: {
+            const unsigned char* b = row + (j / 32) * 34;
+            return (float)(signed char)b[2 + j % 32] * load_half(b);
+        }
+        case 2: case 3: {
+            const int e = j % 32, size = type == 2 ? 18 : 20, off = type == 2 ? 2 : 4;
+            const unsigned char* b = row + (j / 32) * size;
+            const unsigned char byte = b[off + (e & 15)];
+            const float q = (float)(e < 16 ? byte & 15 : byte >> 4);
+            return type == 2 ? (q - 8.0f) * load_half(b) : q * load_half(b) + load_half(b + 2);
+        }
+        case 6: case 7: {
+            const int e = j % 32, size = type == 6 ? 22 : 24, off = type == 6 ? 2 : 4;
+            const unsigned char* b = row + (j / 32) * size;
+            const unsigned int qh = (unsigned int)b[off] | ((unsigned int)b[off + 1] << 8) |
+                                    ((unsigned int)b[off + 2] << 16) | ((unsigned int)b[off + 3] << 24);
+            const unsigned char byte = b[off + 4 + (e & 15)];
+            const float q = (float)((e < 16 ? byte & 15 : byte >> 4) | (((qh >> e) & 1u) << 4));
+            return type == 6 ? (q - 16.0f) * load_half(b) : q * load_half(b) + load_half(b + 2);
+        }
+        case 12: case 13: {
+            const int e = j % 256, s = e / 32, l = e % 32;
+            const unsigned char* b = row + (j / 256) * (type == 12 ? 144 : 176);
+            const unsigned char byte = b[(type == 12 ? 16 : 48) + 32 * (s / 2) + l];
+            int q = (s & 1) ? byte >> 4 : byte & 15;
+            if (type == 13) q |= ((b[16 + l] >> s) & 1) << 4;
+            float sc, m;
+            scale_min_k4(b + 4, s, &sc, &m);
+            return (load_half(b) * sc) * (float)q - load_half(b + 2) * m;
+        }
+        case 14: {
+            const int e = j % 256, n = e / 128, k = (e % 128) / 32, l = e % 32;
+            const unsigned char* b = row + (j / 256) * 210;
+            const unsigned char lb = b[64 * n + (k & 1) * 32 + l];
+            const int q = ((k < 2 ? lb & 15 : lb >> 4) | (((b[128 + 32 * n + l] >> (2 * k)) & 3) << 4)) - 32;
+            return (load_half(b + 208) * (float)(signed char)b[192 + 8 * n + 2 * k + l / 16]) * (float)q;
+        }
+    }
+    return QUIET_NAN;
+}
+
+// out[r, :] = row ids[r] (has_ids) or row0 + r of the stored matrix, dequantized
+extern "C" __global__ void dequant_rows(const unsigned char* __restrict__ raw, const int* __restrict__ ids,
+                                        real* __restrict__ out, long long n, int n_cols, long long row_bytes,
+                                        long long row0, int has_ids, int n_rows, int type) {
+    GRID_STRIDE(i, n) {
+        const long long r = i / n_cols;
+        const int j = (int)(i - r * n_cols);
+        const long long src = has_ids ? (long long)ids[r] : row0 + r;
+        out[i] = (src >= 0 && src < n_rows) ? (real)dequant_value(raw + src * row_bytes, type, j) : QUIET_NAN;
+    }
+}
+
+// The min of every block of Q4_1 / Q5_1 rows row0.. : out [rows, n_blocks]
+extern "C" __global__ void block_mins(const unsigned char* __restrict__ raw, real* __restrict__ out, long long n,
+                                      int n_blocks, long long row_bytes, long long row0, int block_bytes) {
+    GRID_STRIDE(i, n) {
+        const long long r = i / n_blocks;
+        const int k = (int)(i - r * n_blocks);
+        out[i] = (real)load_half(raw + (row0 + r) * row_bytes + (long long)k * block_bytes + 2);
+    }
+}
+
+// Activations rounded as ggml's CPU matmul converts them to a weight type's vec_dot_type, in float
+// whatever `real` is: one thread per block of `block` values. kind 0: fp16, 1: bf16, 2: Q8_0,
+// 3: Q8_1 (corr[b] = fp16(d sum q) - fp16(d) sum q, for the weights' min term), 4: Q8_K.
+extern "C" __global__ void round_act(const real* __restrict__ x, real* __restrict__ out, real* __restrict__ corr,
+                                     long long n_blocks, int block, int kind) {
+    GRID_STRIDE(b, n_blocks) {
+        const real* xb = x + b * block;
+        real* ob = out + b * block;
+        if (kind == 0) { for (int i = 0; i < block; ++i) ob[i] = (real)round_half((float)xb[i]); continue; }
+        if (kind == 1) { for (int i = 0; i < block; ++i) ob[i] = (real)round_bf16((float)xb[i]); continue; }
+        if (kind == 4) {  // quantize_row_q8_K_ref: the first largest |x| sets the (signed) scale
+            float amax = 0.0f, mx = 0.0f;
+            for (int i = 0; i < block; ++i) {
+                const float v = (float)xb[i];
+                if (fabsf(v) > amax) { amax = fabsf(v); mx = v; }
+            }
+            if (amax == 0.0f) { for (int i = 0; i < block; ++i) ob[i] = (real)0; continue; }
+            const float iscale = -127.0f / mx, d = 1.0f / iscale;
+            for (int i = 0; i < block; ++i) ob[i] = (real)(fminf(rintf(iscale * (float)xb[i]), 127.0f) * d);
+            continue;
+        }
+        float amax = 0.0f;  // quantize_row_q8_0 / q8_1 (x86): d = amax / 127 stored fp16, q = rint(x * 127 / amax)
+        for (int i = 0; i < block; ++i) amax = fmaxf(amax, fabsf((float)xb[i]));
+        const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f, dh = round_half(d);
+        float sum = 0.0f;
+        for (int i = 0; i < block; ++i) {
+            const float q = rintf((float)xb[i] * id);
+            sum += q;
+            ob[i] = (real)(q * dh);
+        }
+        if (kind == 3) corr[b] = (real)(round_half(d * sum) - dh * sum);
+    }
+}
+
 // ------------------------------------------------------------------ loss
 // out[row] = max + log(sum(exp(x - max))) over a row of n (one block per row).
 extern "C" __global__ void logsumexp_rows(const real* __restrict__ x, real* __restrict__ out, int n) {
@@ -663,6 +806,10 @@ class _CupyRuntime:
 
 # ---------------------------------------------------------------------------------------- backend
 PRECISIONS = ("f32", "tf32", "bf16")
+# ggml type ids of the stored-weight types (the dequant_rows kernel's switch), and round_act's kinds
+_QTYPE_IDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+              "BF16": 30}
+_ACT_KINDS = {"f16": 0, "bf16": 1, "q8_0": 2, "q8_1": 3, "q8_K": 4}
 
 
 class CUDABackend(Backend):
@@ -673,6 +820,7 @@ class CUDABackend(Backend):
     `runtime` replaces the cupy runtime (tests run the same kernels under a CPU emulator)."""
 
     name = "cuda"
+    q_scratch_elements = 1 << 26  # floats of W dequantized at once by qlinear / qlinear_back (256 MiB)
     # op name -> kernel method, one entry per op of graph/ops.OPS (bound per instance in __init__)
     KERNELS = {
         "sum_to": "_k_sum_to",
@@ -691,6 +839,10 @@ class CUDABackend(Backend):
         "softcap": "_k_softcap",
         "softcap_back": "_k_softcap_back",
         "matmul": "_k_matmul",
+        "qlinear": "_k_qlinear",
+        "qlinear_back": "_k_qlinear_back",
+        "qget_rows": "_k_qget_rows",
+        "dequantize": "_k_dequantize",
         "reshape": "_k_reshape",
         "permute": "_k_permute",
         "cont": "_k_cont",
@@ -868,6 +1020,98 @@ class CUDABackend(Backend):
         s = _element_strides(x)
         r, c, sr, sc = x.shape[-2], x.shape[-1], s[-2], s[-1]
         return x if _matrix_layout(r, c, sr, sc) is not None else self._contig(x)
+
+    # -- weights kept in a GGUF type (dequantized a row block at a time, then cuBLAS) -----------
+    def _dequant(self, out, w, qtype, row0=0, ids=None):
+        """out [rows, n_cols] = rows row0.. (or ids) of the stored matrix w (uint8 [rows, bytes])."""
+        if out.size:
+            has_ids = ids is not None
+            ids = self._ids(ids) if has_ids else self._no_ids()
+            self._launch("dequant_rows", out.dtype, _flat_grid(out.size), (_BLOCK,), w, ids, out, np.int64(out.size),
+                         np.int32(out.shape[-1]), np.int64(w.shape[1]), np.int64(row0), np.int32(has_ids),
+                         np.int32(w.shape[0]), np.int32(_QTYPE_IDS[qtype]))
+        return out
+
+    def _no_ids(self):
+        ids = getattr(self, "_dummy_ids", None)
+        if ids is None:
+            ids = self._dummy_ids = self.rt.to_device(np.zeros(1, np.int32), np.int32)
+        return ids
+
+    def _gemm_into(self, c, a, b, tb):
+        """c = a @ op(b) for row-contiguous 2-D views (c may be a column slice of a wider matrix)."""
+        plan = self._plan(a, b, c, False, tb)
+        self.rt.gemm(c.dtype, plan, self.rt.ptr(b), self.rt.ptr(a), self.rt.ptr(c), self.precision)
+
+    def _q_block_rows(self, n_rows, n_cols):
+        return max(1, min(n_rows, self.q_scratch_elements // max(1, n_cols)))
+
+    def _k_qlinear(self, out, x, w, qtype, round_x):
+        from llmtune.quant.matmul import ACT_BLOCK, qtype_of
+
+        qt = qtype_of(qtype)
+        n_out, n_in = out.shape[-1], x.shape[-1]
+        x2, o2 = self._contig(x).reshape(-1, n_in), out.reshape(-1, n_out)
+        if out.size == 0:
+            return out
+        corr = None
+        if round_x:
+            xr = self.xp.empty(x2.shape, x2.dtype)
+            block = ACT_BLOCK[qt.act]
+            corr = self.xp.empty((x2.shape[0], n_in // 32 if qt.has_min else 1), x2.dtype)
+            if x2.size:
+                n_blocks = x2.size // block
+                self._launch("round_act", x2.dtype, _flat_grid(n_blocks), (_BLOCK,), x2, xr, corr, np.int64(n_blocks),
+                             np.int32(block), np.int32(_ACT_KINDS[qt.act]))
+            x2 = xr
+        rb = self._q_block_rows(n_out, n_in)
+        wb = self.xp.empty((rb, n_in), out.dtype)
+        for r0 in range(0, n_out, rb):
+            r1 = min(n_out, r0 + rb)
+            blk = self._dequant(wb[: r1 - r0], w, qtype, r0)
+            if n_in == 0:
+                o2[:, r0:r1] = 0
+                continue
+            self._gemm_into(o2[:, r0:r1], x2, blk, True)
+            if round_x and qt.has_min:  # + corr @ mins^T: ggml's min term uses s = fp16(d sum q)
+                nb = n_in // 32
+                mins = self.xp.empty((r1 - r0, nb), out.dtype)
+                self._launch("block_mins", out.dtype, _flat_grid(mins.size), (_BLOCK,), w, mins, np.int64(mins.size),
+                             np.int32(nb), np.int64(w.shape[1]), np.int64(r0), np.int32(qt.size))
+                part = self.xp.empty((x2.shape[0], r1 - r0), out.dtype)
+                self._gemm_into(part, corr, mins, True)
+                self.xp.add(o2[:, r0:r1], part, out=o2[:, r0:r1])
+        return out
+
+    def _k_qlinear_back(self, out, g, w, qtype):
+        n_in, n_out = out.shape[-1], g.shape[-1]
+        g2, o2 = self._contig(g).reshape(-1, n_out), out.reshape(-1, n_in)
+        if out.size == 0:
+            return out
+        if n_out == 0:
+            out.fill(0)
+            return out
+        rb = self._q_block_rows(n_out, n_in)
+        wb = self.xp.empty((rb, n_in), out.dtype)
+        part = None
+        for r0 in range(0, n_out, rb):
+            r1 = min(n_out, r0 + rb)
+            blk = self._dequant(wb[: r1 - r0], w, qtype, r0)
+            if r0 == 0:
+                self._gemm_into(o2, g2[:, r0:r1], blk, False)
+                continue
+            if part is None:
+                part = self.xp.empty(o2.shape, out.dtype)
+            self._gemm_into(part, g2[:, r0:r1], blk, False)
+            self.xp.add(o2, part, out=o2)
+        return out
+
+    def _k_qget_rows(self, out, w, ids, qtype):
+        ids = self._ids(ids).reshape(-1)
+        return self._dequant(out.reshape(ids.size, out.shape[-1]), w, qtype, ids=ids).reshape(out.shape)
+
+    def _k_dequantize(self, out, w, qtype):
+        return self._dequant(out.reshape(-1, out.shape[-1]), w, qtype).reshape(out.shape)
 
     # -- shape ops ----------------------------------------------------------------------------
     def _k_reshape(self, out, x, shape):

@@ -20,11 +20,29 @@ from llmtune.errors import LlmtuneError
 MAX_CPU_WORKERS = 4  # each worker holds its own activations (and logits or a gradient buffer)
 
 
+_CORE_SHARE: Optional[int] = None  # set by share_cores: this process's part of a machine shared by ranks
+
+
 def n_cores() -> int:
+    if _CORE_SHARE is not None:
+        return _CORE_SHARE
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def share_cores(n_processes: int) -> None:
+    """This process shares the cores it may run on with n_processes - 1 others (data-parallel ranks
+    on one machine, backends/dist.py): it takes 1/n of them for its workers and for OpenBLAS's
+    threads, so the ranks do not oversubscribe the machine."""
+    global _CORE_SHARE
+    if n_processes <= 1:
+        return
+    _CORE_SHARE = max(1, n_cores() // n_processes)
+    funcs = blas_threads._load()
+    if funcs:
+        funcs[1](_CORE_SHARE)
 
 
 def cpu_workers(backend_name: str, requested: Optional[int], n_items: int) -> int:

@@ -4,6 +4,10 @@ The library call is `export(model_path, out_path, type, progress=None) -> Export
 gets which type follows llama.cpp (see quant/plan.py); the block encodings come from quant/blocks.py.
 All metadata is kept; general.file_type and general.quantization_version are set as llama-quantize
 sets them.
+
+With `lora` (adapter GGUFs, llama.cpp's llama-export-lora): each adapted tensor is merged in float32,
+W + scale * B A per adapter in order (model/adapter.py), then stored as `type` like any other: one
+command from a trained adapter to a deployable quantized file.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Callable, Iterator
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType as VT
 
+from llmtune.errors import LlmtuneError
 from llmtune.quant import blocks as quants
 from llmtune.gguf.file import GGUFFile, MetaValue, TensorSpec, check_output_path, load_gguf, write_gguf
 from llmtune.quant.plan import ExportType, ModelFacts, TensorPlan, export_type, plan_types
@@ -81,16 +86,26 @@ class ExportSummary:
 
 
 def export(model_path: str | os.PathLike, out_path: str | os.PathLike, type: str,
-           progress: Progress | None = None) -> ExportSummary:
-    """Write `model_path` to `out_path` with its weights stored as `type` (a name in EXPORT_TYPES)."""
+           progress: Progress | None = None, lora=None, lora_scale=None) -> ExportSummary:
+    """Write `model_path` to `out_path` with its weights stored as `type` (a name in EXPORT_TYPES);
+    `lora`: adapter GGUF path(s) merged into the weights first (`lora_scale`: one scale for all or
+    one per adapter, default 1)."""
     xt = export_type(type)
+    lora = [lora] if isinstance(lora, (str, os.PathLike)) else list(lora or [])
     gf = load_gguf(model_path)
-    out = check_output_path(out_path, model_path)
+    if gf.get("general.type") == "adapter":
+        raise LlmtuneError(f"{model_path}: is a LoRA adapter, not a model; to merge it: "
+                           f"llmtune export BASE.gguf --lora {model_path} --type {type} -o OUT.gguf")
+    out = check_output_path(out_path, model_path, *lora)
+    if lora_scale is not None and not lora and (isinstance(lora_scale, (int, float)) or list(lora_scale)):
+        raise LlmtuneError("--lora-scale: needs --lora (the adapter it scales)")
+    merged = _merger(gf, lora, lora_scale) if lora else None
     start = time.perf_counter()
     plans = plan_types(xt, {n: (t.shape, t.type) for n, t in gf.tensors.items()}, ModelFacts.from_metadata(gf.metadata))
     ordered = [plans[name] for name in gf.tensors]  # keep the input file's tensor order
     summary = ExportSummary(Path(model_path), out, xt.name, int(xt.ftype))
-    write_gguf(out, gf.arch, _export_metadata(gf, xt), _converted(gf, ordered, summary, progress), inputs=[model_path])
+    write_gguf(out, gf.arch, _export_metadata(gf, xt), _converted(gf, ordered, summary, progress, merged),
+               inputs=[model_path, *lora])
     summary.seconds = time.perf_counter() - start
     return summary
 
@@ -102,11 +117,27 @@ def _export_metadata(gf: GGUFFile, xt: ExportType) -> dict[str, MetaValue]:
     return meta
 
 
+def _merger(gf: GGUFFile, lora: list, lora_scale) -> Callable[[str], np.ndarray | None]:
+    """name -> the merged float32 tensor when an adapter changes it, else None. The adapters are
+    checked against the model's shapes; each base tensor is decoded only when it is merged."""
+    from llmtune.model.adapter import attach, merged_weight
+    from llmtune.model.loaded import Model, check_model
+
+    hp, present = check_model(gf)
+    shapes = {spec.name: np.broadcast_to(np.float32(0), gf.tensors[spec.name].shape) for spec in present}
+    model = attach(Model(gf.path, gf, hp, shapes), lora, lora_scale)
+    adapted = {n for a in model.adapters for n in a.pairs}
+    return lambda name: merged_weight(model, name, gf.tensor(name)) if name in adapted else None
+
+
 def _converted(gf: GGUFFile, plans: list[TensorPlan], summary: ExportSummary,
-               progress: Progress | None) -> Iterator[TensorSpec]:
+               progress: Progress | None, merged: Callable[[str], np.ndarray | None] | None = None) -> Iterator[TensorSpec]:
     for i, plan in enumerate(plans):
         info = gf.tensors[plan.name]
-        if plan.dst_type == info.type:  # nothing to convert: copy the stored bytes, no requantization loss
+        w = merged(plan.name) if merged is not None else None
+        if w is not None:  # changed by an adapter: always re-encoded
+            data = quants.quantize(w, plan.dst_type)
+        elif plan.dst_type == info.type:  # nothing to convert: copy the stored bytes, no requantization loss
             data = np.asarray(info.raw)
         else:
             data = quants.quantize(gf.tensor(plan.name), plan.dst_type)

@@ -18,9 +18,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT, LlamaFileType
 
 from llmtune.errors import LlmtuneError
-from llmtune.gguf.file import MetaValue, load_gguf, write_gguf
+from llmtune.gguf.file import MetaValue, check_output_path, load_gguf, write_gguf
 from llmtune.arch import get_family, supported
 from llmtune.arch.hparams import HParams
+from llmtune.resources import available_memory, check_disk_space
 from llmtune.tomlfile import read_toml
 
 
@@ -229,8 +230,25 @@ def init_model(
     if seed < 0:
         raise LlmtuneError(f"--seed: must be 0 or more, got {seed}")
     config = load_init_config(config_path)
+    out_path = check_output_path(out_path, config_path, vocab_from)
     tok_meta = tokenizer_metadata(vocab_from)
     hp = config.model.hparams(n_vocab=len(tok_meta["tokenizer.ggml.tokens"].value))
+    _check_resources(config_path, out_path, hp, optional)
     meta = {**model_metadata(hp, config.model.name or Path(config_path).stem), **tok_meta}
     tensors = init_tensors(hp, config.std, seed, test_weights, optional)
     return write_gguf(out_path, hp.arch, meta, tensors, inputs=[config_path, vocab_from])
+
+
+def _check_resources(config_path, out_path: Path, hp: HParams, optional=()) -> None:
+    """Refuse a shape whose float32 tensors (all held until the file is written) do not fit in
+    memory or on the output's disk, before drawing any of them."""
+    n_params = sum(math.prod(spec.shape) for spec in get_family(hp.arch).tensors(hp)
+                   if not spec.optional or spec.name in optional)
+    need = 4 * n_params
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise LlmtuneError(
+            f"{config_path}: a model of {n_params:,} parameters needs {need / 2**20:,.0f} MiB of memory to write "
+            f"(float32) but only {avail / 2**20:,.0f} MiB is available (choose a smaller shape)"
+        )
+    check_disk_space(out_path.parent, need, f"the new model's {n_params:,} float32 parameters")

@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
 
-from llmtune.backends.threads import cpu_workers, run_in_order
-from llmtune.errors import LlmtuneError
+from llmtune.backends.dist import run_split
+from llmtune.backends.threads import cpu_workers
+from llmtune.errors import LlmtuneError, LlmtuneWarning
+from llmtune.quant.qtensor import backend_array
 from llmtune.tokenizer import read_text
 
 DEFAULT_BATCH_TOKENS = {"cpu": 1024}  # tokens per forward pass (one per core) when --batch is not given
@@ -102,16 +105,35 @@ class _NllSums:
         self.count += nll.size
 
     def current_ppl(self) -> float:
-        return math.exp(math.fsum(self.chunk_nll) / self.count)
+        return _exp(math.fsum(self.chunk_nll) / self.count)
 
     def running_ppl(self, per_chunk: int) -> list[float]:
         cum = np.cumsum(np.asarray(self.chunk_nll, dtype=np.float64))
-        return np.exp(cum / (per_chunk * np.arange(1, cum.size + 1))).tolist()
+        with np.errstate(over="ignore"):  # a wildly wrong model's perplexity is inf, not an error
+            return np.exp(cum / (per_chunk * np.arange(1, cum.size + 1))).tolist()
 
     def estimate(self) -> tuple[float, float]:
         mean, err = mean_and_uncertainty(math.fsum(self.chunk_nll), self.nll_sq, self.count)
-        ppl = math.exp(mean)
+        ppl = _exp(mean)
         return ppl, err * ppl
+
+
+def _exp(x: float) -> float:
+    """exp that says inf past float64's range (a diverged model's mean nll can be in the thousands)."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def check_finite_nll(nll: np.ndarray, model, c0: int) -> np.ndarray:
+    """`nll` unchanged, or a one-line error when the model's logits held NaN or inf (damaged
+    weights, e.g. a finetune that diverged) for the chunks from c0 on."""
+    if not np.isfinite(nll).all():
+        chunk = c0 + int(np.argwhere(~np.isfinite(nll))[0][0]) + 1
+        raise LlmtuneError(f"{model.path}: the model's logits are not finite (NaN or inf) in chunk {chunk}: "
+                           f"its weights are damaged (a finetune that diverged?)")
+    return nll
 
 
 EXP_SAFE = 60.0  # |row max| below this: exp needs no shift (32000 * e^60 is far from float32 overflow)
@@ -200,38 +222,50 @@ class _KlSums:
 class ChunkScorer:
     """Logits of the scored positions of n_seq chunks per forward pass, for one model.
 
-    One compiled Program per number of sequences (the full batch, and a smaller one for the
-    last partial batch). `weights` (name -> backend array) lets several scorers share one copy.
+    One compiled Program per input shape (sequences, tokens per sequence, first position with
+    logits); the `keep` most recently used stay compiled (perplexity: 1, the full batch until the
+    partial last one; benchmarks, whose passes change shape, keep a few). `weights` (name ->
+    backend array) lets several scorers share one copy.
     """
 
-    def __init__(self, model, backend, ctx: int, weights: Optional[dict] = None):
+    def __init__(self, model, backend, ctx: int, weights: Optional[dict] = None, keep: int = 1):
         self.model, self.backend, self.ctx = model, backend, ctx
         self.first = ctx // 2  # llama.cpp: logits from position n_ctx/2 on
         if weights is None:
-            weights = {name: backend.asarray(w) for name, w in model.weights.items()}
+            weights = {name: backend_array(backend, w) for name, w in model.tensors().items()}
         self.weights = weights
         self.pos = backend.asarray(np.arange(ctx, dtype=np.int32))
-        self._programs: dict[int, object] = {}
+        self.keep = max(1, keep)
+        self._programs: dict[tuple, object] = {}  # insertion order = least recently used first
+        self._positions = {ctx: self.pos}
 
-    def _program(self, n_seq: int):
-        prog = self._programs.get(n_seq)
+    def _program(self, n_seq: int, n_tok: int, first: int):
+        key = (n_seq, n_tok, first)
+        prog = self._programs.pop(key, None)
         if prog is None:
             from llmtune.graph.planner import Program
 
-            self._programs.clear()  # at most one shape alive: the partial batch comes last
-            _, nodes, logits = self.model.build(n_seq, self.ctx, logits_start=self.first)
+            while len(self._programs) >= self.keep:  # drop the least recently used shape
+                del self._programs[next(iter(self._programs))]
+            _, nodes, logits = self.model.build(n_seq, n_tok, logits_start=first)
             prog = Program([logits], self.backend, params={nodes[n]: a for n, a in self.weights.items()})
-            self._programs[n_seq] = prog
+        self._programs[key] = prog
         return prog
 
-    def logits(self, tokens: np.ndarray) -> np.ndarray:
-        """tokens int32 [n_seq, ctx] -> float32 host array [n_seq, ctx - first, n_vocab].
+    def logits(self, tokens: np.ndarray, first: Optional[int] = None) -> np.ndarray:
+        """tokens int32 [n_seq, n_tok] (n_tok: ctx for perplexity) -> float32 host array
+        [n_seq, n_tok - first, n_vocab]: the logits of positions first.. (default ctx // 2).
 
         The array may be the program's own output buffer: valid (and writable) until the next call.
         """
-        (out,) = self._program(tokens.shape[0]).run(tokens=self.backend.asarray(tokens), pos=self.pos)
+        n_seq, n_tok = tokens.shape
+        first = self.first if first is None else first
+        pos = self._positions.get(n_tok)
+        if pos is None:
+            pos = self._positions[n_tok] = self.backend.asarray(np.arange(n_tok, dtype=np.int32))
+        (out,) = self._program(n_seq, n_tok, first).run(tokens=self.backend.asarray(tokens), pos=pos)
         host = self.backend.to_numpy(out)
-        return host.reshape(tokens.shape[0], self.ctx - self.first, -1)
+        return host.reshape(n_seq, n_tok - first, -1)
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -273,9 +307,12 @@ def _seqs_per_pass(batch: Optional[int], ctx: int, backend_name: str, n_chunk: i
     return max(1, min(batch // ctx, n_chunk))  # a batch below ctx still evaluates whole chunks
 
 
-def _load_models(model, kl_base) -> list:
-    """[model] or [model, base]: Models from Models or GGUF paths, vocabularies checked."""
-    models = [_as_model(model)]
+def _load_models(model, kl_base, lora=None, lora_scale=None) -> list:
+    """[model] or [model, base]: Models from Models or GGUF paths, vocabularies checked; the
+    adapters in `lora` (paths or LoraAdapters, llama.cpp's --lora) applied to the model only."""
+    from llmtune.model.adapter import attach
+
+    models = [attach(_as_model(model), lora, lora_scale)]
     if kl_base is not None:
         models.append(_as_model(kl_base))
         check_same_vocab(*models)
@@ -340,10 +377,10 @@ def _plan_chunks(model, ids: np.ndarray, ctx: int, n_chunk: int, batch: Optional
     return _Chunks(ids, ctx, n_chunk, n_seq, *add_bos_of(model))
 
 
-def _scorer_factory(models: list, backend, ctx: int) -> Callable[[], list[ChunkScorer]]:
+def _scorer_factory(models: list, backend, ctx: int, keep: int = 1) -> Callable[[], list[ChunkScorer]]:
     """Makes each worker its own scorers (compiled programs, buffers) over one shared upload of the weights."""
-    weights = [{n: backend.asarray(w) for n, w in m.weights.items()} for m in models]
-    return lambda: [ChunkScorer(m, backend, ctx, w) for m, w in zip(models, weights)]
+    weights = [{n: backend_array(backend, w) for n, w in m.tensors().items()} for m in models]
+    return lambda: [ChunkScorer(m, backend, ctx, w, keep) for m, w in zip(models, weights)]
 
 
 def _score_pass(chunks: _Chunks, scorers: list[ChunkScorer], c0: int) -> _BatchScores:
@@ -351,9 +388,12 @@ def _score_pass(chunks: _Chunks, scorers: list[ChunkScorer], c0: int) -> _BatchS
     tokens, targets = chunks.pass_tokens(c0)
     logits = scorers[0].logits(tokens)[:, :chunks.n_scored]
     if len(scorers) == 1:
-        return _BatchScores(token_nll(logits, targets))
+        return _BatchScores(check_finite_nll(token_nll(logits, targets), scorers[0].model, c0))
     base_logits = scorers[1].logits(tokens)[:, :chunks.n_scored]
-    return score_against_base(base_logits, logits, targets, token_nll(logits.copy(), targets))
+    nll = check_finite_nll(token_nll(logits.copy(), targets), scorers[0].model, c0)
+    scores = score_against_base(base_logits, logits, targets, nll)
+    check_finite_nll(scores.base_nll, scorers[1].model, c0)
+    return scores
 
 
 def _accumulate(chunks: _Chunks, passes, with_kl: bool,
@@ -399,20 +439,28 @@ def perplexity_from_ids(
     precision: str = "f32",
     source: str = "",
     workers: Optional[int] = None,
+    lora=None,
+    lora_scale=None,
 ) -> PerplexityResult:
     """Perplexity of `model` (Model or GGUF path) over pre-tokenized `ids` (BOS first if the model adds one),
     as perplexity.cpp's `perplexity()` (and, with `kl_base`, `kl_divergence()`) compute it.
 
+    `lora`: LoRA adapter GGUF path(s) applied to the model (llama.cpp's --lora), `lora_scale` one
+    scale for all or one per adapter (llama.cpp's --lora-scaled; default 1).
     `kl_base` (Model or path) adds KL(base || model) and top-token agreement on the same chunks.
     `source` names the text in error messages. `workers`: forward passes run at once on the cpu
     backend (default: one per core, up to 4); the numbers do not depend on it.
     """
-    models = _load_models(model, kl_base)
+    models = _load_models(model, kl_base, lora, lora_scale)
     ids, n_chunk = _checked_ids(models[0], ids, ctx, chunks, source)
+    if ctx > models[0].hp.n_ctx_train:  # llama.cpp warns too ("possible training context overflow")
+        warnings.warn(f"--ctx {ctx} is more than the {models[0].hp.n_ctx_train} tokens {models[0].path} was trained on "
+                      f"({models[0].hp.arch}.context_length): positions past it are untrained", LlmtuneWarning, stacklevel=2)
     backend = _as_backend(backend, precision)
     plan = _plan_chunks(models[0], ids, ctx, n_chunk, batch, backend.name)
     n_workers = cpu_workers(backend.name, workers, len(plan.pass_starts))
-    passes = run_in_order(partial(_score_pass, plan), _scorer_factory(models, backend, ctx), plan.pass_starts, n_workers)
+    # under an MPI launcher each rank scores its share of the passes (backends/dist.py); all get every result
+    passes = run_split(partial(_score_pass, plan), _scorer_factory(models, backend, ctx), plan.pass_starts, n_workers)
     return _accumulate(plan, passes, with_kl=kl_base is not None, progress=progress)
 
 
@@ -432,10 +480,14 @@ def perplexity(
     kl_base=None,
     progress: Optional[Callable[[PerplexityProgress], None]] = None,
     precision: str = "f32",
+    lora=None,
+    lora_scale=None,
 ) -> PerplexityResult:
     """llama-perplexity over a text file: see the module docstring and `perplexity_from_ids`."""
+    from llmtune.model.adapter import attach
+
     text = read_text(text_path)  # a missing text fails before the (slower) model load
-    model = _as_model(model_path)
+    model = attach(_as_model(model_path), lora, lora_scale)  # bad adapters fail before tokenizing
     ids = tokenize(model, text)
     return perplexity_from_ids(model, ids, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
                                kl_base=kl_base, progress=progress, precision=precision, source=str(text_path))

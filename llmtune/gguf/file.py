@@ -383,18 +383,19 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike) -> Path:
+def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike, flag: str = "-o") -> Path:
     """Refuse to write over an input file or into something that is not a folder; returns the path.
 
     A missing output folder is created here, so `-o out/model.gguf` works on a fresh checkout
     and every writer that checks its path first (GGUF, JSON, metrics) can simply open it.
+    `flag` is the option that named the path (-o, --json, --metrics), so the message names it.
     """
     out = Path(out)
     for src in inputs:
         if _same_file(out, Path(src)) or out.resolve() == Path(src).resolve():
-            raise LlmtuneError(f"{out}: refusing to overwrite the input file; choose another -o path")
+            raise LlmtuneError(f"{out}: refusing to overwrite the input file {src}; choose another {flag} path")
     if out.is_dir():
-        raise LlmtuneError(f"{out}: is a directory; give a file name with -o")
+        raise LlmtuneError(f"{out}: is a directory; give a file name with {flag}")
     ancestor = out.resolve().parent
     while not ancestor.exists():
         ancestor = ancestor.parent

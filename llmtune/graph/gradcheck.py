@@ -12,12 +12,13 @@ from llmtune.graph.planner import Program
 
 
 def check_gradients(build: Callable, arrays: dict[str, np.ndarray], backend, *, int_inputs=None,
-                    eps: float = 1e-6, seed: int = 0) -> dict[str, float]:
+                    eps: float = 1e-6, seed: int = 0, leaves=None) -> dict[str, float]:
     """Max relative error between autodiff and central differences for every float input.
 
     build(**nodes) -> output node. `arrays` are float64 values of the differentiable inputs,
     `int_inputs` int32 arrays passed as non-differentiable inputs. The scalar checked is
-    sum(output * R) for a fixed random R, so every output element matters.
+    sum(output * R) for a fixed random R, so every output element matters. `leaves`: other leaf
+    node -> backend array, bound for every run (e.g. an ops.qweight's bytes that `build` closes over).
     """
     int_inputs = int_inputs or {}
     nodes = {k: ops.param(v.shape, name=k) for k, v in arrays.items()}
@@ -28,7 +29,7 @@ def check_gradients(build: Callable, arrays: dict[str, np.ndarray], backend, *, 
     loss = ops.sum_to(ops.mul(out, weights), ())
     grads = grad(loss, list(nodes.values()))
     values = {n: backend.asarray(np.array(arrays[k], dtype=np.float64)) for k, n in nodes.items()}
-    prog = Program([loss] + [grads[n] for n in nodes.values()], backend, params=values)
+    prog = Program([loss] + [grads[n] for n in nodes.values()], backend, params={**(leaves or {}), **values})
     feed = {k: backend.asarray(v.astype(np.int32)) for k, v in int_inputs.items()}
     feed["__r"] = backend.asarray(rng.standard_normal(out.shape))
 

@@ -11,7 +11,8 @@ _ids = itertools.count()
 class Node:
     """A value in the compute graph. Leaves are inputs, parameters or constants.
 
-    shape: logical numpy shape. dtype: "f32" (the backend's float type) or "i32".
+    shape: logical numpy shape. dtype: "f32" (the backend's float type), "i32", or "q" (a frozen
+    matrix kept as GGUF block bytes, ops.qweight).
     contiguous: False for strided views (permute, some slices); `reshape` needs a contiguous input.
     """
 

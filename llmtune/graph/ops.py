@@ -217,6 +217,62 @@ def _matmul_backward(n: Node, g: Node):
 _register("matmul", _matmul_backward)
 
 
+# --------------------------------------------------------------------------- weights kept in a GGUF type
+def qweight(shape, qtype: str, name: str = "") -> Node:
+    """A frozen matrix W[out, in] kept as its GGUF block bytes (`qtype`: "Q4_K", "F16", ... a key of
+    quant/matmul.QTYPES): bound to a uint8 array [out, bytes per row]. Only qlinear, qlinear_back,
+    qget_rows and dequantize read it; it never has a gradient."""
+    from llmtune.quant.matmul import qtype_of
+
+    qtype_of(qtype)
+    if len(tuple(shape)) != 2:
+        raise ValueError(f"qweight: {shape} is not a matrix")
+    return Node("param", (), {"qtype": qtype}, shape, "q", requires_grad=False, name=name)
+
+
+def _check_q(w: Node, op: str) -> str:
+    if w.dtype != "q":
+        raise ValueError(f"{op}: {w} is not a qweight")
+    return w.attrs["qtype"]
+
+
+def qlinear(x: Node, w: Node, round_x: bool = True) -> Node:
+    """x[..., in] @ W^T for a qweight W, dequantized a block of rows at a time. round_x: x is first
+    rounded as ggml's CPU matmul rounds activations for W's type (fp16 / bf16 / Q8_0 / Q8_1 / Q8_K
+    blocks, quant/matmul.py); the gradient passes straight through that rounding."""
+    qtype = _check_q(w, "qlinear")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"qlinear: {x.shape} @ {w.shape}^T")
+    if not x.contiguous:
+        x = cont(x)
+    return _node("qlinear", (x, w), {"qtype": qtype, "round_x": bool(round_x)}, x.shape[:-1] + (w.shape[0],))
+
+
+def qlinear_back(g: Node, w: Node) -> Node:
+    """g[..., out] @ W: the input gradient of qlinear (W's own gradient is never computed)."""
+    qtype = _check_q(w, "qlinear_back")
+    if not g.contiguous:
+        g = cont(g)
+    return _node("qlinear_back", (g, w), {"qtype": qtype}, g.shape[:-1] + (w.shape[1],))
+
+
+def qget_rows(w: Node, ids: Node) -> Node:
+    """W[ids] dequantized, for a qweight W (a frozen embedding table): ids.shape + (in,)."""
+    qtype = _check_q(w, "qget_rows")
+    return _node("qget_rows", (w, ids), {"qtype": qtype}, ids.shape + w.shape[1:])
+
+
+def dequantize(w: Node) -> Node:
+    """The whole qweight as a float matrix (for uses other than a product or a row lookup)."""
+    return _node("dequantize", (w,), {"qtype": _check_q(w, "dequantize")}, w.shape)
+
+
+_register("qlinear", lambda n, g: (qlinear_back(g, n.inputs[1]), None))
+_register("qlinear_back", None)
+_register("qget_rows", None)
+_register("dequantize", None)
+
+
 # --------------------------------------------------------------------------- shape ops
 def reshape(x: Node, shape) -> Node:
     shape = tuple(shape)

@@ -1,4 +1,5 @@
-"""A GGUF model ready for graphs: its family, hyper-parameters and float32 weights."""
+"""A GGUF model ready for graphs: its family, hyper-parameters, float32 weights and the LoRA
+adapters applied to them (model/adapter.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, load_gguf
 from llmtune.graph import ops
+from llmtune.model.adapter import LoraGraph
+from llmtune.quant.qtensor import QTensor, stored
 
 
 @dataclass
@@ -21,8 +24,11 @@ class Model:
     path: Path
     gguf: GGUFFile
     hp: HParams
-    weights: dict[str, np.ndarray]  # float32, numpy shape, in the family's tensor order
+    # numpy shape, in the family's tensor order: float32, or a QTensor for a matrix kept in its file
+    # type (quant/qtensor.py: frozen, it stays that way in memory and in the graph)
+    weights: dict[str, np.ndarray]
     _tokenizer: object = field(default=None, repr=False)
+    adapters: list = field(default_factory=list)  # LoraAdapter, applied in order (llama.cpp --lora)
 
     @property
     def family(self):
@@ -37,7 +43,17 @@ class Model:
         return self._tokenizer
 
     def n_params(self) -> int:
+        """Parameters of the base model (adapters not counted)."""
         return sum(w.size for w in self.weights.values())
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """Every graph leaf by name: the base weights, then each adapter's A/B (adapter.tensor_key)."""
+        if not self.adapters:
+            return self.weights
+        out = dict(self.weights)
+        for i, adapter in enumerate(self.adapters):
+            out.update(adapter.tensors(i))
+        return out
 
     def select(self, pattern: str | None) -> list[str]:
         """Tensor names matched by a regex (re.search); all tensors when pattern is None."""
@@ -52,12 +68,18 @@ class Model:
             raise LlmtuneError(f"--params: {pattern!r} matches no tensor of {self.path.name}")
         return names
 
-    def build(self, n_seq: int, n_tok: int, *, logits_start: int = 0, trainable=()):
-        """Forward graph for n_seq x n_tok tokens -> (batch inputs, weight nodes by name, logits)."""
+    def build(self, n_seq: int, n_tok: int, *, logits_start: int = 0, trainable=(), lora_dropout: float = 0.0,
+              cache=None):
+        """Forward graph for n_seq x n_tok tokens -> (batch inputs, tensor nodes by name, logits).
+        Nodes cover `tensors()` (adapters included); lora_dropout > 0 (training) adds the adapters'
+        dropout-mask inputs (adapter.dropout_masks). cache: an arch/kvcache.py KVCache (generation);
+        its buffers are leaves of the graph too (in cache.nodes, not in the returned nodes)."""
         trainable = set(trainable)
-        nodes = {name: ops.param(w.shape, name=name, requires_grad=name in trainable) for name, w in self.weights.items()}
+        nodes = {name: ops.qweight(w.shape, w.qtype, name=name) if isinstance(w, QTensor) and name not in trainable
+                 else ops.param(w.shape, name=name, requires_grad=name in trainable) for name, w in self.tensors().items()}
+        lora = LoraGraph.of(self.adapters, nodes, lora_dropout) if self.adapters else None
         batch = Batch.make(n_seq, n_tok)
-        logits = self.family.build(BuildContext(self.hp, nodes, batch, logits_start))
+        logits = self.family.build(BuildContext(self.hp, nodes, batch, logits_start, lora=lora, cache=cache))
         return batch, nodes, logits
 
 
@@ -68,6 +90,8 @@ def hparams_of(gf: GGUFFile) -> HParams:
 
 def check_model(gf: GGUFFile) -> tuple[HParams, list]:
     """What load_model accepts, without reading tensor data: (hparams, the tensors present)."""
+    if gf.get("general.type") == "adapter":
+        raise LlmtuneError(f"{gf.path}: is a LoRA adapter, not a model; give its base model and the adapter with --lora")
     hp = hparams_of(gf)
     present = check_tensors(hp, {name: info.shape for name, info in gf.tensors.items()}, str(gf.path))
     if hp.n_vocab != gf.tensors["token_embd.weight"].shape[0]:
@@ -75,9 +99,15 @@ def check_model(gf: GGUFFile) -> tuple[HParams, list]:
     return hp, present
 
 
-def load_model(path) -> Model:
+def load_model(path, quantized: bool = True) -> Model:
+    """quantized: matrices stored in a quantized or 16-bit type stay as their bytes (QTensor; a
+    frozen one is multiplied as llama.cpp multiplies it, activations rounded to its vec_dot type);
+    False decodes every tensor to float32 (products in plain float32)."""
     gf = load_gguf(path)
     hp, present = check_model(gf)
-    # F32 tensors: read-only views of the memory map, no second copy of the file in RAM
-    weights = {spec.name: gf.tensor(spec.name) for spec in present}
+    # read-only views of the memory map, no second copy of the file in RAM (F32, and kept types)
+    weights = {}
+    for spec in present:
+        kept = stored(gf.tensors[spec.name], quantized)
+        weights[spec.name] = kept if kept is not None else gf.tensor(spec.name)
     return Model(Path(path), gf, hp, weights)

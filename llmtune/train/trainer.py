@@ -4,6 +4,7 @@ n_ctx tokens per sequence, n_batch tokens per optimizer step, n_ubatch tokens pe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 from concurrent.futures import ThreadPoolExecutor
@@ -11,12 +12,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmtune.backends.threads import blas_threads, cpu_workers, run_in_order
+from llmtune.backends.dist import Communicator, DistributedError, run_split, world
+from llmtune.backends.threads import blas_threads, cpu_workers
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import Program
 from llmtune.model.loaded import Model
+from llmtune.quant.qtensor import QTensor, backend_array, shape_only
 from llmtune.train.optim import Optimizer
 
 
@@ -53,12 +56,24 @@ class RunningStats:
         return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else math.nan
 
 
+class Diverged(LlmtuneError):
+    """A training step whose loss or gradients are not finite, or whose loss is past the trainer's
+    `max_loss`; raised before that step's update, so the weights stay those of the step before."""
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"step {step}: {reason}")
+        self.step, self.reason = step, reason
+
+
 class Trainer:
     def __init__(self, model: Model, backend, *, n_ctx: int, n_batch: int, n_ubatch: int,
-                 trainable: list[str], optimizer: str = "adamw", wd: float = 0.0, workers: int | None = None):
-        """workers: micro-batches computed at once (cpu: by default one per core when a step
-        has several, each with single-threaded BLAS). The result does not depend on it beyond
-        float rounding."""
+                 trainable: list[str], optimizer: str = "adamw", wd: float = 0.0, workers: int | None = None,
+                 lora_dropout: float = 0.0, seed: int = 0, comm: Communicator | None = None):
+        """trainable: names in model.tensors() (base weights, or a LoRA adapter's A/B keys: the
+        base then stays frozen). workers: micro-batches computed at once (cpu: by default one per
+        core when a step has several, each with single-threaded BLAS). The result does not depend
+        on it beyond float rounding. lora_dropout: PEFT's dropout on the adapters' inputs in
+        training passes, masks drawn per sequence from `seed` (adapter.dropout_masks)."""
         if n_batch % n_ctx or n_ubatch % n_ctx or n_batch % n_ubatch:
             raise LlmtuneError(
                 f"--batch {n_batch} / --ubatch {n_ubatch}: both must be multiples of --ctx {n_ctx}, and ubatch must divide batch"
@@ -68,13 +83,30 @@ class Trainer:
         self.seqs_per_ubatch = n_ubatch // n_ctx
         self.ubatches_per_step = n_batch // n_ubatch
         self.trainable = list(trainable)
+        self.tensors = model.tensors()
+        # a trainable matrix stored quantized trains as float32 master weights (re-quantized on
+        # save): its graphs see a float tensor of its shape; frozen ones stay in their file type
+        dense = {n: shape_only(w) for n, w in model.weights.items() if isinstance(w, QTensor) and n in set(trainable)}
+        if dense:
+            self.model = model = dataclasses.replace(model, weights={**model.weights, **dense})
+        self.lora_dropout, self.seed, self.steps_done = float(lora_dropout), seed, 0
+        self.max_loss = math.inf  # a step's mean loss above it stops training (Diverged)
         self._requested_workers = workers
-        self.n_workers = cpu_workers(backend.name, workers, self.ubatches_per_step)
+        # data-parallel ranks (backends/dist.py; default: this process's world): rank r takes the
+        # step's micro-batches r, r + size, ...; one all-reduce of flat_g per step sums them
+        self.comm = (world() if comm is None else comm).for_backend(backend)
+        if self.comm.size > self.ubatches_per_step:
+            raise DistributedError(f"--batch {n_batch} / --ubatch {n_ubatch}: {self.ubatches_per_step} micro-batch(es) per step "
+                                   f"for {self.comm.size} ranks; each rank needs one (raise --batch or lower --ubatch)")
+        self.my_ubatches = range(self.comm.rank, self.ubatches_per_step, self.comm.size)
+        self.n_workers = cpu_workers(backend.name, workers, len(self.my_ubatches))
         self._init_buffers()
         self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd)
         # worker 0 accumulates into flat_g, the others into buffers of their own, summed per step
         self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
         self._train_progs = [self._build_train_program(self._flat_views(g)) for g in self._worker_flat_g]
+        # dropout-mask inputs of the training graph (name -> shape), fed per micro-batch
+        self._masks = {n: node.shape for n, node in self._train_progs[0].inputs.items() if n.endswith(".dropout")}
         # compiled eval programs by sequence count, one cache per concurrent worker (grown on demand)
         self._eval_caches: list[dict[int, Program]] = []
         self._pos = backend.asarray(np.arange(n_ctx, dtype=np.int32))
@@ -84,7 +116,7 @@ class Trainer:
     def _init_buffers(self) -> None:
         """Trainable tensors live as views of one flat buffer (so the optimizer is one fused
         update); frozen tensors are separate arrays and carry no gradient or optimizer state."""
-        be, weights = self.backend, self.model.weights
+        be, weights = self.backend, self.tensors
         self.n_trainable = sum(weights[n].size for n in self.trainable)
         self.flat_w = be.zeros((self.n_trainable,))
         self.flat_g = be.zeros((self.n_trainable,))
@@ -95,13 +127,13 @@ class Trainer:
         self.grads = self._flat_views(self.flat_g)
         for name, w in weights.items():
             if name not in self.values:
-                self.values[name] = be.asarray(w.astype(be.dtype, copy=False))
+                self.values[name] = backend_array(be, w)  # a QTensor's bytes as they are
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
         views, offset = {}, 0
         for name in self.trainable:
-            w = self.model.weights[name]
+            w = self.tensors[name]
             views[name] = flat[offset : offset + w.size].reshape(w.shape)
             offset += w.size
         return views
@@ -110,7 +142,8 @@ class Trainer:
         return {nodes[name]: self.values[name] for name in nodes}
 
     def _build_train_program(self, grad_views: dict) -> Program:
-        batch, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable)
+        batch, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable,
+                                                lora_dropout=self.lora_dropout)
         targets = ops.input((self.n_ubatch,), "i32", name="targets")
         loss_scale = ops.input((), name="loss_scale")
         loss = ops.cross_entropy(logits, targets)
@@ -128,37 +161,74 @@ class Trainer:
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> dict[str, int]:
+        """Bytes by part: the base weights (frozen or trained), the adapters (LoRA), gradients
+        (one buffer per worker), optimizer state, activations (the planned arenas) and, with
+        LoRA dropout, the masks fed per micro-batch."""
         itemsize = np.dtype(self.backend.dtype).itemsize
-        return {
-            "parameters": sum(w.size for w in self.model.weights.values()) * itemsize,
+        n_base = sum(w.size for w in self.model.weights.values())
+        memory = {"base": sum(self.base_types().values())}
+        if self.model.adapters:
+            memory["adapters"] = (sum(w.size for w in self.tensors.values()) - n_base) * itemsize
+        memory.update({
             "gradients": self.n_trainable * itemsize * self.n_workers,
             "optimizer": self.optimizer.state_bytes,
             "activations": sum(p.memory.planned_bytes for p in self._train_progs),
-        }
+        })
+        if self._masks:
+            memory["dropout masks"] = sum(int(np.prod(s)) for s in self._masks.values()) * itemsize * self.n_workers
+        return memory
+
+    def base_types(self) -> dict[str, int]:
+        """Bytes of the base weights by how they are held: frozen matrices in their file type
+        ("Q4_K", "F16", ...), everything else (trained or float) in the backend's float type."""
+        itemsize = np.dtype(self.backend.dtype).itemsize
+        trained = set(self.trainable)
+        out: dict[str, int] = {}
+        for name in self.model.weights:  # adapters' tensors are not the base
+            w = self.tensors[name]
+            if isinstance(w, QTensor) and name not in trained:
+                key, nbytes = w.qtype, w.nbytes
+            else:
+                key, nbytes = ("F32" if itemsize == 4 else "F64"), w.size * itemsize
+            out[key] = out.get(key, 0) + nbytes
+        return out
 
     # ------------------------------------------------------------------ steps
-    def _feed(self, inputs: np.ndarray, targets: np.ndarray) -> dict:
+    def _feed(self, inputs: np.ndarray, targets: np.ndarray, seqs: range | None = None) -> dict:
+        """Inputs of one pass; `seqs` (training passes): the micro-batch's sequence indices within
+        the step, which pick its dropout masks."""
         be = self.backend
-        return {
+        feed = {
             "tokens": be.asarray(np.ascontiguousarray(inputs, dtype=np.int32)),
             "pos": self._pos,
             "targets": be.asarray(np.ascontiguousarray(targets, dtype=np.int32).reshape(-1)),
         }
+        if seqs is not None and self._masks:
+            from llmtune.model.adapter import dropout_masks
+
+            masks = dropout_masks(self._masks, self.lora_dropout, self.seed, self.steps_done, seqs)
+            feed.update({n: be.asarray(m.astype(be.dtype, copy=False)) for n, m in masks.items()})
+        return feed
 
     def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats) -> float:
         """One optimizer step over n_batch tokens (inputs/targets: [n_batch/n_ctx, n_ctx]).
         Returns the step's mean loss."""
         be = self.backend
-        scale = be.asarray(np.asarray(1.0 / self.ubatches_per_step, dtype=be.dtype))
         k, n_ub, n_w = self.seqs_per_ubatch, self.ubatches_per_step, self.n_workers
+        # tokens carrying loss per micro-batch (a target of -1, a masked prompt or padding token,
+        # carries none): each pass's mean is weighted by its share of the step's tokens, so the
+        # step's loss and gradient are the mean over all of them (1 / n_ub each without masking)
+        counts = (np.asarray(targets).reshape(n_ub, -1) >= 0).sum(axis=1)
+        total = max(int(counts.sum()), 1)
+        scales = [be.asarray(np.asarray(c / total, dtype=be.dtype)) for c in counts]
         results: list = [None] * n_ub
 
-        def work(w: int) -> None:  # worker w takes micro-batches w, w + n_w, ...
+        def work(w: int) -> None:  # worker w takes this rank's micro-batches w, w + n_w, ...
             prog = self._train_progs[w]
-            for j, u in enumerate(range(w, n_ub, n_w)):
-                feed = self._feed(inputs[u * k : (u + 1) * k], targets[u * k : (u + 1) * k])
+            for j, u in enumerate(self.my_ubatches[w::n_w]):
+                feed = self._feed(inputs[u * k : (u + 1) * k], targets[u * k : (u + 1) * k], range(u * k, (u + 1) * k))
                 # a worker's first pass assigns its gradients, later ones add to them
-                loss, correct = prog.run(loss_scale=scale, assign=j == 0, **feed)
+                loss, correct = prog.run(loss_scale=scales[u], assign=j == 0, **feed)
                 results[u] = (float(be.to_numpy(loss)), int(be.to_numpy(correct)))
 
         if n_w == 1:
@@ -168,10 +238,29 @@ class Trainer:
                 list(self._pool.map(work, range(n_w)))
             for extra in self._worker_flat_g[1:]:
                 be.accumulate(self.flat_g, extra)
-        for loss_v, correct in results:
-            stats.add(loss_v, correct, self.n_ubatch)
+        if self.comm.size > 1:
+            results = self._reduce_step(results)
+        if (counts == counts[0]).all():
+            loss = float(np.mean([r[0] for r in results]))
+        else:  # masked targets: the mean over the step's loss-carrying tokens
+            loss = float(sum(r[0] * c for r, c in zip(results, counts)) / total)
+        self._check_step(loss)  # before the update: a bad step leaves the weights as they were
+        for (loss_v, correct), c in zip(results, counts):
+            stats.add(loss_v, correct, int(c))
         self.optimizer.step(self.flat_w, self.flat_g, lr)
-        return float(np.mean([r[0] for r in results]))
+        self.steps_done += 1
+        return loss
+
+    def _reduce_step(self, results: list) -> list:
+        """The step's all-reduce: flat_g summed over the ranks (one collective over the flat buffer),
+        and every micro-batch's (loss, correct) given to every rank (exact: each is added to zeros)."""
+        step = self.steps_done + 1
+        self.comm.allreduce(self.flat_g, f"the all-reduce of step {step}'s gradients")
+        mine = np.zeros((2, len(results)))
+        for u in self.my_ubatches:
+            mine[:, u] = results[u]
+        every = self.comm.allreduce_host(mine, f"the all-reduce of step {step}'s losses")
+        return [(float(loss), int(correct)) for loss, correct in every.T]
 
     def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats) -> None:
         """Loss/accuracy without gradients, in passes of at most n_ubatch tokens (one pass per
@@ -186,15 +275,68 @@ class Trainer:
             if prog is None:
                 prog = progs[len(x)] = self._make_eval_program(len(x))
             loss, correct = prog.run(**self._feed(x, y))
-            return float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), y.size
+            return float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), int((y >= 0).sum())
 
         self._eval_caches += [{} for _ in range(n_w - len(self._eval_caches))]
         caches: queue.SimpleQueue = queue.SimpleQueue()  # each worker takes its own cache
         for cache in self._eval_caches[:n_w]:
             caches.put(cache)
-        for loss_v, correct, n in run_in_order(score, caches.get, starts, n_w):
+        for loss_v, correct, n in run_split(score, caches.get, starts, n_w, self.comm):  # passes split across ranks
             stats.add(loss_v, correct, n)
 
     def trained_weights(self) -> dict[str, np.ndarray]:
         """Host float32 copies of the trainable tensors."""
         return {n: np.asarray(self.backend.to_numpy(self.values[n]), dtype=np.float32) for n in self.trainable}
+
+    # ------------------------------------------------------------------ divergence guard
+    def _check_step(self, loss: float) -> None:
+        step = self.steps_done + 1
+        bad = self.nonfinite(self.flat_g)
+        if not math.isfinite(loss) or bad:
+            what = f"the loss is {loss}" if not math.isfinite(loss) else f"the loss is {loss:.4g}"
+            if bad:
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                what += f"; the gradient of {bad[0]}{more} is not finite"
+            raise Diverged(step, what)
+        if loss > self.max_loss:
+            name, rms = self.largest_gradient()
+            raise Diverged(step, f"the loss is {loss:.6g}, above the divergence limit {self.max_loss:.4g}; "
+                                 f"largest gradient: {name} (rms {rms:.3g})")
+
+    def nonfinite(self, flat) -> list[str]:
+        """Trainable tensors (in file order) whose part of `flat` (flat_w or flat_g) holds NaN or
+        inf. One reduction when all is well; per tensor only when the sum is not finite."""
+        if self.n_trainable == 0 or math.isfinite(float(self.backend.to_numpy(flat.sum()))):
+            return []
+        return [name for name, view in self._flat_views(flat).items()
+                if not np.isfinite(self.backend.to_numpy(view)).all()]
+
+    def largest_gradient(self) -> tuple[str, float]:
+        """The trainable tensor with the largest gradient (root mean square) in flat_g."""
+        rms = {name: float(np.sqrt(np.mean(np.square(self.backend.to_numpy(v), dtype=np.float64))))
+               for name, v in self._flat_views(self.flat_g).items()}
+        name = max(rms, key=rms.get) if rms else "-"
+        return name, rms.get(name, 0.0)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The trainable buffer and the optimizer's moments as host arrays (a checkpoint's arrays)."""
+        host = self.backend.to_numpy
+        arrays = {"weights": np.array(host(self.flat_w), dtype=np.float32)}
+        if self.optimizer.m is not None:
+            arrays["adam_m"] = np.array(host(self.optimizer.m), dtype=np.float32)
+            arrays["adam_v"] = np.array(host(self.optimizer.v), dtype=np.float32)
+        return arrays
+
+    def load_state(self, arrays: dict, steps_done: int) -> None:
+        """Continue from state_arrays() taken after `steps_done` optimizer steps."""
+        be = self.backend
+        for name, buf in (("weights", self.flat_w), ("adam_m", self.optimizer.m), ("adam_v", self.optimizer.v)):
+            if buf is None:
+                continue
+            src = arrays.get(name)
+            if src is None or src.shape != (self.n_trainable,):
+                raise LlmtuneError(f"checkpoint: {name} has {None if src is None else src.shape}, "
+                                   f"this run trains {self.n_trainable} values")
+            buf[...] = be.asarray(np.asarray(src, dtype=np.float32).astype(be.dtype, copy=False))
+        self.optimizer.t = self.steps_done = steps_done

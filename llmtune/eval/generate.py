@@ -1,0 +1,404 @@
+"""`llmtune.generate(...)`: text generation with a KV cache, as llama.cpp's llama-completion.
+
+A `Generator` holds a model on a backend, the KV cache buffers (arch/kvcache.py) and the compiled
+forward programs. Feeding tokens runs one program per batch of up to `n_batch` new tokens; the
+program writes their k/v into the cache at their positions and returns the last token's logits.
+Programs are compiled once per (new tokens, attended cache positions) and reused: a decode step
+(one token) only binds the token id and its position, so with `n_kv` rounded up to a block of
+positions a whole generation runs a handful of programs. Consecutive prompts share the cached
+prefix they have in common (an interactive chat evaluates only each new turn).
+
+The prompt is tokenized as llama-completion does (BOS per the model's flag, special tokens
+parsed); generation stops after `n_predict` tokens, at an end-of-generation token (EOS, EOT,
+<|im_end|>, <end_of_turn>, ...: llama.cpp's special_eog_ids) or when the context is full.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+
+from llmtune.arch.kvcache import CacheShape, KVCache
+from llmtune.errors import LlmtuneError
+from llmtune.eval.sampling import Sampler, SamplerConfig
+from llmtune.graph.planner import Program
+from llmtune.tokenizer.chat_template import eog_ids
+from llmtune.quant.qtensor import QTensor, backend_array
+
+DEFAULT_N_CTX = 4096  # llama.cpp's common default context; never more than the model's n_ctx_train
+DEFAULT_N_BATCH = 512  # prompt tokens per forward pass
+MAX_PROGRAMS = 16  # compiled programs kept (least recently used dropped)
+
+
+def kv_bucket(n: int, n_ctx: int) -> int:
+    """Cache positions a program attends over for n positions in use: a multiple of 64 (of 256
+    past 512), at most n_ctx. Few programs, and at most a block of masked positions read."""
+    block = 64 if n <= 512 else 256
+    return min(n_ctx, -(-n // block) * block)
+
+
+@dataclass
+class GenerateResult:
+    prompt_tokens: list[int]
+    tokens: list[int]  # generated (the stopping EOG token included)
+    text: str  # the generated text (EOG tokens render empty, as llama.cpp prints them)
+    stop: str  # "eog", "length" (n_predict reached) or "context" (the context is full)
+    seed: int
+    n_evaluated: int = 0  # prompt tokens run through the model (less the cached prefix)
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    n_ctx: int = 0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.n_evaluated / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: generated tokens after the first (each one forward pass) per second."""
+        n = max(len(self.tokens) - 1, 0)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class Generator:
+    """A model ready to generate: weights and KV cache on a backend, compiled programs."""
+
+    def __init__(self, model, backend=None, *, n_ctx: Optional[int] = None, n_batch: int = DEFAULT_N_BATCH,
+                 values: Optional[dict] = None):
+        from llmtune.backends import get_backend
+
+        self.model = model
+        self.backend = backend if backend is not None and not isinstance(backend, str) else get_backend(backend or "cpu")
+        hp = model.hp
+        n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_N_CTX)
+        if n_ctx < 1:
+            raise LlmtuneError(f"--ctx: must be positive, got {n_ctx}")
+        if n_batch < 1:
+            raise LlmtuneError(f"--batch: must be positive, got {n_batch}")
+        if n_ctx > hp.n_ctx_train and "position_embd.weight" in model.weights:
+            raise LlmtuneError(f"--ctx {n_ctx}: {model.path} has learned positions for {hp.n_ctx_train} tokens only")
+        self.n_ctx, self.n_batch = int(n_ctx), int(n_batch)
+        self.shape = CacheShape.of(hp, self.n_ctx)
+        be = self.backend
+        # the tensors as the graph binds them (a quantized matrix as its bytes: quant/qtensor.py), or
+        # `values` given (a trainer's live weights: samples during training cost no copy)
+        self.values = values if values is not None else {name: backend_array(be, w) for name, w in model.tensors().items()}
+        self.cache = self.shape.allocate(be)
+        self._programs: OrderedDict = OrderedDict()
+        self.tokens: list[int] = []  # what the cache holds, position by position
+        self.tokenizer = model.tokenizer
+        self.eog = eog_ids(self.tokenizer)
+        self._tok_buf = np.zeros((1, 1), dtype=np.int32)
+        self._pos_buf = np.zeros(1, dtype=np.int32)
+        self._replays: dict = {}  # decode program -> its _Replay (cpu: fixed host input buffers)
+
+    # ------------------------------------------------------------------ programs
+    def _program(self, n_tok: int, n_kv: int) -> Program:
+        key = (n_tok, n_kv)
+        prog = self._programs.get(key)
+        if prog is not None:
+            self._programs.move_to_end(key)
+            return prog
+        cache = KVCache(self.shape, n_kv)
+        _, nodes, logits = self.model.build(1, n_tok, logits_start=n_tok - 1, cache=cache)
+        params = {node: self.values[name] for name, node in nodes.items()}
+        params.update({node: self.cache[name] for name, node in cache.nodes.items()})
+        prog = Program([logits], self.backend, params=params)
+        self._programs[key] = prog
+        if len(self._programs) > MAX_PROGRAMS:
+            self._replays.pop(self._programs.popitem(last=False)[1], None)
+        return prog
+
+    def _run(self, tokens: np.ndarray, n_past: int):
+        """Logits of the last of `tokens` (evaluated at positions n_past..), as a backend array [1, V]."""
+        n = len(tokens)
+        prog = self._program(n, kv_bucket(n_past + n, self.n_ctx))
+        be = self.backend
+        if n == 1:  # the decode step: reuse the host buffers
+            self._tok_buf[0, 0], self._pos_buf[0] = tokens[0], n_past
+            tok, pos = self._tok_buf, self._pos_buf
+            if be.name == "cpu":  # the buffers are the graph's inputs themselves: replay
+                replay = self._replays.get(prog)
+                if replay is None:
+                    replay = self._replays[prog] = _Replay(prog, {"tokens": tok, "pos": pos})
+                return replay.run()[0]
+        else:
+            tok = np.asarray(tokens, dtype=np.int32).reshape(1, n)
+            pos = np.arange(n_past, n_past + n, dtype=np.int32)
+        return prog.run(tokens=be.asarray(tok), pos=be.asarray(pos))[0]
+
+    # ------------------------------------------------------------------ evaluation
+    def feed(self, ids: Iterable[int]) -> np.ndarray:
+        """Make the cache hold exactly `ids` and return the logits [V] after the last of them:
+        the prefix already cached is kept, the rest evaluated in batches of n_batch."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise LlmtuneError("generate: the prompt is empty")
+        if len(ids) > self.n_ctx:
+            raise LlmtuneError(f"generate: the prompt has {len(ids)} tokens, more than the context of {self.n_ctx} "
+                               "(raise --ctx)")
+        bad = [i for i in ids if not 0 <= i < self.model.hp.n_vocab]
+        if bad:
+            raise LlmtuneError(f"{self.model.path}: token id {bad[0]} is outside the vocabulary of {self.model.hp.n_vocab}")
+        keep = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(ids) - 1)  # the last token is always run: its logits are the answer
+        self.tokens = self.tokens[:keep]
+        logits = None
+        for start in range(keep, len(ids), self.n_batch):
+            chunk = ids[start : start + self.n_batch]
+            logits = self._run(np.asarray(chunk, dtype=np.int32), start)
+            self.tokens += chunk
+        return np.array(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)  # (the buffer is reused)
+
+    def step(self, token: int) -> np.ndarray:
+        """Append one token to the context and return the logits after it."""
+        if len(self.tokens) >= self.n_ctx:
+            raise LlmtuneError(f"generate: the context of {self.n_ctx} tokens is full")
+        logits = self._run(np.asarray([token], dtype=np.int32), len(self.tokens))
+        self.tokens.append(int(token))
+        return np.array(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)  # (the buffer is reused)
+
+    # ------------------------------------------------------------------ generation
+    def tokenize_prompt(self, text: str, add_special: bool = True) -> list[int]:
+        """llama-completion's common_tokenize(prompt, add_special, parse_special=true)."""
+        tok = self.tokenizer
+        return tok.encode(text, add_special=add_special and tok.add_bos, parse_special=True)
+
+    def generate(self, prompt_ids: list[int], n_predict: int = -1, sampler: Optional[Sampler] = None,
+                 on_token: Optional[Callable[[int, str], None]] = None, stop_at_eog: bool = True) -> GenerateResult:
+        """Sample up to n_predict tokens (-1: until EOG or the context is full) after prompt_ids.
+        on_token(id, text piece) is called as each token comes (streaming)."""
+        sampler = sampler or Sampler(SamplerConfig())
+        n_cached = self._common_prefix(prompt_ids)
+        t0 = time.perf_counter()
+        logits = self.feed(prompt_ids)
+        prompt_seconds = time.perf_counter() - t0
+        for t in prompt_ids:
+            sampler.accept(t)
+        out: list[int] = []
+        pieces: list[bytes] = []
+        t1 = time.perf_counter()
+        decoder = _Utf8Stream()
+        with _decode_threads(self.backend):
+            stop = self._decode(logits, n_predict, sampler, on_token, stop_at_eog, out, pieces, decoder)
+        decode_seconds = time.perf_counter() - t1
+        if on_token is not None:
+            tail = decoder.flush()
+            if tail:
+                on_token(-1, tail)
+        text = b"".join(pieces).decode("utf-8", "replace")
+        return GenerateResult(list(prompt_ids), out, text, stop, sampler.seed, len(prompt_ids) - n_cached,
+                              prompt_seconds, decode_seconds, self.n_ctx)
+
+    def _decode(self, logits, n_predict, sampler, on_token, stop_at_eog, out, pieces, decoder) -> str:
+        """The sampling loop: tokens into `out`, their bytes into `pieces`; returns why it stopped."""
+        tok = self.tokenizer
+        stop = "length"
+        while n_predict < 0 or len(out) < n_predict:
+            token = sampler.sample(logits)
+            sampler.accept(token)
+            out.append(token)
+            piece = tok.token_to_bytes(token, special=False)
+            pieces.append(piece)
+            if on_token is not None:
+                on_token(token, decoder.push(piece))
+            if stop_at_eog and token in self.eog:
+                stop = "eog"
+                break
+            if n_predict >= 0 and len(out) >= n_predict:
+                break
+            if len(self.tokens) >= self.n_ctx:
+                stop = "context"
+                break
+            logits = self.step(token)
+        return stop
+
+    def _common_prefix(self, ids) -> int:
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        return min(n, max(len(ids) - 1, 0))
+
+    def memory_bytes(self) -> dict[str, int]:
+        itemsize = np.dtype(self.backend.dtype).itemsize
+        return {"weights": sum(w.nbytes if isinstance(w, QTensor) else int(np.prod(np.shape(w))) * itemsize
+                               for w in self.model.tensors().values()),
+                "kv cache": self.shape.nbytes(itemsize),
+                "activations": sum(p.memory.planned_bytes for p in self._programs.values())}
+
+
+# ops whose value is a view of their first input and nothing else (no side effect): with the same
+# buffers every run, the same view every run
+_PURE_VIEWS = frozenset({"reshape", "permute", "slice", "broadcast_to"})
+
+
+class _Replay:
+    """A compiled Program re-run with the same input buffers every time (a decode step writes
+    its token and position into fixed host buffers): after one ordinary run every value is a
+    fixed buffer (the planned arena views, the bound weights and cache, the input buffers), so
+    the pure view steps are dropped and every kernel gets its arguments pre-resolved. That halves
+    the Python work per token; kernels still run in the program's order, the cache writes included.
+
+    Used only when the check holds: every kernel returned its planned `out` (or, for cache_write,
+    the cache itself) on the recording run."""
+
+    def __init__(self, prog: Program, feed: dict):
+        self.prog, self.feed = prog, feed
+        self.calls = None
+
+    def run(self):
+        if self.calls is not None:
+            for call in self.calls:
+                call()
+            return self.outputs
+        vals = dict(self.prog._leaf_values)
+        for name, node in self.prog.inputs.items():
+            vals[node.id] = self.feed[name]
+        calls, fixed = [], True
+        ops_of = {n.id: n.op for n in self.prog.order}
+        for nid, kernel, out, ins, attrs, sink in self.prog._steps:
+            args = tuple(vals[j] for j in ins)
+            val = kernel(out, *args, **attrs)
+            vals[nid] = val
+            op = ops_of[nid]
+            if sink is not None:
+                fixed = False
+            if op in _PURE_VIEWS:
+                continue
+            if not (val is out or (op == "cache_write" and val is args[0])):
+                fixed = False
+            calls.append(functools.partial(kernel, out, *args, **attrs))
+        self.outputs = [vals[n.id] for n in self.prog.outputs]
+        if fixed:
+            self.calls = calls
+        return self.outputs
+
+
+def _decode_threads(backend):
+    """BLAS single-threaded while decoding on the cpu: a step's products are matrix-vector ones
+    (einsum) and tiny attention matmuls, where OpenBLAS threads only spin against each other."""
+    from contextlib import nullcontext
+
+    from llmtune.backends.threads import blas_threads
+
+    return blas_threads(1) if backend.name == "cpu" else nullcontext()
+
+
+class _Utf8Stream:
+    """Bytes of token pieces -> text, holding back an incomplete UTF-8 sequence until it completes
+    (a character split over byte tokens prints once, whole)."""
+
+    def __init__(self):
+        self.buf = b""
+
+    def push(self, piece: bytes) -> str:
+        data = self.buf + piece
+        cut = len(data)
+        # an incomplete trailing sequence: a lead byte within the last 3 bytes whose length runs past the end
+        for back in range(1, min(4, len(data)) + 1):
+            b = data[-back]
+            if b & 0xC0 == 0x80:
+                continue  # continuation byte
+            need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+            if need > back:
+                cut = len(data) - back
+            break
+        self.buf = data[cut:]
+        return data[:cut].decode("utf-8", "replace")
+
+    def flush(self) -> str:
+        data, self.buf = self.buf, b""
+        return data.decode("utf-8", "replace")
+
+
+class ChatSession:
+    """A conversation with a model: its messages, rendered with the chat template before each
+    answer (add_generation_prompt) and tokenized as transformers does; the KV cache keeps the
+    conversation so far, so each turn evaluates only what is new."""
+
+    def __init__(self, gen: Generator, template, sampler: Sampler, n_predict: int = -1, system: Optional[str] = None):
+        self.gen, self.template, self.sampler, self.n_predict = gen, template, sampler, n_predict
+        self.system = system
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def reply(self, text: str, on_token: Optional[Callable[[int, str], None]] = None) -> GenerateResult:
+        """The model's answer to a user message (appended to the conversation, as is the answer)."""
+        from llmtune.tokenizer.chat_template import encode
+
+        messages = self.messages + [{"role": "user", "content": text}]
+        ids = encode(self.gen.tokenizer, self.template.render(messages, add_generation_prompt=True))
+        if len(ids) >= self.gen.n_ctx:
+            raise LlmtuneError(f"generate: the conversation has {len(ids)} tokens, the context is {self.gen.n_ctx} "
+                               "(raise --ctx)")
+        n = self.n_predict if self.n_predict >= 0 else self.gen.n_ctx - len(ids)
+        res = self.gen.generate(ids, min(n, self.gen.n_ctx - len(ids)), self.sampler, on_token=on_token)
+        self.messages = messages + [{"role": "assistant", "content": res.text}]
+        return res
+
+
+def load_for_generation(model_path, lora=None, lora_scale=None):
+    """The model with its adapters (llama.cpp's --lora / --lora-scaled)."""
+    from llmtune.model.adapter import attach
+    from llmtune.model.loaded import load_model
+
+    return attach(load_model(model_path), lora, lora_scale)
+
+
+def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[SamplerConfig] = None,
+             backend="cpu", n_ctx: Optional[int] = None, lora=None, lora_scale=None,
+             on_token: Optional[Callable[[int, str], None]] = None) -> GenerateResult:
+    """Generate a continuation of `prompt` (a string: tokenized as llama-completion does) with
+    `model` (a path or a loaded Model)."""
+    from llmtune.model.loaded import Model
+
+    model = model if isinstance(model, Model) else load_for_generation(model, lora, lora_scale)
+    gen = Generator(model, backend, n_ctx=n_ctx)
+    ids = gen.tokenize_prompt(prompt)
+    if not ids:
+        raise LlmtuneError("generate: the prompt is empty (and the model adds no BOS)")
+    return gen.generate(ids, n_predict, Sampler(sampler or SamplerConfig()), on_token=on_token)
+
+
+class TrainingSampler:
+    """finetune --sample-prompt: a short greedy continuation with the trainer's live weights
+    (its backend arrays bound directly, nothing copied). With chat data the prompt is a user turn
+    rendered with the chat template and its generation prompt, so a sample shows whether the model
+    answers in the trained format."""
+
+    N_PREDICT = 48
+
+    def __init__(self, trainer, prompt: str, template=None):
+        tok = trainer.model.tokenizer
+        if template is not None:
+            from llmtune.tokenizer.chat_template import encode
+
+            self.ids = encode(tok, template.render([{"role": "user", "content": prompt}], add_generation_prompt=True))
+        else:
+            self.ids = tok.encode(prompt, add_special=tok.add_bos, parse_special=True)
+        if not self.ids:
+            raise LlmtuneError("--sample-prompt: the prompt is empty")
+        hp = trainer.model.hp
+        n_ctx = min(hp.n_ctx_train, max(len(self.ids) + self.N_PREDICT, 64))
+        if len(self.ids) >= n_ctx:
+            raise LlmtuneError(f"--sample-prompt: {len(self.ids)} tokens leave no room in the model's context of {n_ctx}")
+        self.gen = Generator(trainer.model, trainer.backend, n_ctx=n_ctx, values=trainer.values)
+
+    def sample(self) -> str:
+        self.gen.tokens = []  # the weights changed: nothing cached is valid
+        n = min(self.N_PREDICT, self.gen.n_ctx - len(self.ids))
+        return self.gen.generate(self.ids, n, Sampler(SamplerConfig(temp=0.0, seed=0))).text
+

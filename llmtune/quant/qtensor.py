@@ -1,0 +1,86 @@
+"""A matrix kept in its GGUF storage type: the block bytes (usually a view of the file's memory
+map) with its logical shape, decoded only where a product or a row lookup needs it
+(quant/matmul.py). Code that wants floats gets them: `np.asarray(w)` and `w.astype(np.float32)`
+dequantize the whole matrix."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from llmtune.quant.matmul import QTYPES, dequantize_rows, row_bytes
+
+
+class QTensor:
+    """W[rows, cols] as `qtype` blocks: raw is uint8 [rows, bytes per row]."""
+
+    __slots__ = ("raw", "qtype", "shape")
+    ndim = 2
+    dtype = np.dtype(np.float32)  # what it decodes to
+
+    def __init__(self, raw: np.ndarray, qtype: str, shape: tuple[int, int]):
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 2:
+            raise ValueError(f"QTensor: {shape} is not a matrix")
+        raw = np.asarray(raw)
+        if raw.dtype != np.uint8:
+            raw = raw.reshape(shape[0], -1).view(np.uint8)
+        raw = raw.reshape(shape[0], -1)
+        if raw.shape[1] != row_bytes(qtype, shape[1]):
+            raise ValueError(f"QTensor: {raw.shape} bytes do not hold a {qtype} matrix {shape}")
+        self.raw, self.qtype, self.shape = raw, qtype, shape
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes as stored (the memory a frozen copy costs)."""
+        return int(self.raw.nbytes)
+
+    def dequantize(self, dtype=np.float32) -> np.ndarray:
+        out = dequantize_rows(self.raw, self.qtype, np.empty(self.shape, np.float32))
+        return out.astype(dtype, copy=False)
+
+    def astype(self, dtype, copy: bool = True) -> np.ndarray:  # noqa: ARG002 - always a new array
+        return self.dequantize(dtype)
+
+    def __array__(self, dtype=None, copy=None):  # noqa: ARG002
+        return self.dequantize(dtype or np.float32)
+
+    def __repr__(self) -> str:
+        return f"QTensor({self.qtype}, {self.shape}, {self.nbytes:,} bytes)"
+
+
+def stored(info, keep: bool = True):
+    """A GGUF tensor (gguf.file.TensorInfo) as a model weight: its raw bytes as a QTensor when it
+    is a matrix of a type the quantized product reads (and `keep`), else float32 (F32 tensors as
+    views of the memory map)."""
+    name = info.type.name
+    if keep and name in QTYPES and len(info.shape) == 2:
+        return QTensor(info.raw, name, info.shape)
+    return None
+
+
+def backend_array(backend, w):
+    """The array a backend binds for a model tensor: the raw bytes of a QTensor, else the float
+    values in the backend's dtype."""
+    if isinstance(w, QTensor):
+        return backend.asarray(w.raw)
+    return backend.asarray(np.asarray(w).astype(backend.dtype, copy=False))
+
+
+def shape_only(w) -> np.ndarray:
+    """A float32 stand-in with w's shape and no memory (graphs are built from shapes)."""
+    return np.broadcast_to(np.float32(0), tuple(w.shape))
+
+
+def type_summary(weights) -> dict[str, int]:
+    """Bytes per storage type name ("Q4_K", "F32", ...) of a dict of model weights."""
+    out: dict[str, int] = {}
+    for w in weights.values():
+        key = w.qtype if isinstance(w, QTensor) else QT.F32.name
+        nbytes = w.nbytes if isinstance(w, QTensor) else int(np.prod(np.shape(w))) * 4
+        out[key] = out.get(key, 0) + nbytes
+    return out

@@ -1,0 +1,65 @@
+"""What `llmtune generate` shows: the text streamed to stdout as tokens come, a one-line summary
+on stderr, and the interactive chat loop (a terminal on stdin)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+from rich.markup import escape
+
+STOP_WORDS = {"eog": "end of generation", "length": "-n reached", "context": "context full"}
+
+
+class Stream:
+    """on_token callback: each piece of text written (and flushed) to a text stream as it comes."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.ended_with_newline = True
+
+    def __call__(self, token_id: int, text: str) -> None:
+        if text:
+            self.stream.write(text)
+            self.stream.flush()
+            self.ended_with_newline = text.endswith("\n")
+
+    def end_line(self) -> None:
+        if not self.ended_with_newline:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.ended_with_newline = True
+
+
+def summary(res) -> str:
+    """One line: tokens, why it stopped, prompt and decode speed, the seed."""
+    prompt = f"prompt {res.n_evaluated} new tokens" + (f" at {res.prompt_tokens_per_s:,.0f} tok/s" if res.n_evaluated else "")
+    return (f"{len(res.tokens)} tokens ({STOP_WORDS.get(res.stop, res.stop)}); {prompt}; "
+            f"generation {res.tokens_per_s:,.1f} tok/s; seed {res.seed}; "
+            f"ctx {len(res.prompt_tokens) + max(len(res.tokens) - 1, 0)}/{res.n_ctx}")
+
+
+def chat_loop(session, err, read_line: Callable[[], Optional[str]], out=None, first: Optional[str] = None) -> None:
+    """The interactive chat: a user line in, the model's answer streamed out, until /exit or end
+    of input. /reset starts the conversation over."""
+    stream = Stream(out)
+    err.print("[dim]chat: type a message, /reset to start over, /exit or Ctrl-D to quit[/]", highlight=False)
+    text = first
+    while True:
+        if text is None:
+            err.print("[bold]> [/]", end="")
+            line = read_line()
+            if line is None:
+                err.print()
+                return
+            text = line.rstrip("\n")
+        if text.strip() in ("/exit", "/quit"):
+            return
+        if text.strip() == "/reset":
+            session.reset()
+            err.print("[dim](conversation reset)[/]")
+        elif text.strip():
+            res = session.reply(text, on_token=stream)
+            stream.end_line()
+            err.print(f"[dim]{escape(summary(res))}[/]", highlight=False)
+        text = None
