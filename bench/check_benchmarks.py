@@ -18,7 +18,9 @@ it chose is recovered by re-running it with every task's label set to answer 0, 
 of its own there (4 sequences), so a task's choice does not depend on which others run: the 400-task
 run is checked through its per-task right/wrong pattern and the choices of the all-task runs.
 llama.cpp's logger can lose a run's last lines at exit on a busy machine, so every run ends with
-sacrificial tasks that llama.cpp evaluates last (see PAD).
+sacrificial tasks that llama.cpp evaluates last (see PAD). Tasks whose chosen answers differ are
+re-run in llama.cpp with float32 attention (`-fa off -ctk f32 -ctv f32`, see EXACT): its default
+flash attention over an F16 KV cache moves scores by up to ~1e-3, enough to flip near-ties.
 
 --full-mmlu also times all 14,042 MMLU questions: llama-perplexity on the binary file and
 `llmtune eval` on the same binary file (and on the JSONL), each a fresh process, wall time.
@@ -232,10 +234,16 @@ def llama_mc(bin_dir, model, tasks, work: Path, ctx: int, extra=()) -> tuple[lis
     return choice, right, wall
 
 
-def llama_winogrande(bin_dir, model, rows, work: Path) -> tuple[list, float]:
+def llama_winogrande(bin_dir, model, rows, work: Path, extra=()) -> tuple[list, float]:
     f = write_winogrande(work / "wg-pad.csv", list(rows) + [rows[0]] * PAD)
-    out, wall = llama(bin_dir, model, ["-f", str(f), "--winogrande", "-c", "128"])
+    out, wall = llama(bin_dir, model, ["-f", str(f), "--winogrande", "-c", "128", *extra])
     return winogrande_lines(out, len(rows)), wall
+
+
+# llama.cpp's defaults run attention as ggml's flash attention over an F16 KV cache, which moves
+# answer scores by up to ~1e-3 (llmtune computes in float32); with these flags its scores equal
+# llmtune's to ~1e-6. Tasks whose answers differ are re-run with them.
+EXACT = ["-fa", "off", "-ctk", "f32", "-ctv", "f32"]
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -253,6 +261,18 @@ def compare(name: str, ours, choice: list[int] | None, right: list[int], extra: 
     return row
 
 
+def recheck(row: dict, ours, llama_choices_of) -> None:
+    """The tasks whose answers differ, re-run in llama.cpp with EXACT (float32 attention): how many
+    then agree. llama_choices_of(file task indices) -> llama.cpp's choices for them."""
+    idx = row.get("differ") or []
+    if idx:
+        exact = llama_choices_of(idx)
+        mine = {t.index: t.choice for t in ours.tasks}
+        row["differ_same_with_exact"] = sum(mine[i] == c for i, c in zip(idx, exact))
+        print(json.dumps({"check": row["check"], "differ": idx, "differ_same_with_exact": row["differ_same_with_exact"]}),
+              flush=True)
+
+
 def check_model(bin_dir: Path, model: Path, label: str, files: dict, work: Path) -> list[dict]:
     rows = []
     hs = files["hellaswag"]
@@ -263,6 +283,7 @@ def check_model(bin_dir: Path, model: Path, label: str, files: dict, work: Path)
     ours = evaluate(model, hs, "hellaswag", tasks=n_hs, ctx=128)  # all, in llama.cpp's random order
     rows.append(compare(f"{label} hellaswag all {n_hs}", ours, [choice[t.index] for t in ours.tasks],
                         [right[t.index] for t in ours.tasks], {"llamacpp_seconds_4_runs": round(wall, 1)}))
+    recheck(rows[-1], ours, lambda idx: llama_hellaswag(bin_dir, model, [blocks[i] for i in idx], work, EXACT)[0])
     # the default 400 random tasks, run on the file itself: its right/wrong pattern checks the selection
     out, wall = llama(bin_dir, model, ["-f", str(hs), "--hellaswag", "-c", "128", "--hellaswag-tasks", str(400 + PAD)])
     hits = running_hits(out, min(400, n_hs))
@@ -277,13 +298,18 @@ def check_model(bin_dir: Path, model: Path, label: str, files: dict, work: Path)
     rows.append(compare(f"{label} mmlu slice {len(mc_tasks)} (binary)", ours, choice, right,
                         {"llamacpp_seconds_4_runs": round(wall, 1),
                          "jsonl_same_choice": sum(a.choice == b.choice for a, b in zip(ours.tasks, jsonl.tasks))}))
+    recheck(rows[-1], ours, lambda idx: llama_mc(bin_dir, model, [mc_tasks[i] for i in idx], work, 768, EXACT)[0])
     # the Winogrande CSV
     lines, wall = llama_winogrande(bin_dir, model, WINOGRANDE, work)
     ours = evaluate(model, files["winogrande"], "winogrande", ctx=128)
     diffs = [max(abs(a - b) for a, b in zip(t.scores, (s1, s2))) for t, (s1, s2, _, _) in zip(ours.tasks, lines)]
+    exact, _ = llama_winogrande(bin_dir, model, WINOGRANDE, work, EXACT)
+    exact_diff = max(abs(a - b) for t, (s1, s2, _, _) in zip(ours.tasks, exact) for a, b in zip(t.scores, (s1, s2)))
     rows.append(compare(f"{label} winogrande {len(WINOGRANDE)} rows", ours, [r - 1 for _, _, r, _ in lines],
                         [int(r == a) for _, _, r, a in lines],
-                        {"max_score_diff": round(max(diffs), 6), "llamacpp_seconds": round(wall, 1)}))
+                        {"max_score_diff": round(max(diffs), 6), "llamacpp_seconds": round(wall, 1),
+                         "exact_same_choice": sum(t.choice == r - 1 for t, (_, _, r, _) in zip(ours.tasks, exact)),
+                         "exact_max_score_diff": round(exact_diff, 7)}))
     return rows
 
 

@@ -81,8 +81,9 @@ F32_ARGS = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")
 
 def llama_running_ppl(bin_dir: Path, model: Path, text: Path, ctx: int, chunks: int, extra=()) -> list[float]:
     """The running PPL llama-perplexity prints after each chunk ([1]x,[2]y,...)."""
+    # one chunk more than needed (when the text has it): the logger may drop the last value only
     cmd = [str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
-           "--chunks", str(chunks), "-t", "2", *extra]
+           "--chunks", str(chunks + 1), "-t", "2", *extra]
     for _ in range(10):  # llama.cpp's async logger may drop the last "[n]x," at exit (its issue 22142): run again
         done = subprocess.run(cmd, capture_output=True, text=True)
         values = [float(v) for v in re.findall(r"\[\d+\]([0-9.]+(?:e[+-]?\d+)?)", done.stdout + done.stderr)]

@@ -94,11 +94,12 @@ def decode_speed_llama(bin_dir: Path, model: Path, n: int, threads: int | None) 
            "--temp", "0", "-no-cnv", "--no-display-prompt", "--ignore-eos", *F32_ARGS]
     if threads:
         cmd += ["-t", str(threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    m = re.search(r" eval time =\s+[0-9.]+ ms /\s+(\d+) runs.*?([0-9.]+) tokens per second", done.stdout + done.stderr)
-    if not m:
-        raise RuntimeError(f"no eval time from llama-completion:\n{(done.stdout + done.stderr)[-2000:]}")
-    return float(m.group(2))
+    for _ in range(8):  # the logger may drop the perf lines at exit (issue 22142): run again
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        m = re.search(r" eval time =\s+[0-9.]+ ms /\s+(\d+) runs.*?([0-9.]+) tokens per second", done.stdout + done.stderr)
+        if m:
+            return float(m.group(2))
+    raise RuntimeError(f"no eval time from llama-completion:\n{(done.stdout + done.stderr)[-2000:]}")
 
 
 def decode_speed_ours(model: Path, n: int) -> float:

@@ -5,6 +5,7 @@ Library entry points (the CLI calls the same functions):
     llmtune.perplexity(...)  -> llmtune.eval.perplexity.perplexity
     llmtune.evaluate(...)    -> llmtune.eval.benchmarks.evaluate (HellaSwag, Winogrande, MMLU...)
     llmtune.export(...)      -> llmtune.convert.export.export
+    llmtune.generate(...)    -> llmtune.eval.generate.generate (KV-cached sampling, as llama-completion)
 """
 
 __version__ = "0.1.0"
@@ -14,6 +15,7 @@ _LAZY = {
     "perplexity": ("llmtune.eval.perplexity", "perplexity"),
     "evaluate": ("llmtune.eval.benchmarks", "evaluate"),
     "export": ("llmtune.convert.export", "export"),
+    "generate": ("llmtune.eval.generate", "generate"),
     "load_gguf": ("llmtune.gguf.file", "load_gguf"),
     "LlmtuneError": ("llmtune.errors", "LlmtuneError"),
 }

@@ -329,7 +329,7 @@ def generate_cmd(
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise the last --repeat-last-n tokens (divide positive logits, multiply negative); 1 disables."),
     repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the repeat penalty looks at."),
     seed: Optional[int] = typer.Option(None, "-s", "--seed", help="Sampling seed (llama.cpp's: the same seed gives its choices). \\[default: random]", show_default=False),
-    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (KV cache positions). \\[default: the model's training context, at most 4096]", show_default=False),
+    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (KV cache positions); 0: the model's. \\[default: the model's training context, at most 4096]", show_default=False),
     lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
     lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template for --chat, instead of the model's tokenizer.chat_template.", show_default=False),
@@ -367,7 +367,9 @@ def generate_cmd(
         prompt = sys.stdin.read()
     if prompt is None and not interactive:
         raise LlmtuneError("generate: no prompt (give -p TEXT or -f FILE, pipe it on stdin, or use --chat in a terminal)")
-    gen = Generator(load_for_generation(model, lora, lora_scale), get_backend_for(backend, precision), n_ctx=ctx)
+    from llmtune.backends import get_backend
+
+    gen = Generator(load_for_generation(model, lora, lora_scale), get_backend(backend, precision=precision), n_ctx=ctx)
     if chat:
         from llmtune.tokenizer.chat_template import ChatTemplate
 
@@ -386,12 +388,6 @@ def generate_cmd(
         res = gen.generate(ids, n_predict, sampler, on_token=stream)
     stream.end_line()
     err.print(f"[dim]{escape(summary(res))}[/]", highlight=False)
-
-
-def get_backend_for(name: str, precision: str):
-    from llmtune.backends import get_backend
-
-    return get_backend(name, precision=precision)
 
 
 def _read_line():

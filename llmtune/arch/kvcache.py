@@ -82,10 +82,13 @@ class KVCache:
         vc = ops.cache_write(self.nodes[f"cache.v.{il}"], v, pos)
         kt = kc if self.n_kv == self.n_ctx else ops.slice_rows(kc, 2, 0, self.n_kv)
         vt = vc if self.n_kv == self.n_ctx else ops.slice_rows(vc, 2, 0, self.n_kv)
-        qg = ops.reshape(ops.permute(q, (0, 2, 1, 3)), (B, Hkv, group * T, d))
+        # one new token (a decode step): [B, 1, H, d] is already [B, Hkv, group, d] in memory, no copy
+        qg = ops.reshape(q, (B, Hkv, group, d)) if T == 1 else ops.reshape(ops.permute(q, (0, 2, 1, 3)), (B, Hkv, group * T, d))
         scores = ops.matmul(qg, kt, tb=True)  # [B, Hkv, group*T, n_kv]
         if softcap:
             scores, kq_scale = ops.softcap(ops.scale(scores, kq_scale), softcap), 1.0
         probs = ops.softmax_causal(scores, kq_scale, n_kv=self.n_kv, n_q=T, window=window, pos=pos)
         out = ops.matmul(probs, vt)  # [B, Hkv, group*T, d]
+        if T == 1:
+            return ops.reshape(out, (B, 1, H, d))
         return ops.permute(ops.reshape(out, (B, H, T, d)), (0, 2, 1, 3))

@@ -365,7 +365,12 @@ def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[Sampl
     `model` (a path or a loaded Model)."""
     from llmtune.model.loaded import Model
 
-    model = model if isinstance(model, Model) else load_for_generation(model, lora, lora_scale)
+    if isinstance(model, Model):
+        from llmtune.model.adapter import attach
+
+        model = attach(model, lora, lora_scale)
+    else:
+        model = load_for_generation(model, lora, lora_scale)
     gen = Generator(model, backend, n_ctx=n_ctx)
     ids = gen.tokenize_prompt(prompt)
     if not ids:

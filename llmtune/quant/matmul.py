@@ -66,7 +66,7 @@ QTYPES: dict[str, QType] = {
 ACT_BLOCK = {"f16": 1, "bf16": 1, "q8_0": 32, "q8_1": 32, "q8_K": 256}
 
 # float32 elements of the per-thread weight scratch: the rows dequantized for one BLAS call
-SCRATCH_ELEMENTS = 1 << 20  # 4 MiB
+SCRATCH_ELEMENTS = 1 << 22  # 16 MiB
 # float32 bytes dequantized per numpy pass: the temporaries of one pass stay in L2
 _PASS_BYTES = 1 << 20
 

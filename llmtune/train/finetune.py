@@ -203,7 +203,7 @@ class _Run:
         return {"config": self.cfg, "memory": res.memory, "n_tokens": res.n_tokens, "n_train": ds.n_train,
                 "n_val": ds.n_val, "steps_per_epoch": self.steps_per_epoch, "n_trainable": tr.n_trainable,
                 "n_params": tr.model.n_params(), "trainable": tr.trainable, "backend": tr.backend.name,
-                "lora": _lora_info(tr.model), "step": self.step,
+                "lora": _lora_info(tr.model), "step": self.step, "base_types": tr.base_types(),
                 "data": data_info(ds, self.steps_per_epoch * (self.cfg.batch // self.cfg.ctx))}
 
     # ------------------------------------------------------------------ training

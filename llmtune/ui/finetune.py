@@ -62,9 +62,11 @@ class FinetuneReporter:
             f"{info['n_val']} validation windows of {cfg.ctx}; {info['steps_per_epoch']} steps/epoch "
             f"(batch {cfg.batch}, ubatch {cfg.ubatch}); {what} with {cfg.optimizer}"
         )
-        self.err.print(
-            "memory: " + ", ".join(f"{k} {mib(v)}" for k, v in mem.items()) + f"; total {mib(sum(mem.values()))}"
-        )
+        types = info.get("base_types") or {}
+        parts = [f"{k} {mib(v)}" for k, v in mem.items()]
+        if "base" in mem and set(types) - {"F32", "F64"}:  # a base kept in its file types: say what each costs
+            parts[list(mem).index("base")] += " (" + ", ".join(f"{t} {mib(v)}" for t, v in types.items()) + ")"
+        self.err.print("memory: " + ", ".join(parts) + f"; total {mib(sum(mem.values()))}")
         data = info.get("data")
         if data:
             self.err.print(data_line(data), highlight=False)

@@ -8,6 +8,8 @@ from typing import Callable, Optional
 
 from rich.markup import escape
 
+from llmtune.errors import LlmtuneError
+
 STOP_WORDS = {"eog": "end of generation", "length": "-n reached", "context": "context full"}
 
 
@@ -59,7 +61,12 @@ def chat_loop(session, err, read_line: Callable[[], Optional[str]], out=None, fi
             session.reset()
             err.print("[dim](conversation reset)[/]")
         elif text.strip():
-            res = session.reply(text, on_token=stream)
-            stream.end_line()
-            err.print(f"[dim]{escape(summary(res))}[/]", highlight=False)
+            try:
+                res = session.reply(text, on_token=stream)
+            except LlmtuneError as exc:  # e.g. a full context: say so, the user may /reset
+                stream.end_line()
+                err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+            else:
+                stream.end_line()
+                err.print(f"[dim]{escape(summary(res))}[/]", highlight=False)
         text = None

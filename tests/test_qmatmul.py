@@ -1,0 +1,104 @@
+"""Frozen weights kept in their file type: loading, evaluation, LoRA on a quantized base (QLoRA),
+full finetunes of a quantized file, and the memory estimate. The kernels themselves are tested
+per type and backend in test_backends.py (test_stored_weight_*)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llmtune
+from llmtune.backends.cpu import CPUBackend
+from llmtune.eval.perplexity import perplexity_from_ids
+from llmtune.model.loaded import load_model
+from llmtune.quant.qtensor import QTensor
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, stories_path):
+    """stories260K exported to q8_0 and q4_k_m (Q5_0 / Q8_0 / F16 at its 64-wide shape)."""
+    out = tmp_path_factory.mktemp("qexports")
+    return {t: llmtune.export(stories_path, out / f"stories-{t}.gguf", t).out_path for t in ("q8_0", "q4_k_m")}
+
+
+def test_quantized_matrices_stay_views_of_the_file(exports):
+    model = load_model(exports["q4_k_m"])
+    kept = {n: w for n, w in model.weights.items() if isinstance(w, QTensor)}
+    assert {w.qtype for w in kept.values()} >= {"Q5_0", "Q8_0"}
+    for name, w in kept.items():
+        info = model.gguf.tensors[name]
+        assert w.shape == info.shape and w.nbytes == info.n_bytes
+        assert np.shares_memory(w.raw, model.gguf._mm)  # no copy: the memory map itself
+    assert all(w.ndim == 1 and w.dtype == np.float32 for n, w in model.weights.items() if n not in kept)
+    name = "blk.0.attn_q.weight"
+    np.testing.assert_array_equal(np.asarray(kept[name]), model.gguf.tensor(name))
+    decoded = load_model(exports["q4_k_m"], quantized=False)
+    assert not any(isinstance(w, QTensor) for w in decoded.weights.values())
+
+
+def test_perplexity_rounds_activations(exports, wikitext_ids):
+    """Quantized files are evaluated as llama.cpp evaluates them (activations rounded per type);
+    the decoded file (plain float32 products) is close but not the same."""
+    ids = wikitext_ids[: 128 * 6]
+    for path in exports.values():
+        kept = perplexity_from_ids(load_model(path), ids, ctx=128)
+        plain = perplexity_from_ids(load_model(path, quantized=False), ids, ctx=128)
+        assert kept.ppl != plain.ppl
+        assert abs(kept.ppl - plain.ppl) / plain.ppl < 2e-2
+
+
+def _windows(ids, n, ctx=64):
+    x = np.stack([ids[i * ctx:(i + 1) * ctx] for i in range(n)])
+    y = np.stack([ids[i * ctx + 1:(i + 1) * ctx + 1] for i in range(n)])
+    return x, y
+
+
+def test_lora_on_a_quantized_base(exports, wikitext_ids):
+    """QLoRA: the base stays as its file's bytes (the trainer binds the memory map itself and
+    counts it as stored), only the adapters train, and the loss follows the decoded model's."""
+    from llmtune.model.adapter import attach, init_adapter
+    from llmtune.train.trainer import RunningStats, Trainer
+
+    model = load_model(exports["q8_0"])
+    adapter = init_adapter(model, 4, seed=0)
+    adapted = attach(model, [adapter])
+    tr = Trainer(adapted, CPUBackend(), n_ctx=64, n_batch=128, n_ubatch=64, trainable=list(adapter.tensors()))
+    for name, w in model.weights.items():
+        if isinstance(w, QTensor):
+            assert tr.values[name].dtype == np.uint8 and np.shares_memory(tr.values[name], model.gguf._mm)
+    types = tr.base_types()
+    stored = sum(w.nbytes for w in model.weights.values() if isinstance(w, QTensor))
+    assert types["Q8_0"] + types.get("F16", 0) == stored
+    assert tr.memory_bytes()["base"] == sum(types.values()) < 4 * model.n_params() / 2
+    x, y = _windows(wikitext_ids, 2)
+    stats = RunningStats()
+    losses = [tr.train_step(x, y, 1e-2, stats) for _ in range(3)]
+    assert losses[-1] < losses[0]
+
+    decoded = attach(load_model(exports["q8_0"], quantized=False), [adapter])
+    ref = Trainer(decoded, CPUBackend(), n_ctx=64, n_batch=128, n_ubatch=64, trainable=list(adapter.tensors()))
+    first = ref.train_step(x, y, 1e-2, RunningStats())
+    assert abs(first - losses[0]) / first < 1e-2
+
+
+def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
+    """Trained matrices of a quantized file become float32 master weights (re-quantized on save);
+    the frozen ones stay as stored."""
+    from llmtune.train.trainer import RunningStats, Trainer
+
+    model = load_model(exports["q8_0"])
+    trainable = model.select("attn_q")
+    tr = Trainer(model, CPUBackend(), n_ctx=64, n_batch=64, n_ubatch=64, trainable=trainable)
+    assert all(tr.values[n].dtype == np.float32 for n in trainable)
+    assert tr.values["blk.0.attn_k.weight"].dtype == np.uint8
+    assert "F32" in tr.base_types() and "Q8_0" in tr.base_types()
+    x, y = _windows(np.arange(1, 200, dtype=np.int32) % 500, 1)
+    tr.train_step(x, y, 1e-3, RunningStats())
+    moved = tr.trained_weights()["blk.0.attn_q.weight"] - np.asarray(model.weights["blk.0.attn_q.weight"])
+    assert np.abs(moved).max() > 0
+    out, text = tmp_path / "tuned.gguf", tmp_path / "text.txt"
+    text.write_text(wiki100k_path.read_text()[:3000])
+    llmtune.finetune(exports["q8_0"], text, out, ctx=64, batch=64, epochs=1, lr=1e-4, params="attn_q", val_split=0.5)
+    tuned = load_model(out)
+    assert {n: getattr(w, "qtype", "F32") for n, w in tuned.weights.items()} == \
+        {n: getattr(w, "qtype", "F32") for n, w in model.weights.items()}
