@@ -2,6 +2,7 @@
 see family_check), and how its rope keys and tensors are read."""
 
 import pytest
+from pathlib import Path
 
 from family_check import check_family
 from llmtune.arch import check_tensors, get_family, read_hparams
@@ -60,3 +61,19 @@ def test_rope_freqs_is_optional_with_half_the_rotary_dims():
     assert [s.name for s in check_tensors(hp, required, "x")] == list(required)  # Llama 2 / Mistral: without it
     with pytest.raises(LlmtuneError, match=r"rope_freqs.weight has shape \(16,\), expected \(8,\)"):
         check_tensors(hp, {**required, "rope_freqs.weight": (16,)}, "x")
+
+
+def test_rope_factors_never_train(tmp_path):
+    """rope_freqs.weight gets no gradient; training it would only let weight decay shrink it."""
+    from llmtune.convert.init import init_model
+    from llmtune.errors import LlmtuneError
+    from llmtune.model.loaded import load_model
+
+    path = init_model(Path(__file__).parents[1] / "configs" / "llama-tiny.toml", Path(__file__).parent / "data" / "stories260K.gguf",
+                      tmp_path / "m.gguf", test_weights=True, optional=("rope_freqs.weight",))
+    model = load_model(path)
+    assert "rope_freqs.weight" in model.weights
+    assert "rope_freqs.weight" not in model.select(None)
+    assert "blk.0.attn_q.weight" in model.select("attn_q")
+    with pytest.raises(LlmtuneError, match="matches no tensor"):
+        model.select("rope_freqs")

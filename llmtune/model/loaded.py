@@ -56,14 +56,18 @@ class Model:
         return out
 
     def select(self, pattern: str | None) -> list[str]:
-        """Tensor names matched by a regex (re.search); all tensors when pattern is None."""
+        """Trainable tensor names matched by a regex (re.search); all of them when pattern is None.
+        Rope frequency factors never train: no gradient reaches them, and weight decay would
+        shrink them silently."""
+        factors = {s.name for s in self.family.tensors(self.hp) if s.init == "factors"}
+        candidates = [n for n in self.weights if n not in factors]
         if pattern is None:
-            return list(self.weights)
+            return candidates
         try:
             rx = re.compile(pattern)
         except re.error as exc:
             raise LlmtuneError(f"--params: invalid regular expression {pattern!r} ({exc})") from None
-        names = [n for n in self.weights if rx.search(n)]
+        names = [n for n in candidates if rx.search(n)]
         if not names:
             raise LlmtuneError(f"--params: {pattern!r} matches no tensor of {self.path.name}")
         return names
