@@ -113,22 +113,21 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def run_peft(model_path: str, tokens_path: str, steps: int, rank: int, ctx: int) -> dict:
+def torch_llama(model_path: str):
+    """transformers' LlamaForCausalLM holding a llama GGUF's float32 weights (built on the meta
+    device, then filled tensor by tensor: no second copy of the model in memory)."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from llmtune.model.loaded import load_model
 
-    torch.set_num_threads(2)
-    windows = torch.from_numpy(np.load(tokens_path).astype(np.int64))
-    t0 = time.perf_counter()
     m = load_model(model_path, quantized=False)  # float32 views of the file
     hp = m.hp
     cfg = LlamaConfig(vocab_size=hp.n_vocab, hidden_size=hp.n_embd, intermediate_size=hp.n_ff,
                       num_hidden_layers=hp.n_layer, num_attention_heads=hp.n_head, num_key_value_heads=hp.n_head_kv,
                       max_position_embeddings=hp.n_ctx_train, rms_norm_eps=hp.norm_eps, rope_theta=hp.rope_freq_base,
-                      tie_word_embeddings=True, attention_bias=False, mlp_bias=False)
+                      tie_word_embeddings="output.weight" not in m.weights, attention_bias=False, mlp_bias=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu").float()
@@ -139,6 +138,8 @@ def run_peft(model_path: str, tokens_path: str, steps: int, rank: int, ctx: int)
     with torch.no_grad():
         for name, w in m.weights.items():
             w = np.asarray(w)
+            if name == "output.weight":
+                continue
             if name == "token_embd.weight":
                 key = "model.embed_tokens.weight"
             elif name == "output_norm.weight":
@@ -148,10 +149,23 @@ def run_peft(model_path: str, tokens_path: str, steps: int, rank: int, ctx: int)
                 key = f"model.layers.{il}.{names[kind]}.weight"
                 if kind in ("attn_q", "attn_k"):
                     w = _unpermute(w, hp.n_head if kind == "attn_q" else hp.n_head_kv)
-            sd[key].copy_(torch.from_numpy(np.ascontiguousarray(w)))
-    model.rotary_emb.__init__(cfg)  # the rotary table lives in a buffer that to_empty left empty
-    model.tie_weights()
-    del m, sd
+            sd[key].copy_(torch.from_numpy(np.array(w)))
+        if "output.weight" in m.weights:
+            sd["lm_head.weight"].copy_(torch.from_numpy(np.array(m.weights["output.weight"])))
+    if "output.weight" not in m.weights:
+        model.tie_weights()
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=cfg)  # its buffers were left empty by to_empty
+    return model
+
+
+def run_peft(model_path: str, tokens_path: str, steps: int, rank: int, ctx: int) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.set_num_threads(2)
+    windows = torch.from_numpy(np.load(tokens_path).astype(np.int64))
+    t0 = time.perf_counter()
+    model = torch_llama(model_path)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=list(TARGETS)))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -194,9 +208,9 @@ def spawn(kind: str, model: Path, tokens: Path, args) -> dict:
 
 def summary_row(kind: str, res: dict, ctx: int) -> str:
     later = res["step_s"][1:] or res["step_s"]
-    tps = ctx / (sum(later) / len(later))
+    tps, best = ctx / (sum(later) / len(later)), ctx / min(later)
     gib = res["peak_rss"] / 2**30
-    return (f"| {kind} | {gib:.2f} GiB | {res['rss_ready'] / 2**30:.2f} GiB | {tps:.1f} | "
+    return (f"| {kind} | {gib:.2f} GiB | {res['rss_ready'] / 2**30:.2f} GiB | {tps:.1f} | {best:.1f} | "
             f"{' / '.join(f'{t:.1f}' for t in res['step_s'])} | {res['losses'][0]:.4f} -> {res['losses'][-1]:.4f} |")
 
 
@@ -222,8 +236,8 @@ def main() -> int:
         print(json.dumps(results[kind]), flush=True)
     print(f"\nLoRA rank {args.rank} on q/k/v/o/gate/up/down, ctx {args.ctx}, {args.steps} steps of one sequence, "
           f"{os.cpu_count()} cores")
-    print("| run | peak RSS | RSS before step 1 | tokens/s (steps 2..) | step seconds | loss |")
-    print("| --- | ---: | ---: | ---: | --- | --- |")
+    print("| run | peak RSS | RSS before step 1 | tokens/s (steps 2..) | best step tokens/s | step seconds | loss |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | --- |")
     for kind, res in results.items():
         print(summary_row(kind, res, args.ctx))
     for kind, res in results.items():

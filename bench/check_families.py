@@ -12,7 +12,10 @@ ppl       llama-perplexity vs llmtune perplexity at ctx 128: the running PPL aft
           max relative difference (goal < 1e-3).
 finetune  llmtune finetune (1 epoch, ctx 128): validation loss before/after, and llama.cpp's
           perplexity of the finetuned file vs llmtune's.
-export    llmtune export --type q8_0 / q4_k_m, each evaluated by both tools.
+export    llmtune export --type q8_0 / q4_k_m, each evaluated by both tools (llmtune also without
+          its rounding of the activations to the weights' vec_dot types: load_model(quantized=False)).
+--f32-kv  llama-perplexity with its KV cache and attention in f32 (its default f16 cache and flash
+          attention round K, V and the attention sums to f16, which the quantized activations amplify).
 
 --record  write the test fixture tests/data/families/<family>.json instead: what regenerates the
           model, its sha256, and llama-perplexity's running PPL over the short text the tests use
@@ -95,15 +98,24 @@ def llama_running_ppl(bin_dir: Path, model: Path, text: Path, ctx: int, chunks: 
 
 
 def compare_ppl(bin_dir: Path, model: Path, text: Path, ctx: int = 128, chunks: int = 20,
-                extra=()) -> tuple[float, float, float]:
-    """(llama.cpp final PPL, llmtune final PPL, max relative difference over the running values);
-    `extra`: more llama-perplexity arguments (F32_ARGS: its KV cache and attention in f32)."""
+                extra=()) -> tuple[float, float, float, float | None]:
+    """(llama.cpp final PPL, llmtune final PPL, max relative difference over the running values,
+    the same difference for llmtune computing plain float32 products, or None when the file has no
+    quantized or 16-bit matrix); `extra`: more llama-perplexity arguments (F32_ARGS: its KV cache
+    and attention in f32)."""
     import llmtune
+    from llmtune.model.loaded import load_model
+    from llmtune.quant.qtensor import QTensor
 
     theirs = llama_running_ppl(bin_dir, model, text, ctx, chunks, extra)
-    ours = llmtune.perplexity(model, text, ctx=ctx, chunks=chunks).chunks
+    loaded = load_model(model)
+    ours = llmtune.perplexity(loaded, text, ctx=ctx, chunks=chunks).chunks
     diff = max(abs(a - b) / b for a, b in zip(ours, theirs))
-    return theirs[-1], ours[-1], diff
+    plain = None
+    if any(isinstance(w, QTensor) for w in loaded.weights.values()):
+        decoded = llmtune.perplexity(load_model(model, quantized=False), text, ctx=ctx, chunks=chunks).chunks
+        plain = max(abs(a - b) / b for a, b in zip(decoded, theirs))
+    return theirs[-1], ours[-1], diff, plain
 
 
 def llama_version(bin_dir: Path) -> str:
@@ -160,9 +172,10 @@ def run_family(name: str, case: FamilyCase, bin_dir: Path, text: Path, parts: li
             out = tmp / f"{name}-{t}.gguf"
             llmtune.export(model, out, t)
             rows.append((f"exported {t}", *compare(out)))
-    for what, theirs, ours, diff in rows:
+    for what, theirs, ours, diff, plain in rows:
         ok = "yes" if diff < 1e-3 else "NO"
-        print(f"| {name} | {what} | {theirs:.4f} | {ours:.4f} | {diff:.2e} | {ok} |", flush=True)
+        plain = "-" if plain is None else f"{plain:.2e}"
+        print(f"| {name} | {what} | {theirs:.4f} | {ours:.4f} | {diff:.2e} | {ok} | {plain} |", flush=True)
 
 
 def main() -> int:
@@ -190,8 +203,8 @@ def main() -> int:
             return 0
         text = tmp / "wiki.test.raw"
         text.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
-        print("| family | model | llama.cpp PPL | llmtune PPL | max chunk diff | < 1e-3 |")
-        print("| --- | --- | ---: | ---: | ---: | --- |")
+        print("| family | model | llama.cpp PPL | llmtune PPL | max chunk diff | < 1e-3 | without activation rounding |")
+        print("| --- | --- | ---: | ---: | ---: | --- | ---: |")
         for name in args.families or list(FAMILIES):
             run_family(name, FAMILIES[name], args.bin, text, parts, tmp, F32_ARGS if args.f32_kv else ())
     return 0

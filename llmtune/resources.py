@@ -39,7 +39,8 @@ def check_writable_folder(path: Path, flag: str) -> None:
     """Create and remove a file in `path`'s folder: the one test that also holds for root, read-only
     mounts and full quotas. A LlmtuneError naming `flag` when it fails."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
+        # a name no leftover scan matches (another rank may be looking for OUT.*.tmp right now)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".write-test", dir=str(path.parent))
     except OSError as exc:
         raise LlmtuneError(f"{flag} {path}: cannot write in {path.parent} ({exc.strerror or exc})") from None
     os.close(fd)

@@ -1,1 +1,2 @@
-"""Block (de)quantization (legacy and K-quants) and llama.cpp's per-tensor export type policy."""
+"""Block (de)quantization (legacy and K-quants), llama.cpp's per-tensor export type policy, and
+products with frozen matrices kept in their file type (qtensor.py, matmul.py)."""

@@ -296,8 +296,8 @@ def _round_bf16(x):
     bits = x.view(np.uint32)
     r = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000)
     nan = np.isnan(x)
-    if nan.any():  # ggml keeps NaN a (quiet) NaN
-        r[nan] = bits[nan] | np.uint32(0x00400000)
+    if nan.any():  # ggml keeps NaN a (quiet) NaN: its upper half with the quiet bit set
+        r[nan] = (bits[nan] & np.uint32(0xFFFF0000)) | np.uint32(0x00400000)
     return r.view(F32)
 
 
@@ -348,10 +348,18 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
         xr = np.ascontiguousarray(x2)
     rb = _block_rows(n_out, n_in)
     w = _scratch(rb * n_in, x.dtype)
+    if n_out <= rb or xr.shape[0] == 1:
+        part = None
+    else:  # OpenBLAS runs W_block @ x^T (then a transposed copy) faster than x @ W_block^T into a column slice
+        part = np.empty((min(rb, n_out), xr.shape[0]), x.dtype)
     for r0 in range(0, n_out, rb):
         r1 = min(n_out, r0 + rb)
         wb = dequantize_rows(raw[r0:r1], qtype, w[: (r1 - r0) * n_in].reshape(r1 - r0, n_in))
-        np.matmul(xr, wb.T, out=o2[:, r0:r1])
+        if part is None:
+            np.matmul(xr, wb.T, out=o2[:, r0:r1])
+        else:
+            np.matmul(wb, xr.T, out=part[: r1 - r0])
+            o2[:, r0:r1] = part[: r1 - r0].T
         if corr is not None and qt.has_min:
             o2[:, r0:r1] += (corr @ block_mins(raw[r0:r1], qtype).T).astype(x.dtype, copy=False)
     return out

@@ -6,8 +6,6 @@ dequantize the whole matrix."""
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
-
 from llmtune.quant.matmul import QTYPES, dequantize_rows, row_bytes
 
 
@@ -74,13 +72,3 @@ def backend_array(backend, w):
 def shape_only(w) -> np.ndarray:
     """A float32 stand-in with w's shape and no memory (graphs are built from shapes)."""
     return np.broadcast_to(np.float32(0), tuple(w.shape))
-
-
-def type_summary(weights) -> dict[str, int]:
-    """Bytes per storage type name ("Q4_K", "F32", ...) of a dict of model weights."""
-    out: dict[str, int] = {}
-    for w in weights.values():
-        key = w.qtype if isinstance(w, QTensor) else QT.F32.name
-        nbytes = w.nbytes if isinstance(w, QTensor) else int(np.prod(np.shape(w))) * 4
-        out[key] = out.get(key, 0) + nbytes
-    return out

@@ -538,7 +538,11 @@ def _report_leftovers(out: Path, ckpt, emit: Callback) -> None:
     """Temp files of a killed run to the same output, and (for a new run) checkpoints of an earlier
     one: reported, never deleted (another run may still be writing them, or the user wants them)."""
     for tmp in ckpts.stale_temp_files(out):
-        emit("warning", {"message": f"{tmp}: a temp file left by an interrupted run ({tmp.stat().st_size / 2**20:,.1f} MiB); "
+        try:
+            size = tmp.stat().st_size
+        except FileNotFoundError:  # its writer finished meanwhile: not a leftover
+            continue
+        emit("warning", {"message": f"{tmp}: a temp file left by an interrupted run ({size / 2**20:,.1f} MiB); "
                                     f"llmtune does not delete it: remove it unless another run is writing {out}"})
     found = ckpts.checkpoints_of(out)
     if ckpt is None and found:
