@@ -580,6 +580,8 @@ GRAD_CASES = {
     # logits computed by an op: the backward overwrites them in place
     "cross_entropy_inplace": (lambda a, b, t: ops.cross_entropy(ops.matmul(a, b), t), {"a": (4, 3), "b": (3, 6)},
                               {"t": np.array([1, 5, 0, 0])}),
+    # a scheduling view: the value and gradient of its first input, none for the dependency
+    "after": (lambda a, b: ops.add(ops.after(ops.scale(a, 2.0), ops.silu(b)), b), {"a": (2, 3), "b": (2, 3)}, {}),
     "attention_gqa": (_attn, {"q": (1, 3, 4, 2), "k": (1, 3, 2, 2), "v": (1, 3, 2, 2)}, {}),
     "attention_softcap_window": (lambda q, k, v: _attn(q, k, v, softcap=1.5, window=2),
                                  {"q": (1, 4, 4, 2), "k": (1, 4, 2, 2), "v": (1, 4, 2, 2)}, {}),

@@ -1031,6 +1031,7 @@ class CUDABackend(Backend):
         "softmax_back": "_k_softmax_back",
         "flash_attn": "_k_flash_attn",
         "flash_attn_back": "_k_flash_attn_back",
+        "after": "_k_after",
         "cache_write": "_k_cache_write",
         "logsumexp": "_k_logsumexp",
         "cross_entropy": "_k_cross_entropy",
@@ -1420,6 +1421,9 @@ class CUDABackend(Backend):
             self._launch("flash_attn_back_kv", out.dtype, (k.size // k.shape[-1],), (_FA_THREADS,), q, k, v, lse, D, g,
                          out[nq : nq + nkv], out[nq + nkv :], *args)
         return out
+
+    def _k_after(self, out, x, dep):
+        return x
 
     # -- KV cache -------------------------------------------------------------------------------
     def _k_cache_write(self, out, cache, x, pos):

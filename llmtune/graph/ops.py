@@ -497,6 +497,19 @@ _register("flash_attn", _flash_attn_backward)
 _register("flash_attn_back", None)
 
 
+# --------------------------------------------------------------------------- scheduling
+def after(x: Node, dep: Node) -> Node:
+    """x itself (a view), computed only once `dep` is: gradient checkpointing (autodiff.py) hangs
+    a layer's recomputation on the gradient arriving at its output, so the recomputed
+    activations live only while that layer's backward runs."""
+    node = _node("after", (x, dep), {}, x.shape, x.dtype, contiguous=x.contiguous)
+    node.requires_grad = x.requires_grad
+    return node
+
+
+_register("after", lambda n, g: (g, None), view=True)
+
+
 # --------------------------------------------------------------------------- KV cache
 def cache_write(cache: Node, x: Node, pos: Node) -> Node:
     """Write x[B, T, H, d] into a persistent cache[B, H, N, d] at positions pos[T] (int32):

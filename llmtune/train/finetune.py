@@ -519,7 +519,7 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt=None, em
     steps_per_epoch = _steps_per_epoch(dataset, cfg, data_path)
     trainer = Trainer(model, get_backend(cfg.backend, precision=cfg.precision), n_ctx=cfg.ctx, n_batch=cfg.batch,
                       n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer, wd=cfg.wd,
-                      lora_dropout=cfg.lora_dropout, seed=cfg.seed,
+                      lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
                       workers=ckpt.meta.get("workers") if ckpt is not None else None)
     trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
     memory = _checked_memory(trainer, model_path)
