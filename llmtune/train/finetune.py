@@ -18,7 +18,7 @@ from llmtune.backends import get_backend
 from llmtune.errors import Interrupted, LlmtuneError, TrainingStopped
 from llmtune.gguf.file import check_output_path, write_gguf
 from llmtune.model.loaded import Model, load_model
-from llmtune.resources import available_memory, check_disk_space, check_writable_folder
+from llmtune.resources import available_memory, check_disk_space, check_writable_folder, process_rss
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.config import FinetuneConfig, make_config, resume_config
 from llmtune.train.chat import build_dataset, data_info
@@ -608,14 +608,20 @@ def _steps_per_epoch(dataset: WindowDataset, cfg: FinetuneConfig, data_path) -> 
 
 
 def _checked_memory(trainer: Trainer, model_path) -> dict[str, int]:
-    """The bytes the run needs, by kind; refused up front when more than is available."""
+    """The bytes the run needs, by kind; refused up front when more than is available. On the cpu
+    the total is the process's peak: "runtime" is what the process holds already besides the
+    trained weights (interpreter, libraries, tokenizer, data), measured, not guessed."""
     memory = trainer.memory_bytes()
     need, avail = sum(memory.values()), available_memory(trainer.backend)
     if avail is not None and need > avail:
         raise LlmtuneError(
             f"{model_path}: the run needs {need / 2**20:.0f} MiB ({', '.join(f'{k} {v / 2**20:.0f}' for k, v in memory.items())}) "
-            f"but only {avail / 2**20:.0f} MiB is available (lower --ubatch or --ctx, or train fewer tensors with --params)"
+            f"but only {avail / 2**20:.0f} MiB is available (lower --ubatch or --ctx, train fewer tensors with --params, "
+            f"or use --grad-checkpoint)"
         )
+    rss = process_rss() if trainer.backend.name == "cpu" else None
+    if rss is not None:  # the trained weights, written already, are resident and counted in "base"
+        memory["runtime"] = max(0, rss - trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize)
     return memory
 
 

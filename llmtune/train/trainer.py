@@ -132,6 +132,9 @@ class Trainer:
         for name, w in weights.items():
             if name not in self.values:
                 self.values[name] = backend_array(be, w)  # a QTensor's bytes as they are
+        gguf = getattr(self.model, "gguf", None)
+        if self.trainable and gguf is not None:
+            gguf.drop_pages()  # the trained tensors now live in flat_w; frozen ones fault back in
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
@@ -324,12 +327,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """The trainable buffer and the optimizer's moments as host arrays (a checkpoint's arrays)."""
+        """The trainable buffer and the optimizer's moments as host float32 arrays (a checkpoint's
+        arrays): the buffers themselves on a float32 cpu backend, so writing a checkpoint costs no
+        second copy of the state (peak memory); valid until the next step."""
         host = self.backend.to_numpy
-        arrays = {"weights": np.array(host(self.flat_w), dtype=np.float32)}
+        arrays = {"weights": np.asarray(host(self.flat_w), dtype=np.float32)}
         if self.optimizer.m is not None:
-            arrays["adam_m"] = np.array(host(self.optimizer.m), dtype=np.float32)
-            arrays["adam_v"] = np.array(host(self.optimizer.v), dtype=np.float32)
+            arrays["adam_m"] = np.asarray(host(self.optimizer.m), dtype=np.float32)
+            arrays["adam_v"] = np.asarray(host(self.optimizer.v), dtype=np.float32)
         return arrays
 
     def load_state(self, arrays: dict, steps_done: int) -> None:
