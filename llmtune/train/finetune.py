@@ -448,7 +448,7 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
     examples/training/finetune.cpp, with validation, batching and schedules as flags).
 
     settings: any FinetuneConfig field (ctx, batch, ubatch, epochs, lr, lr_min, decay_epochs,
-    warmup, wd, optimizer, val_split, params, seed, shuffle, backend, precision, metrics, lora_rank,
+    warmup, wd, optimizer, val_split, params, seed, shuffle, backend, precision, grad_checkpoint, metrics, lora_rank,
     lora_alpha, lora_targets, lora_dropout, lora_init, checkpoint_every, keep_checkpoints); None
     means "take it from config_file or the default". callback(event, info) receives "start",
     "step", "epoch", "checkpoint", "warning", "stopping", "resumed", "benchmark" and "saved" events (the CLI
