@@ -5,7 +5,7 @@ the CPU) at ctx 2048, when torch is installed.
 
     python bench/bench_memory.py [--ctx 512,1024,2048,4096] [--repeats 3] [--steps 2] [--torch]
 
-Each configuration runs `llmtune.finetune` in a fresh process (peak RSS = its ru_maxrss): one
+Each configuration runs `llmtune.finetune` in a fresh process (peak RSS = its VmHWM): one
 sequence per step (--batch = --ctx), steps + 1 steps over a slice of data/wikitext-100k.txt, the
 first one not timed; medians over the repeats (the machine may be shared).
 """
@@ -28,8 +28,6 @@ TEXT = REPO / "data" / "wikitext-100k.txt"
 
 def _worker(model: str, text: str, ctx: int, steps: int, checkpoint: bool, lora: bool) -> dict:
     """One finetune run in this (fresh) process: its estimate, peak RSS and step speed."""
-    import resource
-
     import llmtune
 
     times = []
@@ -45,8 +43,15 @@ def _worker(model: str, text: str, ctx: int, steps: int, checkpoint: bool, lora:
         res = llmtune.finetune(model, text, Path(tmp) / "out.gguf", callback=on, **settings)
     step_s = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else float("nan")
     return {"estimate_mib": sum(res.memory.values()) / 2**20, "memory": {k: v / 2**20 for k, v in res.memory.items()},
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mib": _own_peak_rss_kib() / 1024,
             "tokens_per_s": ctx / step_s, "steps": len(times)}
+
+
+def _own_peak_rss_kib() -> int:
+    """VmHWM: this process's own peak RSS. ru_maxrss would also hold the parent's peak (a vfork'ed
+    child hands the parent's mm to execve, which folds its high-water mark into maxrss)."""
+    with open("/proc/self/status") as fh:
+        return int(next(line for line in fh if line.startswith("VmHWM:")).split()[1])
 
 
 def run(model: Path, text: Path, ctx: int, steps: int, checkpoint: bool, lora: bool = False) -> dict:
