@@ -27,6 +27,15 @@ def available_memory(backend=None) -> Optional[int]:
     return None
 
 
+def process_rss() -> Optional[int]:
+    """Resident bytes of this process now (/proc/self/statm), None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_disk(folder: str | os.PathLike) -> Optional[int]:
     """Bytes free for an unprivileged writer in `folder` (None when the file system cannot say)."""
     try:

@@ -26,6 +26,7 @@ from llmtune.backends.cpu import CPUBackend
 from llmtune.errors import LlmtuneError
 from llmtune.arch.context import causal_attention
 from llmtune.graph import ops
+from llmtune.graph.autodiff import grad
 from llmtune.graph.gradcheck import check_gradients
 from llmtune.graph.planner import Program
 
@@ -579,6 +580,8 @@ GRAD_CASES = {
     # logits computed by an op: the backward overwrites them in place
     "cross_entropy_inplace": (lambda a, b, t: ops.cross_entropy(ops.matmul(a, b), t), {"a": (4, 3), "b": (3, 6)},
                               {"t": np.array([1, 5, 0, 0])}),
+    # a scheduling view: the value and gradient of its first input, none for the dependency
+    "after": (lambda a, b: ops.add(ops.after(ops.scale(a, 2.0), ops.silu(b)), b), {"a": (2, 3), "b": (2, 3)}, {}),
     "attention_gqa": (_attn, {"q": (1, 3, 4, 2), "k": (1, 3, 2, 2), "v": (1, 3, 2, 2)}, {}),
     "attention_softcap_window": (lambda q, k, v: _attn(q, k, v, softcap=1.5, window=2),
                                  {"q": (1, 4, 4, 2), "k": (1, 4, 2, 2), "v": (1, 4, 2, 2)}, {}),
@@ -592,6 +595,81 @@ def test_gradients_match_finite_differences(name, case):
     errors = check_gradients(build, arrays, backend_for(name, np.float64), int_inputs=int_inputs)
     assert set(errors) == set(shapes)
     assert max(errors.values()) < 1e-6, errors
+
+
+def _plain_attention(q, k, v, scale, softcap=0.0, window=0):
+    """The composition ops.flash_attn replaces (and the KV-cached path still uses): the [T, T]
+    scores of each KV head's stacked query group, softmax_causal, probabilities times V."""
+    B, T, H, d = q.shape
+    Hkv = k.shape[2]
+    qg = ops.reshape(ops.permute(q, (0, 2, 1, 3)), (B, Hkv, (H // Hkv) * T, d))
+    kt, vt = ops.cont(ops.permute(k, (0, 2, 1, 3))), ops.cont(ops.permute(v, (0, 2, 1, 3)))
+    scores = ops.matmul(qg, kt, tb=True)
+    if softcap:
+        scores, scale = ops.softcap(ops.scale(scores, scale), softcap), 1.0
+    probs = ops.softmax_causal(scores, scale, n_kv=T, n_q=T, window=window)
+    return ops.permute(ops.reshape(ops.matmul(probs, vt), (B, H, T, d)), (0, 2, 1, 3))
+
+
+def _attention_and_grads(backend, attention, arrays, r):
+    """attention(q, k, v) and the gradients of sum(out * r) wrt q, k, v, as host float64 arrays."""
+    nodes = {n: ops.param(a.shape, name=n) for n, a in arrays.items()}
+    out = ops.reshape(attention(**nodes), r.shape)
+    weights = ops.input(r.shape, name="r")
+    grads = grad(ops.sum_to(ops.mul(out, weights), ()), list(nodes.values()))
+    prog = Program([out] + [grads[n] for n in nodes.values()], backend,
+                   params={nodes[n]: backend.asarray(a) for n, a in arrays.items()})
+    return [backend.to_numpy(x).astype(np.float64) for x in prog.run(r=backend.asarray(r))]
+
+
+# (B, T, H, Hkv, d, softcap, window): query blocks of 4 positions (cpu), so T crosses several,
+# partial last blocks, window edges inside and across blocks, grouped-query heads
+FLASH_CASES = [(2, 13, 4, 2, 3, 0.0, 0), (1, 11, 6, 2, 4, 1.5, 0), (1, 14, 2, 1, 5, 0.0, 5), (2, 9, 4, 1, 3, 2.0, 3),
+               (1, 6, 3, 3, 2, 0.0, 2)]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES)
+def test_flash_attention_matches_plain_composition(name, case, monkeypatch):
+    """Blockwise attention equals the [T, T] composition in float64, forward and gradients."""
+    from llmtune.backends import cpu
+
+    monkeypatch.setattr(cpu, "_FA_BLOCK", 4)
+    B, T, H, Hkv, d, cap, window = case
+    arrays = {"q": rng.standard_normal((B, T, H, d)), "k": rng.standard_normal((B, T, Hkv, d)),
+              "v": rng.standard_normal((B, T, Hkv, d))}
+    r = rng.standard_normal((B, T, H, d))
+    scale = 1 / math.sqrt(d)
+    be = backend_for(name, np.float64)
+    got = _attention_and_grads(be, lambda q, k, v: ops.flash_attn(q, k, v, scale, cap, window), arrays, r)
+    want = _attention_and_grads(backend_for("cpu", np.float64),
+                                lambda q, k, v: _plain_attention(q, k, v, scale, cap, window), arrays, r)
+    for g, w in zip(got, want):
+        assert_close(g, w, 1e-12)
+
+
+@pytest.mark.parametrize("cap,window", [(0.0, 0), (1.5, 3)])
+def test_flash_attention_gradients_across_blocks(name, cap, window, monkeypatch):
+    """Finite differences through several query and key blocks (blocks of 2 positions on the cpu)."""
+    from llmtune.backends import cpu
+
+    monkeypatch.setattr(cpu, "_FA_BLOCK", 2)
+    arrays = {"q": rng.standard_normal((1, 5, 4, 2)), "k": rng.standard_normal((1, 5, 2, 2)),
+              "v": rng.standard_normal((1, 5, 2, 2))}
+    errors = check_gradients(lambda q, k, v: ops.flash_attn(q, k, v, 0.8, cap, window), arrays,
+                             backend_for(name, np.float64))
+    assert max(errors.values()) < 1e-6, errors
+
+
+def test_flash_attention_keeps_no_score_matrix():
+    """Training memory of attention grows with T, not T^2: the planned arena at T = 1024 is far
+    below one [H, T, T] float32 score matrix (what the plain composition keeps per layer)."""
+    B, T, H, d = 1, 1024, 4, 16
+    q, k, v = (ops.param((B, T, H, d), name=n) for n in "qkv")
+    out = ops.flash_attn(q, k, v, 0.25)
+    grads = grad(ops.sum_to(out, ()), [q, k, v])
+    params = {n: np.zeros(n.shape, np.float32) for n in (q, k, v)}
+    prog = Program([grads[n] for n in (q, k, v)], CPUBackend(), params=params)
+    assert prog.memory.planned_bytes < H * T * T * 4 / 8
 
 
 # ------------------------------------------------------------------------------ optimizers

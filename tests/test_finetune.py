@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,3 +295,42 @@ def test_quantized_model_trains_and_keeps_its_types(stories_path, small_text, tm
     assert all(src.tensors[n].type == dst.tensors[n].type for n in src.tensors)
     assert src.meta == dst.meta
     assert not np.array_equal(src.tensor("blk.0.attn_q.weight"), dst.tensor("blk.0.attn_q.weight"))
+
+
+# ------------------------------------------------------------------------------ the memory estimate
+# Peak RSS is VmHWM, this process's own high-water mark: ru_maxrss also holds the parent's (a
+# vfork'ed child hands the parent's mm to execve, which folds its high-water mark into maxrss).
+_PEAK_RSS_RUN = """
+import json, sys
+import llmtune
+settings = json.loads(sys.argv[4])
+res = llmtune.finetune(sys.argv[1], sys.argv[2], sys.argv[3], epochs=1, lr=1e-5, val_split=0.0, **settings)
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"estimate": sum(res.memory.values()), "memory": res.memory, "peak_rss": int(hwm.split()[1]) * 1024}))
+"""
+
+
+@pytest.fixture(scope="module")
+def model_15m(tmp_path_factory):
+    """The 15M shape (configs/llama-15m.toml, 32000-token vocabulary): 93 MiB of weights, so a full
+    finetune's buffers are ~400 MiB against ~50 MiB of interpreter and libraries."""
+    from llmtune.convert.init import init_model
+
+    root = Path(__file__).resolve().parents[1]
+    path = tmp_path_factory.mktemp("m15") / "llama-15m.gguf"
+    init_model(root / "configs" / "llama-15m.toml", root / "tests" / "data" / "vocab" / "ggml-vocab-llama-spm.gguf",
+               path, seed=0)
+    return path
+
+
+@pytest.mark.parametrize("settings", [{}, {"lora_rank": 8}, {"grad_checkpoint": True}], ids=["full", "lora", "checkpoint"])
+def test_memory_estimate_holds(model_15m, wiki100k_path, tmp_path, settings):
+    """The printed memory total is within 15 % of the run's measured peak RSS (a fresh process:
+    its VmHWM), for a full finetune, a LoRA one and one with --grad-checkpoint."""
+    text = tmp_path / "t.txt"
+    text.write_text(wiki100k_path.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    run = subprocess.run([sys.executable, "-c", _PEAK_RSS_RUN, str(model_15m), str(text), str(tmp_path / "o.gguf"),
+                          json.dumps({"ctx": 256, **settings})], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert abs(got["estimate"] / got["peak_rss"] - 1) < 0.15, json.dumps(got)

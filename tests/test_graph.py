@@ -130,3 +130,57 @@ def test_whole_model_gradients_tiny_llama():
     ints = {"tokens": rng.integers(0, 11, (2, 4)), "pos": np.arange(4), "targets": rng.integers(0, 11, 8)}
     errors = check_gradients(build, arrays, CPUBackend(np.float64), int_inputs=ints)
     assert max(errors.values()) < 1e-5, errors
+
+
+# ------------------------------------------------------------------------------ gradient checkpointing
+def _trainer(model, checkpoint, dtype=np.float32, n_ctx=128):
+    return Trainer(model, CPUBackend(dtype), n_ctx=n_ctx, n_batch=2 * n_ctx, n_ubatch=2 * n_ctx,
+                   trainable=list(model.weights), workers=1, grad_checkpoint=checkpoint)
+
+
+def test_grad_checkpoint_gives_the_same_gradients(stories_path, wikitext_ids):
+    """Recomputed activations are the very ops on the very inputs: float64 gradients agree to
+    rounding (exactly, in practice), and the loss too."""
+    from llmtune.train.trainer import RunningStats
+
+    model = load_model(stories_path, quantized=False)
+    x = np.stack([wikitext_ids[:128], wikitext_ids[300:428]])
+    y = np.stack([wikitext_ids[1:129], wikitext_ids[301:429]])
+    grads, losses = [], []
+    for checkpoint in (False, True):
+        tr = _trainer(model, checkpoint, np.float64)
+        losses.append(tr.train_step(x, y, 0.0, RunningStats()))
+        grads.append(np.array(tr.flat_g))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-14)
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-12, atol=1e-15 * np.abs(grads[0]).max())
+
+
+def test_grad_checkpoint_lowers_planned_memory(stories):
+    """The planned activations with --grad-checkpoint: each layer's kept values are the residual
+    stream only, so the arena shrinks (planner accounting, ctx 256, 5 layers)."""
+    plain = _trainer(stories, False, n_ctx=256).memory_bytes()["activations"]
+    ckpt = _trainer(stories, True, n_ctx=256).memory_bytes()["activations"]
+    assert ckpt < 0.5 * plain, (ckpt, plain)
+
+
+def test_checkpoint_segments_are_the_residual_stream(stories):
+    """Cuts fall on the residual adds, two per layer (after attention, after the FFN)."""
+    from llmtune.graph.autodiff import checkpoint_segments
+    from llmtune.graph.node import topo_order
+
+    _, _, logits = stories.build(1, 16)
+    loss = ops.cross_entropy(logits, ops.input((16,), "i32", name="targets"))
+    ends = [n for n in topo_order([loss]) if n.id in checkpoint_segments(topo_order([loss]))]
+    adds = [n for n in ends if n.op == "add"]
+    assert len(adds) >= 2 * stories.hp.n_layer - 1
+
+
+def test_weight_gradients_run_as_soon_as_their_inputs_exist(stories):
+    """Accumulated weight gradients are scheduled right after their inputs (not after the whole
+    backward, which kept every activation they read alive): a valid order, each node once."""
+    prog = _trainer(stories, False)._train_progs[0]
+    pos = {n.id: i for i, n in enumerate(prog.order)}
+    assert len(pos) == len(prog.order)
+    assert all(pos[i.id] < pos[n.id] for n in prog.order for i in n.inputs if not i.is_leaf)  # leaves are bound
+    delays = [pos[s.id] - max(pos[i.id] for i in s.inputs) for s in prog.accumulate]
+    assert max(delays) <= 2, delays

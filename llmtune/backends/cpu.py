@@ -405,6 +405,144 @@ def k_softmax_causal(out, x, pos=None, *, scale, n_q, n_past, window=0):
     return out
 
 
+# Query and key positions per block of flash_attn: a block's scores [B, H, 128, 128] stay in L2,
+# and the Python loop runs (T / 128)^2 / 2 times per call.
+_FA_BLOCK = 128
+
+
+class _FlashBlocks:
+    """The block walk shared by flash_attn's forward and backward (FlashAttention-2's tiling):
+    head-major copies of q/k/v ([B, Hkv, G, T, d], [B, Hkv, T, d]), the visible key blocks of each
+    query block (causal: none right of the diagonal; window: none left of it) and each block's
+    scores, softcapped and masked, as [B, Hkv, G, bq, bk]."""
+
+    def __init__(self, q, k, v, scale, softcap, window):
+        B, T, H, d = q.shape
+        self.Hkv = k.shape[2]
+        self.G, self.T = H // self.Hkv, T
+        self.scale, self.softcap, self.window = scale, softcap, window
+        self.qh = np.ascontiguousarray(q.reshape(B, T, self.Hkv, self.G, d).transpose(0, 2, 3, 1, 4))
+        self.kh = np.ascontiguousarray(k.transpose(0, 2, 1, 3))
+        self.vh = np.ascontiguousarray(v.transpose(0, 2, 1, 3))
+
+    def query_blocks(self):
+        for t0 in range(0, self.T, _FA_BLOCK):
+            yield t0, min(self.T, t0 + _FA_BLOCK)
+
+    def key_blocks(self, t0, t1):
+        """Key blocks [s0, s1) holding a key some query of t0..t1-1 sees."""
+        first = max(0, t0 - self.window + 1) if self.window else 0
+        for s0 in range(first - first % _FA_BLOCK, t1, _FA_BLOCK):
+            yield s0, min(t1, s0 + _FA_BLOCK)
+
+    def q_rows(self, t0, t1):
+        """Queries of positions t0..t1-1, every head of each KV group: [B, Hkv, G * bq, d]."""
+        B, d = self.qh.shape[0], self.qh.shape[-1]
+        return self.qh[:, :, :, t0:t1].reshape(B, self.Hkv, self.G * (t1 - t0), d)
+
+    def scores(self, qb, t0, t1, s0, s1):
+        """Scores of query rows qb (positions t0..) against keys s0..s1-1, [B, Hkv, G, bq, bk],
+        -inf where masked; with softcap also the tanh (the backward's chain-rule factor)."""
+        s = np.matmul(qb, self.kh[:, :, s0:s1].swapaxes(-1, -2))
+        s = s.reshape(s.shape[:2] + (self.G, t1 - t0, s1 - s0))
+        th = None
+        if self.softcap:
+            th = np.multiply(s, s.dtype.type(self.scale / self.softcap), out=s)
+            np.tanh(th, out=th)
+            s = th * s.dtype.type(self.softcap)
+        else:
+            s *= s.dtype.type(self.scale)
+        if s1 - 1 > t0 or (self.window and t1 - 1 - s0 >= self.window):  # some key masked
+            s += _CAUSAL_MASKS.get(t1 - t0, s1 - s0, t1 - t0, t0 - s0, self.window, s.dtype)
+        return s, th
+
+
+def _fa_split(out, q, k):
+    """Views of flash_attn's packed buffer: O [B, T, H, d] and the row logsumexp [B, Hkv, G, T]."""
+    B, T, H, d = q.shape
+    Hkv = k.shape[2]
+    return out[: q.size].reshape(q.shape), out[q.size :].reshape(B, Hkv, H // Hkv, T)
+
+
+def k_flash_attn(out, q, k, v, *, scale, softcap, window):
+    """Forward of ops.flash_attn, one query block at a time over its visible key blocks with an
+    online softmax (running max m and sum l, earlier partial sums rescaled by exp(m_old - m))."""
+    fb = _FlashBlocks(q, k, v, scale, softcap, window)
+    o, lse = _fa_split(out, q, k)
+    B, T, H, d = q.shape
+    for t0, t1 in fb.query_blocks():
+        qb = fb.q_rows(t0, t1)
+        shape = qb.shape[:2] + (fb.G, t1 - t0)
+        m = np.full(shape + (1,), -np.inf, q.dtype)
+        l = np.zeros(shape + (1,), q.dtype)
+        acc = np.zeros(shape + (d,), q.dtype)
+        for s0, s1 in fb.key_blocks(t0, t1):
+            s, _ = fb.scores(qb, t0, t1, s0, s1)
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            m_new[m_new == -np.inf] = 0  # a row with no visible key yet (window): keep exp finite
+            alpha = np.exp(m - m_new)
+            s -= m_new
+            np.exp(s, out=s)
+            l *= alpha
+            l += s.sum(axis=-1, keepdims=True)
+            acc *= alpha
+            acc += np.matmul(s.reshape(qb.shape[:3] + (s1 - s0,)), fb.vh[:, :, s0:s1]).reshape(acc.shape)
+            m = m_new
+        acc /= l
+        # [B, Hkv, G, bq, d] -> rows t0..t1 of O [B, T, H, d]
+        o[:, t0:t1] = acc.transpose(0, 3, 1, 2, 4).reshape(B, t1 - t0, H, d)
+        lse[..., t0:t1] = (m + np.log(l))[..., 0]
+    return out
+
+
+def k_flash_attn_back(out, q, k, v, packed, g, *, scale, softcap, window):
+    """dq | dk | dv of ops.flash_attn (FlashAttention-2's backward): per block P = exp(S - lse),
+    dV += P^T dO, dP = dO V^T, dS = P (dP - D) with D = rowsum(dO * O), then through the softcap
+    (1 - tanh^2) and the scale, dQ += dS K, dK += dS^T Q. The rows of a block are every query head
+    of a KV group, so dK and dV sum over the group by the products themselves."""
+    fb = _FlashBlocks(q, k, v, scale, softcap, window)
+    o, lse = _fa_split(packed, q, k)
+    B, T, H, d = q.shape
+    Hkv, G = fb.Hkv, fb.G
+    gh = np.ascontiguousarray(g.reshape(B, T, Hkv, G, d).transpose(0, 2, 3, 1, 4))  # dO [B, Hkv, G, T, d]
+    D = np.einsum("btkgd,btkgd->bkgt", o.reshape(B, T, Hkv, G, d), g.reshape(B, T, Hkv, G, d))
+    dq = np.zeros_like(fb.qh)
+    dk, dv = np.zeros_like(fb.kh), np.zeros_like(fb.vh)
+    for t0, t1 in fb.query_blocks():
+        qb = fb.q_rows(t0, t1)
+        rows = qb.shape[2]
+        gb = gh[:, :, :, t0:t1].reshape(B, Hkv, rows, d)
+        lse_b, D_b = lse[..., t0:t1, None], D[..., t0:t1, None]
+        dq_b = np.zeros_like(qb)
+        for s0, s1 in fb.key_blocks(t0, t1):
+            s, th = fb.scores(qb, t0, t1, s0, s1)
+            s -= lse_b
+            p = np.exp(s, out=s)  # [B, Hkv, G, bq, bk]; 0 where masked
+            p2 = p.reshape(B, Hkv, rows, s1 - s0)
+            dv[:, :, s0:s1] += np.matmul(p2.swapaxes(-1, -2), gb)
+            dp = np.matmul(gb, fb.vh[:, :, s0:s1].swapaxes(-1, -2)).reshape(p.shape)
+            dp -= D_b
+            dp *= p  # dS with respect to the capped, scaled scores
+            if th is not None:
+                np.square(th, out=th)
+                np.subtract(th.dtype.type(1), th, out=th)
+                dp *= th
+            dp *= dp.dtype.type(scale)
+            ds = dp.reshape(B, Hkv, rows, s1 - s0)
+            dq_b += np.matmul(ds, fb.kh[:, :, s0:s1])
+            dk[:, :, s0:s1] += np.matmul(ds.swapaxes(-1, -2), qb)
+        dq[:, :, :, t0:t1] = dq_b.reshape(B, Hkv, G, t1 - t0, d)
+    n_q, n_kv = q.size, k.size
+    out[:n_q].reshape(B, T, Hkv, G, d)[...] = dq.transpose(0, 3, 1, 2, 4)
+    out[n_q : n_q + n_kv].reshape(k.shape)[...] = dk.transpose(0, 2, 1, 3)
+    out[n_q + n_kv :].reshape(v.shape)[...] = dv.transpose(0, 2, 1, 3)
+    return out
+
+
+def k_after(out, x, dep):
+    return x
+
+
 def k_cache_write(out, cache, x, pos):
     """cache[:, :, pos[t]] = x[:, t] in place; returns the cache (a view op)."""
     pos = np.asarray(pos).reshape(-1)
@@ -523,6 +661,9 @@ KERNELS = {
     "rope": k_rope,
     "softmax_causal": k_softmax_causal,
     "softmax_back": k_softmax_back,
+    "flash_attn": k_flash_attn,
+    "flash_attn_back": k_flash_attn_back,
+    "after": k_after,
     "cache_write": k_cache_write,
     "logsumexp": k_logsumexp,
     "cross_entropy": k_cross_entropy,

@@ -230,6 +230,177 @@ extern "C" __global__ void softmax_causal(const real* x, real* out, const int* _
         yr[c] = c >= first && c < end ? exp(xr[c] * scale - mx) / sum : (real)0;
 }
 
+// ------------------------------------------------------------------ blockwise attention (flash_attn)
+// q [B, T, H, d], k/v [B, T, Hkv, d] contiguous; query head h reads KV head h / (H / Hkv). Row
+// r = (b * H + h) * T + t of the logsumexp is query position t of head h. Query t sees keys
+// fa_first(t)..t (window > 0: the last `window` positions, llama.cpp's LLAMA_SWA_TYPE_STANDARD).
+// One block of FA_THREADS per row (a query row forward and for dq, a key row for dk/dv): no
+// [T, T] matrix, scores recomputed where needed (FlashAttention-2), static shared memory only.
+#define FA_THREADS 128
+#define FA_MAX_D 512  // head_dim bound: FA_MAX_D / FA_THREADS accumulators per thread
+
+__device__ __forceinline__ int fa_first(int t, int window) { return window > 0 ? max(0, t - window + 1) : 0; }
+
+// The capped, scaled score of one query row against one key row (gemma2: cap * tanh(scale s / cap)).
+__device__ __forceinline__ real fa_score(const real* qr, const real* kr, int d, real scale, real softcap) {
+    real s = 0;
+    for (int c = 0; c < d; ++c) s += qr[c] * kr[c];
+    return softcap > 0 ? softcap * tanh(s * scale / softcap) : s * scale;
+}
+
+// d score / d (q.k): the scale, through the softcap's 1 - tanh^2 when there is one.
+__device__ __forceinline__ real fa_dscore(real s, real scale, real softcap) {
+    return softcap > 0 ? ((real)1 - (s / softcap) * (s / softcap)) * scale : scale;
+}
+
+__device__ __forceinline__ void fa_load_row(real* dst, const real* src, int d) {
+    for (int c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+    __syncthreads();
+}
+
+// O and the row logsumexp: each thread keeps an online max/sum over its keys, the block merges
+// them into lse, then keys are walked in chunks of FA_THREADS: p = exp(s - lse) into shared
+// memory, and thread c accumulates sum_j p_j v_j[c] for its columns.
+extern "C" __global__ void flash_attn_fwd(const real* __restrict__ q, const real* __restrict__ k, const real* __restrict__ v,
+                                          real* __restrict__ out, real* __restrict__ lse, int T, int H, int Hkv, int d,
+                                          real scale, real softcap, int window) {
+    __shared__ real scratch[32];
+    __shared__ real qs[FA_MAX_D];
+    __shared__ real ps[FA_THREADS];
+    const long long row = blockIdx.x;
+    const int t = (int)(row % T), h = (int)((row / T) % H);
+    const long long b = row / ((long long)T * H);
+    const int hk = h / (H / Hkv), first = fa_first(t, window);
+    const long long kstride = (long long)Hkv * d;
+    const real* kb = k + b * T * kstride + (long long)hk * d;
+    const real* vb = v + b * T * kstride + (long long)hk * d;
+    fa_load_row(qs, q + ((b * T + t) * H + h) * d, d);
+    real m = NEG_INF, l = 0;
+    for (int j = first + threadIdx.x; j <= t; j += blockDim.x) {
+        const real s = fa_score(qs, kb + j * kstride, d, scale, softcap);
+        const real m_new = fmax(m, s);
+        l = l * exp(m - m_new) + exp(s - m_new);
+        m = m_new;
+    }
+    const real mx = block_reduce(m, scratch, true);
+    const real sum = block_reduce(m == NEG_INF ? (real)0 : l * exp(m - mx), scratch, false);
+    const real row_lse = mx + log(sum);
+    real acc[FA_MAX_D / FA_THREADS];
+    for (int i = 0; i < FA_MAX_D / FA_THREADS; ++i) acc[i] = 0;
+    for (int j0 = first; j0 <= t; j0 += FA_THREADS) {
+        const int j = j0 + threadIdx.x;
+        ps[threadIdx.x] = j <= t ? exp(fa_score(qs, kb + j * kstride, d, scale, softcap) - row_lse) : (real)0;
+        __syncthreads();
+        const int n = min(FA_THREADS, t + 1 - j0);
+        for (int c = threadIdx.x, i = 0; c < d; c += blockDim.x, ++i)
+            for (int jj = 0; jj < n; ++jj) acc[i] += ps[jj] * vb[(j0 + jj) * kstride + c];
+        __syncthreads();
+    }
+    real* orow = out + ((b * T + t) * H + h) * d;
+    for (int c = threadIdx.x, i = 0; c < d; c += blockDim.x, ++i) orow[c] = acc[i];
+    if (threadIdx.x == 0) lse[row] = row_lse;
+}
+
+// dq of one query row, and D = rowsum(dO * O) of it (saved for flash_attn_back_kv):
+// dS_j = P_j (dP_j - D) d score_j, dP_j = dO . v_j, dq = sum_j dS_j k_j.
+extern "C" __global__ void flash_attn_back_q(const real* __restrict__ q, const real* __restrict__ k,
+                                             const real* __restrict__ v, const real* __restrict__ o,
+                                             const real* __restrict__ lse, const real* __restrict__ g,
+                                             real* __restrict__ dq, real* __restrict__ D, int T, int H, int Hkv, int d,
+                                             real scale, real softcap, int window) {
+    __shared__ real scratch[32];
+    __shared__ real qs[FA_MAX_D];
+    __shared__ real gs[FA_MAX_D];
+    __shared__ real ds[FA_THREADS];
+    const long long row = blockIdx.x;
+    const int t = (int)(row % T), h = (int)((row / T) % H);
+    const long long b = row / ((long long)T * H);
+    const int hk = h / (H / Hkv), first = fa_first(t, window);
+    const long long kstride = (long long)Hkv * d, qoff = ((b * T + t) * H + h) * d;
+    const real* kb = k + b * T * kstride + (long long)hk * d;
+    const real* vb = v + b * T * kstride + (long long)hk * d;
+    fa_load_row(qs, q + qoff, d);
+    fa_load_row(gs, g + qoff, d);
+    real dot = 0;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) dot += gs[c] * o[qoff + c];
+    const real Dr = block_reduce(dot, scratch, false), row_lse = lse[row];
+    real acc[FA_MAX_D / FA_THREADS];
+    for (int i = 0; i < FA_MAX_D / FA_THREADS; ++i) acc[i] = 0;
+    for (int j0 = first; j0 <= t; j0 += FA_THREADS) {
+        const int j = j0 + threadIdx.x;
+        real dsj = 0;
+        if (j <= t) {
+            const real s = fa_score(qs, kb + j * kstride, d, scale, softcap);
+            real dp = 0;
+            for (int c = 0; c < d; ++c) dp += gs[c] * vb[j * kstride + c];
+            dsj = exp(s - row_lse) * (dp - Dr) * fa_dscore(s, scale, softcap);
+        }
+        ds[threadIdx.x] = dsj;
+        __syncthreads();
+        const int n = min(FA_THREADS, t + 1 - j0);
+        for (int c = threadIdx.x, i = 0; c < d; c += blockDim.x, ++i)
+            for (int jj = 0; jj < n; ++jj) acc[i] += ds[jj] * kb[(j0 + jj) * kstride + c];
+        __syncthreads();
+    }
+    for (int c = threadIdx.x, i = 0; c < d; c += blockDim.x, ++i) dq[qoff + c] = acc[i];
+    if (threadIdx.x == 0) D[row] = Dr;
+}
+
+// dk, dv of one key row j of KV head hk: summed over the queries that see it, t = j..last, of
+// every query head of the group (FA_THREADS (head, position) pairs per chunk):
+// dv = sum P dO, dk = sum dS q.
+extern "C" __global__ void flash_attn_back_kv(const real* __restrict__ q, const real* __restrict__ k,
+                                              const real* __restrict__ v, const real* __restrict__ lse,
+                                              const real* __restrict__ D, const real* __restrict__ g,
+                                              real* __restrict__ dk, real* __restrict__ dv, int T, int H, int Hkv, int d,
+                                              real scale, real softcap, int window) {
+    __shared__ real ks[FA_MAX_D];
+    __shared__ real vs[FA_MAX_D];
+    __shared__ real ps[FA_THREADS];
+    __shared__ real ds[FA_THREADS];
+    __shared__ long long qrow[FA_THREADS];
+    const long long row = blockIdx.x;
+    const int j = (int)(row % T), hk = (int)((row / T) % Hkv);
+    const long long b = row / ((long long)T * Hkv);
+    const int G = H / Hkv;
+    const int last = window > 0 ? min(T - 1, j + window - 1) : T - 1, n_t = last - j + 1;
+    const long long koff = ((b * T + j) * Hkv + hk) * d;
+    fa_load_row(ks, k + koff, d);
+    fa_load_row(vs, v + koff, d);
+    real acc_k[FA_MAX_D / FA_THREADS], acc_v[FA_MAX_D / FA_THREADS];
+    for (int i = 0; i < FA_MAX_D / FA_THREADS; ++i) acc_k[i] = acc_v[i] = 0;
+    for (int r0 = 0; r0 < G * n_t; r0 += FA_THREADS) {
+        const int r = r0 + threadIdx.x;
+        real p = 0, dsr = 0;
+        long long off = 0;
+        if (r < G * n_t) {
+            const int h = hk * G + r / n_t, t = j + r % n_t;
+            const long long lrow = (b * H + h) * T + t;
+            off = ((b * T + t) * H + h) * d;
+            const real s = fa_score(q + off, ks, d, scale, softcap);
+            real dp = 0;
+            for (int c = 0; c < d; ++c) dp += g[off + c] * vs[c];
+            p = exp(s - lse[lrow]);
+            dsr = p * (dp - D[lrow]) * fa_dscore(s, scale, softcap);
+        }
+        ps[threadIdx.x] = p;
+        ds[threadIdx.x] = dsr;
+        qrow[threadIdx.x] = off;
+        __syncthreads();
+        const int n = min(FA_THREADS, G * n_t - r0);
+        for (int c = threadIdx.x, i = 0; c < d; c += blockDim.x, ++i)
+            for (int rr = 0; rr < n; ++rr) {
+                acc_v[i] += ps[rr] * g[qrow[rr] + c];
+                acc_k[i] += ds[rr] * q[qrow[rr] + c];
+            }
+        __syncthreads();
+    }
+    for (int c = threadIdx.x, i = 0; c < d; c += blockDim.x, ++i) {
+        dk[koff + c] = acc_k[i];
+        dv[koff + c] = acc_v[i];
+    }
+}
+
 // ------------------------------------------------------------------ KV cache
 // cache[b, h, pos[t], c] = x[b, t, h, c]: x contiguous [B, T, H, d], cache contiguous [B, H, N, d].
 extern "C" __global__ void cache_write(const real* __restrict__ x, const int* __restrict__ pos, real* __restrict__ cache,
@@ -575,6 +746,7 @@ extern "C" __global__ void sgd_step(real* __restrict__ w, const real* __restrict
 _C_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 _BLOCK = 256  # threads per block of the flat (grid-stride) kernels
 _MAX_BLOCKS = 1 << 16
+_FA_THREADS, _FA_MAX_D = 128, 512  # FA_THREADS, FA_MAX_D of the flash_attn kernels
 
 
 def kernel_source(dtype) -> str:
@@ -857,6 +1029,9 @@ class CUDABackend(Backend):
         "rope": "_k_rope",
         "softmax_causal": "_k_softmax_causal",
         "softmax_back": "_k_softmax_back",
+        "flash_attn": "_k_flash_attn",
+        "flash_attn_back": "_k_flash_attn_back",
+        "after": "_k_after",
         "cache_write": "_k_cache_write",
         "logsumexp": "_k_logsumexp",
         "cross_entropy": "_k_cross_entropy",
@@ -1214,6 +1389,41 @@ class CUDABackend(Backend):
             self._launch("softmax_causal", out.dtype, (rows,), _row_threads(n), x, out, pos_arg, np.int32(has_pos),
                          np.int32(n), np.int32(n_q), np.int32(n_past), np.int32(window), out.dtype.type(scale))
         return out
+
+    # -- blockwise attention ----------------------------------------------------------------------
+    def _fa_args(self, q, k, out, scale, softcap, window) -> tuple:
+        """(q, k contiguous), grid rows and the shape/attribute arguments shared by the kernels."""
+        B, T, H, d = q.shape
+        if d > _FA_MAX_D:
+            raise LlmtuneError(f"flash_attn: head_dim {d} > {_FA_MAX_D}, the CUDA kernel's bound")
+        r = out.dtype.type
+        return (np.int32(T), np.int32(H), np.int32(k.shape[2]), np.int32(d), r(scale), r(softcap), np.int32(window))
+
+    def _k_flash_attn(self, out, q, k, v, *, scale, softcap, window):
+        """O | logsumexp of ops.flash_attn (packed): one block per query row."""
+        q, k, v = self._contig(q), self._contig(k), self._contig(v)
+        if q.size:
+            self._launch("flash_attn_fwd", out.dtype, (q.size // q.shape[-1],), (_FA_THREADS,), q, k, v, out[: q.size],
+                         out[q.size :], *self._fa_args(q, k, out, scale, softcap, window))
+        return out
+
+    def _k_flash_attn_back(self, out, q, k, v, packed, g, *, scale, softcap, window):
+        """dq | dk | dv of ops.flash_attn: dq per query row (which also leaves D = rowsum(dO * O)),
+        then dk, dv per key row."""
+        q, k, v, g = self._contig(q), self._contig(k), self._contig(v), self._contig(g)
+        if q.size:
+            args = self._fa_args(q, k, out, scale, softcap, window)
+            rows = q.size // q.shape[-1]
+            D = self.xp.empty(rows, dtype=out.dtype)
+            nq, nkv = q.size, k.size
+            o, lse = packed[:nq], packed[nq:]
+            self._launch("flash_attn_back_q", out.dtype, (rows,), (_FA_THREADS,), q, k, v, o, lse, g, out[:nq], D, *args)
+            self._launch("flash_attn_back_kv", out.dtype, (k.size // k.shape[-1],), (_FA_THREADS,), q, k, v, lse, D, g,
+                         out[nq : nq + nkv], out[nq + nkv :], *args)
+        return out
+
+    def _k_after(self, out, x, dep):
+        return x
 
     # -- KV cache -------------------------------------------------------------------------------
     def _k_cache_write(self, out, cache, x, pos):

@@ -17,6 +17,7 @@ logical numpy shape.
 
 from __future__ import annotations
 
+import mmap as mmap_module
 import os
 import struct
 import tempfile
@@ -251,6 +252,14 @@ class GGUFFile:
                 raise LlmtuneError(f"{self.path}: corrupt GGUF (duplicate tensor {d.name!r})")
             self.tensors[d.name] = self._tensor_info(d)
         _check_no_overlap(self.path, descriptors, self.tensors)
+
+    def drop_pages(self) -> None:
+        """Let the kernel drop the mapped pages read so far (madvise MADV_DONTNEED): they are clean
+        file pages, read back on the next access. A full finetune copies every tensor into its
+        trained buffer; without this the copied pages stay resident and count twice."""
+        mm = getattr(self._mm, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap_module, "MADV_DONTNEED"):
+            mm.madvise(mmap_module.MADV_DONTNEED)
 
     def _tensor_info(self, d: _Descriptor) -> TensorInfo:
         qtype = _tensor_type(self.path, d)

@@ -444,6 +444,72 @@ _register("softmax_causal", lambda n, g: (softmax_back(n, g, n.attrs["scale"]),)
 _register("softmax_back", None)
 
 
+# --------------------------------------------------------------------------- fused attention
+def flash_attn(q: Node, k: Node, v: Node, scale_: float, softcap_: float = 0.0, window: int = 0) -> Node:
+    """Causal grouped-query attention in bounded memory (FlashAttention-2; llama.cpp's
+    ggml_flash_attn_ext): q [B, T, H, d], k/v [B, T, Hkv, d] -> [B, T, H, d].
+
+    Scores are s = scale * q.k, or cap * tanh(scale * q.k / cap) with softcap_ > 0 (gemma2); key k
+    is masked for query position p when k > p, or with window > 0 when p - k >= window (llama.cpp's
+    LLAMA_SWA_TYPE_STANDARD). Query head h reads KV head h // (H / Hkv). Kernels walk key blocks
+    with an online softmax (running max and sum), so no [T, T] matrix is ever held; the backward
+    recomputes the scores from q, k, v and the row logsumexp.
+
+    One op has one buffer, so the kernel's buffer is packed: O (B*T*H*d values, in [B, T, H, d]
+    order, the layout the output projection reads) then the logsumexp of every row [B, H, T]; the
+    result here is O as a view, and the backward reads the whole packed node.
+    """
+    B, T, H, d = q.shape
+    if len(k.shape) != 4 or k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != d or H % k.shape[2]:
+        raise ValueError(f"flash_attn: q {q.shape}, k {k.shape}, v {v.shape}")
+    if window < 0 or softcap_ < 0:
+        raise ValueError(f"flash_attn: window {window}, softcap {softcap_} must be >= 0")
+    q, k, v = (x if x.contiguous else cont(x) for x in (q, k, v))
+    n_o = q.size
+    attrs = {"scale": float(scale_), "softcap": float(softcap_), "window": int(window)}
+    packed = _node("flash_attn", (q, k, v), attrs, (n_o + B * H * T,))
+    return reshape(slice_rows(packed, 0, 0, n_o), q.shape)
+
+
+def flash_attn_back(q: Node, k: Node, v: Node, packed: Node, g: Node, attrs: dict) -> Node:
+    """dq, dk, dv of flash_attn, packed in one buffer in that order (each in its input's layout),
+    computed in one blockwise pass (FlashAttention-2's backward: D = rowsum(dO * O),
+    dS = P * (dP - D), with P recomputed from the saved logsumexp)."""
+    n = q.size + k.size + v.size
+    return _node("flash_attn_back", (q, k, v, packed, g), dict(attrs), (n,))
+
+
+def _flash_attn_backward(n: Node, g: Node):
+    q, k, v = n.inputs
+    # The gradient reaches the packed buffer only through O's view: autodiff hands it over as
+    # pad(dO); the backward reads dO itself, so that pad is never computed.
+    d_out = g.inputs[0] if g.op == "pad" else slice_rows(g, 0, 0, q.size)
+    d_out = reshape(d_out, q.shape)
+    back = flash_attn_back(q, k, v, n, d_out, n.attrs)
+    parts, start = [], 0
+    for x in (q, k, v):
+        parts.append(reshape(slice_rows(back, 0, start, start + x.size), x.shape) if x.requires_grad else None)
+        start += x.size
+    return tuple(parts)
+
+
+_register("flash_attn", _flash_attn_backward)
+_register("flash_attn_back", None)
+
+
+# --------------------------------------------------------------------------- scheduling
+def after(x: Node, dep: Node) -> Node:
+    """x itself (a view), computed only once `dep` is: gradient checkpointing (autodiff.py) hangs
+    a layer's recomputation on the gradient arriving at its output, so the recomputed
+    activations live only while that layer's backward runs."""
+    node = _node("after", (x, dep), {}, x.shape, x.dtype, contiguous=x.contiguous)
+    node.requires_grad = x.requires_grad
+    return node
+
+
+_register("after", lambda n, g: (g, None), view=True)
+
+
 # --------------------------------------------------------------------------- KV cache
 def cache_write(cache: Node, x: Node, pos: Node) -> Node:
     """Write x[B, T, H, d] into a persistent cache[B, H, N, d] at positions pos[T] (int32):

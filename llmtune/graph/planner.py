@@ -34,7 +34,7 @@ class Program:
         self.backend = backend
         self.outputs = list(outputs)
         self.accumulate = dict(accumulate or {})
-        self.order = topo_order(self.outputs + list(self.accumulate))
+        self.order = _sinks_early(topo_order(self.outputs + list(self.accumulate)), set(self.accumulate), self.outputs)
         self.inputs = {n.name: n for n in self.order if n.op == "input"}
         self._leaf_values = {}
         for n in self.order:
@@ -142,6 +142,50 @@ class Program:
                 if sink is not None:
                     accumulate(sink, val)
         return [vals[n.id] for n in self.outputs]
+
+
+def _sinks_early(order: list[Node], sinks: set, outputs: list[Node]) -> list[Node]:
+    """`order` with every node that only feeds accumulate sinks (a weight's gradient product and
+    the sums into it) moved to right after its last input. Depth-first order from the outputs
+    puts those nodes after the whole backward, which keeps every activation and gradient they
+    read alive to the end; run early, they free them as the backward goes."""
+    consumers: dict[int, list[Node]] = {}
+    for n in order:
+        for inp in n.inputs:
+            consumers.setdefault(inp.id, []).append(n)
+    keep = {n.id for n in outputs}
+    sink_only: set[int] = set()
+    for n in reversed(order):  # consumers before producers
+        if n.is_leaf or n.id in keep:
+            continue
+        users = consumers.get(n.id, [])
+        if n in sinks and not users or users and all(u.id in sink_only for u in users):
+            sink_only.add(n.id)
+    if not sink_only:
+        return order
+    pending = {n.id: sum(1 for i in n.inputs if not i.is_leaf) for n in order if n.id in sink_only}
+    out: list[Node] = []
+
+    def emit(n: Node) -> None:
+        stack = [n]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            if node.is_leaf:  # not counted in `pending`
+                continue
+            for c in consumers.get(node.id, []):
+                if c.id in pending:
+                    pending[c.id] -= 1
+                    if pending[c.id] == 0:
+                        stack.append(c)
+
+    leaves_only = {n.id for n in order if pending.get(n.id) == 0}  # nothing else releases these
+    for n in order:
+        if n.id not in sink_only:
+            emit(n)
+        elif n.id in leaves_only:
+            emit(n)
+    return out
 
 
 def _buffer_owners(order: list[Node]) -> dict[int, int | None]:

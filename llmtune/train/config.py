@@ -29,6 +29,7 @@ class FinetuneConfig:
     shuffle: bool = True
     backend: str = "cpu"  # cpu | cuda | auto
     precision: str = "f32"  # matmul precision: f32, or on cuda tf32 / bf16 (f32 master weights)
+    grad_checkpoint: bool = False  # recompute each layer's activations in the backward instead of keeping them
     metrics: Optional[str] = None  # JSONL path: one record per step and per validation pass
     # LoRA (set lora_rank or lora_init): train only adapters on a frozen base, write an adapter GGUF
     lora_rank: Optional[int] = None  # r of each adapter pair

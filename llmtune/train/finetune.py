@@ -18,7 +18,7 @@ from llmtune.backends import get_backend
 from llmtune.errors import Interrupted, LlmtuneError, TrainingStopped
 from llmtune.gguf.file import check_output_path, write_gguf
 from llmtune.model.loaded import Model, load_model
-from llmtune.resources import available_memory, check_disk_space, check_writable_folder
+from llmtune.resources import available_memory, check_disk_space, check_writable_folder, process_rss
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.config import FinetuneConfig, make_config, resume_config
 from llmtune.train.chat import build_dataset, data_info
@@ -448,7 +448,7 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
     examples/training/finetune.cpp, with validation, batching and schedules as flags).
 
     settings: any FinetuneConfig field (ctx, batch, ubatch, epochs, lr, lr_min, decay_epochs,
-    warmup, wd, optimizer, val_split, params, seed, shuffle, backend, precision, metrics, lora_rank,
+    warmup, wd, optimizer, val_split, params, seed, shuffle, backend, precision, grad_checkpoint, metrics, lora_rank,
     lora_alpha, lora_targets, lora_dropout, lora_init, checkpoint_every, keep_checkpoints); None
     means "take it from config_file or the default". callback(event, info) receives "start",
     "step", "epoch", "checkpoint", "warning", "stopping", "resumed", "benchmark" and "saved" events (the CLI
@@ -519,7 +519,7 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt=None, em
     steps_per_epoch = _steps_per_epoch(dataset, cfg, data_path)
     trainer = Trainer(model, get_backend(cfg.backend, precision=cfg.precision), n_ctx=cfg.ctx, n_batch=cfg.batch,
                       n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer, wd=cfg.wd,
-                      lora_dropout=cfg.lora_dropout, seed=cfg.seed,
+                      lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
                       workers=ckpt.meta.get("workers") if ckpt is not None else None)
     trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
     memory = _checked_memory(trainer, model_path)
@@ -608,14 +608,20 @@ def _steps_per_epoch(dataset: WindowDataset, cfg: FinetuneConfig, data_path) -> 
 
 
 def _checked_memory(trainer: Trainer, model_path) -> dict[str, int]:
-    """The bytes the run needs, by kind; refused up front when more than is available."""
+    """The bytes the run needs, by kind; refused up front when more than is available. On the cpu
+    the total is the process's peak: "runtime" is what the process holds already besides the
+    trained weights (interpreter, libraries, tokenizer, data), measured, not guessed."""
     memory = trainer.memory_bytes()
     need, avail = sum(memory.values()), available_memory(trainer.backend)
     if avail is not None and need > avail:
         raise LlmtuneError(
             f"{model_path}: the run needs {need / 2**20:.0f} MiB ({', '.join(f'{k} {v / 2**20:.0f}' for k, v in memory.items())}) "
-            f"but only {avail / 2**20:.0f} MiB is available (lower --ubatch or --ctx, or train fewer tensors with --params)"
+            f"but only {avail / 2**20:.0f} MiB is available (lower --ubatch or --ctx, train fewer tensors with --params, "
+            f"or use --grad-checkpoint)"
         )
+    rss = process_rss() if trainer.backend.name == "cpu" else None
+    if rss is not None:  # the trained weights, written already, are resident and counted in "base"
+        memory["runtime"] = max(0, rss - trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize)
     return memory
 
 

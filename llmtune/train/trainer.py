@@ -68,12 +68,15 @@ class Diverged(LlmtuneError):
 class Trainer:
     def __init__(self, model: Model, backend, *, n_ctx: int, n_batch: int, n_ubatch: int,
                  trainable: list[str], optimizer: str = "adamw", wd: float = 0.0, workers: int | None = None,
-                 lora_dropout: float = 0.0, seed: int = 0, comm: Communicator | None = None):
+                 lora_dropout: float = 0.0, seed: int = 0, comm: Communicator | None = None,
+                 grad_checkpoint: bool = False):
         """trainable: names in model.tensors() (base weights, or a LoRA adapter's A/B keys: the
         base then stays frozen). workers: micro-batches computed at once (cpu: by default one per
         core when a step has several, each with single-threaded BLAS). The result does not depend
         on it beyond float rounding. lora_dropout: PEFT's dropout on the adapters' inputs in
-        training passes, masks drawn per sequence from `seed` (adapter.dropout_masks)."""
+        training passes, masks drawn per sequence from `seed` (adapter.dropout_masks).
+        grad_checkpoint: the backward recomputes each layer's activations (autodiff.grad's
+        checkpoint) instead of keeping them from the forward: same gradients, less memory."""
         if n_batch % n_ctx or n_ubatch % n_ctx or n_batch % n_ubatch:
             raise LlmtuneError(
                 f"--batch {n_batch} / --ubatch {n_ubatch}: both must be multiples of --ctx {n_ctx}, and ubatch must divide batch"
@@ -90,6 +93,7 @@ class Trainer:
         if dense:
             self.model = model = dataclasses.replace(model, weights={**model.weights, **dense})
         self.lora_dropout, self.seed, self.steps_done = float(lora_dropout), seed, 0
+        self.grad_checkpoint = bool(grad_checkpoint)
         self.max_loss = math.inf  # a step's mean loss above it stops training (Diverged)
         self._requested_workers = workers
         # data-parallel ranks (backends/dist.py; default: this process's world): rank r takes the
@@ -128,6 +132,9 @@ class Trainer:
         for name, w in weights.items():
             if name not in self.values:
                 self.values[name] = backend_array(be, w)  # a QTensor's bytes as they are
+        gguf = getattr(self.model, "gguf", None)
+        if self.trainable and gguf is not None:
+            gguf.drop_pages()  # the trained tensors now live in flat_w; frozen ones fault back in
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
@@ -148,7 +155,7 @@ class Trainer:
         loss_scale = ops.input((), name="loss_scale")
         loss = ops.cross_entropy(logits, targets)
         correct = ops.count_correct(logits, targets)
-        grads = grad(loss, [nodes[n] for n in self.trainable], seed=loss_scale)
+        grads = grad(loss, [nodes[n] for n in self.trainable], seed=loss_scale, checkpoint=self.grad_checkpoint)
         # a trainable tensor the loss does not reach keeps a zero gradient (buffers start zeroed)
         sinks = {grads[nodes[n]]: grad_views[n] for n in self.trainable if nodes[n] in grads}
         return Program([loss, correct], self.backend, params=self._bind(nodes), accumulate=sinks)
@@ -320,12 +327,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """The trainable buffer and the optimizer's moments as host arrays (a checkpoint's arrays)."""
+        """The trainable buffer and the optimizer's moments as host float32 arrays (a checkpoint's
+        arrays): the buffers themselves on a float32 cpu backend, so writing a checkpoint costs no
+        second copy of the state (peak memory); valid until the next step."""
         host = self.backend.to_numpy
-        arrays = {"weights": np.array(host(self.flat_w), dtype=np.float32)}
+        arrays = {"weights": np.asarray(host(self.flat_w), dtype=np.float32)}
         if self.optimizer.m is not None:
-            arrays["adam_m"] = np.array(host(self.optimizer.m), dtype=np.float32)
-            arrays["adam_v"] = np.array(host(self.optimizer.v), dtype=np.float32)
+            arrays["adam_m"] = np.asarray(host(self.optimizer.m), dtype=np.float32)
+            arrays["adam_v"] = np.asarray(host(self.optimizer.v), dtype=np.float32)
         return arrays
 
     def load_state(self, arrays: dict, steps_done: int) -> None:
