@@ -13,6 +13,7 @@ is reported with the tokens per second of the steps after the first.
 - llmtune: the q4_k_m file; its matrices stay as the file's Q4_K / Q6_K bytes (memory-mapped),
   dequantized a few MiB at a time inside each product (ops.qlinear), activations rounded as
   llama.cpp rounds them; only input gradients flow through the base.
+- llmtune-gc: the same with --grad-checkpoint (each block's activations recomputed in the backward).
 - llmtune-f32: the same on the f32 file (the base as float32 views of the file).
 - peft: transformers' LlamaForCausalLM with the f32 file's weights (q/k un-permuted from GGUF's
   rope layout), peft.get_peft_model(LoraConfig(...)), torch.optim.AdamW over the adapters.
@@ -26,7 +27,6 @@ import argparse
 import gzip
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -42,7 +42,9 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    """VmHWM, this process's own high-water mark (ru_maxrss of a vfork'ed child can hold its parent's)."""
+    with open("/proc/self/status") as fh:
+        return int(next(line for line in fh if line.startswith("VmHWM:")).split()[1]) * 1024
 
 
 def current_rss() -> int:
@@ -82,7 +84,7 @@ def prepare(work: Path, n_windows: int, ctx: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------ runs (child processes)
-def run_llmtune(model_path: str, tokens_path: str, steps: int, rank: int, ctx: int) -> dict:
+def run_llmtune(model_path: str, tokens_path: str, steps: int, rank: int, ctx: int, grad_checkpoint=False) -> dict:
     from llmtune.backends.cpu import CPUBackend
     from llmtune.model.adapter import attach, init_adapter
     from llmtune.model.loaded import load_model
@@ -93,7 +95,8 @@ def run_llmtune(model_path: str, tokens_path: str, steps: int, rank: int, ctx: i
     model = load_model(model_path)
     adapter = init_adapter(model, rank, alpha=rank, seed=0)
     model = attach(model, [adapter])
-    tr = Trainer(model, CPUBackend(), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, trainable=list(adapter.tensors()))
+    tr = Trainer(model, CPUBackend(), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, trainable=list(adapter.tensors()),
+                 grad_checkpoint=grad_checkpoint)
     setup = time.perf_counter() - t0
     rss_ready = current_rss()
     times, losses = [], []
@@ -188,8 +191,10 @@ def run_peft(model_path: str, tokens_path: str, steps: int, rank: int, ctx: int)
 
 
 def child(kind: str, model: str, tokens: str, steps: int, rank: int, ctx: int) -> None:
-    run = run_peft if kind == "peft" else run_llmtune
-    res = run(model, tokens, steps, rank, ctx)
+    if kind == "peft":
+        res = run_peft(model, tokens, steps, rank, ctx)
+    else:
+        res = run_llmtune(model, tokens, steps, rank, ctx, grad_checkpoint=kind == "llmtune-gc")
     res["peak_rss"] = peak_rss()
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -220,7 +225,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--only", action="append", choices=("llmtune", "llmtune-f32", "peft"))
+    ap.add_argument("--only", action="append", choices=("llmtune", "llmtune-gc", "llmtune-f32", "peft"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
@@ -229,9 +234,9 @@ def main() -> int:
         child(args.child, args.model, args.tokens, args.steps, args.rank, args.ctx)
         return 0
     files = prepare(args.work, max(args.steps, 4), args.ctx)
-    runs = {"llmtune": files["q4_k_m"], "peft": files["f32"], "llmtune-f32": files["f32"]}
+    runs = {"llmtune": files["q4_k_m"], "llmtune-gc": files["q4_k_m"], "peft": files["f32"], "llmtune-f32": files["f32"]}
     results = {}
-    for kind in args.only or ["llmtune", "peft"]:
+    for kind in args.only or ["llmtune", "llmtune-gc", "peft"]:
         results[kind] = spawn(kind, runs[kind], files["tokens"], args)
         print(json.dumps(results[kind]), flush=True)
     print(f"\nLoRA rank {args.rank} on q/k/v/o/gate/up/down, ctx {args.ctx}, {args.steps} steps of one sequence, "
