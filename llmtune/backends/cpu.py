@@ -311,7 +311,11 @@ class _RopeCache:
             if ff is not None:  # ggml_rope_cache_init: theta / freq_factors[i]
                 inv_freq = inv_freq / ff.astype(np.float64)
             theta = freq_scale * pos.astype(np.float64)[:, None] * inv_freq[None, :]
-            tab = (np.cos(theta).astype(dtype), np.sin(theta).astype(dtype))
+            cos, sin = np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
+            # interleaved for norm-mode rope of whole heads (_rope_pairs): cos of each pair twice,
+            # and (-sin, sin) per pair (its negation for the inverse)
+            sin2 = np.stack([-sin, sin], axis=-1).reshape(len(pos), -1)
+            tab = (cos, sin, np.repeat(cos, 2, axis=-1), sin2, -sin2)
             if len(self._tables) > 64:
                 self._tables.clear()
             self._tables[key] = tab
@@ -347,8 +351,33 @@ _ROPE_TABLES = _RopeCache()
 _CAUSAL_MASKS = _MaskCache()
 
 
+def _pairs_contiguous(a) -> bool:
+    """Whether `a`'s adjacent pairs view as one 64-bit word each (contiguous last axis; the
+    gradient reaching rope is a permuted view whose other strides are whole pairs)."""
+    pair = 2 * a.itemsize
+    return a.strides[-1] == a.itemsize and all(st % pair == 0 for st in a.strides[:-1])
+
+
+def _rope_pairs(out, x, cos2, sin2):
+    """Norm-mode rope of float32 pairs (x0, x1) as out = x * (cos, cos) + (x1, x0) * (-sin, sin):
+    the same products and sums as the strided form below, so the same bits, in contiguous passes.
+    The swapped pairs come from rotating each pair's 64-bit word by 32 bits; `out` is scratch."""
+    u, scratch = x.view(np.uint64), out.view(np.uint64)
+    swapped = np.left_shift(u, np.uint64(32))
+    np.right_shift(u, np.uint64(32), out=scratch)
+    swapped |= scratch
+    swapped = swapped.view(np.float32)
+    swapped *= sin2
+    np.multiply(x, cos2, out=out)
+    out += swapped
+    return out
+
+
 def k_rope(out, x, pos, freq_factors=None, *, n_rot, base, freq_scale, mode, inverse):
-    cos, sin = _ROPE_TABLES.get(pos, n_rot, base, freq_scale, x.dtype, freq_factors)
+    cos, sin, cos2, sin2, sin2_inv = _ROPE_TABLES.get(pos, n_rot, base, freq_scale, x.dtype, freq_factors)
+    if mode == "norm" and n_rot == x.shape[-1] and x.dtype == np.float32 and _pairs_contiguous(x) \
+            and _pairs_contiguous(out):
+        return _rope_pairs(out, x, cos2[:, None, :], (sin2_inv if inverse else sin2)[:, None, :])
     if inverse:
         sin = -sin
     # x[B, T, H, d]; tables [T, n_rot/2] broadcast over batch and heads
