@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmtune.backends.dist import Communicator, DistributedError, run_split, world
-from llmtune.backends.threads import blas_threads, cpu_workers
+from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
@@ -114,6 +114,8 @@ class Trainer:
         # them), so on the cpu its program replays with pre-bound kernel calls (planner.Replay)
         self._train_inputs = [self._input_buffers(p) for p in self._train_progs]
         self._replays: list[dict[bool, Replay]] = [{} for _ in self._train_progs]  # by assign mode
+        # one micro-batch at a time: OpenBLAS's thread count by timing (threads.BlasTuner)
+        self._blas_tuner = BlasTuner(enabled=backend.name == "cpu" and self.n_workers == 1)
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
 
     # ------------------------------------------------------------------ setup
@@ -257,7 +259,8 @@ class Trainer:
                 results[u] = (float(be.to_numpy(loss)), int(be.to_numpy(correct)))
 
         if n_w == 1:
-            work(0)
+            with self._blas_tuner():
+                work(0)
         else:
             with blas_threads(1):
                 list(self._pool.map(work, range(n_w)))
