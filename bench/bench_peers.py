@@ -6,13 +6,15 @@ train  stories260K and the 15M shape (configs/llama-15m.toml), ctx 256, one opti
        row's batch: llmtune's Trainer against a PyTorch llama on the same weights (from the GGUF)
        and the same tokens: F.embedding, F.rms_norm, F.linear, batched rope on adjacent pairs,
        F.scaled_dot_product_attention(is_causal, enable_gqa), SwiGLU, cross-entropy, AdamW over
-       every parameter (fused). Each side runs in its own process with the same thread count; the
-       parent alternates them (--reps rounds of --steps steps each, after warm-up) and reports
-       medians of the step times. Both first losses are printed: they agree when both run the
-       same model.
+       every parameter (fused). Each side runs in its own process: llmtune as it chooses (one
+       worker per core for several micro-batches, else BLAS threads picked by timing), PyTorch
+       with torch.set_num_threads(cores) and again with 1, the better of the two being the peer.
+       The parent takes turns (--reps rounds of --steps steps each, after two warm-up steps) and
+       reports medians of the step times. The first losses are printed: they agree when every
+       side runs the same model.
 ppl    `llmtune perplexity` against llama-perplexity (--llama-bin; the rows are skipped without
-       it), wall clock of the whole command including start-up, alternated, median of --reps;
-       llama.cpp gets the best of -b ctx and -b 2048 in each round.
+       it), wall clock of the whole command including start-up, taking turns, median of --reps;
+       llama.cpp gets the best of -b ctx / -b 2048 and -t cores / -t 1 in each round.
 
 PyTorch is a bench-only dependency; nothing in llmtune or its tests imports it.
 """
@@ -65,7 +67,8 @@ def step_tokens(n_vocab: int, n_seq: int, ctx: int, step: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- the two trainers
-def llmtune_stepper(path: str, ctx: int, batch: int, ubatch: int):
+def llmtune_stepper(path: str, ctx: int, batch: int, ubatch: int, threads: int):
+    """threads: unused; llmtune picks its own (one worker per core, or BLAS threads by timing)."""
     from llmtune.backends.cpu import CPUBackend
     from llmtune.model.loaded import load_model
     from llmtune.train.trainer import RunningStats, Trainer
@@ -134,10 +137,10 @@ class TorchLlama:
         return F.cross_entropy(F.linear(x, out).view(B * T, -1), targets.reshape(-1))
 
 
-def torch_stepper(path: str, ctx: int, batch: int, ubatch: int):
+def torch_stepper(path: str, ctx: int, batch: int, ubatch: int, threads: int):
     import torch
 
-    torch.set_num_threads(n_threads())
+    torch.set_num_threads(threads)
     model = TorchLlama(path)
     opt = torch.optim.AdamW(model.params.values(), lr=LR, weight_decay=0.0, fused=True)
 
@@ -155,9 +158,9 @@ def torch_stepper(path: str, ctx: int, batch: int, ubatch: int):
 STEPPERS = {"llmtune": llmtune_stepper, "torch": torch_stepper}
 
 
-def worker(side: str, path: str, ctx: int, batch: int, ubatch: int) -> None:
+def worker(side: str, path: str, ctx: int, batch: int, ubatch: int, threads: int) -> None:
     """Build one side, warm up, then answer each stdin line N with the times of N more steps."""
-    step, n_vocab = STEPPERS[side](path, ctx, batch, ubatch)
+    step, n_vocab = STEPPERS[side](path, ctx, batch, ubatch, threads)
     n_seq, done = batch // ctx, 0
     first = step(step_tokens(n_vocab, n_seq, ctx, done))
     done += 1
@@ -175,18 +178,22 @@ def worker(side: str, path: str, ctx: int, batch: int, ubatch: int) -> None:
         print(json.dumps(times), flush=True)
 
 
-def start_worker(side: str, path: Path, ctx: int, batch: int, ubatch: int):
-    cmd = [sys.executable, __file__, "--worker", side, str(path), str(ctx), str(batch), str(ubatch)]
+def start_worker(side: str, threads: int, path: Path, ctx: int, batch: int, ubatch: int):
+    cmd = [sys.executable, __file__, "--worker", side, str(path), str(ctx), str(batch), str(ubatch), str(threads)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     return proc, json.loads(proc.stdout.readline())["first_loss"]
 
 
 def train_row(path: Path, ctx: int, batch: int, ubatch: int, reps: int, steps: int) -> dict:
-    """Median tokens/s of each side, the sides alternating (who goes first alternates too)."""
+    """Median tokens/s of each side, the sides taking turns (the order reversed every round).
+    PyTorch runs twice, with as many threads as llmtune has cores and with one: on a busy machine
+    its OpenMP threads stall as OpenBLAS's do, and the peer gets the better of the two."""
+    n = n_threads()
+    sides = [("llmtune", n), ("torch", n)] + ([("torch", 1)] if n > 1 else [])
     procs, first = {}, {}
-    for side in STEPPERS:  # built one after the other so start-up does not overlap a timing
-        procs[side], first[side] = start_worker(side, path, ctx, batch, ubatch)
+    for side, threads in sides:  # started one after the other: start-up overlaps no timing
+        procs[side, threads], first[side, threads] = start_worker(side, threads, path, ctx, batch, ubatch)
     times = {side: [] for side in procs}
     order = list(procs)
     for r in range(reps):
@@ -201,6 +208,11 @@ def train_row(path: Path, ctx: int, batch: int, ubatch: int, reps: int, steps: i
     return {side: {"tokens_per_s": batch / statistics.median(t), "first_loss": first[side]} for side, t in times.items()}
 
 
+def best_torch(r: dict) -> tuple[float, int]:
+    """The faster PyTorch run of a train_row result: (tokens/s, threads)."""
+    return max((v["tokens_per_s"], threads) for (side, threads), v in r.items() if side == "torch")
+
+
 # ---------------------------------------------------------------------- perplexity
 def wall(cmd: list[str]) -> float:
     t = time.perf_counter()
@@ -212,16 +224,26 @@ def wall(cmd: list[str]) -> float:
 
 
 def ppl_row(llama_bin: Path, model: Path, text: Path, ctx: int, chunks: int, reps: int) -> dict:
+    """Median tokens/s (chunks x ctx over the command's wall clock) of each side, taking turns.
+    llama.cpp gets its best setting in each round: -b ctx or 2048, -t cores or 1 (its threads
+    busy-wait, and on a busy machine one thread can beat two)."""
     ours = [sys.executable, "-m", "llmtune", "perplexity", str(model), str(text), "--ctx", str(ctx), "--chunks", str(chunks)]
-    theirs = [str(llama_bin / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx),
-              "--chunks", str(chunks), "-t", str(n_threads())]
-    walls = {"llmtune": [], "llama.cpp": []}
+    theirs = [str(llama_bin / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks)]
+    settings = [(b, t) for t in sorted({n_threads(), 1}, reverse=True) for b in (ctx, 2048)]
+    walls: dict = {"llmtune": [], "llama.cpp": []}
+    best: dict = {}
     for r in range(reps):
-        sides = [("llmtune", lambda: wall(ours)),
-                 ("llama.cpp", lambda: min(wall(theirs + ["-b", str(b)]) for b in (ctx, 2048)))]
-        for side, fn in (sides if r % 2 == 0 else sides[::-1]):
-            walls[side].append(fn())
-    return {side: chunks * ctx / statistics.median(w) for side, w in walls.items()}
+        for side in (["llmtune", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "llmtune"]):
+            if side == "llmtune":
+                walls[side].append(wall(ours))
+                continue
+            times = {(b, t): wall(theirs + ["-b", str(b), "-t", str(t)]) for b, t in settings}
+            walls[side].append(min(times.values()))
+            fastest = min(times, key=times.get)
+            best[fastest] = best.get(fastest, 0) + 1
+    out = {side: chunks * ctx / statistics.median(w) for side, w in walls.items()}
+    out["llama.cpp setting"] = "-b %d -t %d" % max(best, key=best.get)
+    return out
 
 
 def llama_version(llama_bin: Path) -> str:
@@ -275,17 +297,18 @@ def main(argv: list[str]) -> None:
         if "train" in what:
             for label, key, ctx, batch, ubatch in TRAIN_ROWS:
                 r = train_row(models[key], ctx, batch, ubatch, args.reps, args.steps)
-                ours, peer = r["llmtune"]["tokens_per_s"], r["torch"]["tokens_per_s"]
-                print(f"  {label}: first loss llmtune {r['llmtune']['first_loss']:.6f} torch {r['torch']['first_loss']:.6f}",
-                      flush=True)
-                rows.append((label, ours, f"PyTorch {fmt(peer)}", ours / peer))
+                ours = r["llmtune", n_threads()]
+                peer, threads = best_torch(r)
+                print(f"  {label}: " + ", ".join(f"{side} {t} thr {fmt(v['tokens_per_s'])} tokens/s (first loss {v['first_loss']:.6f})"
+                                                  for (side, t), v in r.items()), flush=True)
+                rows.append((label, ours["tokens_per_s"], f"PyTorch {fmt(peer)} ({threads} thr)", ours["tokens_per_s"] / peer))
         if "ppl" in what:
             text = tmp / "wiki.test.raw"
             text.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
             for label, key, ctx, chunks in PPL_ROWS:
                 r = ppl_row(llama_bin, models[key], text, ctx, chunks, args.reps)
-                rows.append((label + ", wall clock incl. start-up", r["llmtune"], f"llama.cpp {fmt(r['llama.cpp'])}",
-                             r["llmtune"] / r["llama.cpp"]))
+                rows.append((label + ", wall clock incl. start-up", r["llmtune"],
+                             f"llama.cpp {fmt(r['llama.cpp'])} ({r['llama.cpp setting']})", r["llmtune"] / r["llama.cpp"]))
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end\n")
     print("| workload | llmtune tokens/s | peer tokens/s | ratio |")
@@ -296,7 +319,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        side, path, ctx, batch, ubatch = sys.argv[2:7]
-        worker(side, path, int(ctx), int(batch), int(ubatch))
+        side, path, ctx, batch, ubatch, threads = sys.argv[2:8]
+        worker(side, path, int(ctx), int(batch), int(ubatch), int(threads))
     else:
         main(sys.argv[1:])

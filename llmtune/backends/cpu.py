@@ -5,9 +5,12 @@ Kernels write into planned `out` buffers and avoid temporaries where numpy allow
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from llmtune.backends.base import Backend
+from llmtune.backends.threads import parallel_ranges
 from llmtune.quant import matmul as qmatmul
 
 
@@ -560,6 +563,36 @@ KERNELS = {
 }
 
 
+_ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2
+
+
+def _adamw_range(w, g, m, v, start, stop, *, lr, beta1, beta2, eps, wd, t):
+    """The AdamW update of elements start..stop, one cache-sized block at a time: one trip
+    through memory, not ten."""
+    c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
+    keep = 1.0 - lr * wd
+    tmp = np.empty(min(_ADAMW_BLOCK, stop - start), dtype=w.dtype)
+    for s in range(start, stop, _ADAMW_BLOCK):
+        e = min(s + _ADAMW_BLOCK, stop)
+        ws, gs, ms, vs = w[s:e], g[s:e], m[s:e], v[s:e]
+        tt = tmp[: e - s]
+        ms *= beta1
+        np.multiply(gs, 1.0 - beta1, out=tt)
+        ms += tt
+        vs *= beta2
+        np.multiply(gs, gs, out=tt)
+        tt *= 1.0 - beta2
+        vs += tt
+        np.multiply(vs, c2, out=tt)
+        np.sqrt(tt, out=tt)
+        tt += eps
+        np.divide(ms, tt, out=tt)
+        tt *= lr * c1
+        if wd:
+            ws *= keep
+        ws -= tt
+
+
 class CPUBackend(Backend):
     name = "cpu"
 
@@ -592,29 +625,10 @@ class CPUBackend(Backend):
 
     def adamw_step(self, w, g, m, v, *, lr, beta1, beta2, eps, wd, t):
         # ggml_opt_step_adamw: decoupled decay, bias-corrected moments, eps after the sqrt.
-        # Blocked so every temporary stays in cache: one trip through memory, not ten.
-        c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
-        keep = 1.0 - lr * wd
-        n, blk = w.size, 1 << 15
-        tmp = np.empty(blk, dtype=w.dtype)
-        for s in range(0, n, blk):
-            ws, gs, ms, vs = w[s : s + blk], g[s : s + blk], m[s : s + blk], v[s : s + blk]
-            tt = tmp[: ws.size]
-            ms *= beta1
-            np.multiply(gs, 1.0 - beta1, out=tt)
-            ms += tt
-            vs *= beta2
-            np.multiply(gs, gs, out=tt)
-            tt *= 1.0 - beta2
-            vs += tt
-            np.multiply(vs, c2, out=tt)
-            np.sqrt(tt, out=tt)
-            tt += eps
-            np.divide(ms, tt, out=tt)
-            tt *= lr * c1
-            if wd:
-                ws *= keep
-            ws -= tt
+        # Elementwise, so a large buffer splits over the cores (numpy releases the GIL) with the
+        # same bits; each part is blocked so its temporaries stay in cache.
+        step = functools.partial(_adamw_range, w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd, t=t)
+        parallel_ranges(step, w.size, _ADAMW_BLOCK)
 
     def sgd_step(self, w, g, *, lr, wd):
         if wd:

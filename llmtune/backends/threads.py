@@ -96,6 +96,26 @@ def run_in_order(fn, make_state, items, n_workers: int):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+_RANGE_POOL: list = []  # the shared pool of parallel_ranges, made on first use
+PARALLEL_MIN = 1 << 20  # elements below which one thread does the whole range
+
+
+def parallel_ranges(fn, n: int, align: int) -> None:
+    """fn(start, stop) over 0..n split into one contiguous part per core (part boundaries on
+    multiples of `align`), on a shared thread pool: for elementwise numpy work that releases the
+    GIL. Small ranges (under PARALLEL_MIN) run whole on the calling thread."""
+    parts = min(n_cores(), max(1, n // PARALLEL_MIN))
+    if parts == 1:
+        fn(0, n)
+        return
+    if not _RANGE_POOL:
+        _RANGE_POOL.append(ThreadPoolExecutor(n_cores(), thread_name_prefix="llmtune-range"))
+    step = -(-(-(-n // parts)) // align) * align
+    bounds = [(s, min(s + step, n)) for s in range(0, n, step)]
+    for fut in [_RANGE_POOL[0].submit(fn, s, e) for s, e in bounds]:
+        fut.result()
+
+
 class _BlasThreads:
     """Set OpenBLAS's thread count for a block (numpy's bundled OpenBLAS, found through ctypes)."""
 
