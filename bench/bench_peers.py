@@ -302,8 +302,9 @@ def main(argv: list[str]) -> None:
                 r = train_row(models[key], ctx, batch, ubatch, args.reps, args.steps)
                 ours = r["llmtune", n_threads()]
                 peer, threads = best_torch(r)
-                print(f"  {label}: " + ", ".join(f"{side} {t} thr {fmt(v['tokens_per_s'])} tokens/s (first loss {v['first_loss']:.6f})"
-                                                  for (side, t), v in r.items()), flush=True)
+                print(f"  {label}: " + ", ".join(
+                    f"{side if side == 'llmtune' else f'{side} {t} thr'} {fmt(v['tokens_per_s'])} tokens/s "
+                    f"(first loss {v['first_loss']:.6f})" for (side, t), v in r.items()), flush=True)
                 rows.append((label, ours["tokens_per_s"], f"PyTorch {fmt(peer)} ({threads} thr)", ours["tokens_per_s"] / peer))
         if "ppl" in what:
             text = tmp / "wiki.test.raw"
