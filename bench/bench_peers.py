@@ -9,9 +9,9 @@ train  stories260K and the 15M shape (configs/llama-15m.toml), ctx 256, one opti
        every parameter (fused). Each side runs in its own process: llmtune as it chooses (one
        worker per core for several micro-batches, else BLAS threads picked by timing), PyTorch
        with torch.set_num_threads(cores) and again with 1, the better of the two being the peer.
-       The parent takes turns (--reps rounds of --steps steps each, after two warm-up steps) and
-       reports medians of the step times. The first losses are printed: they agree when every
-       side runs the same model.
+       The parent takes turns (--reps rounds of --steps steps each, after WARMUP_STEPS untimed
+       ones) and reports medians of the step times. The first losses are printed: they agree
+       when every side runs the same model.
 ppl    `llmtune perplexity` against llama-perplexity (--llama-bin; the rows are skipped without
        it), wall clock of the whole command including start-up, taking turns, median of --reps;
        llama.cpp at its fastest of -b ctx / -b 2048 and -t cores / -t 1 (picked in round one).
@@ -156,16 +156,19 @@ def torch_stepper(path: str, ctx: int, batch: int, ubatch: int, threads: int):
 
 
 STEPPERS = {"llmtune": llmtune_stepper, "torch": torch_stepper}
+# untimed steps per side: first-touch costs, PyTorch's kernel caches, and llmtune's one-time choice
+# of a thread count (threads.BlasTuner's trial runs: a warm-up and two of each count)
+WARMUP_STEPS = 6
 
 
 def worker(side: str, path: str, ctx: int, batch: int, ubatch: int, threads: int) -> None:
     """Build one side, warm up, then answer each stdin line N with the times of N more steps."""
     step, n_vocab = STEPPERS[side](path, ctx, batch, ubatch, threads)
-    n_seq, done = batch // ctx, 0
-    first = step(step_tokens(n_vocab, n_seq, ctx, done))
-    done += 1
-    step(step_tokens(n_vocab, n_seq, ctx, done))
-    done += 1
+    n_seq = batch // ctx
+    first = step(step_tokens(n_vocab, n_seq, ctx, 0))
+    for done in range(1, WARMUP_STEPS):
+        step(step_tokens(n_vocab, n_seq, ctx, done))
+    done = WARMUP_STEPS
     print(json.dumps({"first_loss": first}), flush=True)
     for line in sys.stdin:
         times = []
