@@ -5,9 +5,12 @@ Kernels write into planned `out` buffers and avoid temporaries where numpy allow
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from llmtune.backends.base import Backend
+from llmtune.backends.threads import parallel_ranges
 from llmtune.quant import matmul as qmatmul
 
 
@@ -311,7 +314,11 @@ class _RopeCache:
             if ff is not None:  # ggml_rope_cache_init: theta / freq_factors[i]
                 inv_freq = inv_freq / ff.astype(np.float64)
             theta = freq_scale * pos.astype(np.float64)[:, None] * inv_freq[None, :]
-            tab = (np.cos(theta).astype(dtype), np.sin(theta).astype(dtype))
+            cos, sin = np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
+            # interleaved for norm-mode rope of whole heads (_rope_pairs): cos of each pair twice,
+            # and (-sin, sin) per pair (its negation for the inverse)
+            sin2 = np.stack([-sin, sin], axis=-1).reshape(len(pos), -1)
+            tab = (cos, sin, np.repeat(cos, 2, axis=-1), sin2, -sin2)
             if len(self._tables) > 64:
                 self._tables.clear()
             self._tables[key] = tab
@@ -347,8 +354,33 @@ _ROPE_TABLES = _RopeCache()
 _CAUSAL_MASKS = _MaskCache()
 
 
+def _pairs_contiguous(a) -> bool:
+    """Whether `a`'s adjacent pairs view as one 64-bit word each (contiguous last axis; the
+    gradient reaching rope is a permuted view whose other strides are whole pairs)."""
+    pair = 2 * a.itemsize
+    return a.strides[-1] == a.itemsize and all(st % pair == 0 for st in a.strides[:-1])
+
+
+def _rope_pairs(out, x, cos2, sin2):
+    """Norm-mode rope of float32 pairs (x0, x1) as out = x * (cos, cos) + (x1, x0) * (-sin, sin):
+    the same products and sums as the strided form below, so the same bits, in contiguous passes.
+    The swapped pairs come from rotating each pair's 64-bit word by 32 bits; `out` is scratch."""
+    u, scratch = x.view(np.uint64), out.view(np.uint64)
+    swapped = np.left_shift(u, np.uint64(32))
+    np.right_shift(u, np.uint64(32), out=scratch)
+    swapped |= scratch
+    swapped = swapped.view(np.float32)
+    swapped *= sin2
+    np.multiply(x, cos2, out=out)
+    out += swapped
+    return out
+
+
 def k_rope(out, x, pos, freq_factors=None, *, n_rot, base, freq_scale, mode, inverse):
-    cos, sin = _ROPE_TABLES.get(pos, n_rot, base, freq_scale, x.dtype, freq_factors)
+    cos, sin, cos2, sin2, sin2_inv = _ROPE_TABLES.get(pos, n_rot, base, freq_scale, x.dtype, freq_factors)
+    if mode == "norm" and n_rot == x.shape[-1] and x.dtype == np.float32 and _pairs_contiguous(x) \
+            and _pairs_contiguous(out):
+        return _rope_pairs(out, x, cos2[:, None, :], (sin2_inv if inverse else sin2)[:, None, :])
     if inverse:
         sin = -sin
     # x[B, T, H, d]; tables [T, n_rot/2] broadcast over batch and heads
@@ -672,6 +704,36 @@ KERNELS = {
 }
 
 
+_ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2
+
+
+def _adamw_range(w, g, m, v, start, stop, *, lr, beta1, beta2, eps, wd, t):
+    """The AdamW update of elements start..stop, one cache-sized block at a time: one trip
+    through memory, not ten."""
+    c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
+    keep = 1.0 - lr * wd
+    tmp = np.empty(min(_ADAMW_BLOCK, stop - start), dtype=w.dtype)
+    for s in range(start, stop, _ADAMW_BLOCK):
+        e = min(s + _ADAMW_BLOCK, stop)
+        ws, gs, ms, vs = w[s:e], g[s:e], m[s:e], v[s:e]
+        tt = tmp[: e - s]
+        ms *= beta1
+        np.multiply(gs, 1.0 - beta1, out=tt)
+        ms += tt
+        vs *= beta2
+        np.multiply(gs, gs, out=tt)
+        tt *= 1.0 - beta2
+        vs += tt
+        np.multiply(vs, c2, out=tt)
+        np.sqrt(tt, out=tt)
+        tt += eps
+        np.divide(ms, tt, out=tt)
+        tt *= lr * c1
+        if wd:
+            ws *= keep
+        ws -= tt
+
+
 class CPUBackend(Backend):
     name = "cpu"
 
@@ -704,29 +766,10 @@ class CPUBackend(Backend):
 
     def adamw_step(self, w, g, m, v, *, lr, beta1, beta2, eps, wd, t):
         # ggml_opt_step_adamw: decoupled decay, bias-corrected moments, eps after the sqrt.
-        # Blocked so every temporary stays in cache: one trip through memory, not ten.
-        c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
-        keep = 1.0 - lr * wd
-        n, blk = w.size, 1 << 15
-        tmp = np.empty(blk, dtype=w.dtype)
-        for s in range(0, n, blk):
-            ws, gs, ms, vs = w[s : s + blk], g[s : s + blk], m[s : s + blk], v[s : s + blk]
-            tt = tmp[: ws.size]
-            ms *= beta1
-            np.multiply(gs, 1.0 - beta1, out=tt)
-            ms += tt
-            vs *= beta2
-            np.multiply(gs, gs, out=tt)
-            tt *= 1.0 - beta2
-            vs += tt
-            np.multiply(vs, c2, out=tt)
-            np.sqrt(tt, out=tt)
-            tt += eps
-            np.divide(ms, tt, out=tt)
-            tt *= lr * c1
-            if wd:
-                ws *= keep
-            ws -= tt
+        # Elementwise, so a large buffer splits over the cores (numpy releases the GIL) with the
+        # same bits; each part is blocked so its temporaries stay in cache.
+        step = functools.partial(_adamw_range, w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd, t=t)
+        parallel_ranges(step, w.size, _ADAMW_BLOCK)
 
     def sgd_step(self, w, g, *, lr, wd):
         if wd:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,6 +96,26 @@ def run_in_order(fn, make_state, items, n_workers: int):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+_RANGE_POOL: list = []  # the shared pool of parallel_ranges, made on first use
+PARALLEL_MIN = 1 << 20  # elements below which one thread does the whole range
+
+
+def parallel_ranges(fn, n: int, align: int) -> None:
+    """fn(start, stop) over 0..n split into one contiguous part per core (part boundaries on
+    multiples of `align`), on a shared thread pool: for elementwise numpy work that releases the
+    GIL. Small ranges (under PARALLEL_MIN) run whole on the calling thread."""
+    parts = min(n_cores(), max(1, n // PARALLEL_MIN))
+    if parts == 1:
+        fn(0, n)
+        return
+    if not _RANGE_POOL:
+        _RANGE_POOL.append(ThreadPoolExecutor(n_cores(), thread_name_prefix="llmtune-range"))
+    step = -(-(-(-n // parts)) // align) * align
+    bounds = [(s, min(s + step, n)) for s in range(0, n, step)]
+    for fut in [_RANGE_POOL[0].submit(fn, s, e) for s, e in bounds]:
+        fut.result()
+
+
 class _BlasThreads:
     """Set OpenBLAS's thread count for a block (numpy's bundled OpenBLAS, found through ctypes)."""
 
@@ -141,6 +162,79 @@ class _BlasThreads:
                 self._depth -= 1
                 if self._depth == 0:
                     set_(self._saved)
+
+
+class BlasTuner:
+    """OpenBLAS's thread count for one repeated piece of work (a training step), chosen by timing.
+
+    Its threads pay off on a quiet machine and stall on a busy one (a spinning thread waits for a
+    descheduled sibling at every product: a stories260K step ran 6x slower with 2 threads than with
+    1 at load 5 on 2 cores), so neither choice is right everywhere. Each run is timed: the first
+    runs alternate between one thread and all of them, then the faster one runs, and the other is
+    probed after `interval` runs (doubled each time it loses, so slow probes cost little; it takes
+    over after two wins in a row, so one lucky run does not). OpenBLAS splits a product's rows and
+    columns over its threads, never a sum, so the choice does not change a bit of the result
+    (products at 1 and 2 threads compare equal, tests/test_step_plumbing.py).
+    """
+
+    FIRST_INTERVAL, MAX_INTERVAL, WINDOW = 8, 128, 3
+    TRIAL_RUNS = 1 + 2 * 2  # a warm-up run (it also pays for first touches), then each count twice
+
+    def __init__(self, enabled: bool = True):
+        funcs = blas_threads._load() if enabled else ()
+        n = funcs[0]() if funcs else 1
+        self.candidates = (n, 1) if n > 1 else ()
+        self.times: dict[int, list[float]] = {c: [] for c in self.candidates}
+        self.best = n
+        self.interval = self.FIRST_INTERVAL
+        self.countdown = 0
+        self.runs = 0
+        self.probe: list[float] = []  # this probe round's times of the other count
+
+    def _typical(self, n: int) -> float:
+        recent = sorted(self.times[n][-self.WINDOW:])
+        return recent[len(recent) // 2]
+
+    def _pick(self) -> int:
+        if self.runs < self.TRIAL_RUNS:
+            return self.candidates[self.runs % 2]
+        if self.countdown <= 0:  # time for a probe of the other count
+            return self.candidates[1] if self.best == self.candidates[0] else self.candidates[0]
+        return self.best
+
+    def _record(self, n: int, seconds: float) -> None:
+        self.runs += 1
+        if self.runs == 1:
+            return
+        if self.runs <= self.TRIAL_RUNS:
+            self.times[n].append(seconds)
+            if self.runs == self.TRIAL_RUNS:
+                self.best = min(self.candidates, key=self._typical)
+                self.countdown = self.interval
+        elif n == self.best:
+            self.times[n].append(seconds)
+            self.countdown -= 1
+        else:  # a probe, against the best count's recent runs
+            self.probe.append(seconds)
+            if seconds >= self._typical(self.best):  # lost: probe again later, and less often
+                self.probe = []
+                self.interval = min(2 * self.interval, self.MAX_INTERVAL)
+                self.countdown = self.interval
+            elif len(self.probe) == 2:  # won twice in a row (once could be noise): switch
+                self.best, self.times[n], self.probe = n, self.probe, []
+                self.interval = self.countdown = self.FIRST_INTERVAL
+            # won once: probe again on the next run (the countdown stays at 0)
+
+    @contextmanager
+    def __call__(self):
+        if not self.candidates:
+            yield
+            return
+        n = self._pick()
+        start = time.perf_counter()
+        with blas_threads(n):
+            yield
+        self._record(n, time.perf_counter() - start)
 
 
 def _loaded_openblas() -> list:

@@ -15,7 +15,6 @@ parsed); generation stops after `n_predict` tokens, at an end-of-generation toke
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import numpy as np
 from llmtune.arch.kvcache import CacheShape, KVCache
 from llmtune.errors import LlmtuneError
 from llmtune.eval.sampling import Sampler, SamplerConfig
-from llmtune.graph.planner import Program
+from llmtune.graph.planner import Program, Replay
 from llmtune.tokenizer.chat_template import eog_ids
 from llmtune.quant.qtensor import QTensor, backend_array
 
@@ -95,7 +94,7 @@ class Generator:
         self.eog = eog_ids(self.tokenizer)
         self._tok_buf = np.zeros((1, 1), dtype=np.int32)
         self._pos_buf = np.zeros(1, dtype=np.int32)
-        self._replays: dict = {}  # decode program -> its _Replay (cpu: fixed host input buffers)
+        self._replays: dict = {}  # decode program -> its Replay (cpu: fixed host input buffers)
 
     # ------------------------------------------------------------------ programs
     def _program(self, n_tok: int, n_kv: int) -> Program:
@@ -125,7 +124,7 @@ class Generator:
             if be.name == "cpu":  # the buffers are the graph's inputs themselves: replay
                 replay = self._replays.get(prog)
                 if replay is None:
-                    replay = self._replays[prog] = _Replay(prog, {"tokens": tok, "pos": pos})
+                    replay = self._replays[prog] = Replay(prog, {"tokens": tok, "pos": pos})
                 return replay.run()[0]
         else:
             tok = np.asarray(tokens, dtype=np.int32).reshape(1, n)
@@ -236,53 +235,6 @@ class Generator:
                                for w in self.model.tensors().values()),
                 "kv cache": self.shape.nbytes(itemsize),
                 "activations": sum(p.memory.planned_bytes for p in self._programs.values())}
-
-
-# ops whose value is a view of their first input and nothing else (no side effect): with the same
-# buffers every run, the same view every run
-_PURE_VIEWS = frozenset({"reshape", "permute", "slice", "broadcast_to"})
-
-
-class _Replay:
-    """A compiled Program re-run with the same input buffers every time (a decode step writes
-    its token and position into fixed host buffers): after one ordinary run every value is a
-    fixed buffer (the planned arena views, the bound weights and cache, the input buffers), so
-    the pure view steps are dropped and every kernel gets its arguments pre-resolved. That halves
-    the Python work per token; kernels still run in the program's order, the cache writes included.
-
-    Used only when the check holds: every kernel returned its planned `out` (or, for cache_write,
-    the cache itself) on the recording run."""
-
-    def __init__(self, prog: Program, feed: dict):
-        self.prog, self.feed = prog, feed
-        self.calls = None
-
-    def run(self):
-        if self.calls is not None:
-            for call in self.calls:
-                call()
-            return self.outputs
-        vals = dict(self.prog._leaf_values)
-        for name, node in self.prog.inputs.items():
-            vals[node.id] = self.feed[name]
-        calls, fixed = [], True
-        ops_of = {n.id: n.op for n in self.prog.order}
-        for nid, kernel, out, ins, attrs, sink in self.prog._steps:
-            args = tuple(vals[j] for j in ins)
-            val = kernel(out, *args, **attrs)
-            vals[nid] = val
-            op = ops_of[nid]
-            if sink is not None:
-                fixed = False
-            if op in _PURE_VIEWS:
-                continue
-            if not (val is out or (op == "cache_write" and val is args[0])):
-                fixed = False
-            calls.append(functools.partial(kernel, out, *args, **attrs))
-        self.outputs = [vals[n.id] for n in self.prog.outputs]
-        if fixed:
-            self.calls = calls
-        return self.outputs
 
 
 def _decode_threads(backend):

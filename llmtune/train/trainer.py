@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmtune.backends.dist import Communicator, DistributedError, run_split, world
-from llmtune.backends.threads import blas_threads, cpu_workers
+from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
-from llmtune.graph.planner import Program
+from llmtune.graph.planner import Program, Replay
 from llmtune.model.loaded import Model
 from llmtune.quant.qtensor import QTensor, backend_array, shape_only
 from llmtune.train.optim import Optimizer
@@ -114,6 +114,12 @@ class Trainer:
         # compiled eval programs by sequence count, one cache per concurrent worker (grown on demand)
         self._eval_caches: list[dict[int, Program]] = []
         self._pos = backend.asarray(np.arange(n_ctx, dtype=np.int32))
+        # each worker's training inputs live in fixed buffers (each pass writes its values into
+        # them), so on the cpu its program replays with pre-bound kernel calls (planner.Replay)
+        self._train_inputs = [self._input_buffers(p) for p in self._train_progs]
+        self._replays: list[dict[bool, Replay]] = [{} for _ in self._train_progs]  # by assign mode
+        # one micro-batch at a time: OpenBLAS's thread count by timing (threads.BlasTuner)
+        self._blas_tuner = BlasTuner(enabled=backend.name == "cpu" and self.n_workers == 1)
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
 
     # ------------------------------------------------------------------ setup
@@ -159,6 +165,23 @@ class Trainer:
         # a trainable tensor the loss does not reach keeps a zero gradient (buffers start zeroed)
         sinks = {grads[nodes[n]]: grad_views[n] for n in self.trainable if nodes[n] in grads}
         return Program([loss, correct], self.backend, params=self._bind(nodes), accumulate=sinks)
+
+    def _input_buffers(self, prog: Program) -> dict:
+        """One backend array per input of a training program (positions: the shared, fixed ones)."""
+        be = self.backend
+        return {name: self._pos if name == "pos" else be.zeros(node.shape, np.int32 if node.dtype == "i32" else None)
+                for name, node in prog.inputs.items()}
+
+    def _run_train(self, w: int, assign: bool) -> list:
+        """Worker w's training program on its input buffers: replayed on the cpu, where Python
+        work per kernel is a visible part of a small model's step."""
+        prog, feed = self._train_progs[w], self._train_inputs[w]
+        if self.backend.name != "cpu":
+            return prog.run(assign=assign, **feed)
+        replay = self._replays[w].get(assign)
+        if replay is None:
+            replay = self._replays[w][assign] = Replay(prog, feed, assign=assign)
+        return replay.run()
 
     def _make_eval_program(self, n_seq: int) -> Program:
         batch, nodes, logits = self.model.build(n_seq, self.n_ctx)
@@ -231,15 +254,20 @@ class Trainer:
         results: list = [None] * n_ub
 
         def work(w: int) -> None:  # worker w takes this rank's micro-batches w, w + n_w, ...
-            prog = self._train_progs[w]
             for j, u in enumerate(self.my_ubatches[w::n_w]):
                 feed = self._feed(inputs[u * k : (u + 1) * k], targets[u * k : (u + 1) * k], range(u * k, (u + 1) * k))
+                feed["loss_scale"] = scales[u]
+                bufs = self._train_inputs[w]
+                for name, value in feed.items():
+                    if bufs[name] is not value:
+                        bufs[name][...] = value
                 # a worker's first pass assigns its gradients, later ones add to them
-                loss, correct = prog.run(loss_scale=scales[u], assign=j == 0, **feed)
+                loss, correct = self._run_train(w, assign=j == 0)
                 results[u] = (float(be.to_numpy(loss)), int(be.to_numpy(correct)))
 
         if n_w == 1:
-            work(0)
+            with self._blas_tuner():
+                work(0)
         else:
             with blas_threads(1):
                 list(self._pool.map(work, range(n_w)))
