@@ -18,7 +18,8 @@ is reported with the tokens per second of the steps after the first.
 - peft: transformers' LlamaForCausalLM with the f32 file's weights (q/k un-permuted from GGUF's
   rope layout), peft.get_peft_model(LoraConfig(...)), torch.optim.AdamW over the adapters.
 
-The PyTorch side needs `pip install peft` (bench only; not a dependency of llmtune).
+PyTorch runs on every core (BENCH_TORCH_THREADS=1 for one thread: on a busy machine a second
+thread can stall). The PyTorch side needs `pip install peft` (bench only; not a dependency of llmtune).
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def run_peft(model_path: str, tokens_path: str, steps: int, rank: int, ctx: int)
     import torch
     from peft import LoraConfig, get_peft_model
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("BENCH_TORCH_THREADS", os.cpu_count() or 1)))
     windows = torch.from_numpy(np.load(tokens_path).astype(np.int64))
     t0 = time.perf_counter()
     model = torch_llama(model_path)

@@ -131,8 +131,13 @@ def convert(src: Path, dst: Path, every: int = 1) -> int:
 PAD = 8
 
 
+# llama-perplexity's threads (--llama-threads): on a busy 2-core machine its second thread spins
+# waiting for a descheduled sibling and one thread is several times faster
+LLAMA_THREADS = ["-t", "2"]
+
+
 def llama(bin_dir: Path, model: Path, args: list[str]) -> tuple[str, float]:
-    cmd = [str(bin_dir / "llama-perplexity"), "-m", str(model), "-t", "2", *args]
+    cmd = [str(bin_dir / "llama-perplexity"), "-m", str(model), *LLAMA_THREADS, *args]
     t = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -399,8 +404,10 @@ def main() -> None:
     ap.add_argument("--full-mmlu", action="store_true", help="also time all of MMLU (llama.cpp and llmtune)")
     ap.add_argument("--only-full-mmlu", action="store_true")
     ap.add_argument("--skip-finetuned", action="store_true")
+    ap.add_argument("--llama-threads", type=int, default=2, help="llama-perplexity -t (1 is faster on a busy machine)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
+    LLAMA_THREADS[:] = ["-t", str(a.llama_threads)]
     results = {"checks": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
