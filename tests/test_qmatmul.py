@@ -127,3 +127,51 @@ def test_lora_on_a_quantized_base_matches_cpu(name, exports, wikitext_ids):
     np.testing.assert_allclose(losses, cpu_losses, rtol=1e-5)
     for k, w0 in adapter.tensors().items():
         np.testing.assert_allclose(w[k] - w0, cpu_w[k] - w0, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K"])
+def test_decoded_copies_give_the_stored_products(qtype):
+    """Inside decoded_copies a product reads a float32 copy of the weight (made once, within the
+    budget) and gives the stored path's numbers; a matrix over the budget keeps the stored path;
+    the copies are freed at the end."""
+    from gguf import GGMLQuantizationType as QT
+
+    from llmtune.quant import matmul as qm
+    from llmtune.quant.blocks import quantize
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 256)).astype(np.float32)
+    raw = np.ascontiguousarray(quantize(w, QT[qtype])).view(np.uint8).reshape(96, -1)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    stored = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype)
+    with qm.decoded_copies(96 * 256 * 4):
+        cached = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype)
+        again = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype)
+        cache = qm._decoded
+        assert cache.used == 96 * 256 * 4 and len(cache.arrays) == 1
+        small = raw[:48]  # another matrix: the budget is spent, so it takes the stored path
+        qm.qlinear(np.empty((5, 48), np.float32), x, small, qtype)
+        assert len(cache.arrays) == 1
+    assert qm._decoded is None
+    np.testing.assert_allclose(cached, stored, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(again, cached)
+
+
+def test_evaluation_keeps_decoded_copies_and_the_numbers(exports, wikitext_ids, monkeypatch):
+    """perplexity on a quantized file decodes each matrix once (not per pass) with the same
+    numbers; with no memory to spare it decodes per product as before."""
+    from llmtune.quant import matmul as qm
+    from llmtune.quant import qtensor
+
+    model = load_model(exports["q8_0"])
+    decodes = []
+    real = qm.dequantize_rows
+    monkeypatch.setattr(qm, "dequantize_rows", lambda *a: decodes.append(1) or real(*a))
+    cached = perplexity_from_ids(model, wikitext_ids, ctx=64, batch=64, chunks=6, workers=1)
+    n_cached = len(decodes)
+    monkeypatch.setattr(qtensor, "available_memory", lambda: 0)
+    decodes.clear()
+    stored = perplexity_from_ids(model, wikitext_ids, ctx=64, batch=64, chunks=6, workers=1)
+    n_matrices = sum(isinstance(w, QTensor) for w in model.weights.values())
+    assert n_cached <= n_matrices + 6 < len(decodes)  # + at most one embedding row lookup per chunk
+    np.testing.assert_allclose(cached.chunks, stored.chunks, rtol=1e-6)

@@ -397,8 +397,10 @@ def evaluate(
     """llama-perplexity --hellaswag / --winogrande / --multiple-choice on `path` (see the module
     docstring). `model_path`: a GGUF path or a loaded Model."""
     from llmtune.eval.perplexity import _as_model
+    from llmtune.quant.qtensor import evaluation_copies
 
     model = _as_model(model_path)
     bench = prepare_benchmark(model, path, kind, tasks=tasks, ctx=ctx)
-    return score_benchmark(model, bench, backend=backend, batch=batch, kl_base=kl_base, progress=progress,
-                           precision=precision, workers=workers, lora=lora, lora_scale=lora_scale)
+    with evaluation_copies(backend):
+        return score_benchmark(model, bench, backend=backend, batch=batch, kl_base=kl_base, progress=progress,
+                               precision=precision, workers=workers, lora=lora, lora_scale=lora_scale)

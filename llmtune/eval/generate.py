@@ -316,6 +316,7 @@ def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[Sampl
     """Generate a continuation of `prompt` (a string: tokenized as llama-completion does) with
     `model` (a path or a loaded Model)."""
     from llmtune.model.loaded import Model
+    from llmtune.quant.qtensor import evaluation_copies
 
     if isinstance(model, Model):
         from llmtune.model.adapter import attach
@@ -327,7 +328,8 @@ def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[Sampl
     ids = gen.tokenize_prompt(prompt)
     if not ids:
         raise LlmtuneError("generate: the prompt is empty (and the model adds no BOS)")
-    return gen.generate(ids, n_predict, Sampler(sampler or SamplerConfig()), on_token=on_token)
+    with evaluation_copies(gen.backend):
+        return gen.generate(ids, n_predict, Sampler(sampler or SamplerConfig()), on_token=on_token)
 
 
 class TrainingSampler:

@@ -33,7 +33,7 @@ import numpy as np
 from llmtune.backends.dist import run_split
 from llmtune.backends.threads import cpu_workers
 from llmtune.errors import LlmtuneError, LlmtuneWarning
-from llmtune.quant.qtensor import backend_array
+from llmtune.quant.qtensor import backend_array, evaluation_copies
 from llmtune.tokenizer import read_text
 
 DEFAULT_BATCH_TOKENS = {"cpu": 1024}  # tokens per forward pass (one per core) when --batch is not given
@@ -460,8 +460,9 @@ def perplexity_from_ids(
     plan = _plan_chunks(models[0], ids, ctx, n_chunk, batch, backend.name)
     n_workers = cpu_workers(backend.name, workers, len(plan.pass_starts))
     # under an MPI launcher each rank scores its share of the passes (backends/dist.py); all get every result
-    passes = run_split(partial(_score_pass, plan), _scorer_factory(models, backend, ctx), plan.pass_starts, n_workers)
-    return _accumulate(plan, passes, with_kl=kl_base is not None, progress=progress)
+    with evaluation_copies(backend):  # run_split is lazy: the passes run inside _accumulate
+        passes = run_split(partial(_score_pass, plan), _scorer_factory(models, backend, ctx), plan.pass_starts, n_workers)
+        return _accumulate(plan, passes, with_kl=kl_base is not None, progress=progress)
 
 
 def tokenize(model, text: str) -> np.ndarray:

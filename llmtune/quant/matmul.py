@@ -32,6 +32,7 @@ as a small extra product with the weights' mins, so that term is reproduced too.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -333,6 +334,48 @@ def _block_rows(n_rows: int, n_cols: int) -> int:
     return max(1, min(n_rows, SCRATCH_ELEMENTS // max(1, n_cols)))
 
 
+class _DecodedCopies:
+    """Float32 copies of stored matrices, made on first use while their total stays within
+    `budget` bytes, for passes that multiply the same frozen weights over and over (perplexity,
+    benchmarks, generation): a product with a kept copy skips the per-block decode. Keyed by the
+    block bytes' address and shape (the file's memory map does not move during a pass)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used, self.arrays = budget, 0, {}
+        self.lock = threading.Lock()
+
+    def get(self, raw: np.ndarray, qtype: str, n_in: int) -> np.ndarray | None:
+        key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, qtype)
+        dense = self.arrays.get(key)
+        if dense is None and self.used + raw.shape[0] * n_in * 4 <= self.budget:
+            with self.lock:  # one decode per matrix, whichever worker gets here first
+                dense = self.arrays.get(key)
+                if dense is None and self.used + raw.shape[0] * n_in * 4 <= self.budget:
+                    dense = dequantize_rows(raw, qtype, np.empty((raw.shape[0], n_in), F32))
+                    self.arrays[key] = dense
+                    self.used += dense.nbytes
+        return dense
+
+
+_decoded: _DecodedCopies | None = None
+
+
+@contextmanager
+def decoded_copies(budget: int):
+    """Within the block, quantized products keep float32 copies of up to `budget` bytes of
+    weights (freed at the end). The numbers are those of the stored path (the activations are
+    rounded the same way), up to BLAS's summation order. Nested blocks share the outer cache."""
+    global _decoded
+    if _decoded is not None or budget <= 0:
+        yield
+        return
+    _decoded = _DecodedCopies(budget)
+    try:
+        yield
+    finally:
+        _decoded = None
+
+
 def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x: bool = True) -> np.ndarray:
     """out[..., n_out] = x[..., n_in] @ W^T for W stored as `qtype` block bytes raw [n_out, row
     bytes]; round_x: the activations rounded as ggml's CPU matmul rounds them (see the module
@@ -346,6 +389,13 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
         xr = xr.astype(x.dtype, copy=False)
     else:
         xr = np.ascontiguousarray(x2)
+    cache = _decoded
+    dense = cache.get(raw, qtype, n_in) if cache is not None and x.dtype == F32 else None
+    if dense is not None:
+        np.matmul(xr, dense.T, out=o2)
+        if corr is not None and qt.has_min:
+            o2 += (corr @ block_mins(raw, qtype).T).astype(x.dtype, copy=False)
+        return out
     rb = _block_rows(n_out, n_in)
     w = _scratch(rb * n_in, x.dtype)
     if n_out <= rb or xr.shape[0] == 1:

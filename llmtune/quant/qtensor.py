@@ -5,8 +5,12 @@ dequantize the whole matrix."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
-from llmtune.quant.matmul import QTYPES, dequantize_rows, row_bytes
+
+from llmtune.quant.matmul import QTYPES, decoded_copies, dequantize_rows, row_bytes
+from llmtune.resources import available_memory
 
 
 class QTensor:
@@ -72,3 +76,14 @@ def backend_array(backend, w):
 def shape_only(w) -> np.ndarray:
     """A float32 stand-in with w's shape and no memory (graphs are built from shapes)."""
     return np.broadcast_to(np.float32(0), tuple(w.shape))
+
+
+def evaluation_copies(backend):
+    """For an evaluation command on the cpu (perplexity, eval, generate: the same frozen weights
+    multiplied pass after pass): quantized products keep float32 copies of the weights, up to a
+    quarter of the available memory (quant/matmul.py decoded_copies). Not used while training, whose
+    memory estimate counts the base in its file type."""
+    if getattr(backend, "name", backend) != "cpu":
+        return nullcontext()
+    avail = available_memory()
+    return decoded_copies(avail // 4 if avail else 0)
