@@ -234,7 +234,7 @@ def causal_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float 
     window > 0: a query sees only the keys less than `window` positions back (llama.cpp's
     LLAMA_SWA_TYPE_STANDARD); query head h reads KV head h // (H / Hkv).
 
-    Past PLAIN_ATTENTION_MAX_T positions it is blockwise (ops.flash_attn: llama.cpp's
+    Past PLAIN_ATTENTION_MAX_T (256) positions it is blockwise (ops.flash_attn: llama.cpp's
     ggml_flash_attn_ext), so memory grows with T, not T^2, in the forward and in training. Up to
     it, the plain composition: its [T, T] scores are small there and its few large products run
     faster (T=256: stories260K steps 17 %, the 15M shape's 8 % faster than blockwise). The
@@ -262,6 +262,7 @@ def causal_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float 
     return ops.permute(ops.reshape(out, (B, H, T, d)), (0, 2, 1, 3))
 
 
-# the longest context attended with the plain [T, T] composition (a [512, 512] float32 score
-# matrix is 1 MiB per head); longer ones are blockwise
-PLAIN_ATTENTION_MAX_T = 512
+# the longest context attended with the plain [T, T] composition (a [256, 256] float32 score
+# matrix is 256 KiB per head); longer ones are blockwise. At 512 the plain scores and probabilities
+# kept for the backward already cost a 1B model's LoRA run (32 heads, 16 layers) 0.5 GiB more.
+PLAIN_ATTENTION_MAX_T = 256
