@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from llmtune.resources import peak_rss
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 TEXT = REPO / "data" / "wikitext-100k.txt"
@@ -43,15 +45,8 @@ def _worker(model: str, text: str, ctx: int, steps: int, checkpoint: bool, lora:
         res = llmtune.finetune(model, text, Path(tmp) / "out.gguf", callback=on, **settings)
     step_s = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else float("nan")
     return {"estimate_mib": sum(res.memory.values()) / 2**20, "memory": {k: v / 2**20 for k, v in res.memory.items()},
-            "peak_rss_mib": _own_peak_rss_kib() / 1024,
+            "peak_rss_mib": peak_rss() / 2**20,
             "tokens_per_s": ctx / step_s, "steps": len(times)}
-
-
-def _own_peak_rss_kib() -> int:
-    """VmHWM: this process's own peak RSS. ru_maxrss would also hold the parent's peak (a vfork'ed
-    child hands the parent's mm to execve, which folds its high-water mark into maxrss)."""
-    with open("/proc/self/status") as fh:
-        return int(next(line for line in fh if line.startswith("VmHWM:")).split()[1])
 
 
 def run(model: Path, text: Path, ctx: int, steps: int, checkpoint: bool, lora: bool = False) -> dict:

@@ -35,17 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
+from llmtune.resources import peak_rss
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "llama-1b.toml"
 VOCAB = ROOT / "tests" / "data" / "vocab" / "ggml-vocab-llama-bpe.gguf.gz"
 TEXT = ROOT / "tests" / "data" / "wikitext-2-raw-test.txt.gz"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def peak_rss() -> int:
-    """VmHWM, this process's own high-water mark (ru_maxrss of a vfork'ed child can hold its parent's)."""
-    with open("/proc/self/status") as fh:
-        return int(next(line for line in fh if line.startswith("VmHWM:")).split()[1]) * 1024
 
 
 def current_rss() -> int:

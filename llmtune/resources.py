@@ -1,4 +1,5 @@
-"""What a run may use, checked before the work starts: memory, free disk space, writable folders."""
+"""What a run may use, checked before the work starts: memory, free disk space, writable folders;
+and the one way outputs are written (atomically, through a temp file beside them)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Callable, Optional
 
 from llmtune.errors import LlmtuneError
 
@@ -33,6 +34,17 @@ def process_rss() -> Optional[int]:
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss() -> Optional[int]:
+    """This process's own peak resident bytes (VmHWM), None where it cannot be read. Not ru_maxrss:
+    a vfork'ed child hands its parent's memory to execve, which folds the parent's high-water mark
+    into the child's maxrss."""
+    try:
+        with open("/proc/self/status") as fh:
+            return int(next(line for line in fh if line.startswith("VmHWM:")).split()[1]) * 1024
+    except (OSError, ValueError, IndexError, StopIteration):
         return None
 
 
@@ -66,3 +78,33 @@ def check_disk_space(folder: Path, need: int, what: str, hint: str = "") -> None
             f"{folder}: {what} need about {need / 2**20:,.0f} MiB of disk space but only {free / 2**20:,.0f} MiB is free"
             + (f" ({hint})" if hint else "")
         )
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], None], failure: str = "cannot write") -> Path:
+    """Write `path` through a temp file beside it (PATH.XXXX.tmp, the name leftover scans look
+    for): `write(fh)`, synced, given the usual permissions and renamed into place. The temp file
+    goes on every exit path (signals included); an OSError becomes one line, "PATH: failure (why)"."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
+    except OSError as exc:
+        raise LlmtuneError(f"{path}: {failure} ({exc.strerror or exc})") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise LlmtuneError(f"{path}: {failure} ({exc.strerror or exc})") from None
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -298,15 +298,15 @@ def test_quantized_model_trains_and_keeps_its_types(stories_path, small_text, tm
 
 
 # ------------------------------------------------------------------------------ the memory estimate
-# Peak RSS is VmHWM, this process's own high-water mark: ru_maxrss also holds the parent's (a
-# vfork'ed child hands the parent's mm to execve, which folds its high-water mark into maxrss).
+# Peak RSS is VmHWM, this process's own high-water mark (resources.peak_rss: ru_maxrss also holds
+# the parent's, which inside a large pytest process is the larger)
 _PEAK_RSS_RUN = """
 import json, sys
 import llmtune
+from llmtune.resources import peak_rss
 settings = json.loads(sys.argv[4])
 res = llmtune.finetune(sys.argv[1], sys.argv[2], sys.argv[3], epochs=1, lr=1e-5, val_split=0.0, **settings)
-hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"estimate": sum(res.memory.values()), "memory": res.memory, "peak_rss": int(hwm.split()[1]) * 1024}))
+print(json.dumps({"estimate": sum(res.memory.values()), "memory": res.memory, "peak_rss": peak_rss()}))
 """
 
 

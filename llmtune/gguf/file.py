@@ -20,7 +20,6 @@ from __future__ import annotations
 import mmap as mmap_module
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -30,6 +29,7 @@ import gguf
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 
 from llmtune.errors import LlmtuneError
+from llmtune.resources import write_atomically
 
 GGUF_MAGIC = b"GGUF"
 READ_VERSIONS = (2, 3)  # v1 used 32-bit counts and is long obsolete
@@ -446,30 +446,7 @@ def write_gguf(
     meta = {k: arch_mv if k == "general.architecture" else v for k, v in meta.items() if k not in _WRITER_OWNED_KEYS}
     alignment = _alignment(path, meta)
     encoded = [(name, _encode(data, qtype), qtype) for name, data, qtype in tensors]
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
-    except OSError as exc:
-        raise LlmtuneError(f"{path}: cannot write ({exc.strerror or exc})") from None
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            _write_layout(fh, meta, encoded, alignment, progress)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise LlmtuneError(f"{path}: cannot write ({exc.strerror or exc})") from None
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    return write_atomically(path, lambda fh: _write_layout(fh, meta, encoded, alignment, progress))
 
 
 def _write_layout(fh, meta: dict[str, MetaValue], encoded: list, alignment: int, progress) -> None:

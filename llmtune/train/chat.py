@@ -36,6 +36,7 @@ from typing import Optional
 import numpy as np
 
 from llmtune.errors import LlmtuneError
+from llmtune.train.data import TrainValSplit
 
 FORMATS = ("auto", "plain", "text", "completion", "chat")
 ROLES = ("system", "user", "assistant")
@@ -220,7 +221,7 @@ class ExampleBuilder:
 
 # ------------------------------------------------------------------------------------ dataset
 @dataclass
-class ExampleDataset:
+class ExampleDataset(TrainValSplit):
     """One example per window of n_ctx + 1 tokens (see the module docstring). Same interface as
     train/data.py's WindowDataset: gather, train_order, val_indices, n_train, n_val."""
 
@@ -275,15 +276,6 @@ class ExampleDataset:
 
     def loss_tokens(self, indices) -> int:
         return int(sum(int(self.examples[i].loss[1:].sum()) for i in indices))
-
-    def train_order(self, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
-        order = np.arange(self.n_train)
-        if shuffle:
-            np.random.default_rng([seed, epoch]).shuffle(order)
-        return order
-
-    def val_indices(self) -> np.ndarray:
-        return np.arange(self.n_train, self.n_train + self.n_val)
 
 
 def pad_token(tokenizer) -> int:

@@ -24,9 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtune.errors import LlmtuneError
+from llmtune.resources import write_atomically
 
 FORMAT = "llmtune-finetune-checkpoint"
 VERSION = 1
@@ -94,23 +93,7 @@ def write_checkpoint(path: Path, arrays: dict[str, np.ndarray], meta: dict) -> P
     """Write atomically; the temp file goes on every exit path (signals included)."""
     meta = {"format": FORMAT, "version": VERSION, **meta}
     blob = np.frombuffer(json.dumps(meta, allow_nan=True).encode("utf-8"), dtype=np.uint8)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, meta=blob, **arrays)
-            fh.flush()
-            os.fsync(fh.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file the usual mode
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise LlmtuneError(f"{path}: cannot write the checkpoint ({exc.strerror or exc})") from None
-        raise
-    return path
+    return write_atomically(path, lambda fh: np.savez(fh, meta=blob, **arrays), "cannot write the checkpoint")
 
 
 def read_meta(path: Path) -> dict:

@@ -1,42 +1,13 @@
-"""Training data: text or JSONL -> token ids -> windows of n_ctx+1 tokens (llama.cpp's
+"""Training data: documents (read by train/chat.py) -> token ids -> windows of n_ctx+1 tokens (llama.cpp's
 common_opt_dataset_init: stride n_ctx/2, inputs = window[:-1], targets = window[1:])."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.tokenizer import read_text
-
-
-def load_documents(path: str | Path) -> tuple[list[str], bool]:
-    """The documents of a data file and whether it was JSONL (one record per document)."""
-    path = Path(path)
-    text = read_text(path)
-    if path.suffix.lower() not in (".jsonl", ".ndjson"):
-        if not text.strip():
-            raise LlmtuneError(f"{path}: file is empty")
-        return [text], False
-    docs = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise LlmtuneError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or "text" not in record:
-            raise LlmtuneError(f"{path}:{lineno}: JSONL record has no \"text\" field")
-        if not isinstance(record["text"], str):
-            raise LlmtuneError(f"{path}:{lineno}: \"text\" must be a string")
-        docs.append(record["text"])
-    if not docs:
-        raise LlmtuneError(f"{path}: no records")
-    return docs, True
 
 
 def tokenize_documents(tokenizer, docs: list[str], jsonl: bool) -> np.ndarray:
@@ -53,8 +24,25 @@ def tokenize_documents(tokenizer, docs: list[str], jsonl: bool) -> np.ndarray:
     return np.concatenate(parts)
 
 
+class TrainValSplit:
+    """What every finetune dataset shares: items 0..n_train-1 train (in a per-epoch order), the
+    n_val after them validate. Subclasses are dataclasses with n_train and n_val fields."""
+
+    n_train: int
+    n_val: int
+
+    def train_order(self, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+        order = np.arange(self.n_train)
+        if shuffle:
+            np.random.default_rng([seed, epoch]).shuffle(order)
+        return order
+
+    def val_indices(self) -> np.ndarray:
+        return np.arange(self.n_train, self.n_train + self.n_val)
+
+
 @dataclass
-class WindowDataset:
+class WindowDataset(TrainValSplit):
     """Windows of n_ctx+1 tokens starting every `stride` tokens; the last `val_split` of them validate."""
 
     tokens: np.ndarray
@@ -87,12 +75,3 @@ class WindowDataset:
         """(inputs [n, n_ctx], targets [n, n_ctx]) for window indices."""
         w = np.stack([self.window(i) for i in indices])
         return w[:, :-1], w[:, 1:]
-
-    def train_order(self, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
-        order = np.arange(self.n_train)
-        if shuffle:
-            np.random.default_rng([seed, epoch]).shuffle(order)
-        return order
-
-    def val_indices(self) -> np.ndarray:
-        return np.arange(self.n_train, self.n_train + self.n_val)
