@@ -326,6 +326,32 @@ def test_rope(name, mode, n_rot):
                   x=x, strided=strided, pos=pos)
 
 
+def masked_softmax_ref(x, scale, mask):
+    B, n_q, n_kv = mask.shape
+    z = (x * scale).reshape(B, -1, n_q, n_kv) + mask[:, None]
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).reshape(x.shape)
+
+
+def test_softmax_masked_and_back(name):
+    """A run-time mask per sequence: row r of sequence b reads mask[b, r % n_q]."""
+    n_q, n_kv, scale = 3, 40, 0.3
+    rng_mask = np.random.default_rng(5)
+    mask = np.where(rng_mask.random((2, n_q, n_kv)) < 0.6, -np.inf, 0.0)
+    mask[:, :, 0] = 0.0  # every row sees a key
+    x, g = randn(2, 2, 2 * n_q, n_kv), randn(2, 2, 2 * n_q, n_kv)
+    y = masked_softmax_ref(x, scale, mask)
+    dx = scale * y * (g - (g * y).sum(axis=-1, keepdims=True))
+
+    def build(x, g, mask):
+        y = ops.softmax_masked(x, scale, mask)
+        return [y, ops.softmax_back(y, g, scale)]
+
+    check_forward(name, build, [y, dx], x=x, g=g, mask=mask)
+    with pytest.raises(ValueError):
+        ops.softmax_masked(ops.param((2, 2, 6, 40)), 1.0, ops.input((2, 4, 40)))
+
+
 @pytest.mark.parametrize("mode", ["norm", "neox"])
 @pytest.mark.parametrize("n_rot,n_factors", [(10, 5), (6, 3), (6, 4)])
 def test_rope_freq_factors(name, mode, n_rot, n_factors):
@@ -571,6 +597,9 @@ GRAD_CASES = {
     "rope_neox_factors": (lambda x, pos: ops.rope(x, pos, 6, 100.0, 0.5, "neox", freq_factors=_consts([1.0, 4.0, 0.25])),
                           {"x": (2, 3, 2, 6)}, {"pos": np.array([0, 1, 5])}),
     "softmax_causal": (lambda x: ops.softmax_causal(x, 0.7, n_kv=4, n_q=3, n_past=1), {"x": (2, 6, 4)}, {}),
+    "softmax_masked": (lambda x, mask: ops.softmax_masked(x, 0.7, mask), {"x": (2, 6, 4)},
+                       {"mask": np.array([[[0, -np.inf, 0, 0], [0, 0, -np.inf, -np.inf], [-np.inf, 0, 0, -np.inf]],
+                                          [[0, 0, 0, 0], [-np.inf, -np.inf, -np.inf, 0], [0, 0, -np.inf, 0]]])}),
     "softmax_causal_window": (lambda x: ops.softmax_causal(x, 0.7, n_kv=5, n_q=3, n_past=2, window=2), {"x": (2, 6, 5)}, {}),
     "cross_entropy": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)}, {"t": np.array([0, 5, 2, 2])}),
     "cross_entropy_masked": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)},

@@ -140,12 +140,40 @@ def test_choices_do_not_depend_on_batching_or_workers(stories, mmlu):
     assert [t.index for t in bench.tasks] == float_scale_selection(20, 6)
     want = [mmlu.tasks[t.index] for t in bench.tasks]
     with blas_threads(1):  # one worker: keep OpenBLAS's threads from stalling on a busy machine
-        one = score_benchmark(stories, bench, batch=1, workers=1)  # a pass per sequence
+        one = score_benchmark(stories, bench, batch=1, workers=1)  # a pass per task
     two = score_benchmark(stories, bench, batch=4096, workers=2)
     for res in (one, two):
         assert [t.choice for t in res.tasks] == [t.choice for t in want]
         np.testing.assert_allclose([t.scores for t in res.tasks], [t.scores for t in want], atol=1e-5)
-    assert one.n_passes == sum(len(t.rows) for t in bench.tasks) > two.n_passes
+    assert one.n_passes == len(bench.tasks) > two.n_passes
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gemma3", "phi3", "gpt2"])
+def test_shared_prefixes_score_as_separate_rows(family, tmp_path):
+    """Rows of a group (a question's answers) computed from one shared trunk (arch/prefix.py) give
+    each row's numbers alone: biases, sliding windows, softcaps, rope variants and learned
+    positions included. Lengths vary so passes mix trunks and branches of several sizes."""
+    import family_check
+
+    from llmtune.eval.continuations import Row, score_rows
+    from llmtune.backends import get_backend
+
+    model = load_model(family_check.make_model(family_check.load_fixture(family), tmp_path))
+    rng = np.random.default_rng(0)
+    rows = []
+    for task, (n_prefix, n_answers) in enumerate([(9, 4), (30, 3), (2, 2), (17, 4), (60, 1)]):
+        prefix = rng.integers(1, model.hp.n_vocab, n_prefix)
+        for a in range(n_answers):
+            seq = np.concatenate([prefix, rng.integers(1, model.hp.n_vocab, 1 + 5 * a)])
+            first = n_prefix - 1 - (a % 2)  # a scored token inside the prefix shortens the trunk
+            rows.append(Row(seq, np.arange(first, seq.size - 1), seq[first + 1:], group=task))
+    alone = [Row(r.tokens, r.positions, r.targets) for r in rows]
+    backend = get_backend("cpu")
+    shared = score_rows([model], rows, backend=backend, batch=96, workers=1)
+    single = score_rows([model], alone, backend=backend, batch=96, workers=1)
+    assert shared.n_passes < single.n_passes
+    for a, b in zip(shared.logprob, single.logprob):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
 
 
 def test_kl_base_with_itself(stories, mmlu):

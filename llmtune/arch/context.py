@@ -44,13 +44,23 @@ class BuildContext:
     `apply_rows(tokens, x, name)` in the embedding lookup), or None.
     cache: a KV cache (arch/kvcache.py KVCache) the attention writes the new k/v into and reads
     back, the batch's positions given at run time (generation), or None.
+    prefix: the layout of a batch of shared prefixes and their continuations (arch/prefix.py
+    SharedPrefix: evaluation of several answers to one question), or None.
     """
 
     def __init__(self, hp: HParams, weights: dict[str, Node], batch: Batch, logits_start: int = 0, lora=None,
-                 cache=None):
+                 cache=None, prefix=None):
         self.hp, self.weights, self.batch, self.logits_start = hp, weights, batch, logits_start
         self.lora = lora
-        self.cache = cache
+        self.cache, self.prefix = cache, prefix
+
+    @property
+    def n_ctx(self) -> int:
+        """The longest sequence the graph holds: the cache's size, a trunk and a branch of a
+        shared-prefix layout, or the batch's tokens per sequence."""
+        if self.cache is not None:
+            return self.cache.n_ctx
+        return self.prefix.shape.seq_len if self.prefix is not None else self.batch.n_tok
 
     # ------------------------------------------------------------------ weights
     def w(self, name: str) -> Node:
@@ -150,6 +160,8 @@ class BuildContext:
         window = hp.sliding_window if hp.is_swa(il) else 0
         if self.cache is not None:
             out = self.cache.attention(q, k, v, il, b.pos, hp.kq_scale, softcap=hp.attn_softcap, window=window)
+        elif self.prefix is not None:
+            out = self.prefix.attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
         else:
             out = causal_attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
         return self.mm(ops.reshape(out, (b.n_seq * b.n_tok, hp.n_embd_q)), f"{blk}.attn_output")
@@ -193,7 +205,7 @@ class BuildContext:
         if factors is not None:
             return factors
         n_ctx_orig = self.hp.n_ctx_orig or self.hp.n_ctx_train
-        n_ctx_seq = -(-(self.cache.n_ctx if self.cache is not None else self.batch.n_tok) // 256) * 256
+        n_ctx_seq = -(-self.n_ctx // 256) * 256
         return self.opt("rope_factors_long.weight" if n_ctx_seq > n_ctx_orig else "rope_factors_short.weight")
 
     def logit_rows(self, x: Node) -> Node:
@@ -243,21 +255,35 @@ def causal_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float 
     """
     if q.shape[1] > PLAIN_ATTENTION_MAX_T:
         return ops.flash_attn(q, k, v, kq_scale, softcap, window)
+    T = q.shape[1]
+    mask = {"window": window} if window else {}
+    return _plain_attention(q, k, v, kq_scale, softcap,
+                            lambda scores, scale: ops.softmax_causal(scores, scale, n_kv=T, n_q=T, **mask))
+
+
+def masked_attention(q: Node, k: Node, v: Node, kq_scale: float, mask: Node, softcap: float = 0.0) -> Node:
+    """Attention of q [B, Tq, H, d] over k/v [B, Tk, Hkv, d] -> [B, Tq, H, d], the run-time mask
+    [B, Tq, Tk] (0 or -inf: llama.cpp's KQ mask) deciding what each query sees. The plain
+    composition: it serves evaluation (arch/prefix.py), whose scores are not kept."""
+    return _plain_attention(q, k, v, kq_scale, softcap, lambda scores, scale: ops.softmax_masked(scores, scale, mask))
+
+
+def _plain_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float, softmax) -> Node:
+    """softmax(scores) V with the [Tq, Tk] scores of every head; softmax(scores, scale) masks."""
     B, T, H, d = q.shape
     Hkv = k.shape[2]
     group = H // Hkv
     # the n_head/n_head_kv query heads that share a KV head are stacked along rows, so one matmul
     # per KV head serves the whole group and K/V are never copied
     qg = ops.reshape(ops.permute(q, (0, 2, 1, 3)), (B, Hkv, group * T, d))
-    # [B, Hkv, T, d], made contiguous: BLAS then runs the batched matmuls (strided stacks fall
+    # [B, Hkv, Tk, d], made contiguous: BLAS then runs the batched matmuls (strided stacks fall
     # back to numpy's slow loop), and the copy is small next to the scores
     kt = ops.cont(ops.permute(k, (0, 2, 1, 3)))
     vt = ops.cont(ops.permute(v, (0, 2, 1, 3)))
-    scores = ops.matmul(qg, kt, tb=True)  # [B, Hkv, group*T, T]
+    scores = ops.matmul(qg, kt, tb=True)  # [B, Hkv, group*T, Tk]
     if softcap:
         scores, kq_scale = ops.softcap(ops.scale(scores, kq_scale), softcap), 1.0
-    mask = {"window": window} if window else {}
-    probs = ops.softmax_causal(scores, kq_scale, n_kv=T, n_q=T, **mask)
+    probs = softmax(scores, kq_scale)
     out = ops.matmul(probs, vt)  # [B, Hkv, group*T, d]
     return ops.permute(ops.reshape(out, (B, H, T, d)), (0, 2, 1, 3))
 

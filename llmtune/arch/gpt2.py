@@ -62,8 +62,8 @@ class GPT2(Family):
 
     def build(self, ctx: BuildContext):
         hp, b = ctx.hp, ctx.batch
-        if b.n_tok > hp.n_ctx_train:
-            raise LlmtuneError(f"gpt2: a context of {b.n_tok} tokens is longer than the "
+        if ctx.n_ctx > hp.n_ctx_train:
+            raise LlmtuneError(f"gpt2: a context of {ctx.n_ctx} tokens is longer than the "
                                f"{hp.n_ctx_train} learned positions")
         # token embeddings + learned position embeddings (position_embd rows at the batch positions)
         x = ops.reshape(ctx.inp_embd(), (b.n_seq, b.n_tok, hp.n_embd))

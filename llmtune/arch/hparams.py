@@ -54,6 +54,11 @@ class HParams:
     def n_embd_kv(self) -> int:
         return self.n_head_kv * self.head_dim
 
+    @property
+    def has_swa(self) -> bool:
+        """Some layer attends through a sliding window."""
+        return any(self.is_swa(il) for il in range(self.n_layer))
+
     def is_swa(self, il: int) -> bool:
         """Layer il attends through the sliding window (llama_hparams::is_swa)."""
         return self.sliding_window > 0 and (self.swa_layers is None or bool(self.swa_layers[il]))

@@ -431,6 +431,19 @@ def k_softmax_causal(out, x, pos=None, *, scale, n_q, n_past, window=0):
         mask = _position_mask(pos, x.shape[-2], x.shape[-1], n_q, window, x.dtype)
     np.multiply(x, x.dtype.type(scale), out=out)
     out += mask
+    return _softmax_in_place(out)
+
+
+def k_softmax_masked(out, x, mask, *, scale):
+    B, n_q, n_kv = mask.shape
+    np.multiply(x, x.dtype.type(scale), out=out)
+    rows = out.reshape(B, -1, n_q, n_kv)  # a view: outputs are contiguous
+    rows += mask[:, None]
+    return _softmax_in_place(out)
+
+
+def _softmax_in_place(out):
+    """softmax over the last axis of the masked, scaled scores in `out`."""
     out -= out.max(axis=-1, keepdims=True)
     np.exp(out, out=out)
     out /= out.sum(axis=-1, keepdims=True)
@@ -692,6 +705,7 @@ KERNELS = {
     "layer_norm_back": k_layer_norm_back,
     "rope": k_rope,
     "softmax_causal": k_softmax_causal,
+    "softmax_masked": k_softmax_masked,
     "softmax_back": k_softmax_back,
     "flash_attn": k_flash_attn,
     "flash_attn_back": k_flash_attn_back,

@@ -230,6 +230,24 @@ extern "C" __global__ void softmax_causal(const real* x, real* out, const int* _
         yr[c] = c >= first && c < end ? exp(xr[c] * scale - mx) / sum : (real)0;
 }
 
+// Row r of sequence b (rows_per_seq rows each) adds the run-time mask row mask[b, r % n_q] (0 or
+// -inf; every row sees a key) before the softmax. x and out may alias, as in softmax_causal.
+extern "C" __global__ void softmax_masked(const real* x, real* out, const real* __restrict__ mask, long long rows_per_seq,
+                                          int n_kv, int n_q, real scale) {
+    __shared__ real scratch[32];
+    const long long row = blockIdx.x;
+    const real* xr = x + row * n_kv;
+    real* yr = out + row * n_kv;
+    const real* mr = mask + ((row / rows_per_seq) * n_q + row % n_q) * n_kv;
+    real mx = NEG_INF;
+    for (int c = threadIdx.x; c < n_kv; c += blockDim.x) mx = fmax(mx, xr[c] * scale + mr[c]);
+    mx = block_reduce(mx, scratch, true);
+    real sum = 0;
+    for (int c = threadIdx.x; c < n_kv; c += blockDim.x) sum += exp(xr[c] * scale + mr[c] - mx);
+    sum = block_reduce(sum, scratch, false);
+    for (int c = threadIdx.x; c < n_kv; c += blockDim.x) yr[c] = exp(xr[c] * scale + mr[c] - mx) / sum;
+}
+
 // ------------------------------------------------------------------ blockwise attention (flash_attn)
 // q [B, T, H, d], k/v [B, T, Hkv, d] contiguous; query head h reads KV head h / (H / Hkv). Row
 // r = (b * H + h) * T + t of the logsumexp is query position t of head h. Query t sees keys
@@ -1028,6 +1046,7 @@ class CUDABackend(Backend):
         "layer_norm_back": "_k_layer_norm_back",
         "rope": "_k_rope",
         "softmax_causal": "_k_softmax_causal",
+        "softmax_masked": "_k_softmax_masked",
         "softmax_back": "_k_softmax_back",
         "flash_attn": "_k_flash_attn",
         "flash_attn_back": "_k_flash_attn_back",
@@ -1388,6 +1407,14 @@ class CUDABackend(Backend):
                 pos_arg, has_pos = self._ids(pos), 1
             self._launch("softmax_causal", out.dtype, (rows,), _row_threads(n), x, out, pos_arg, np.int32(has_pos),
                          np.int32(n), np.int32(n_q), np.int32(n_past), np.int32(window), out.dtype.type(scale))
+        return out
+
+    def _k_softmax_masked(self, out, x, mask, *, scale):
+        x, rows, n = self._rows(x)
+        if rows:
+            mask = self._contig(mask, out.dtype)
+            self._launch("softmax_masked", out.dtype, (rows,), _row_threads(n), x, out, mask,
+                         np.int64(rows // mask.shape[0]), np.int32(n), np.int32(mask.shape[1]), out.dtype.type(scale))
         return out
 
     # -- blockwise attention ----------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.eval.continuations import Row, ScoreProgress, score_rows
+from llmtune.eval.continuations import Row, ScoreProgress, common_prefix, score_rows
 from llmtune.eval.perplexity import _as_backend, _load_models, add_bos_of
 from llmtune.eval.tasks import KINDS, detect_kind, read_tasks, select_tasks
 
@@ -151,31 +151,20 @@ class Benchmark:
     n_answers: int  # over all tasks (for the random-chance rate)
 
 
-def _common_prefix(seqs: list[np.ndarray]) -> int:
-    """Tokens all sequences share at the start (bounded by the shortest)."""
-    n = min(s.size for s in seqs)
-    first = seqs[0][:n]
-    same = np.ones(n, dtype=bool)
-    for s in seqs[1:]:
-        same &= s[:n] == first
-    diff = np.flatnonzero(~same)
-    return int(diff[0]) if diff.size else n
-
-
 def _choice_rows(index: int, seqs: list[np.ndarray], gold: list[int], mean: str, topic=None) -> _Prepared:
     """HellaSwag / multiple choice: answer s scores tokens prefix.. of its sequence, the first from
     the logits of the prefix's last token. Identical sequences share a row (equal scores: the first
     wins the tie, as in llama.cpp). A sequence that is all prefix (one answer's tokens begin
     another's) makes llama.cpp read one token past its end, which holds 0: it scores token 0 there."""
-    cp = _common_prefix(seqs)
+    cp = common_prefix(seqs)
     rows, terms, seen = [], [], {}
     for seq in seqs:
         key = seq.tobytes()
         if key not in seen:
             if seq.size > cp:
-                row = Row(seq, np.arange(cp - 1, seq.size - 1), seq[cp:])
+                row = Row(seq, np.arange(cp - 1, seq.size - 1), seq[cp:], group=index)
             else:
-                row = Row(seq, [cp - 1], [0])
+                row = Row(seq, [cp - 1], [0], group=index)
             seen[key] = len(rows)
             rows.append(row)
         r = seen[key]
@@ -184,7 +173,7 @@ def _choice_rows(index: int, seqs: list[np.ndarray], gold: list[int], mean: str,
 
 
 def _required_tokens(seqs: list[np.ndarray]) -> int:
-    cp = _common_prefix(seqs)
+    cp = common_prefix(seqs)
     return cp + sum(s.size - cp for s in seqs)
 
 
@@ -193,7 +182,7 @@ def _winogrande_rows(index: int, seqs: list[np.ndarray], n_base: list[int], gold
     token, then the continuations of choice 1 and of choice 2) to (row, position)."""
     s0, s1 = seqs
     l0, l1 = s0.size, s1.size
-    cp = _common_prefix(seqs)
+    cp = common_prefix(seqs)
     skip = l0 - cp > WINOGRANDE_MIN_TRAILING and l1 - cp > WINOGRANDE_MIN_TRAILING
     n_rows = 1 + (l0 - cp) + (l1 - cp)
 
@@ -217,7 +206,7 @@ def _winogrande_rows(index: int, seqs: list[np.ndarray], n_base: list[int], gold
             li += 1
     rows = []
     for r, seq in enumerate(seqs):
-        rows.append(Row(seq, [p for p, _, _ in pairs[r]], [t for _, t, _ in pairs[r]]))
+        rows.append(Row(seq, [p for p, _, _ in pairs[r]], [t for _, t, _ in pairs[r]], group=index))
     for r in range(2):
         for k, (_, _, c) in enumerate(pairs[r]):
             terms[c].append((r, k))
@@ -232,7 +221,7 @@ def _encode(tok, text: str) -> np.ndarray:
 
 def _check_fits(path, name: str, seqs: list[np.ndarray], ctx: int) -> None:
     """The task fits llama-perplexity's cache, and its answers share a first token to be scored after."""
-    if _common_prefix(seqs) < 1:
+    if common_prefix(seqs) < 1:
         raise LlmtuneError(f"{path}: {name}: the answers' token sequences share no first token (the model adds no "
                            f"BOS and the text is empty or differs at once), so no answer token can be scored")
     required = _required_tokens(seqs)

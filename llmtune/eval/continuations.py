@@ -1,16 +1,18 @@
 """Log-probabilities of chosen tokens of many token sequences: the engine under the benchmarks.
 
 Each `Row` is one token sequence (BOS first when the model adds one) with the positions whose
-logits score a token and the token each scores. llama.cpp evaluates a task's choices as sequences
-sharing the task's prefix in one KV cache; here every choice is its own row of the forward graph
-(the same numbers: attention is causal, so a row's tokens see exactly its own prefix).
+logits score a token and the token each scores. Rows of one `group` (a task's answers) begin with
+the same tokens: as llama.cpp evaluates a task's choices as sequences sharing the question in one
+KV cache, the group's common beginning (its trunk: up to the first scored position) is computed
+once and each row's rest (a branch) attends to it (arch/prefix.py). The numbers are those of each
+row alone: attention is causal, so a row's tokens see exactly its own prefix.
 
-Passes are planned for throughput: rows sorted by length (then by their first scored position)
-are grouped up to `batch` tokens per forward pass, padded at the end to a common length rounded
-up to one of a few sizes per octave; the graph computes logits only from the pass's first scored
-position on (ChunkScorer, perplexity's model runner), and only the needed rows are
-log-softmaxed. On the cpu backend one pass runs per core (backends/threads.py); the results do not
-depend on the grouping or on the number of workers beyond float rounding.
+Passes are planned for throughput: rows (or groups) sorted by length (then by their first scored
+position) are put together up to `batch` tokens per forward pass, padded at the end to a common
+length rounded up to one of a few sizes per octave; the graph computes logits only from the pass's
+first scored position on (or for the branches only), and only the needed rows are log-softmaxed.
+On the cpu backend one pass runs per core (backends/threads.py); the results do not depend on the
+grouping or on the number of workers beyond float rounding.
 
 With a base model, both run the same passes and each scored position also gets the base's
 log-probability and KL(base || model).
@@ -25,6 +27,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from llmtune.arch.prefix import PrefixShape, prefix_inputs
 from llmtune.backends.dist import run_split
 from llmtune.backends.threads import cpu_workers
 from llmtune.eval.perplexity import (DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_TOKENS_OTHER, _scorer_factory, kl_rows,
@@ -40,6 +43,7 @@ class Row:
     tokens: np.ndarray  # int32 [n]
     positions: np.ndarray  # int64 [k]: logits at these positions score...
     targets: np.ndarray  # int32 [k]: ...these tokens
+    group: int = -1  # rows of one group >= 0 share their beginning (computed once); -1: alone
 
     def __post_init__(self):
         self.tokens = np.asarray(self.tokens, dtype=np.int32)
@@ -76,6 +80,25 @@ class _Pass:
     first: int  # first position with logits
 
 
+@dataclass(frozen=True)
+class _Group:
+    """Rows sharing their first `trunk` tokens, which hold no scored position."""
+
+    rows: tuple  # row indices
+    trunk: int  # tokens of the shared trunk
+    branch_max: int  # tokens of the longest branch (a row's tokens from `trunk` on)
+
+
+@dataclass(frozen=True)
+class _PrefixPass:
+    groups: tuple  # of _Group
+    shape: PrefixShape
+
+    @property
+    def rows(self) -> tuple:
+        return tuple(j for g in self.groups for j in g.rows)
+
+
 def _round_up(n: int) -> int:
     """n rounded up to a multiple of a power of two at most n/8 (at least 16): under 12.5 %
     padding, and few distinct lengths so the compiled programs repeat."""
@@ -83,13 +106,45 @@ def _round_up(n: int) -> int:
     return -(-n // step) * step
 
 
-def plan_passes(rows: list[Row], batch_tokens: int) -> list[_Pass]:
-    """Rows grouped into forward passes of about `batch_tokens` tokens (a longer row gets a pass of
+def _first_scored(r: Row) -> int:
+    return int(r.positions.min()) if r.positions.size else r.tokens.size - 1
+
+
+def common_prefix(seqs: list[np.ndarray]) -> int:
+    """Tokens all sequences share at the start (bounded by the shortest)."""
+    n = min(s.size for s in seqs)
+    same = np.ones(n, dtype=bool)
+    for s in seqs[1:]:
+        same &= s[:n] == seqs[0][:n]
+    diff = np.flatnonzero(~same)
+    return int(diff[0]) if diff.size else n
+
+
+def _groups(rows: list[Row]) -> tuple[list[int], list[_Group]]:
+    """Rows scored alone, and the groups worth sharing (two rows or more, a trunk of 2 tokens or
+    more: the trunk ends at the group's first scored position, so every branch holds a token)."""
+    members: dict[int, list[int]] = {}
+    alone = []
+    for j, r in enumerate(rows):
+        (members.setdefault(r.group, []) if r.group >= 0 else alone).append(j)
+    groups = []
+    for idx in members.values():
+        trunk = min(common_prefix([rows[j].tokens for j in idx]), min(_first_scored(rows[j]) for j in idx))
+        if len(idx) < 2 or trunk < 2:
+            alone += idx
+            continue
+        groups.append(_Group(tuple(idx), trunk, max(rows[j].tokens.size for j in idx) - trunk))
+    return sorted(alone), groups
+
+
+def plan_passes(rows: list[Row], batch_tokens: int) -> list:
+    """Rows put into forward passes of about `batch_tokens` tokens (a longer row gets a pass of
     its own): longest first, so the biggest pass comes first; within a length, by first scored
-    position, so a pass's logits start late."""
-    lengths = [r.tokens.size for r in rows]
-    firsts = [int(r.positions.min()) if r.positions.size else lengths[i] - 1 for i, r in enumerate(rows)]
-    order = sorted(range(len(rows)), key=lambda i: (-_round_up(lengths[i]), -firsts[i], i))
+    position, so a pass's logits start late. Groups go into passes of their own (_PrefixPass)."""
+    alone, groups = _groups(rows)
+    lengths = {j: rows[j].tokens.size for j in alone}
+    firsts = {j: _first_scored(rows[j]) for j in alone}
+    order = sorted(alone, key=lambda j: (-_round_up(lengths[j]), -firsts[j], j))
     passes, i = [], 0
     while i < len(order):
         n_tok = _round_up(lengths[order[i]])
@@ -98,30 +153,78 @@ def plan_passes(rows: list[Row], batch_tokens: int) -> list[_Pass]:
         first -= first % 8  # fewer distinct shapes
         passes.append(_Pass(tuple(group), n_tok, first))
         i += len(group)
+    return passes + _plan_prefix_passes(groups, batch_tokens)
+
+
+def _plan_prefix_passes(groups: list[_Group], batch_tokens: int) -> list[_PrefixPass]:
+    """Groups by trunk length, then branch length (rounded, so shapes repeat); every trunk gets as
+    many branch rows as the largest group has rows (the missing ones are padding), so a pass's
+    shape depends on its lengths and its number of groups only."""
+    if not groups:
+        return []
+    width = max(len(g.rows) for g in groups)
+    order = sorted(groups, key=lambda g: (-_round_up(g.trunk), -_round_up(g.branch_max), g.rows))
+    passes, i = [], 0
+    while i < len(order):
+        trunk_len, branch_len = _round_up(order[i].trunk), _round_up(order[i].branch_max)
+        n = max(1, batch_tokens // (trunk_len + width * branch_len))
+        chunk = order[i:i + n]
+        branch_len = max(_round_up(g.branch_max) for g in chunk)
+        passes.append(_PrefixPass(tuple(chunk), PrefixShape(len(chunk), trunk_len, len(chunk) * width, branch_len)))
+        i += len(chunk)
     return passes
 
 
-def _score_pass(rows: list[Row], with_base: bool, scorers, p: _Pass):
-    """(logprob, base logprob, kl) per row of the pass, each split by row."""
+def _plain_pass(rows: list[Row], p: _Pass):
+    """Per row of a plain pass, its scored logits' (sequence, position) in the output, and the
+    function running the pass for a scorer."""
     tokens = np.full((len(p.rows), p.n_tok), PAD_TOKEN, dtype=np.int32)
-    pick_seq, pick_pos, targets, sizes = [], [], [], []
+    picks = []
     for s, j in enumerate(p.rows):
         r = rows[j]
         tokens[s, :r.tokens.size] = r.tokens
-        pick_seq.append(np.full(r.positions.size, s))
-        pick_pos.append(r.positions - p.first)
-        targets.append(r.targets)
-        sizes.append(r.positions.size)
-    pick = (np.concatenate(pick_seq), np.concatenate(pick_pos))
-    targets = np.concatenate(targets)
-    split = np.cumsum(sizes)[:-1]
-    logits = scorers[0].logits(tokens, p.first)[pick]  # [k, V] copy of the needed rows
+        picks.append((np.full(r.positions.size, s), r.positions - p.first))
+    return picks, lambda scorer: scorer.logits(tokens, p.first)
+
+
+def _prefix_pass(rows: list[Row], p: _PrefixPass):
+    """A shared-prefix pass (flat tokens: trunks, then branches; arch/prefix.py): per row, its
+    scored logits' (0, branch row) in the output, and the function running the pass for a scorer."""
+    s = p.shape
+    width = s.n_branch // s.n_trunk
+    trunks = np.full((s.n_trunk, s.trunk_len), PAD_TOKEN, dtype=np.int32)
+    branches = np.full((s.n_branch, s.branch_len), PAD_TOKEN, dtype=np.int32)
+    trunk_of = np.repeat(np.arange(s.n_trunk), width)
+    picks = {}
+    for t, g in enumerate(p.groups):
+        trunks[t, :g.trunk] = rows[g.rows[0]].tokens[:g.trunk]
+        for k, j in enumerate(g.rows):
+            b, rest = t * width + k, rows[j].tokens[g.trunk:]
+            branches[b, :rest.size] = rest
+            picks[j] = (np.zeros(rows[j].positions.size, np.int64), b * s.branch_len + rows[j].positions - g.trunk)
+    tokens = np.concatenate([trunks.reshape(-1), branches.reshape(-1)])
+    trunk_lens = np.array([g.trunk for g in p.groups])
+
+    def logits(scorer):
+        inputs = prefix_inputs(scorer.model.hp, s, trunk_lens, trunk_of)
+        return scorer.prefix_logits(tokens, s, inputs)[None]
+
+    return [picks[j] for j in p.rows], logits
+
+
+def _score_pass(rows: list[Row], with_base: bool, scorers, p):
+    """(logprob, base logprob, kl) per row of the pass, each split by row."""
+    picks, logits_of = (_prefix_pass if isinstance(p, _PrefixPass) else _plain_pass)(rows, p)
+    pick = (np.concatenate([a for a, _ in picks]), np.concatenate([b for _, b in picks]))
+    targets = np.concatenate([rows[j].targets for j in p.rows])
+    split = np.cumsum([rows[j].positions.size for j in p.rows])[:-1]
+    logits = logits_of(scorers[0])[pick]  # [k, V] copy of the needed rows
     if not np.isfinite(logits).all():
         raise LlmtuneError(f"{scorers[0].model.path}: the model's logits are not finite (NaN or inf): its weights "
                            f"are damaged (a finetune that diverged?)")
     if not with_base:
         return np.split(-token_nll(logits, targets), split), None, None
-    base_logits = scorers[1].logits(tokens, p.first)[pick]
+    base_logits = logits_of(scorers[1])[pick]
     base_lp, model_lp = log_softmax(base_logits), log_softmax(logits)
     kl = kl_rows(base_lp, model_lp)
     take = targets[:, None]
@@ -152,7 +255,7 @@ def score_rows(
             raise LlmtuneError(f"token ids outside the vocabulary of {models[0].path.name}")
     passes = plan_passes(rows, batch)
     n_workers = cpu_workers(backend.name, workers, len(passes))
-    max_len = max((p.n_tok for p in passes), default=1)
+    max_len = max((p.shape.seq_len if isinstance(p, _PrefixPass) else p.n_tok for p in passes), default=1)
     make = _scorer_factory(models, backend, max_len, keep=PROGRAMS_PER_WORKER)
     with_base = len(models) > 1
     out = RowScores([None] * len(rows), [None] * len(rows) if with_base else None,

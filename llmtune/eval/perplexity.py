@@ -239,18 +239,27 @@ class ChunkScorer:
         self._programs: dict[tuple, object] = {}  # insertion order = least recently used first
         self._positions = {ctx: self.pos}
 
-    def _program(self, n_seq: int, n_tok: int, first: int):
-        key = (n_seq, n_tok, first)
+    def _program(self, n_seq: int, n_tok: int, first: int, prefix=None):
+        key = (n_seq, n_tok, first, prefix)
         prog = self._programs.pop(key, None)
         if prog is None:
             from llmtune.graph.planner import Program
 
             while len(self._programs) >= self.keep:  # drop the least recently used shape
                 del self._programs[next(iter(self._programs))]
-            _, nodes, logits = self.model.build(n_seq, n_tok, logits_start=first)
+            _, nodes, logits = self.model.build(n_seq, n_tok, logits_start=first, prefix=prefix)
             prog = Program([logits], self.backend, params={nodes[n]: a for n, a in self.weights.items()})
         self._programs[key] = prog
         return prog
+
+    def prefix_logits(self, tokens: np.ndarray, shape, inputs: dict) -> np.ndarray:
+        """Logits [n_branch * branch_len, n_vocab] of the branch rows of a shared-prefix pass
+        (arch/prefix.py): tokens int32 [n_tok] in its flat layout, inputs from prefix_inputs.
+        The array may be the program's own output buffer, as in logits()."""
+        prog = self._program(1, shape.n_tok, shape.branch_start, shape)
+        feed = {name: self.backend.asarray(a) for name, a in inputs.items()}
+        (out,) = prog.run(tokens=self.backend.asarray(tokens.reshape(1, -1)), **feed)
+        return self.backend.to_numpy(out).reshape(shape.n_tok - shape.branch_start, -1)
 
     def logits(self, tokens: np.ndarray, first: Optional[int] = None) -> np.ndarray:
         """tokens int32 [n_seq, n_tok] (n_tok: ctx for perplexity) -> float32 host array

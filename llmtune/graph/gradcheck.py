@@ -16,13 +16,15 @@ def check_gradients(build: Callable, arrays: dict[str, np.ndarray], backend, *, 
     """Max relative error between autodiff and central differences for every float input.
 
     build(**nodes) -> output node. `arrays` are float64 values of the differentiable inputs,
-    `int_inputs` int32 arrays passed as non-differentiable inputs. The scalar checked is
+    `int_inputs` arrays passed as non-differentiable inputs (integer arrays as int32, float ones,
+    e.g. an attention mask, as floats). The scalar checked is
     sum(output * R) for a fixed random R, so every output element matters. `leaves`: other leaf
     node -> backend array, bound for every run (e.g. an ops.qweight's bytes that `build` closes over).
     """
     int_inputs = int_inputs or {}
     nodes = {k: ops.param(v.shape, name=k) for k, v in arrays.items()}
-    inodes = {k: ops.input(v.shape, "i32", name=k) for k, v in int_inputs.items()}
+    is_int = {k: np.issubdtype(np.asarray(v).dtype, np.integer) for k, v in int_inputs.items()}
+    inodes = {k: ops.input(v.shape, "i32" if is_int[k] else "f32", name=k) for k, v in int_inputs.items()}
     out = build(**nodes, **inodes)
     rng = np.random.default_rng(seed)
     weights = ops.input(out.shape, name="__r")
@@ -30,7 +32,7 @@ def check_gradients(build: Callable, arrays: dict[str, np.ndarray], backend, *, 
     grads = grad(loss, list(nodes.values()))
     values = {n: backend.asarray(np.array(arrays[k], dtype=np.float64)) for k, n in nodes.items()}
     prog = Program([loss] + [grads[n] for n in nodes.values()], backend, params={**(leaves or {}), **values})
-    feed = {k: backend.asarray(v.astype(np.int32)) for k, v in int_inputs.items()}
+    feed = {k: backend.asarray(np.asarray(v, np.int32 if is_int[k] else np.float64)) for k, v in int_inputs.items()}
     feed["__r"] = backend.asarray(rng.standard_normal(out.shape))
 
     def f() -> float:

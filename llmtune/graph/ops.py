@@ -325,6 +325,18 @@ def pad_rows(x: Node, axis: int, start: int, full: int) -> Node:
     return _node("pad", (x,), {"axis": axis, "start": start}, shape)
 
 
+def concat(parts: list, axis: int) -> Node:
+    """The parts joined along `axis` (a composition: each padded to the full length, then summed)."""
+    axis = _axis(parts[0], axis)
+    full = sum(p.shape[axis] for p in parts)
+    out, start = None, 0
+    for p in parts:
+        term = pad_rows(p, axis, start, full)
+        out = term if out is None else add(out, term)
+        start += p.shape[axis]
+    return out
+
+
 _register("reshape", lambda n, g: (reshape(g, n.inputs[0].shape),), view=True)
 _register("permute", lambda n, g: (permute(g, tuple(np.argsort(n.attrs["axes"]))),), view=True)
 _register("cont", lambda n, g: (g,))
@@ -436,11 +448,24 @@ def softmax_causal(x: Node, scale_: float, n_kv: int, n_q: int, n_past: int = 0,
     return _node("softmax_causal", (x, pos), attrs, x.shape)
 
 
+def softmax_masked(x: Node, scale_: float, mask: Node) -> Node:
+    """softmax(scale * x + mask) over the last axis, the mask given at run time (ggml_soft_max_ext
+    with llama.cpp's KQ mask): mask float32 [B, n_q, n_kv] of 0 (visible) or -inf (masked) for
+    x[B, ..., R, n_kv], whose row r of sequence b reads mask[b, r % n_q] (the query heads sharing a
+    KV head are stacked along rows, as in softmax_causal). Every row must see at least one key."""
+    B, n_kv = x.shape[0], x.shape[-1]
+    if len(mask.shape) != 3 or mask.shape[0] != B or mask.shape[2] != n_kv or x.shape[-2] % mask.shape[1] \
+            or mask.dtype != "f32":
+        raise ValueError(f"softmax_masked: mask {mask.shape} {mask.dtype} for scores {x.shape}")
+    return _node("softmax_masked", (x, mask), {"scale": float(scale_)}, x.shape)
+
+
 def softmax_back(y: Node, g: Node, scale_: float) -> Node:
     return _node("softmax_back", (y, g), {"scale": float(scale_)}, y.shape)
 
 
 _register("softmax_causal", lambda n, g: (softmax_back(n, g, n.attrs["scale"]),), inplace=True)
+_register("softmax_masked", lambda n, g: (softmax_back(n, g, n.attrs["scale"]), None), inplace=True)
 _register("softmax_back", None)
 
 
