@@ -144,7 +144,8 @@ def test_kl_against_perturbed_model(stories, ids):
 def test_text_file_is_tokenized_like_llamacpp(stories, ids):
     res = perplexity(STORIES, WIKI_GZ, ctx=128, chunks=3)
     want = perplexity_from_ids(stories, ids, ctx=128, chunks=3)
-    assert res.chunks == want.chunks and res.n_text_tokens == ids.size
+    # with --chunks only the chunks' tokens are read (an SPM text stops early, exactly)
+    assert res.chunks == want.chunks and 3 * 128 <= res.n_text_tokens < ids.size
 
 
 def test_library_errors(stories, ids, tmp_path):

@@ -184,6 +184,22 @@ def test_chunked_spm_equals_whole_text_algorithm():
         assert tok._encoder.encode(escaped) == tok._encoder.encode_whole(escaped)
 
 
+def test_first_tokens_only_are_the_whole_texts_first():
+    """encode(max_tokens=n): an SPM tokenizer stops early (perplexity over --chunks of a long
+    file), with the whole text's first ids, at least n of them; other kinds encode everything."""
+    text = gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()).decode("utf-8")[:200_000]
+    for tok in (tokenizer(STORIES), vocab("llama-spm"), vocab("llama-bpe")):
+        whole = tok.encode(text, add_special=True)
+        for n in (1, 1000, 5000):
+            head = tok.encode(text, add_special=True, max_tokens=n)
+            assert len(head) >= n and head == whole[:len(head)]
+            if tok.kind == "spm":
+                assert len(head) < n + 200  # stopped near n, not at the end
+            else:
+                assert head == whole
+        assert tok.encode(text, add_special=True, max_tokens=len(whole) + 10) == whole
+
+
 def tiny_spm(tokens: list[str], scores: list[float]) -> Tokenizer:
     bytes_ = [f"<0x{b:02X}>" for b in range(256)]
     all_tokens = ["<unk>", "<s>", "</s>", *bytes_, *tokens]

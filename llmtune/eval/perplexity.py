@@ -51,7 +51,7 @@ class PerplexityResult:
     tokens_per_s: float  # n_tokens over the evaluation time (forward passes and scoring)
     ctx: int = 0
     n_scored: int = 0  # tokens whose likelihood entered the estimate
-    n_text_tokens: int = 0  # tokens in the whole text (BOS included)
+    n_text_tokens: int = 0  # tokens read from the text (BOS included): all, or with --chunks at least theirs
     seconds: float = 0.0
     # with kl_base: KL(base || model) per scored token, and top-token agreement
     kl: Optional[float] = None
@@ -474,9 +474,10 @@ def perplexity_from_ids(
         return _accumulate(plan, passes, with_kl=kl_base is not None, progress=progress)
 
 
-def tokenize(model, text: str) -> np.ndarray:
-    """Token ids of a whole text with the model's tokenizer (BOS per the model's flags)."""
-    return np.asarray(model.tokenizer.encode(text, add_special=True), dtype=np.int32)
+def tokenize(model, text: str, max_tokens: Optional[int] = None) -> np.ndarray:
+    """Token ids of a whole text with the model's tokenizer (BOS per the model's flags); with
+    max_tokens, possibly only its first ids (at least max_tokens when the text has them)."""
+    return np.asarray(model.tokenizer.encode(text, add_special=True, max_tokens=max_tokens), dtype=np.int32)
 
 
 def perplexity(
@@ -498,6 +499,7 @@ def perplexity(
 
     text = read_text(text_path)  # a missing text fails before the (slower) model load
     model = attach(_as_model(model_path), lora, lora_scale)  # bad adapters fail before tokenizing
-    ids = tokenize(model, text)
+    # with --chunks only the first chunks' tokens count (at least two chunks: the shortest text)
+    ids = tokenize(model, text, None if chunks is None or chunks < 1 else max(chunks, 2) * ctx)
     return perplexity_from_ids(model, ids, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
                                kl_base=kl_base, progress=progress, precision=precision, source=str(text_path))

@@ -44,12 +44,16 @@ class SpmEncoder:
         self._chunker = _build_chunker(tokens)  # cuts only where no merge can cross
 
     # -- public -------------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text` (spaces already escaped to ▁); same result as the whole-text algorithm."""
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Ids of `text` (spaces already escaped to ▁); same result as the whole-text algorithm.
+        limit: stop after the chunk that brings the ids to `limit` or more; since no merge crosses
+        a chunk boundary, they are the first ids of the whole text's."""
         out: list[int] = []
         memo = self._memo
         merge = self._merge
         for chunk in self._chunker(text):
+            if limit is not None and len(out) >= limit:
+                break
             ids = memo.get(chunk)
             if ids is None:
                 ids = merge(chunk)

@@ -185,8 +185,14 @@ class Tokenizer:
         return f"Tokenizer(kind={self.kind!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, source={self.source!r})"
 
     # -- encoding -----------------------------------------------------------------------------
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """Token ids of `text`, as llama.cpp's `llama_tokenize(..., add_special, parse_special)`."""
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False,
+               max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text`, as llama.cpp's `llama_tokenize(..., add_special, parse_special)`.
+
+        max_tokens: only the first ids are needed (perplexity over --chunks of a long file). An SPM
+        tokenizer then stops at the first boundary no merge crosses past that many ids (the ids are
+        the whole text's first ones, at least max_tokens of them when the text has them, no EOS
+        after a cut); other kinds encode everything."""
         flags = self._flags
         out: list[int] = []
         wpm = self.kind == "wpm"  # WordPiece: BOS ([CLS]) ... SEP whenever add_special, whatever the flags
@@ -202,6 +208,12 @@ class Tokenizer:
                 if flags.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", SPACE_ESCAPE)
+                if max_tokens is not None:
+                    out.extend(self._encoder.encode(frag, limit=max_tokens - len(out)))
+                    if len(out) >= max_tokens:
+                        return out
+                    prev_special = False
+                    continue
             elif flags.escape_whitespaces:
                 frag = frag.replace(" ", SPACE_ESCAPE)
             out.extend(self._encoder.encode(frag))
