@@ -172,6 +172,7 @@ def test_shared_prefixes_score_as_separate_rows(family, tmp_path):
     shared = score_rows([model], rows, backend=backend, batch=96, workers=1)
     single = score_rows([model], alone, backend=backend, batch=96, workers=1)
     assert shared.n_passes < single.n_passes
+    assert shared.n_tokens == single.n_tokens == single.n_computed > shared.n_computed
     for a, b in zip(shared.logprob, single.logprob):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
 

@@ -66,7 +66,8 @@ class BenchmarkResult:
     ci_low: float = 0.0  # Wilson 95 % interval (HellaSwag's report)
     ci_high: float = 0.0
     random_chance: float = 0.0  # multiple choice: tasks / answers
-    n_tokens: int = 0  # tokens run through the model (every choice a full sequence)
+    n_tokens: int = 0  # tokens of the scored sequences (every choice with its question)
+    n_computed: int = 0  # tokens run through the model (a question once for all its choices)
     n_passes: int = 0
     seconds: float = 0.0  # scoring time (tokenizing and loading not included)
     tokens_per_s: float = 0.0
@@ -353,7 +354,7 @@ def _result(bench: Benchmark, scores: list[TaskScore], res, seconds: float) -> B
     lo, hi = wilson_interval(correct, n)
     out = BenchmarkResult(bench.kind, str(bench.path), scores, p, err, lo, hi,
                           random_chance=n / bench.n_answers if bench.n_answers else 0.0,
-                          n_tokens=res.n_tokens, n_passes=res.n_passes, seconds=seconds,
+                          n_tokens=res.n_tokens, n_computed=res.n_computed, n_passes=res.n_passes, seconds=seconds,
                           tokens_per_s=res.n_tokens / seconds if seconds > 0 else 0.0)
     if any(t.topic is not None for t in scores):
         total, right = Counter(t.topic for t in scores), Counter(t.topic for t in scores if t.correct)

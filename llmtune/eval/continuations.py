@@ -58,6 +58,7 @@ class RowScores:
     kl: Optional[list[np.ndarray]] = None  # KL(base || model) per row and scored position
     n_passes: int = 0
     n_tokens: int = 0  # tokens of the rows (padding not counted)
+    n_computed: int = 0  # tokens run through the model: a group's shared trunk once (padding not counted)
     seconds: float = 0.0
 
 
@@ -104,6 +105,13 @@ def _round_up(n: int) -> int:
     padding, and few distinct lengths so the compiled programs repeat."""
     step = max(16, 1 << max(0, (n - 1).bit_length() - 4))
     return -(-n // step) * step
+
+
+def _computed_tokens(rows: list[Row], p) -> int:
+    """Tokens a pass runs through the model, padding not counted."""
+    if isinstance(p, _PrefixPass):
+        return sum(g.trunk + sum(rows[j].tokens.size - g.trunk for j in g.rows) for g in p.groups)
+    return sum(rows[j].tokens.size for j in p.rows)
 
 
 def _first_scored(r: Row) -> int:
@@ -274,4 +282,5 @@ def score_rows(
         if progress is not None:
             progress(ScoreProgress(p.rows, done, len(rows), tokens_done, n_tokens, time.perf_counter() - t0))
     out.n_tokens, out.seconds = n_tokens, time.perf_counter() - t0
+    out.n_computed = sum(_computed_tokens(rows, p) for p in passes)
     return out

@@ -71,7 +71,8 @@ def summary_lines(res: BenchmarkResult) -> list[str]:
         lines.append(f"base model: accuracy {100 * res.base_accuracy:.4f} %, same answer {100 * res.same_choice:.2f} % "
                      f"of tasks, mean KLD {res.kl:.6f} (max {res.kl_max:.6f}) over the scored tokens")
     rate = n / res.seconds if res.seconds > 0 else float("inf")
-    lines.append(f"{n} tasks ({res.n_correct} right), {res.n_tokens:,} tokens in {res.seconds:.2f} s: "
+    shared = f" ({res.n_computed:,} computed: questions shared)" if 0 < res.n_computed < res.n_tokens else ""
+    lines.append(f"{n} tasks ({res.n_correct} right), {res.n_tokens:,} tokens{shared} in {res.seconds:.2f} s: "
                  f"{rate:,.1f} tasks/s, {res.tokens_per_s:,.0f} tokens/s")
     return lines
 
