@@ -155,18 +155,11 @@ def test_shared_prefixes_score_as_separate_rows(family, tmp_path):
     positions included. Lengths vary so passes mix trunks and branches of several sizes."""
     import family_check
 
-    from llmtune.eval.continuations import Row, score_rows
     from llmtune.backends import get_backend
+    from llmtune.eval.continuations import Row, score_rows
 
     model = load_model(family_check.make_model(family_check.load_fixture(family), tmp_path))
-    rng = np.random.default_rng(0)
-    rows = []
-    for task, (n_prefix, n_answers) in enumerate([(9, 4), (30, 3), (2, 2), (17, 4), (60, 1)]):
-        prefix = rng.integers(1, model.hp.n_vocab, n_prefix)
-        for a in range(n_answers):
-            seq = np.concatenate([prefix, rng.integers(1, model.hp.n_vocab, 1 + 5 * a)])
-            first = n_prefix - 1 - (a % 2)  # a scored token inside the prefix shortens the trunk
-            rows.append(Row(seq, np.arange(first, seq.size - 1), seq[first + 1:], group=task))
+    rows = _grouped_rows(model.hp.n_vocab, [(9, 4), (30, 3), (2, 2), (17, 4), (60, 1)])
     alone = [Row(r.tokens, r.positions, r.targets) for r in rows]
     backend = get_backend("cpu")
     shared = score_rows([model], rows, backend=backend, batch=96, workers=1)
@@ -175,6 +168,48 @@ def test_shared_prefixes_score_as_separate_rows(family, tmp_path):
     assert shared.n_tokens == single.n_tokens == single.n_computed > shared.n_computed
     for a, b in zip(shared.logprob, single.logprob):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+
+
+def _grouped_rows(n_vocab: int, tasks: list[tuple[int, int]]) -> list:
+    """Random tasks of (prefix tokens, answers): each answer a row of the task's group."""
+    from llmtune.eval.continuations import Row
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for task, (n_prefix, n_answers) in enumerate(tasks):
+        prefix = rng.integers(1, n_vocab, n_prefix)
+        for a in range(n_answers):
+            seq = np.concatenate([prefix, rng.integers(1, n_vocab, 1 + 5 * a)])
+            first = n_prefix - 1 - (a % 2)  # a scored token inside the prefix shortens the trunk
+            rows.append(Row(seq, np.arange(first, seq.size - 1), seq[first + 1:], group=task))
+    return rows
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.cuda), "cuda-emu"])
+def test_shared_prefixes_on_the_cuda_kernels(stories, device):
+    """The shared-prefix layout through the CUDA backend's kernels (on a GPU, or under the C++
+    emulator) gives the cpu's numbers."""
+    import cuda_emu
+
+    from llmtune.backends import cuda
+    from llmtune.backends import get_backend
+    from llmtune.eval.continuations import score_rows
+
+    if device == "cuda":
+        pytest.importorskip("cupy")
+        if not cuda.available():
+            pytest.skip("cupy sees no CUDA device")
+        backend = cuda.CUDABackend(np.float32)
+    elif not cuda_emu.available():
+        pytest.skip("no C++ compiler for the CUDA kernel emulator")
+    else:
+        backend = cuda.CUDABackend(np.float32, runtime=cuda_emu.EmuRuntime())
+    rows = _grouped_rows(stories.hp.n_vocab, [(9, 4), (30, 3), (17, 2)])
+    got = score_rows([stories], rows, backend=backend, batch=96, workers=1)
+    want = score_rows([stories], rows, backend=get_backend("cpu"), batch=96, workers=1)
+    assert got.n_passes == want.n_passes < len(rows)
+    for a, b in zip(got.logprob, want.logprob):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4)
 
 
 def test_kl_base_with_itself(stories, mmlu):
