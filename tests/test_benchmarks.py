@@ -170,6 +170,26 @@ def test_shared_prefixes_score_as_separate_rows(family, tmp_path):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
 
 
+def test_shared_prefixes_fit_learned_positions(tmp_path):
+    """gpt2-tiny has 256 learned positions: a task whose longest sequence takes all 256 is scored
+    with shared prefixes too (its pass keeps exact lengths where rounding would pass 256)."""
+    import family_check
+
+    from llmtune.backends import get_backend
+    from llmtune.eval.continuations import Row, score_rows
+
+    model = load_model(family_check.make_model(family_check.load_fixture("gpt2"), tmp_path))
+    assert model.max_positions == 256
+    rows = _grouped_rows(model.hp.n_vocab, [(200, 4)])
+    rows.append(Row(np.concatenate([rows[0].tokens[:200], np.arange(1, 57)]), np.arange(199, 255), np.arange(1, 57), group=0))
+    alone = [Row(r.tokens, r.positions, r.targets) for r in rows]
+    shared = score_rows([model], rows, backend=get_backend("cpu"), workers=1)
+    single = score_rows([model], alone, backend=get_backend("cpu"), workers=1)
+    assert shared.n_computed < single.n_computed
+    for a, b in zip(shared.logprob, single.logprob):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+
+
 def _grouped_rows(n_vocab: int, tasks: list[tuple[int, int]]) -> list:
     """Random tasks of (prefix tokens, answers): each answer a row of the task's group."""
     from llmtune.eval.continuations import Row

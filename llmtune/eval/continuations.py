@@ -145,10 +145,11 @@ def _groups(rows: list[Row]) -> tuple[list[int], list[_Group]]:
     return sorted(alone), groups
 
 
-def plan_passes(rows: list[Row], batch_tokens: int) -> list:
+def plan_passes(rows: list[Row], batch_tokens: int, max_positions: int | None = None) -> list:
     """Rows put into forward passes of about `batch_tokens` tokens (a longer row gets a pass of
     its own): longest first, so the biggest pass comes first; within a length, by first scored
-    position, so a pass's logits start late. Groups go into passes of their own (_PrefixPass)."""
+    position, so a pass's logits start late. Groups go into passes of their own (_PrefixPass).
+    max_positions: see _plan_prefix_passes."""
     alone, groups = _groups(rows)
     lengths = {j: rows[j].tokens.size for j in alone}
     firsts = {j: _first_scored(rows[j]) for j in alone}
@@ -161,13 +162,14 @@ def plan_passes(rows: list[Row], batch_tokens: int) -> list:
         first -= first % 8  # fewer distinct shapes
         passes.append(_Pass(tuple(group), n_tok, first))
         i += len(group)
-    return passes + _plan_prefix_passes(groups, batch_tokens)
+    return passes + _plan_prefix_passes(groups, batch_tokens, max_positions)
 
 
-def _plan_prefix_passes(groups: list[_Group], batch_tokens: int) -> list[_PrefixPass]:
+def _plan_prefix_passes(groups: list[_Group], batch_tokens: int, max_positions: int | None = None) -> list[_PrefixPass]:
     """Groups by trunk length, then branch length (rounded, so shapes repeat); every trunk gets as
     many branch rows as the largest group has rows (the missing ones are padding), so a pass's
-    shape depends on its lengths and its number of groups only."""
+    shape depends on its lengths and its number of groups only. max_positions: a model's learned
+    positions; a pass whose rounded lengths would pass them keeps its exact lengths."""
     if not groups:
         return []
     width = max(len(g.rows) for g in groups)
@@ -178,6 +180,8 @@ def _plan_prefix_passes(groups: list[_Group], batch_tokens: int) -> list[_Prefix
         n = max(1, batch_tokens // (trunk_len + width * branch_len))
         chunk = order[i:i + n]
         branch_len = max(_round_up(g.branch_max) for g in chunk)
+        if max_positions is not None and trunk_len + branch_len > max_positions:
+            trunk_len, branch_len = max(g.trunk for g in chunk), max(g.branch_max for g in chunk)
         passes.append(_PrefixPass(tuple(chunk), PrefixShape(len(chunk), trunk_len, len(chunk) * width, branch_len)))
         i += len(chunk)
     return passes
@@ -261,7 +265,8 @@ def score_rows(
     for r in rows:
         if r.tokens.size and (r.tokens.min() < 0 or r.tokens.max() >= n_vocab):
             raise LlmtuneError(f"token ids outside the vocabulary of {models[0].path.name}")
-    passes = plan_passes(rows, batch)
+    limits = [m.max_positions for m in models if m.max_positions is not None]
+    passes = plan_passes(rows, batch, min(limits, default=None))
     n_workers = cpu_workers(backend.name, workers, len(passes))
     max_len = max((p.shape.seq_len if isinstance(p, _PrefixPass) else p.n_tok for p in passes), default=1)
     make = _scorer_factory(models, backend, max_len, keep=PROGRAMS_PER_WORKER)

@@ -79,7 +79,7 @@ class Generator:
             raise LlmtuneError(f"--ctx: must be positive, got {n_ctx}")
         if n_batch < 1:
             raise LlmtuneError(f"--batch: must be positive, got {n_batch}")
-        if n_ctx > hp.n_ctx_train and "position_embd.weight" in model.weights:
+        if model.max_positions is not None and n_ctx > model.max_positions:
             raise LlmtuneError(f"--ctx {n_ctx}: {model.path} has learned positions for {hp.n_ctx_train} tokens only")
         self.n_ctx, self.n_batch = int(n_ctx), int(n_batch)
         self.shape = CacheShape.of(hp, self.n_ctx)

@@ -44,6 +44,12 @@ class Model:
             self._tokenizer = Tokenizer.from_gguf(self.gguf)
         return self._tokenizer
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model can hold: its learned positions (gpt2's position_embd
+        rows), or None when positions are computed (rope) and only memory bounds the context."""
+        return self.hp.n_ctx_train if "position_embd.weight" in self.weights else None
+
     def n_params(self) -> int:
         """Parameters of the base model (adapters not counted)."""
         return sum(w.size for w in self.weights.values())
