@@ -180,11 +180,13 @@ def test_shared_prefixes_fit_learned_positions(tmp_path):
 
     model = load_model(family_check.make_model(family_check.load_fixture("gpt2"), tmp_path))
     assert model.max_positions == 256
-    rows = _grouped_rows(model.hp.n_vocab, [(200, 4)])
+    rows = _grouped_rows(model.hp.n_vocab, [(200, 4), (150, 2)])
     rows.append(Row(np.concatenate([rows[0].tokens[:200], np.arange(1, 57)]), np.arange(199, 255), np.arange(1, 57), group=0))
+    prefix = rows[4].tokens[:150]  # and a task of a shorter question with a longer answer
+    rows.append(Row(np.concatenate([prefix, np.arange(1, 101)]), np.arange(149, 249), np.arange(1, 101), group=1))
     alone = [Row(r.tokens, r.positions, r.targets) for r in rows]
-    shared = score_rows([model], rows, backend=get_backend("cpu"), workers=1)
-    single = score_rows([model], alone, backend=get_backend("cpu"), workers=1)
+    shared = score_rows([model], rows, backend=get_backend("cpu"), batch=4096, workers=1)  # both tasks fit a pass
+    single = score_rows([model], alone, backend=get_backend("cpu"), batch=4096, workers=1)
     assert shared.n_computed < single.n_computed
     for a, b in zip(shared.logprob, single.logprob):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)

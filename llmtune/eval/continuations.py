@@ -169,7 +169,9 @@ def _plan_prefix_passes(groups: list[_Group], batch_tokens: int, max_positions: 
     """Groups by trunk length, then branch length (rounded, so shapes repeat); every trunk gets as
     many branch rows as the largest group has rows (the missing ones are padding), so a pass's
     shape depends on its lengths and its number of groups only. max_positions: a model's learned
-    positions; a pass whose rounded lengths would pass them keeps its exact lengths."""
+    positions; a pass whose rounded lengths would pass them keeps its exact lengths, and if the
+    longest trunk and the longest branch of different groups still do, each group is its own pass
+    (then trunk + branch is a real sequence's length)."""
     if not groups:
         return []
     width = max(len(g.rows) for g in groups)
@@ -182,6 +184,9 @@ def _plan_prefix_passes(groups: list[_Group], batch_tokens: int, max_positions: 
         branch_len = max(_round_up(g.branch_max) for g in chunk)
         if max_positions is not None and trunk_len + branch_len > max_positions:
             trunk_len, branch_len = max(g.trunk for g in chunk), max(g.branch_max for g in chunk)
+            if trunk_len + branch_len > max_positions:
+                chunk = chunk[:1]
+                trunk_len, branch_len = chunk[0].trunk, chunk[0].branch_max
         passes.append(_PrefixPass(tuple(chunk), PrefixShape(len(chunk), trunk_len, len(chunk) * width, branch_len)))
         i += len(chunk)
     return passes
