@@ -304,8 +304,9 @@ def eval_cmd(
     with benchmark_progress(err) as on_progress:
         result = evaluate(model, file, kinds[0] if kinds else None, tasks=tasks, ctx=ctx, batch=batch, backend=backend,
                           kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
-    out.file.write(format_report(result, running=not summary) + "\n")  # raw: llama.cpp's lines hold tabs
-    out.file.flush()
+    if not out.quiet:  # under MPI rank 0 alone prints (dist.quiet_other_ranks)
+        out.file.write(format_report(result, running=not summary) + "\n")  # raw: llama.cpp's lines hold tabs
+        out.file.flush()
     if topics:
         if not result.topics:
             err.print(f"--topics: {file} names no topics (a JSONL \"topic\" field)", highlight=False)

@@ -248,6 +248,22 @@ def test_perplexity_splits_its_passes_across_ranks(tmp_path, stories_path, small
     assert two["chunks"] == pytest.approx(one.chunks, rel=1e-12) and two["ppl"] == pytest.approx(one.ppl, rel=1e-12)
 
 
+@needs_mpi
+def test_eval_splits_its_passes_across_ranks(tmp_path, stories_path):
+    """Shared-prefix passes split over two ranks: rank 0 alone prints, the same choices as one process."""
+    mmlu = Path(__file__).parent / "data" / "benchmarks" / "mmlu-20.jsonl"
+    args = [sys.executable, "-m", "llmtune", "eval", stories_path, mmlu, "--ctx", "256", "--batch", "256", "--summary",
+            "--json", tmp_path / "two.json"]
+    code, out, err, _ = mpirun(args, args)
+    assert code == 0 and out.count("Final result") == 1, out + err
+    from llmtune.eval.benchmarks import evaluate
+
+    one = evaluate(stories_path, mmlu, ctx=256, batch=256)
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert [t["choice"] for t in two["tasks"]] == [t.choice for t in one.tasks]
+    np.testing.assert_allclose([t["scores"] for t in two["tasks"]], [t.scores for t in one.tasks], rtol=1e-6)
+
+
 # ------------------------------------------------------------------------------ no MPI: launcher and install
 def test_launcher_detection():
     assert launched({}) is None
