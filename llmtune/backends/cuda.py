@@ -276,6 +276,30 @@ __device__ __forceinline__ void fa_load_row(real* dst, const real* src, int d) {
     __syncthreads();
 }
 
+// Query row `row` = (b * H + h) * T + t of the forward and of dq: its position t, first visible
+// key, offset in q / O / dO, and its KV head's keys and values (kstride apart per position).
+struct FaQueryRow {
+    int t, first;
+    long long qoff, kstride;
+    const real* kb;
+    const real* vb;
+};
+
+__device__ __forceinline__ FaQueryRow fa_query_row(long long row, const real* k, const real* v, int T, int H, int Hkv,
+                                                  int d, int window) {
+    FaQueryRow r;
+    r.t = (int)(row % T);
+    const int h = (int)((row / T) % H);
+    const long long b = row / ((long long)T * H);
+    r.first = fa_first(r.t, window);
+    r.kstride = (long long)Hkv * d;
+    r.qoff = ((b * T + r.t) * H + h) * d;
+    const long long kv = b * T * r.kstride + (long long)(h / (H / Hkv)) * d;
+    r.kb = k + kv;
+    r.vb = v + kv;
+    return r;
+}
+
 // O and the row logsumexp: each thread keeps an online max/sum over its keys, the block merges
 // them into lse, then keys are walked in chunks of FA_THREADS: p = exp(s - lse) into shared
 // memory, and thread c accumulates sum_j p_j v_j[c] for its columns.
@@ -286,13 +310,11 @@ extern "C" __global__ void flash_attn_fwd(const real* __restrict__ q, const real
     __shared__ real qs[FA_MAX_D];
     __shared__ real ps[FA_THREADS];
     const long long row = blockIdx.x;
-    const int t = (int)(row % T), h = (int)((row / T) % H);
-    const long long b = row / ((long long)T * H);
-    const int hk = h / (H / Hkv), first = fa_first(t, window);
-    const long long kstride = (long long)Hkv * d;
-    const real* kb = k + b * T * kstride + (long long)hk * d;
-    const real* vb = v + b * T * kstride + (long long)hk * d;
-    fa_load_row(qs, q + ((b * T + t) * H + h) * d, d);
+    const FaQueryRow r = fa_query_row(row, k, v, T, H, Hkv, d, window);
+    const int t = r.t, first = r.first;
+    const long long kstride = r.kstride;
+    const real *kb = r.kb, *vb = r.vb;
+    fa_load_row(qs, q + r.qoff, d);
     real m = NEG_INF, l = 0;
     for (int j = first + threadIdx.x; j <= t; j += blockDim.x) {
         const real s = fa_score(qs, kb + j * kstride, d, scale, softcap);
@@ -314,7 +336,7 @@ extern "C" __global__ void flash_attn_fwd(const real* __restrict__ q, const real
             for (int jj = 0; jj < n; ++jj) acc[i] += ps[jj] * vb[(j0 + jj) * kstride + c];
         __syncthreads();
     }
-    real* orow = out + ((b * T + t) * H + h) * d;
+    real* orow = out + r.qoff;
     for (int c = threadIdx.x, i = 0; c < d; c += blockDim.x, ++i) orow[c] = acc[i];
     if (threadIdx.x == 0) lse[row] = row_lse;
 }
@@ -331,12 +353,10 @@ extern "C" __global__ void flash_attn_back_q(const real* __restrict__ q, const r
     __shared__ real gs[FA_MAX_D];
     __shared__ real ds[FA_THREADS];
     const long long row = blockIdx.x;
-    const int t = (int)(row % T), h = (int)((row / T) % H);
-    const long long b = row / ((long long)T * H);
-    const int hk = h / (H / Hkv), first = fa_first(t, window);
-    const long long kstride = (long long)Hkv * d, qoff = ((b * T + t) * H + h) * d;
-    const real* kb = k + b * T * kstride + (long long)hk * d;
-    const real* vb = v + b * T * kstride + (long long)hk * d;
+    const FaQueryRow r = fa_query_row(row, k, v, T, H, Hkv, d, window);
+    const int t = r.t, first = r.first;
+    const long long kstride = r.kstride, qoff = r.qoff;
+    const real *kb = r.kb, *vb = r.vb;
     fa_load_row(qs, q + qoff, d);
     fa_load_row(gs, g + qoff, d);
     real dot = 0;
