@@ -208,16 +208,13 @@ class Tokenizer:
                 if flags.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", SPACE_ESCAPE)
-                if max_tokens is not None:
-                    out.extend(self._encoder.encode(frag, limit=max_tokens - len(out)))
-                    if len(out) >= max_tokens:
-                        return out
-                    prev_special = False
-                    continue
             elif flags.escape_whitespaces:
                 frag = frag.replace(" ", SPACE_ESCAPE)
-            out.extend(self._encoder.encode(frag))
+            cut = max_tokens is not None and self.kind == "spm"  # SPM chunks never merge across: stop early
+            out.extend(self._encoder.encode(frag, limit=max_tokens - len(out)) if cut else self._encoder.encode(frag))
             prev_special = False
+            if cut and len(out) >= max_tokens:
+                return out  # the whole text's first ids; no EOS after a cut
         if add_special and wpm:
             out.append(self._special["sep"])
         elif add_special and flags.add_eos:
