@@ -221,10 +221,14 @@ def _prefix_pass(rows: list[Row], p: _PrefixPass):
             picks[j] = (np.zeros(rows[j].positions.size, np.int64), b * s.branch_len + rows[j].positions - g.trunk)
     tokens = np.concatenate([trunks.reshape(-1), branches.reshape(-1)])
     trunk_lens = np.array([g.trunk for g in p.groups])
+    inputs: dict = {}  # by sliding window: a base model of the same kind reuses the model's masks
 
     def logits(scorer):
-        inputs = prefix_inputs(scorer.model.hp, s, trunk_lens, trunk_of)
-        return scorer.prefix_logits(tokens, s, inputs)[None]
+        hp = scorer.model.hp
+        key = hp.sliding_window if hp.has_swa else 0
+        if key not in inputs:
+            inputs[key] = prefix_inputs(hp, s, trunk_lens, trunk_of)
+        return scorer.prefix_logits(tokens, s, inputs[key])[None]
 
     return [picks[j] for j in p.rows], logits
 

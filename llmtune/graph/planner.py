@@ -182,9 +182,7 @@ def _sinks_early(order: list[Node], sinks: set, outputs: list[Node]) -> list[Nod
 
     leaves_only = {n.id for n in order if pending.get(n.id) == 0}  # nothing else releases these
     for n in order:
-        if n.id not in sink_only:
-            emit(n)
-        elif n.id in leaves_only:
+        if n.id not in sink_only or n.id in leaves_only:
             emit(n)
     return out
 
