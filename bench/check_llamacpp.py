@@ -49,13 +49,14 @@ def llama_ppl(bin_dir: Path, model: Path, text: Path, ctx: int, batch: int, chun
     cmd = [str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(batch), "-t", "2"]
     if chunks:
         cmd += ["--chunks", str(chunks)]
-    t = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    m = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
-    if not m:
-        raise RuntimeError(f"llama-perplexity failed on {model}:\n{(done.stdout + done.stderr)[-2000:]}")
-    return float(m.group(1)), wall
+    for _ in range(3):  # llama.cpp's asynchronous logger can drop the last lines at exit: run again
+        t = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        m = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+        if m:
+            return float(m.group(1)), wall
+    raise RuntimeError(f"llama-perplexity failed on {model}:\n{(done.stdout + done.stderr)[-2000:]}")
 
 
 def llama_tokens_per_s(bin_dir, model, text, ctx, chunks) -> float:
