@@ -1,7 +1,7 @@
 """llmtune: finetune and evaluate GGUF language models.
 
 Library entry points (the CLI calls the same functions):
-    llmtune.finetune(...)    -> llmtune.train.finetune.finetune
+    llmtune.finetune(...)    -> llmtune.workflows.finetune (train/finetune.py with eval's training hooks)
     llmtune.perplexity(...)  -> llmtune.eval.perplexity.perplexity
     llmtune.evaluate(...)    -> llmtune.eval.benchmarks.evaluate (HellaSwag, Winogrande, MMLU...)
     llmtune.export(...)      -> llmtune.convert.export.export
@@ -11,7 +11,7 @@ Library entry points (the CLI calls the same functions):
 __version__ = "0.1.0"
 
 _LAZY = {
-    "finetune": ("llmtune.train.finetune", "finetune"),
+    "finetune": ("llmtune.workflows", "finetune"),
     "perplexity": ("llmtune.eval.perplexity", "perplexity"),
     "evaluate": ("llmtune.eval.benchmarks", "evaluate"),
     "export": ("llmtune.convert.export", "export"),

@@ -80,59 +80,63 @@ def tokenize_cmd(
     sys.stdout.flush()
 
 
-# --- finetune (llmtune/train/finetune.py) ---
+# --- finetune (llmtune/train/finetune.py; every setting is declared once, in train/config.py) ---
 def _finetune_default(name: str, unset: str = "") -> str:
-    """' [default: X]' for a finetune flag, X read from FinetuneConfig so --help cannot drift from
-    the library; `unset` words a default that is a rule (None or 0 meaning 'derive it')."""
-    from llmtune.train.config import FIELDS
+    """' [default: X]' for a finetune setting, X read from FinetuneConfig so --help cannot drift from it."""
+    from llmtune.train.config import default_words
 
-    value = FIELDS[name].default
-    if unset and not value:
-        return f" \\[default: {unset}]"
-    if isinstance(value, float):  # 1e-05 -> 1e-5, 0.0 -> 0, as one writes them on the command line
-        mantissa, _, exponent = f"{value:g}".partition("e")
-        value = mantissa + (f"e{int(exponent)}" if exponent else "")
-    return f" \\[default: {value}]"
+    words = default_words(name)
+    return f" \\[default: {words}]" if words is not None else ""
 
 
-@app.command()
+def _setting_options() -> list:
+    """The Typer options of every FinetuneConfig setting, from its declaration (train/config.py
+    `setting`): flag, short flag, metavar, help with its default. Booleans are switches that only
+    ever set the non-default value (--no-shuffle, --grad-checkpoint)."""
+    import dataclasses
+    import inspect
+
+    from llmtune.train.config import FinetuneConfig, flag_name
+
+    params = []
+    for f in dataclasses.fields(FinetuneConfig):
+        meta, names = f.metadata, [flag_name(f.name)] + ([f.metadata["short"]] if f.metadata.get("short") else [])
+        if f.type == "bool":
+            option, annotation = typer.Option(False, *names, help=meta["help"]), bool
+        else:
+            kind = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(f.type, str)
+            option = typer.Option(None, *names, metavar=meta.get("metavar"), show_default=False,
+                                  help=meta["help"] + _finetune_default(f.name))
+            annotation = Optional[kind]
+        params.append(inspect.Parameter("opt_" + f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=annotation))
+    return params
+
+
+def _settings_given(options: dict) -> dict:
+    """The settings named on the command line (None: not given, so the config file or default holds)."""
+    import dataclasses
+
+    from llmtune.train.config import FinetuneConfig
+
+    settings = {}
+    for f in dataclasses.fields(FinetuneConfig):
+        value = options["opt_" + f.name]
+        if f.type == "bool":  # a switch names the value that is not the default
+            value = (not f.default) if value else None
+        elif value is not None and f.metadata.get("path"):
+            value = str(value)
+        settings[f.name] = value
+    return settings
+
+
 def finetune(
     model: Path = ModelArg,
     data: Path = typer.Argument(..., help="Training data: a plain UTF-8 file (tokenized whole), or .jsonl with per line {\"text\"}, {\"prompt\", \"completion\"} or {\"messages\": [{\"role\", \"content\"}, ...]}.", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained GGUF (never the input).", show_default=False),
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of these settings (flags override it)."),
-    ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Tokens per training sequence (n_ctx)." + _finetune_default("ctx"), show_default=False),
-    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per optimizer step, a multiple of --ctx." + _finetune_default("batch", unset="ctx"), show_default=False),
-    ubatch: Optional[int] = typer.Option(None, "--ubatch", help="Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades memory for speed, never the result." + _finetune_default("ubatch", unset="batch"), show_default=False),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training windows." + _finetune_default("epochs"), show_default=False),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate." + _finetune_default("lr"), show_default=False),
-    lr_min: Optional[float] = typer.Option(None, "--lr-min", help="Decay the learning rate (halving steadily) down to this value." + _finetune_default("lr_min", unset="off"), show_default=False),
-    decay_epochs: Optional[float] = typer.Option(None, "--decay-epochs", help="Epochs over which --lr decays to --lr-min." + _finetune_default("decay_epochs", unset="all"), show_default=False),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Linear warmup over this many optimizer steps." + _finetune_default("warmup"), show_default=False),
-    wd: Optional[float] = typer.Option(None, "--wd", help="Decoupled weight decay." + _finetune_default("wd"), show_default=False),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw or sgd." + _finetune_default("optimizer"), show_default=False),
-    val_split: Optional[float] = typer.Option(None, "--val-split", help="Fraction of windows (the last ones) held out for validation." + _finetune_default("val_split"), show_default=False),
-    params: Optional[str] = typer.Option(None, "--params", help="Regex over GGUF tensor names choosing what trains, e.g. 'attn_(q|v)'." + _finetune_default("params", unset="all"), show_default=False),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Shuffling seed; same seed, same output file." + _finetune_default("seed"), show_default=False),
-    no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Keep the training windows in file order."),
-    metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON record per step and per validation pass here.", show_default=False),
-    backend: Optional[str] = typer.Option(None, "--backend", help="cpu, cuda or auto." + _finetune_default("backend"), show_default=False),
-    precision: Optional[str] = typer.Option(None, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights)." + _finetune_default("precision"), show_default=False),
-    grad_checkpoint: bool = typer.Option(False, "--grad-checkpoint", help="Keep only the residual stream between layers and recompute each layer's activations in the backward: less memory (long contexts), about a third more compute; the same gradients."),
-    lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Train a LoRA adapter of this rank on the frozen model; -o then receives llama.cpp's adapter GGUF (use it with --lora).", show_default=False),
-    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha: the adapter is scaled by alpha / rank." + _finetune_default("lora_alpha", unset="the rank"), show_default=False),
-    lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="Regex over GGUF tensor names choosing the adapted matrices, e.g. 'attn_(q|v)'." + _finetune_default("lora_targets", unset="attention q/k/v/output and FFN matrices"), show_default=False),
-    lora_dropout: Optional[float] = typer.Option(None, "--lora-dropout", help="Dropout on the adapters' inputs while training (as PEFT)." + _finetune_default("lora_dropout"), show_default=False),
-    lora_init: Optional[Path] = typer.Option(None, "--lora-init", help="Continue training this adapter GGUF (llmtune's or convert_lora_to_gguf.py's); it fixes rank and targets.", show_default=False),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Also write a checkpoint every N optimizer steps (one is written at every epoch end, and on Ctrl-C / SIGTERM)." + _finetune_default("checkpoint_every", unset="epoch ends only"), show_default=False),
-    keep_checkpoints: Optional[int] = typer.Option(None, "--keep-checkpoints", help="Keep this run's last K checkpoints, also once the model is written. \\[default: the last one while training, none after]", show_default=False),
-    eval_benchmark: Optional[Path] = typer.Option(None, "--eval-benchmark", help="Benchmark file (any format of llmtune eval: HellaSwag, Winogrande CSV, multiple choice) scored before training and after each epoch, so the summary shows whether the finetune helps.", show_default=False),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run saved in this checkpoint (OUT.ckpt-STEP.npz) with its own settings; the result is byte-identical to an uninterrupted run.", show_default=False),
-    data_format: Optional[str] = typer.Option(None, "--format", help="Data format: auto (from the file's first record), plain, text, completion or chat." + _finetune_default("format"), show_default=False),
-    chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template rendering chat data, instead of the model's tokenizer.chat_template.", show_default=False),
-    train_on_prompt: bool = typer.Option(False, "--train-on-prompt", help="Completion / chat data: every token carries loss, not only the completion and assistant turns."),
-    sample_prompt: Optional[str] = typer.Option(None, "--sample-prompt", help="After each epoch print a short greedy continuation of this prompt (chat data: as a user turn), to watch the model change.", show_default=False),
-    sample_every: Optional[int] = typer.Option(None, "--sample-every", help="Print the --sample-prompt continuation every N optimizer steps instead.", show_default=False),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of these settings (flags override it).", metavar="FILE"),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run saved in this checkpoint (OUT.ckpt-STEP.npz) with its own settings; the result is byte-identical to an uninterrupted run.", show_default=False, metavar="FILE"),
+    **options,
 ):
     """Train a GGUF model on your text and write a GGUF that llama.cpp loads unchanged.
 
@@ -152,21 +156,26 @@ def finetune(
 
     Exit status: 0 done, 2 bad input, 3 training diverged (no model written), 130 / 143 stopped by Ctrl-C / SIGTERM.
     """
-    from llmtune.train.finetune import finetune as run_finetune
     from llmtune.ui.finetune import FinetuneReporter
+    from llmtune.workflows import finetune as run_finetune
 
-    settings = dict(ctx=ctx, batch=batch, ubatch=ubatch, epochs=epochs, lr=lr, lr_min=lr_min,
-                    decay_epochs=decay_epochs, warmup=warmup, wd=wd, optimizer=optimizer, val_split=val_split,
-                    params=params, seed=seed, shuffle=False if no_shuffle else None,
-                    metrics=str(metrics) if metrics else None, backend=backend, precision=precision,
-                    grad_checkpoint=grad_checkpoint or None,
-                    lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
-                    lora_init=str(lora_init) if lora_init else None, checkpoint_every=checkpoint_every,
-                    keep_checkpoints=keep_checkpoints, eval_benchmark=str(eval_benchmark) if eval_benchmark else None,
-                    format=data_format, chat_template=str(chat_template) if chat_template else None,
-                    train_on_prompt=train_on_prompt or None, sample_prompt=sample_prompt, sample_every=sample_every)
     with FinetuneReporter(out, err) as reporter:
-        run_finetune(model, data, output, config_file=config, callback=reporter, resume=resume, **settings)
+        run_finetune(model, data, output, config_file=config, callback=reporter, resume=resume, **_settings_given(options))
+
+
+def _with_setting_options(command):
+    """`command`'s signature with the finetune settings' options appended (Typer reads it)."""
+    import inspect
+
+    sig = inspect.signature(command)
+    fixed = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in fixed] + _setting_options()
+    command.__signature__ = sig.replace(parameters=params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
+
+
+app.command()(_with_setting_options(finetune))
 
 
 # --- init (llmtune/convert/init.py) ---

@@ -205,7 +205,7 @@ def test_resume_from_the_final_checkpoint_only_writes_the_model(stories_path, te
     assert step == 2 * reference["steps"] and ckpts.read_meta(last)["epoch"] == EPOCHS
     out.unlink()
     events = []
-    res = llmtune.finetune(stories_path, text, out, resume=last, callback=lambda e, i: events.append(e))
+    res = llmtune.finetune(stories_path, text, out, resume=last, callback=lambda e: events.append(e.kind))
     assert "step" not in events and sha256(out) == reference["full"]
     assert [e.epoch for e in res.epochs] == [1, 2]  # the finished epochs' results come back
 
@@ -214,7 +214,7 @@ def test_keep_checkpoints(stories_path, text, tmp_path):
     out = tmp_path / "run.gguf"
     seen = []
     llmtune.finetune(stories_path, text, out, checkpoint_every=4, keep_checkpoints=2, epochs=1,
-                     callback=lambda e, i: seen.append(i["step"]) if e == "checkpoint" else None,
+                     callback=lambda e: seen.append(e.step) if e.kind == "checkpoint" else None,
                      **{k: v for k, v in SETTINGS.items() if k != "epochs"})
     steps = [s for s, _ in ckpts.checkpoints_of(out)]
     assert len(seen) > 3 and steps == seen[-2:]
@@ -261,7 +261,7 @@ def test_stale_temp_files_are_reported_not_deleted(stories_path, text, tmp_path)
     old = ckpts.checkpoint_path(out, 999)
     old.write_bytes(b"someone's checkpoint")
     warnings = []
-    llmtune.finetune(stories_path, text, out, callback=lambda e, i: warnings.append(i["message"]) if e == "warning" else None,
+    llmtune.finetune(stories_path, text, out, callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None,
                      **{**SETTINGS, "epochs": 1})
     for p in stale:
         assert p.exists() and any(str(p) in w and "interrupted run" in w for w in warnings), warnings
@@ -320,9 +320,9 @@ def test_huge_finite_logits_give_an_infinite_perplexity(stories_path, text, tmp_
 
 
 def test_loss_spike_warns():
-    from llmtune.train.finetune import _LossWatch
+    from llmtune.train.metrics import LossWatch
 
-    watch = _LossWatch()
+    watch = LossWatch()
     messages = [watch.check(x) for x in [2.0, 2.1, 1.9, 2.0, 2.05, 2.0, 9.0, 9.5, 2.0, 30.0]]
     assert [i for i, m in enumerate(messages) if m] == [6, 9]
     assert "9.0000 is 4.5 x its running average 2.0083" in messages[6]
@@ -337,14 +337,14 @@ def test_disk_space_is_checked_before_the_first_step(stories_path, text, tmp_pat
     monkeypatch.setattr(resources, "free_disk", lambda folder: 10_000)
     events = []
     with pytest.raises(LlmtuneError, match=r"the output \(1\.1 MiB\) and 2 checkpoints .* MiB is free"):
-        llmtune.finetune(stories_path, text, tmp_path / "o.gguf", callback=lambda e, i: events.append(e), **SETTINGS)
+        llmtune.finetune(stories_path, text, tmp_path / "o.gguf", callback=lambda e: events.append(e.kind), **SETTINGS)
     assert "step" not in events and not (tmp_path / "o.gguf").exists()
 
 
 def test_a_failing_metrics_file_never_costs_the_model(stories_path, text, tmp_path, monkeypatch):
     import builtins
 
-    import llmtune.train.finetune as ft
+    import llmtune.train.metrics as ft
 
     class Full:
         def __init__(self):
@@ -370,7 +370,7 @@ def test_a_failing_metrics_file_never_costs_the_model(stories_path, text, tmp_pa
     warnings = []
     out = tmp_path / "o.gguf"
     llmtune.finetune(stories_path, text, out, metrics=str(tmp_path / "m.jsonl"), **{**SETTINGS, "epochs": 1},
-                     callback=lambda e, i: warnings.append(i["message"]) if e == "warning" else None)
+                     callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None)
     assert out.exists()
     assert len(warnings) == 1 and "--metrics" in warnings[0] and "No space left on device" in warnings[0]
 
@@ -410,7 +410,7 @@ def test_ctx_beyond_the_training_context_warns(stories_path, text, tmp_path, mon
     short = tmp_path / "short.gguf"
     short.write_bytes(with_kv(parse(STORIES.read_bytes()), "llama.context_length", VT.UINT32, 8))
     warnings = []
-    llmtune.finetune(short, text, tmp_path / "o.gguf", callback=lambda e, i: warnings.append(i["message"]) if e == "warning" else None,
+    llmtune.finetune(short, text, tmp_path / "o.gguf", callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None,
                      **{**SETTINGS, "epochs": 1})
     assert any("--ctx 16 is more than the 8 tokens" in w for w in warnings), warnings
     code, out, err = run_cli(monkeypatch, capsys, "perplexity", short, text, "--ctx", "16", "--chunks", "1")

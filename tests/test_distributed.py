@@ -149,7 +149,7 @@ def test_checkpoints_resume_on_another_number_of_ranks(two_rank_run, one_process
     alone = tmp_path / "alone.gguf"
     warnings = []
     single_process(stories_path, small_text, alone, resume=d / "two.gguf.ckpt-000014.npz",
-                   callback=lambda e, i: warnings.append(i["message"]) if e == "warning" else None)
+                   callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None)
     assert_same_weights(d / "two.gguf", alone)
     assert any("x 2 rank(s)" in w and "x 1" in w for w in warnings), warnings
     # 1 process -> 2 ranks: the single-process run's checkpoint continued by mpirun -n 2

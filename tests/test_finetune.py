@@ -154,7 +154,7 @@ def test_help_shows_the_config_defaults(monkeypatch):
     assert [_finetune_default(n) for n in ("ctx", "lr", "wd", "val_split", "optimizer")] == [
         " \\[default: 512]", " \\[default: 1e-5]", " \\[default: 0]", " \\[default: 0.05]", " \\[default: adamw]"]
     assert _finetune_default("batch", unset="ctx") == " \\[default: ctx]"
-    monkeypatch.setitem(config.FIELDS, "lr_min", type("F", (), {"default": 2.5e-6})())
+    monkeypatch.setitem(config.FIELDS, "lr_min", type("F", (), {"default": 2.5e-6, "metadata": {"unset": "off"}})())
     assert _finetune_default("lr_min", unset="off") == " \\[default: 2.5e-6]"
 
 
@@ -192,9 +192,9 @@ def test_jsonl_documents(stories_path, tmp_path):
 
 
 def test_memory_refusal(stories_path, small_text, tmp_path, monkeypatch):
-    import llmtune.train.finetune as ft
+    import llmtune.train.preflight as preflight
 
-    monkeypatch.setattr(ft, "available_memory", lambda backend: 1000)
+    monkeypatch.setattr(preflight, "available_memory", lambda backend: 1000)
     with pytest.raises(LlmtuneError, match="MiB is available"):
         llmtune.finetune(stories_path, small_text, tmp_path / "m.gguf", ctx=64, epochs=1)
     assert not (tmp_path / "m.gguf").exists()

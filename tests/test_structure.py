@@ -82,6 +82,57 @@ def test_top_level_folders_are_one_concern_each():
             assert not any(e.startswith(("llmtune.arch", "llmtune.model", "llmtune.train")) for e in edges), name
         if name.startswith(("llmtune.train", "llmtune.eval", "llmtune.convert", "llmtune.model", "llmtune.arch")):
             assert not any(e.startswith("llmtune.ui") or e == "llmtune.cli" for e in edges), name
+        if name.startswith("llmtune.train"):  # evaluation during training comes in as hooks (llmtune/workflows.py)
+            assert not any(e.startswith("llmtune.eval") for e in edges), (name, sorted(edges))
+
+
+@pytest.fixture()
+def small_text(tmp_path, wiki100k_path):
+    path = tmp_path / "small.txt"
+    path.write_text(wiki100k_path.read_text()[:3000])
+    return path
+
+
+def test_training_hooks_run_at_their_points(stories_path, small_text, tmp_path):
+    """A hook handed to the loop is called at each of its points, in order, with the loop's own
+    events and results (what --sample-prompt and --eval-benchmark are built on)."""
+    from llmtune.train.finetune import finetune
+    from llmtune.train.loop import Hook
+
+    calls = []
+
+    class Recorder(Hook):
+        def before_training(self, run):
+            calls.append(("before", run.step))
+
+        def on_step(self, run, step):
+            calls.append(("step", step.global_step))
+
+        def on_eval(self, run, result):
+            result.bench_accuracy = 0.5  # a hook may fill the epoch's scores before they are recorded
+            calls.append(("eval", result.epoch))
+
+        def on_epoch(self, run, result):
+            calls.append(("epoch", result.epoch))
+
+        def on_stop(self, run, reason):
+            calls.append(("stop", reason))
+
+    res = finetune(stories_path, small_text, tmp_path / "o.gguf", ctx=64, batch=256, epochs=2, lr=1e-3,
+                   hooks=lambda cfg, model: [Recorder()])
+    steps = [c for c in calls if c[0] == "step"]
+    n = len(steps) // 2
+    assert calls[0] == ("before", 0) and calls[-1] == ("stop", "done") and n > 0
+    assert calls[1 : n + 3] == [("step", i) for i in range(1, n + 1)] + [("eval", 1), ("epoch", 1)]
+    assert [e.bench_accuracy for e in res.epochs] == [0.5, 0.5]
+
+
+def test_sample_prompt_needs_the_workflow_hooks(stories_path, small_text, tmp_path):
+    from llmtune.errors import LlmtuneError
+    from llmtune.train.finetune import finetune
+
+    with pytest.raises(LlmtuneError, match="^--sample-prompt: needs eval's training hooks"):
+        finetune(stories_path, small_text, tmp_path / "o.gguf", ctx=64, epochs=1, sample_prompt="Once")
 
 
 # ------------------------------------------------------------------------------ a new family in one module

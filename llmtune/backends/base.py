@@ -42,6 +42,11 @@ class Backend:
     def synchronize(self) -> None:
         pass
 
+    def host_resident_bytes(self) -> int | None:
+        """Bytes this process holds where the backend keeps its tensors, when that memory is the
+        process's own (the cpu: its resident set); None for a device with memory of its own."""
+        return None
+
     # -- execution -----------------------------------------------------------------------
     def accumulate(self, dst: Any, src: Any) -> None:
         """dst += src (gradient accumulation into parameter-gradient buffers)."""

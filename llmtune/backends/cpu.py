@@ -791,6 +791,11 @@ class CPUBackend(Backend):
     def to_numpy(self, arr):
         return np.asarray(arr)
 
+    def host_resident_bytes(self):
+        from llmtune.resources import process_rss
+
+        return process_rss()
+
     def zeros(self, shape, dtype=None):
         return np.zeros(shape, dtype=dtype or self.dtype)
 

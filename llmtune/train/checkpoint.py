@@ -24,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
+import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,3 +142,103 @@ def check_fingerprint(ckpt: Checkpoint, now: dict[str, str], names: dict[str, st
                 f"{flag} {ckpt.path}: {what} differs from the one the checkpoint was trained on "
                 f"(sha256 {str(saved.get(key))[:12]} then, {str(now.get(key))[:12]} now)"
             )
+
+
+# ---------------------------------------------------------------------- a run's checkpoints
+# `run` below is a train/loop.py Run: its position, trainer and result are what a checkpoint holds.
+
+def run_fingerprint(run) -> dict:
+    """sha256 of the run's inputs and of its weight-shaping settings (computed once, when first needed)."""
+    if run.fingerprint_cache is None:
+        fp = {key: file_sha256(path) for key, path in run.inputs.items()}
+        run.fingerprint_cache = {**fp, "settings": settings_sha256(run.cfg)}
+    return run.fingerprint_cache
+
+
+def save_checkpoint(run) -> Path | None:
+    """Write the run's position atomically and drop its older checkpoints beyond
+    --keep-checkpoints. A failed write warns and training goes on (the last one stays)."""
+    from llmtune.train.events import Checkpoint as CheckpointEvent
+
+    tr, res = run.trainer, run.result
+    tr.check_finite(run.step)  # never a NaN checkpoint: the step that did this stops the run
+    if not tr.comm.is_root:  # rank 0 alone writes checkpoints (every rank holds the same state)
+        return None
+    meta = {
+        "step": run.step, "epoch": run.epoch, "epoch_step": run.epoch_step, "steps_per_epoch": run.steps_per_epoch,
+        "config": dataclasses.asdict(run.cfg), "fingerprint": run_fingerprint(run), "run_id": run.run_id,
+        "inputs": {k: str(v) for k, v in run.inputs.items()}, "output": str(res.output),
+        "trainable": tr.trainable, "n_trainable": tr.n_trainable, "workers": tr.n_workers, "ranks": tr.comm.size,
+        "backend": tr.backend.name, "optimizer": {"kind": tr.optimizer.kind, "t": tr.optimizer.t},
+        "rng": {"order": "numpy default_rng([seed, epoch])", "dropout": "(seed, step)", "seed": run.cfg.seed},
+        "stats": {"losses": run.stats.losses, "correct": run.stats.correct, "tokens": run.stats.tokens},
+        "first_loss": res.first_loss, "epochs": [dataclasses.asdict(e) for e in res.epochs],
+        "metrics_lines": run.log.lines,
+    }
+    order = np.zeros(0, np.int64) if run.order is None else np.asarray(run.order, dtype=np.int64)
+    path = checkpoint_path(res.output, run.step)
+    try:
+        write_checkpoint(path, {**tr.state_arrays(), "order": order}, meta)
+    except LlmtuneError as exc:
+        run.warn(f"{exc}; training goes on" + (f" (the last checkpoint is {run.last_checkpoint})" if run.last_checkpoint else ""))
+        return None
+    run.last_checkpoint = path
+    remove_checkpoints(run, keep=run.cfg.keep_checkpoints or 1)
+    run.emit(CheckpointEvent(str(path), run.step, run.where()))
+    return path
+
+
+def _lineage(run) -> list[Path]:
+    """The run's checkpoints beside its output (same run id), oldest first."""
+    mine = []
+    for _, path in checkpoints_of(run.result.output):
+        try:
+            if read_meta(path).get("run_id") == run.run_id:
+                mine.append(path)
+        except Exception:  # noqa: BLE001 - someone else's or a damaged file: not ours to touch
+            continue
+    return mine
+
+
+def remove_checkpoints(run, keep: int = 0) -> None:
+    """All but the run's last `keep` checkpoints go."""
+    mine = _lineage(run)
+    for path in mine[: max(len(mine) - keep, 0)]:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def restore(run, ckpt: Checkpoint) -> None:
+    """Continue `run` from `ckpt` after checking it belongs to the run's inputs and settings."""
+    from llmtune.train.events import EpochResult, Resumed
+    from llmtune.train.trainer import RunningStats
+
+    meta, where = ckpt.meta, f"--resume {ckpt.path}"
+    names = {"model": f"the model {run.inputs['model']}", "data": f"the data {run.inputs['data']}",
+             "lora_init": f"--lora-init {run.inputs.get('lora_init')}", "settings": "the run's settings"}
+    check_fingerprint(ckpt, run_fingerprint(run), names)
+    if meta["trainable"] != run.trainer.trainable or meta["steps_per_epoch"] != run.steps_per_epoch:
+        raise LlmtuneError(f"{where}: the checkpoint trains other tensors or steps than this run")
+    order = ckpt.arrays["order"]
+    if meta["epoch"] < run.cfg.epochs and sorted(order.tolist()) != list(range(run.dataset.n_train)):
+        raise LlmtuneError(f"{where}: damaged checkpoint (its window order does not fit the data)")
+    try:
+        run.trainer.load_state(ckpt.arrays, meta["step"])
+    except LlmtuneError as exc:
+        raise LlmtuneError(f"{where}: {exc}") from None
+    run.step, run.epoch, run.epoch_step = meta["step"], meta["epoch"], meta["epoch_step"]
+    run.order = order.astype(np.int64) if meta["epoch"] < run.cfg.epochs else None
+    st = meta.get("stats") or {}
+    run.stats = RunningStats(list(st.get("losses", [])), int(st.get("correct", 0)), int(st.get("tokens", 0)))
+    run.result.first_loss = meta.get("first_loss", math.nan)
+    run.result.epochs = [EpochResult(**e) for e in meta.get("epochs", [])]
+    run.run_id, run.last_checkpoint = meta.get("run_id") or uuid.uuid4().hex, ckpt.path
+    tr = run.trainer
+    ranks, now = meta.get("ranks", 1), tr.comm.size  # a checkpoint resumes on any number of ranks
+    if meta.get("workers") != tr.n_workers or meta.get("backend") != tr.backend.name or ranks != now:
+        run.warn(f"{where}: written on {meta.get('backend')} with {meta.get('workers')} worker(s) x {ranks} rank(s), "
+                 f"continued on {tr.backend.name} with {tr.n_workers} x {now}: the result "
+                 f"may differ from an uninterrupted run in float rounding")
+    run.emit(Resumed(str(ckpt.path), run.step, run.where()))

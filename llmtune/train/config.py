@@ -11,42 +11,76 @@ from llmtune.errors import LlmtuneError
 from llmtune.tomlfile import read_toml
 
 
+def setting(default, help: str, *, short: Optional[str] = None, metavar: Optional[str] = None,
+            unset: Optional[str] = None, flag: Optional[str] = None, path: bool = False):
+    """One finetune setting, declared once: the FinetuneConfig field (its default), the TOML key
+    (the field's name, `-` or `_`), and the command-line option (--name, or `flag`; its short
+    form, metavar and help; `unset` words a default that is a rule, as "ctx" for --batch; `path`:
+    a file name, given to the library as a string)."""
+    meta = {"help": help, "short": short, "metavar": metavar, "unset": unset, "flag": flag, "path": path}
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclass
 class FinetuneConfig:
-    ctx: int = 512  # tokens per training sequence (n_ctx)
-    batch: Optional[int] = None  # tokens per optimizer step (n_batch); default: ctx
-    ubatch: Optional[int] = None  # tokens per forward/backward pass (n_ubatch); default: batch
-    epochs: int = 2
-    lr: float = 1e-5
-    lr_min: float = 0.0  # > 0: half-life decay from lr to lr_min over decay_epochs
-    decay_epochs: float = 0.0  # 0: decay over all epochs
-    warmup: int = 0  # linear warmup steps
-    wd: float = 0.0  # decoupled weight decay
-    optimizer: str = "adamw"  # adamw | sgd
-    val_split: float = 0.05  # fraction of windows (the last ones) held out for validation
-    params: Optional[str] = None  # regex over GGUF tensor names; None = all
-    seed: int = 42
-    shuffle: bool = True
-    backend: str = "cpu"  # cpu | cuda | auto
-    precision: str = "f32"  # matmul precision: f32, or on cuda tf32 / bf16 (f32 master weights)
-    grad_checkpoint: bool = False  # recompute each layer's activations in the backward instead of keeping them
-    metrics: Optional[str] = None  # JSONL path: one record per step and per validation pass
+    ctx: int = setting(512, "Tokens per training sequence (n_ctx).", short="-c", metavar="N")
+    batch: Optional[int] = setting(None, "Tokens per optimizer step, a multiple of --ctx.", short="-b", metavar="N",
+                                   unset="ctx")
+    ubatch: Optional[int] = setting(None, "Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades "
+                                          "memory for speed, never the result.", metavar="N", unset="batch")
+    epochs: int = setting(2, "Passes over the training windows.", metavar="N")
+    lr: float = setting(1e-5, "Learning rate.", metavar="X")
+    lr_min: float = setting(0.0, "Decay the learning rate (halving steadily) down to this value.", metavar="X", unset="off")
+    decay_epochs: float = setting(0.0, "Epochs over which --lr decays to --lr-min.", metavar="X", unset="all")
+    warmup: int = setting(0, "Linear warmup over this many optimizer steps.", metavar="N")
+    wd: float = setting(0.0, "Decoupled weight decay.", metavar="X")
+    optimizer: str = setting("adamw", "adamw or sgd.", metavar="NAME")
+    val_split: float = setting(0.05, "Fraction of windows (the last ones) held out for validation.", metavar="X")
+    params: Optional[str] = setting(None, "Regex over GGUF tensor names choosing what trains, e.g. 'attn_(q|v)'.",
+                                    metavar="REGEX", unset="all")
+    seed: int = setting(42, "Shuffling seed; same seed, same output file.", metavar="N")
+    shuffle: bool = setting(True, "Keep the training windows in file order.", flag="--no-shuffle")
+    backend: str = setting("cpu", "cpu, cuda or auto.", metavar="NAME")
+    precision: str = setting("f32", "Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights).",
+                             metavar="NAME")
+    grad_checkpoint: bool = setting(False, "Keep only the residual stream between layers and recompute each layer's "
+                                           "activations in the backward: less memory (long contexts), about a third "
+                                           "more compute; the same gradients.")
+    metrics: Optional[str] = setting(None, "Write one JSON record per step and per validation pass here.",
+                                     metavar="FILE", path=True)
     # LoRA (set lora_rank or lora_init): train only adapters on a frozen base, write an adapter GGUF
-    lora_rank: Optional[int] = None  # r of each adapter pair
-    lora_alpha: Optional[float] = None  # scale = alpha / r; default: the rank (scale 1)
-    lora_targets: Optional[str] = None  # regex over GGUF tensor names; None = attention + FFN matrices
-    lora_dropout: float = 0.0  # dropout on the adapters' inputs while training (PEFT's lora_dropout)
-    lora_init: Optional[str] = None  # adapter GGUF to continue training (fixes rank and targets)
+    lora_rank: Optional[int] = setting(None, "Train a LoRA adapter of this rank on the frozen model; -o then receives "
+                                             "llama.cpp's adapter GGUF (use it with --lora).", metavar="N")
+    lora_alpha: Optional[float] = setting(None, "LoRA alpha: the adapter is scaled by alpha / rank.", metavar="X",
+                                          unset="the rank")
+    lora_targets: Optional[str] = setting(None, "Regex over GGUF tensor names choosing the adapted matrices, e.g. "
+                                                "'attn_(q|v)'.", metavar="REGEX",
+                                          unset="attention q/k/v/output and FFN matrices")
+    lora_dropout: float = setting(0.0, "Dropout on the adapters' inputs while training (as PEFT).", metavar="X")
+    lora_init: Optional[str] = setting(None, "Continue training this adapter GGUF (llmtune's or "
+                                             "convert_lora_to_gguf.py's); it fixes rank and targets.",
+                                       metavar="FILE", path=True)
     # instruction / chat data (train/chat.py) and samples during training
-    format: str = "auto"  # auto | plain | text | completion | chat
-    chat_template: Optional[str] = None  # .jinja file overriding the model's tokenizer.chat_template
-    train_on_prompt: bool = False  # completion/chat data: every token carries loss, not only the answers
-    sample_prompt: Optional[str] = None  # print a short greedy continuation of this after each epoch
-    sample_every: int = 0  # ... or every N optimizer steps (0: after each epoch)
+    format: str = setting("auto", "Data format: auto (from the file's first record), plain, text, completion or chat.",
+                          metavar="NAME")
+    chat_template: Optional[str] = setting(None, "Jinja chat template rendering chat data, instead of the model's "
+                                                 "tokenizer.chat_template.", metavar="FILE", path=True)
+    train_on_prompt: bool = setting(False, "Completion / chat data: every token carries loss, not only the completion "
+                                           "and assistant turns.")
+    sample_prompt: Optional[str] = setting(None, "After each epoch print a short greedy continuation of this prompt "
+                                                 "(chat data: as a user turn), to watch the model change.",
+                                           metavar="TEXT")
+    sample_every: int = setting(0, "Print the --sample-prompt continuation every N optimizer steps instead.",
+                                metavar="N", unset="after each epoch")
     # checkpoints (train/checkpoint.py): every epoch end, and every checkpoint_every steps when > 0
-    checkpoint_every: int = 0
-    keep_checkpoints: Optional[int] = None  # None: the last one while training, none once the model is written
-    eval_benchmark: Optional[str] = None  # benchmark file (llmtune eval's formats) scored before training and after each epoch
+    checkpoint_every: int = setting(0, "Also write a checkpoint every N optimizer steps (one is written at every epoch "
+                                       "end, and on Ctrl-C / SIGTERM).", metavar="N", unset="epoch ends only")
+    keep_checkpoints: Optional[int] = setting(None, "Keep this run's last K checkpoints, also once the model is written.",
+                                              metavar="K", unset="the last one while training, none after")
+    eval_benchmark: Optional[str] = setting(None, "Benchmark file (any format of llmtune eval: HellaSwag, Winogrande "
+                                                  "CSV, multiple choice) scored before training and after each epoch, "
+                                                  "so the summary shows whether the finetune helps.",
+                                            metavar="FILE", path=True)
 
     @property
     def lora(self) -> bool:
@@ -108,7 +142,23 @@ RUN_ONLY = ("backend", "metrics", "checkpoint_every", "keep_checkpoints", "eval_
 
 
 def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
+    return FIELDS[field].metadata.get("flag") or "--" + field.replace("_", "-") if field in FIELDS else "--" + field.replace("_", "-")
+
+
+def default_words(name: str) -> Optional[str]:
+    """How --help words a setting's default: its `unset` rule when the default is None or 0,
+    else the value as one writes it on the command line (1e-05 -> 1e-5, 0.0 -> 0); None for a
+    switch or a setting that is simply absent by default."""
+    f = FIELDS[name]
+    value, unset = f.default, f.metadata.get("unset")
+    if unset and not value:
+        return unset
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        mantissa, _, exponent = f"{value:g}".partition("e")
+        value = mantissa + (f"e{int(exponent)}" if exponent else "")
+    return str(value)
 
 
 def _type_words(field: str) -> str:

@@ -17,8 +17,9 @@ def agree_ranks(run) -> None:
         return
     from llmtune import __version__
     from llmtune.backends.dist import digest
+    from llmtune.train.checkpoint import run_fingerprint
 
-    tr, fp = run.trainer, run.fingerprint
+    tr, fp = run.trainer, run_fingerprint(run)
     facts = {"llmtune's version": __version__, "numpy's version": np.__version__,
              "Python's version": platform.python_version()}
     facts.update({f"the {name} file" if name != "lora_init" else "the --lora-init file": fp[name] for name in run.inputs})

@@ -338,6 +338,13 @@ class Trainer:
             raise Diverged(step, f"the loss is {loss:.6g}, above the divergence limit {self.max_loss:.4g}; "
                                  f"largest gradient: {name} (rms {rms:.3g})")
 
+    def check_finite(self, step: int) -> None:
+        """Raise Diverged when a trained weight is no longer finite (before a checkpoint or the
+        output is written from them)."""
+        bad = self.nonfinite(self.flat_w)
+        if bad:
+            raise Diverged(step, f"the weights of {bad[0]} are no longer finite")
+
     def nonfinite(self, flat) -> list[str]:
         """Trainable tensors (in file order) whose part of `flat` (flat_w or flat_g) holds NaN or
         inf. One reduction when all is well; per tensor only when the sum is not finite."""

@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.progress import TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from llmtune.train import events as ev
 from llmtune.ui.format import mib, plus_minus
 from llmtune.ui.progress import progress_bar
 
@@ -45,31 +46,28 @@ class FinetuneReporter:
             self.out.print(self._summary())
         return False
 
-    def __call__(self, event: str, info: dict) -> None:
-        getattr(self, "_on_" + event)(info)
+    def __call__(self, event: ev.Event) -> None:
+        getattr(self, "_on_" + event.kind)(event)
 
-    def _on_start(self, info):
-        mem = info["memory"]
-        cfg = info["config"]
-        lora = info.get("lora")
-        what = (f"training {info['n_trainable']:,} of {info['n_params']:,} parameters ({len(info['trainable'])} tensors)"
+    def _on_start(self, e: ev.Start):
+        mem, cfg, lora = e.memory, e.config, e.lora
+        what = (f"training {e.n_trainable:,} of {e.n_params:,} parameters ({len(e.trainable)} tensors)"
                 if not lora else
                 f"training a LoRA adapter (rank {'/'.join(map(str, lora['rank']))}, alpha {lora['alpha']:g}, "
-                f"{lora['n_targets']} matrices, {info['n_trainable']:,} parameters) on a frozen base of "
-                f"{info['n_params']:,}")
+                f"{lora['n_targets']} matrices, {e.n_trainable:,} parameters) on a frozen base of "
+                f"{e.n_params:,}")
         self.err.print(
-            f"[bold]finetune[/] on {info['backend']}: {info['n_tokens']:,} tokens -> {info['n_train']} train / "
-            f"{info['n_val']} validation windows of {cfg.ctx}; {info['steps_per_epoch']} steps/epoch "
+            f"[bold]finetune[/] on {e.backend}: {e.n_tokens:,} tokens -> {e.n_train} train / "
+            f"{e.n_val} validation windows of {cfg.ctx}; {e.steps_per_epoch} steps/epoch "
             f"(batch {cfg.batch}, ubatch {cfg.ubatch}); {what} with {cfg.optimizer}"
         )
-        types = info.get("base_types") or {}
+        types = e.base_types or {}
         parts = [f"{k} {mib(v)}" for k, v in mem.items()]
         if "base" in mem and set(types) - {"F32", "F64"}:  # a base kept in its file types: say what each costs
             parts[list(mem).index("base")] += " (" + ", ".join(f"{t} {mib(v)}" for t, v in types.items()) + ")"
         self.err.print("memory: " + ", ".join(parts) + f"; total {mib(sum(mem.values()))}")
-        data = info.get("data")
-        if data:
-            self.err.print(data_line(data), highlight=False)
+        if e.data:
+            self.err.print(data_line(e.data), highlight=False)
 
     def _task(self, epoch: int, steps: int):
         if epoch not in self.tasks:
@@ -77,12 +75,12 @@ class FinetuneReporter:
                                                        lr=0.0, tps=0.0)
         return self.tasks[epoch]
 
-    def _on_step(self, info):
-        task = self._task(info["epoch"], info["steps"])
-        self.progress.update(task, completed=info["step"], loss=info["running_loss"], acc=info["accuracy"],
-                             lr=info["lr"], tps=info["tokens_per_s"])
+    def _on_step(self, e: ev.Step):
+        task = self._task(e.epoch, e.steps)
+        self.progress.update(task, completed=e.step, loss=e.running_loss, acc=e.accuracy, lr=e.lr, tps=e.tokens_per_s)
 
-    def _on_epoch(self, info):
+    def _on_epoch(self, e: ev.EpochEnd):
+        info = e.as_record()
         self.epochs.append(info)
         train_loss, train_acc, val_loss, val_acc = (_with_err(info, key) for key in _EPOCH_STATS)
         bench = ""
@@ -90,35 +88,33 @@ class FinetuneReporter:
             bench = f" | {self._bench_name()} acc {_with_err(info, 'bench_accuracy')}"
         self.err.print(f"epoch {info['epoch']}: train loss {train_loss}, acc {train_acc} | val loss {val_loss}, acc {val_acc}{bench}")
 
-    def _on_benchmark(self, info):
-        self.bench = info
-        self.err.print(f"--eval-benchmark ({info['kind']}, {info['n_tasks']} tasks) before training: "
-                       f"acc {plus_minus(info['accuracy'], info['accuracy_err'])}", highlight=False)
+    def _on_benchmark(self, e: ev.Benchmark):
+        self.bench = e
+        self.err.print(f"--eval-benchmark ({e.benchmark}, {e.n_tasks} tasks) before training: "
+                       f"acc {plus_minus(e.accuracy, e.accuracy_err)}", highlight=False)
 
     def _bench_name(self) -> str:
-        return self.bench["kind"] if self.bench else "benchmark"
+        return self.bench.benchmark if self.bench else "benchmark"
 
-    def _on_sample(self, info):
-        from rich.markup import escape
+    def _on_sample(self, e: ev.Sample):
+        sep = " -> " if e.chat else ""  # chat: the user turn, then the model's answer
+        self.err.print(f"[bold]sample[/] (epoch {e.epoch}, step {e.global_step}) "
+                       f"[dim]{escape(e.prompt)}{sep}[/]{escape(e.text)}", soft_wrap=True)
 
-        sep = " -> " if info.get("chat") else ""  # chat: the user turn, then the model's answer
-        self.err.print(f"[bold]sample[/] (epoch {info['epoch']}, step {info['global_step']}) "
-                       f"[dim]{escape(info['prompt'])}{sep}[/]{escape(info['text'])}", soft_wrap=True)
+    def _on_saved(self, e: ev.Saved):
+        self.err.print(f"wrote {e.path} ({mib(e.bytes)})", highlight=False, soft_wrap=True)
 
-    def _on_saved(self, info):
-        self.err.print(f"wrote {info['path']} ({mib(info['bytes'])})", highlight=False, soft_wrap=True)
+    def _on_warning(self, e: ev.Warning):
+        self.err.print(f"[yellow]warning:[/] {escape(e.message)}", highlight=False, soft_wrap=True)
 
-    def _on_warning(self, info):
-        self.err.print(f"[yellow]warning:[/] {escape(info['message'])}", highlight=False, soft_wrap=True)
+    def _on_checkpoint(self, e: ev.Checkpoint):
+        self.err.print(f"checkpoint {e.path} (step {e.step}; {e.where})", highlight=False, soft_wrap=True)
 
-    def _on_checkpoint(self, info):
-        self.err.print(f"checkpoint {info['path']} (step {info['step']}; {info['where']})", highlight=False, soft_wrap=True)
+    def _on_resumed(self, e: ev.Resumed):
+        self.err.print(f"resuming {e.path} at step {e.step} ({e.where})", highlight=False, soft_wrap=True)
 
-    def _on_resumed(self, info):
-        self.err.print(f"resuming {info['path']} at step {info['step']} ({info['where']})", highlight=False, soft_wrap=True)
-
-    def _on_stopping(self, info):
-        self.err.print(f"{info['signal']}: finishing step {info['step'] + 1}, then writing a checkpoint "
+    def _on_stopping(self, e: ev.Stopping):
+        self.err.print(f"{e.signal}: finishing step {e.step + 1}, then writing a checkpoint "
                        f"(press Ctrl-C again to abort at once)", highlight=False, soft_wrap=True)
 
     def _summary(self) -> Table:
@@ -129,7 +125,7 @@ class FinetuneReporter:
         if bench:  # --eval-benchmark: a row for the model before training, a column for each epoch
             table.add_column(f"{self._bench_name()} acc", justify="right")
             if self.bench is not None:
-                table.add_row("before", *["-"] * 6, plus_minus(self.bench["accuracy"], self.bench["accuracy_err"]))
+                table.add_row("before", *["-"] * 6, plus_minus(self.bench.accuracy, self.bench.accuracy_err))
         for e in self.epochs:
             table.add_row(str(e["epoch"]), *(_with_err(e, key) for key in _EPOCH_STATS),
                           f"{e['tokens_per_s']:,.0f}", f"{e['seconds']:.1f}s",

@@ -1,0 +1,160 @@
+"""What a finetune run tells its caller: results, and progress events as frozen dataclasses.
+
+`llmtune.finetune(callback=...)` receives one event object per call; the CLI renders them
+(ui/finetune.py), tests read their fields. `Event.kind` names each ("step", "epoch", ...), and
+`as_record()` gives the JSON-ready dict the --metrics file and tests use."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional
+
+
+@dataclass
+class EpochResult:
+    epoch: int
+    train_loss: float
+    train_loss_err: float
+    train_accuracy: float
+    train_accuracy_err: float
+    val_loss: float = float("nan")
+    val_loss_err: float = float("nan")
+    val_accuracy: float = float("nan")
+    val_accuracy_err: float = float("nan")
+    tokens_per_s: float = 0.0
+    seconds: float = 0.0
+    bench_accuracy: float = float("nan")  # --eval-benchmark: accuracy with the weights at the epoch's end
+    bench_accuracy_err: float = float("nan")
+
+
+@dataclass
+class FinetuneResult:
+    output: Path
+    config: Any  # FinetuneConfig
+    epochs: list[EpochResult] = field(default_factory=list)
+    first_loss: float = float("nan")
+    n_tokens: int = 0
+    n_train_windows: int = 0
+    n_val_windows: int = 0
+    memory: dict = field(default_factory=dict)
+    bench_before: float = float("nan")  # --eval-benchmark: accuracy of the model before training
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: ClassVar[str] = ""
+
+    def as_record(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Start(Event):
+    """What will train, on what, and the memory it takes (printed before the first step)."""
+
+    kind: ClassVar[str] = "start"
+    config: Any  # FinetuneConfig
+    memory: dict
+    n_tokens: int
+    n_train: int
+    n_val: int
+    steps_per_epoch: int
+    n_trainable: int
+    n_params: int
+    trainable: list
+    backend: str
+    lora: Optional[dict]  # rank, alpha, n_targets, init (None: a full finetune)
+    step: int  # > 0 when resumed
+    base_types: dict
+    data: dict  # train/chat.py data_info
+
+
+@dataclass(frozen=True)
+class Step(Event):
+    kind: ClassVar[str] = "step"
+    epoch: int  # 1-based
+    step: int  # within the epoch, 1-based
+    steps: int  # steps per epoch
+    global_step: int
+    loss: float
+    running_loss: float
+    accuracy: float
+    lr: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class EpochEnd(Event):
+    kind: ClassVar[str] = "epoch"
+    result: EpochResult
+
+    def as_record(self) -> dict:
+        return asdict(self.result)
+
+
+@dataclass(frozen=True)
+class Benchmark(Event):
+    """--eval-benchmark's score; epoch 0 is the model before training."""
+
+    kind: ClassVar[str] = "benchmark"
+    epoch: int
+    benchmark: str  # the task kind (hellaswag, winogrande, multiple-choice)
+    accuracy: float
+    accuracy_err: float
+    n_tasks: int
+
+
+@dataclass(frozen=True)
+class Sample(Event):
+    kind: ClassVar[str] = "sample"
+    epoch: int
+    global_step: int
+    prompt: str
+    chat: bool
+    text: str
+
+
+@dataclass(frozen=True)
+class Checkpoint(Event):
+    kind: ClassVar[str] = "checkpoint"
+    path: str
+    step: int
+    where: str
+
+
+@dataclass(frozen=True)
+class Resumed(Event):
+    kind: ClassVar[str] = "resumed"
+    path: str
+    step: int
+    where: str
+
+
+@dataclass(frozen=True)
+class Stopping(Event):
+    """A signal arrived: the current step finishes, then a checkpoint is written."""
+
+    kind: ClassVar[str] = "stopping"
+    signal: str
+    step: int
+
+
+@dataclass(frozen=True)
+class Warning(Event):  # noqa: A001 - the event's name in the stream; never raised
+    kind: ClassVar[str] = "warning"
+    message: str
+
+
+@dataclass(frozen=True)
+class Saved(Event):
+    kind: ClassVar[str] = "saved"
+    path: str
+    bytes: int
+
+
+Callback = Callable[[Event], None]
+
+
+def ignore(event: Event) -> None:
+    """The callback of a caller that wants no progress."""

@@ -1,0 +1,89 @@
+"""Checks before the first step of a finetune, cheapest (and likeliest to fail) first: output
+paths (writable, not inputs), leftovers of earlier runs, the batch, memory, disk space."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import check_output_path
+from llmtune.resources import available_memory, check_disk_space, check_writable_folder
+from llmtune.train import checkpoint as ckpts
+from llmtune.train.config import FinetuneConfig
+from llmtune.train.data import WindowDataset
+from llmtune.train.trainer import Trainer
+
+
+def check_outputs(out_path, cfg: FinetuneConfig, inputs: dict, ckpt, warn) -> Path:
+    """-o and --metrics: writable, not one of the inputs, not each other; leftovers reported."""
+    paths = [*inputs.values(), *([ckpt.path] if ckpt is not None else [])]
+    out_path = check_output_path(out_path, *paths)
+    report_leftovers(out_path, ckpt, warn)
+    check_writable_folder(out_path, "-o")
+    if cfg.metrics:
+        metrics = check_output_path(cfg.metrics, *paths, flag="--metrics")
+        if metrics.resolve() == out_path.resolve():
+            raise LlmtuneError(f"--metrics {cfg.metrics}: is the -o file too; choose another --metrics path")
+        check_writable_folder(metrics, "--metrics")
+    return out_path
+
+
+def report_leftovers(out: Path, ckpt, warn) -> None:
+    """Temp files of a killed run to the same output, and (for a new run) checkpoints of an earlier
+    one: reported, never deleted (another run may still be writing them, or the user wants them)."""
+    for tmp in ckpts.stale_temp_files(out):
+        try:
+            size = tmp.stat().st_size
+        except FileNotFoundError:  # its writer finished meanwhile: not a leftover
+            continue
+        warn(f"{tmp}: a temp file left by an interrupted run ({size / 2**20:,.1f} MiB); "
+             f"llmtune does not delete it: remove it unless another run is writing {out}")
+    found = ckpts.checkpoints_of(out)
+    if ckpt is None and found:
+        warn(f"{found[-1][1]}: a checkpoint of an earlier run to {out} ({len(found)} in all) is "
+             f"kept; to continue that run instead, add --resume {found[-1][1]}")
+
+
+def steps_per_epoch(dataset: WindowDataset, cfg: FinetuneConfig, data_path) -> int:
+    """Optimizer steps per epoch (the windows that do not fill a last batch wait for the next epoch)."""
+    seqs_per_step = cfg.batch // cfg.ctx
+    steps = dataset.n_train // seqs_per_step if seqs_per_step else 0
+    if steps < 1:
+        raise LlmtuneError(
+            f"{data_path}: {dataset.n_train} training window(s) of {cfg.ctx} tokens cannot fill one batch of "
+            f"{cfg.batch} tokens (lower --batch or --ctx)"
+        )
+    return steps
+
+
+def checked_memory(trainer: Trainer, model_path) -> dict[str, int]:
+    """The bytes the run needs, by kind; refused up front when more than is available. Where the
+    backend can measure its process ("runtime"), it is what the process holds already besides the
+    trained weights (interpreter, libraries, tokenizer, data), measured, not guessed."""
+    memory = trainer.memory_bytes()
+    need, avail = sum(memory.values()), available_memory(trainer.backend)
+    if avail is not None and need > avail:
+        raise LlmtuneError(
+            f"{model_path}: the run needs {need / 2**20:.0f} MiB ({', '.join(f'{k} {v / 2**20:.0f}' for k, v in memory.items())}) "
+            f"but only {avail / 2**20:.0f} MiB is available (lower --ubatch or --ctx, train fewer tensors with --params, "
+            f"or use --grad-checkpoint)"
+        )
+    rss = trainer.backend.host_resident_bytes()
+    if rss is not None:  # the trained weights, written already, are resident and counted in "base"
+        memory["runtime"] = max(0, rss - trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize)
+    return memory
+
+
+def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dataset: WindowDataset) -> None:
+    """Room for the output and the checkpoints (the kept ones plus the one being written) before
+    the first step."""
+    n = trainer.n_trainable
+    per_checkpoint = n * 4 * (3 if trainer.optimizer.m is not None else 1) + dataset.n_train * 8 + (1 << 16)
+    out_bytes = n * 4 + (1 << 20) if trainer.model.adapters else os.path.getsize(model_path)
+    keep = (cfg.keep_checkpoints or 1) + 1
+    check_disk_space(out.parent, out_bytes + keep * per_checkpoint,
+                     f"the output ({out_bytes / 2**20:,.1f} MiB) and {keep} checkpoints ({per_checkpoint / 2**20:,.1f} MiB each)",
+                     "free some space, choose another -o folder, or lower --keep-checkpoints")
