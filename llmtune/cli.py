@@ -144,6 +144,8 @@ def finetune(
 
     With --lora-rank (or --lora-init) only a LoRA adapter trains and -o receives it as llama.cpp's adapter GGUF.
 
+    A full finetune writes its trained tensors as F32 (a quantized input's type would round the training away) and scores the file as written; --out-type q4_k_m (or any export type) stores the whole trained model in that type instead.
+
     Prompt/completion and chat data (rendered with the model's chat template) train one example per window, padded; only the completion / assistant turns (with their end-of-turn token) carry loss unless --train-on-prompt.
 
     Example: llmtune finetune model.gguf notes.txt -o tuned.gguf --ctx 256 --epochs 2 --lr 1e-4

@@ -283,18 +283,62 @@ def test_parallel_micro_batches_match_sequential(stories_path, wikitext_ids):
     assert flat[0][2] == pytest.approx(flat[1][2], rel=1e-5) and flat[0][3] == flat[1][3]
 
 
-def test_quantized_model_trains_and_keeps_its_types(stories_path, small_text, tmp_path):
-    """A q8_0 export (with llama.cpp's F16 fallback for rows that do not split into blocks)
-    finetunes in f32 and is written back with every tensor in its original type."""
+def test_quantized_model_keeps_its_training(stories_path, small_text, tmp_path):
+    """A full finetune of a q8_0 file (with llama.cpp's F16 fallback for rows that do not split
+    into blocks) writes its trained tensors as F32, exactly the trained weights, and every other
+    tensor byte for byte: the training is never rounded away on write."""
     quantized = tmp_path / "q8.gguf"
     llmtune.export(stories_path, quantized, "q8_0")
     out = tmp_path / "q8-ft.gguf"
-    llmtune.finetune(quantized, small_text, out, ctx=64, epochs=1, lr=1e-3)
+    events = []
+    res = llmtune.finetune(quantized, small_text, out, ctx=64, epochs=1, lr=1e-3, params=r"attn_q\.weight$",
+                           callback=events.append)
     src, dst = load_gguf(quantized), load_gguf(out)
     assert {t.type.name for t in src.tensors.values()} >= {"Q8_0", "F32"}
-    assert all(src.tensors[n].type == dst.tensors[n].type for n in src.tensors)
+    trained = [n for n in src.tensors if n.endswith("attn_q.weight")]
+    assert trained and all(dst.tensors[n].type.name == "F32" for n in trained)
+    assert all(np.array_equal(np.asarray(src.tensors[n].raw), np.asarray(dst.tensors[n].raw))
+               and src.tensors[n].type == dst.tensors[n].type for n in src.tensors if n not in trained)
     assert src.meta == dst.meta
-    assert not np.array_equal(src.tensor("blk.0.attn_q.weight"), dst.tensor("blk.0.attn_q.weight"))
+    assert not np.array_equal(src.tensor(trained[0]), dst.tensor(trained[0]))
+    check = [e for e in events if e.kind == "output_checked"]
+    assert len(check) == 1 and not check[0].rescored and check[0].types == {"F32": len(trained)}
+    assert res.val_loss_written == res.epochs[-1].val_loss
+
+
+def test_out_type_rewrites_the_model_and_scores_it_as_written(stories_path, small_text, tmp_path, monkeypatch):
+    """--out-type q8_0: the trained model stored as `export --type q8_0` would store it, the
+    validation windows scored again from the written file (close to the in-memory loss); a
+    coarse type that loses more than the margin warns in one line with both numbers (q4_0 costs
+    this tiny model ~0.6 %: the margin is lowered below that)."""
+    import llmtune.train.output as output
+
+    out = tmp_path / "q8.gguf"
+    events = []
+    res = llmtune.finetune(stories_path, small_text, out, ctx=64, epochs=1, lr=1e-3, out_type="q8_0",
+                           callback=events.append)
+    exported = tmp_path / "exported.gguf"
+    llmtune.export(stories_path, exported, "q8_0")
+    ref, dst = load_gguf(exported), load_gguf(out)
+    assert {n: t.type for n, t in dst.tensors.items()} == {n: t.type for n, t in ref.tensors.items()}
+    assert dst.get("general.file_type") == ref.get("general.file_type")
+    check = next(e for e in events if e.kind == "output_checked")
+    assert check.rescored and check.val_loss == res.epochs[-1].val_loss
+    assert check.val_loss_written == res.val_loss_written and check.val_loss_written != check.val_loss
+    assert abs(check.val_loss_written / check.val_loss - 1) < 0.02
+    warnings = []
+    monkeypatch.setattr(output, "WRITTEN_LOSS_MARGIN", 0.002)
+    llmtune.finetune(stories_path, small_text, tmp_path / "q4.gguf", ctx=64, epochs=1, lr=1e-3, out_type="q4_0",
+                     callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None)
+    assert len(warnings) == 1 and "as written vs" in warnings[0] and "lost part of the training" in warnings[0], warnings
+
+
+def test_out_type_mistakes_are_one_line(stories_path, small_text, tmp_path):
+    with pytest.raises(LlmtuneError, match="^--out-type: unknown type 'q3'"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "o.gguf", ctx=64, epochs=1, out_type="q3")
+    with pytest.raises(LlmtuneError, match="^--out-type: a LoRA adapter is written in F32; to merge"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "o.gguf", ctx=64, epochs=1, out_type="q8_0", lora_rank=2)
+    assert not (tmp_path / "o.gguf").exists()
 
 
 # ------------------------------------------------------------------------------ the memory estimate

@@ -100,12 +100,19 @@ def export(model_path: str | os.PathLike, out_path: str | os.PathLike, type: str
     if lora_scale is not None and not lora and (isinstance(lora_scale, (int, float)) or list(lora_scale)):
         raise LlmtuneError("--lora-scale: needs --lora (the adapter it scales)")
     merged = _merger(gf, lora, lora_scale) if lora else None
+    return write_converted(gf, out, xt, merged, inputs=[model_path, *lora], progress=progress)
+
+
+def write_converted(gf: GGUFFile, out: Path, xt: ExportType, changed: Callable[[str], np.ndarray | None] | None,
+                    inputs: list, progress: Progress | None = None) -> ExportSummary:
+    """`gf` written to `out` with its weights stored as `xt`; `changed(name)`: a tensor's new
+    float32 values (merged adapters, finetuned weights), or None to convert the stored ones."""
     start = time.perf_counter()
     plans = plan_types(xt, {n: (t.shape, t.type) for n, t in gf.tensors.items()}, ModelFacts.from_metadata(gf.metadata))
     ordered = [plans[name] for name in gf.tensors]  # keep the input file's tensor order
-    summary = ExportSummary(Path(model_path), out, xt.name, int(xt.ftype))
-    write_gguf(out, gf.arch, _export_metadata(gf, xt), _converted(gf, ordered, summary, progress, merged),
-               inputs=[model_path, *lora])
+    summary = ExportSummary(Path(gf.path), out, xt.name, int(xt.ftype))
+    write_gguf(out, gf.arch, _export_metadata(gf, xt), _converted(gf, ordered, summary, progress, changed),
+               inputs=inputs)
     summary.seconds = time.perf_counter() - start
     return summary
 
@@ -135,7 +142,7 @@ def _converted(gf: GGUFFile, plans: list[TensorPlan], summary: ExportSummary,
     for i, plan in enumerate(plans):
         info = gf.tensors[plan.name]
         w = merged(plan.name) if merged is not None else None
-        if w is not None:  # changed by an adapter: always re-encoded
+        if w is not None:  # changed (by an adapter, by training): always re-encoded
             data = quants.quantize(w, plan.dst_type)
         elif plan.dst_type == info.type:  # nothing to convert: copy the stored bytes, no requantization loss
             data = np.asarray(info.raw)

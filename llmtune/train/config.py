@@ -48,6 +48,12 @@ class FinetuneConfig:
                                            "more compute; the same gradients.")
     metrics: Optional[str] = setting(None, "Write one JSON record per step and per validation pass here.",
                                      metavar="FILE", path=True)
+    out_type: Optional[str] = setting(None, "A full finetune of a quantized or f16 model writes its trained tensors as "
+                                            "F32, which keeps every update (re-encoding them in the input's type "
+                                            "rounds most updates away); with this, the whole model is written as "
+                                            "`llmtune export --type TYPE` would (f16, q8_0, q4_k_m, ...), and the file "
+                                            "is scored again as written.", metavar="TYPE",
+                                      unset="trained tensors F32, the others as they were")
     # LoRA (set lora_rank or lora_init): train only adapters on a frozen base, write an adapter GGUF
     lora_rank: Optional[int] = setting(None, "Train a LoRA adapter of this rank on the frozen model; -o then receives "
                                              "llama.cpp's adapter GGUF (use it with --lora).", metavar="N")
@@ -115,6 +121,15 @@ class FinetuneConfig:
 
         if c.format not in FORMATS:
             raise LlmtuneError(f"--format: unknown format {c.format!r} (choose {', '.join(FORMATS)})")
+        if c.out_type is not None:
+            from llmtune.quant.plan import EXPORT_TYPES
+
+            if c.out_type.lower() not in EXPORT_TYPES:
+                raise LlmtuneError(f"--out-type: unknown type {c.out_type!r} (choose from {', '.join(EXPORT_TYPES)})")
+            c.out_type = c.out_type.lower()
+            if c.lora:
+                raise LlmtuneError(f"--out-type: a LoRA adapter is written in F32; to merge it and store the model as "
+                                   f"{c.out_type}: llmtune export BASE.gguf --lora ADAPTER.gguf --type {c.out_type} -o OUT.gguf")
         if c.lora_rank is not None and c.lora_rank < 1:
             raise LlmtuneError(f"--lora-rank: must be at least 1, got {c.lora_rank}")
         if not 0 <= c.lora_dropout < 1:
@@ -137,7 +152,7 @@ class FinetuneConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
 # settings that do not change the trained weights: a resumed run may change them
-RUN_ONLY = ("backend", "metrics", "checkpoint_every", "keep_checkpoints", "eval_benchmark", "sample_prompt",
+RUN_ONLY = ("backend", "out_type", "metrics", "checkpoint_every", "keep_checkpoints", "eval_benchmark", "sample_prompt",
             "sample_every")
 
 

@@ -39,6 +39,7 @@ class FinetuneResult:
     n_val_windows: int = 0
     memory: dict = field(default_factory=dict)
     bench_before: float = float("nan")  # --eval-benchmark: accuracy of the model before training
+    val_loss_written: float = float("nan")  # a full finetune: the validation loss of the file as written
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,20 @@ class Saved(Event):
     kind: ClassVar[str] = "saved"
     path: str
     bytes: int
+
+
+@dataclass(frozen=True)
+class OutputChecked(Event):
+    """A full finetune's output scored as written (train/output.py): `types` counts the trained
+    tensors by the type they were written in; `rescored`: the validation windows were scored
+    again with those values (a lossy type), else `val_loss_written` is the in-memory loss."""
+
+    kind: ClassVar[str] = "output_checked"
+    path: str
+    val_loss: float
+    val_loss_written: float
+    types: dict
+    rescored: bool
 
 
 Callback = Callable[[Event], None]

@@ -3,7 +3,6 @@ paths (writable, not inputs), leftovers of earlier runs, the batch, memory, disk
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from llmtune.resources import available_memory, check_disk_space, check_writable
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.data import WindowDataset
+from llmtune.train.output import output_bytes
 from llmtune.train.trainer import Trainer
 
 
@@ -82,7 +82,7 @@ def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dat
     the first step."""
     n = trainer.n_trainable
     per_checkpoint = n * 4 * (3 if trainer.optimizer.m is not None else 1) + dataset.n_train * 8 + (1 << 16)
-    out_bytes = n * 4 + (1 << 20) if trainer.model.adapters else os.path.getsize(model_path)
+    out_bytes = n * 4 + (1 << 20) if trainer.model.adapters else output_bytes(trainer.model, trainer.trainable, cfg.out_type)
     keep = (cfg.keep_checkpoints or 1) + 1
     check_disk_space(out.parent, out_bytes + keep * per_checkpoint,
                      f"the output ({out_bytes / 2**20:,.1f} MiB) and {keep} checkpoints ({per_checkpoint / 2**20:,.1f} MiB each)",

@@ -101,6 +101,16 @@ class FinetuneReporter:
         self.err.print(f"[bold]sample[/] (epoch {e.epoch}, step {e.global_step}) "
                        f"[dim]{escape(e.prompt)}{sep}[/]{escape(e.text)}", soft_wrap=True)
 
+    def _on_output_checked(self, e: ev.OutputChecked):
+        types = ", ".join(f"{n} {t}" for t, n in e.types.items())
+        if e.rescored:
+            change = 100 * (e.val_loss_written / e.val_loss - 1) if e.val_loss else float("nan")
+            self.err.print(f"as written ({types} trained tensors): val loss {e.val_loss_written:.4f} vs "
+                           f"{e.val_loss:.4f} in memory ({change:+.2f} %)", highlight=False, soft_wrap=True)
+        else:
+            self.err.print(f"as written: the {types} trained tensors hold the trained weights exactly", highlight=False,
+                           soft_wrap=True)
+
     def _on_saved(self, e: ev.Saved):
         self.err.print(f"wrote {e.path} ({mib(e.bytes)})", highlight=False, soft_wrap=True)
 
