@@ -200,6 +200,26 @@ def test_memory_refusal(stories_path, small_text, tmp_path, monkeypatch):
     assert not (tmp_path / "m.gguf").exists()
 
 
+def test_activations_that_do_not_fit_are_refused_before_allocating(stories_path, small_text, tmp_path, monkeypatch,
+                                                                    capsys):
+    """The activations' arena is planned, then checked against the memory left, then allocated:
+    a run whose pass does not fit ends in one line (exit 2) and no arena is ever asked for."""
+    import llmtune.backends.cpu as cpu
+    import llmtune.train.trainer as trainer
+    from cli_helpers import run_cli
+
+    monkeypatch.setattr(trainer, "available_memory", lambda backend: 3 * 2**20)
+    asked = []
+    real_arena = cpu.CPUBackend.arena
+    monkeypatch.setattr(cpu.CPUBackend, "arena", lambda self, n: asked.append(n) or real_arena(self, n))
+    code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, small_text, "-o", tmp_path / "m.gguf",
+                             "--ctx", 256, "--batch", 1024, "--epochs", 1)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the run does not fit in memory: it needs" in err and "MiB of activations for one pass of 1,024 tokens" in err
+    assert "3 MiB is available" in err and "--ubatch" in err and "--grad-checkpoint" in err
+    assert asked == [] and not (tmp_path / "m.gguf").exists()
+
+
 @pytest.mark.parametrize(
     "content,needle",
     [

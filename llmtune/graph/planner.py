@@ -26,12 +26,23 @@ class MemoryReport:
     n_nodes: int
 
 
+class ArenaTooLarge(MemoryError):
+    """A program whose planned arena is larger than the bytes its caller can give it: raised
+    before anything is allocated, so the caller can refuse the run in one line."""
+
+    def __init__(self, needed: int, limit: int):
+        super().__init__(f"the planned arena needs {needed} bytes, {limit} are available")
+        self.needed, self.limit = needed, limit
+
+
 class Program:
     def __init__(self, outputs: list[Node], backend, params: dict[Node, object] | None = None,
-                 accumulate: dict[Node, object] | None = None):
+                 accumulate: dict[Node, object] | None = None, max_bytes: int | None = None):
         """outputs: nodes whose values `run` returns. params: leaf node -> backend array bound
         for every run. accumulate: node -> backend array that receives `+= value` as soon as the
-        node is computed (gradient accumulation into parameter-gradient buffers)."""
+        node is computed (gradient accumulation into parameter-gradient buffers). max_bytes: the
+        most the arena may take (ArenaTooLarge, before allocating, when the plan needs more)."""
+        self.max_bytes = max_bytes
         self.backend = backend
         self.outputs = list(outputs)
         self.accumulate = dict(accumulate or {})
@@ -60,6 +71,8 @@ class Program:
         owner = _buffer_owners(self.order)
         last_use = _last_uses(self.order, self.outputs, owner)
         offsets, self.memory = self._allocate(owner, last_use)
+        if self.max_bytes is not None and self.memory.planned_bytes > self.max_bytes:
+            raise ArenaTooLarge(self.memory.planned_bytes, self.max_bytes)
         arena = self.backend.arena(self.memory.planned_bytes)
         self._steps, self._assign_steps = self._build_steps(arena, owner, offsets)
 

@@ -173,7 +173,7 @@ def save_checkpoint(run) -> Path | None:
         "rng": {"order": "numpy default_rng([seed, epoch])", "dropout": "(seed, step)", "seed": run.cfg.seed},
         "stats": {"losses": run.stats.losses, "correct": run.stats.correct, "tokens": run.stats.tokens},
         "first_loss": res.first_loss, "epochs": [dataclasses.asdict(e) for e in res.epochs],
-        "metrics_lines": run.log.lines,
+        "metrics_lines": run.log.lines, "elapsed_s": run.elapsed(),
     }
     order = np.zeros(0, np.int64) if run.order is None else np.asarray(run.order, dtype=np.int64)
     path = checkpoint_path(res.output, run.step)
@@ -234,6 +234,7 @@ def restore(run, ckpt: Checkpoint) -> None:
     run.stats = RunningStats(list(st.get("losses", [])), int(st.get("correct", 0)), int(st.get("tokens", 0)))
     run.result.first_loss = meta.get("first_loss", math.nan)
     run.result.epochs = [EpochResult(**e) for e in meta.get("epochs", [])]
+    run.seconds_before = float(meta.get("elapsed_s", 0.0))
     run.run_id, run.last_checkpoint = meta.get("run_id") or uuid.uuid4().hex, ckpt.path
     tr = run.trainer
     ranks, now = meta.get("ranks", 1), tr.comm.size  # a checkpoint resumes on any number of ranks
@@ -241,4 +242,4 @@ def restore(run, ckpt: Checkpoint) -> None:
         run.warn(f"{where}: written on {meta.get('backend')} with {meta.get('workers')} worker(s) x {ranks} rank(s), "
                  f"continued on {tr.backend.name} with {tr.n_workers} x {now}: the result "
                  f"may differ from an uninterrupted run in float rounding")
-    run.emit(Resumed(str(ckpt.path), run.step, run.where()))
+    run.emit(Resumed(str(ckpt.path), run.step, run.where(), tuple(run.result.epochs)))

@@ -130,6 +130,7 @@ class Resumed(Event):
     path: str
     step: int
     where: str
+    epochs: tuple = ()  # the EpochResults of the epochs finished before the checkpoint
 
 
 @dataclass(frozen=True)

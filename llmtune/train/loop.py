@@ -70,6 +70,13 @@ class Run:
     watch: LossWatch = field(default_factory=LossWatch)
     fingerprint_cache: Optional[dict] = None
     epoch_time: tuple = (0.0, 0)  # seconds and tokens trained in this epoch by this process
+    seconds_before: float = 0.0  # training seconds of the run before the epoch in progress (resumes included)
+    epoch_t0: Optional[float] = None  # perf_counter() when this process started the epoch in progress
+
+    def elapsed(self) -> float:
+        """Training seconds of the whole run so far, across epochs and resumes (checkpoints keep it)."""
+        running = time.perf_counter() - self.epoch_t0 if self.epoch_t0 is not None else 0.0
+        return self.seconds_before + running
 
     def warn(self, message: str) -> None:
         self.emit(ev.Warning(message))
@@ -123,6 +130,7 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
         run.order = run.epoch_order(run.epoch)
     # tokens/s counts the tokens run (batch per step), padding and masked prompts included
     t0, first, every = time.perf_counter(), run.epoch_step, run.cfg.checkpoint_every
+    run.epoch_t0 = t0
     for s in range(run.epoch_step, run.steps_per_epoch):
         loss, lr = _train_step(run, s)
         elapsed = time.perf_counter() - t0
@@ -130,7 +138,8 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
                        running_loss=run.stats.loss, accuracy=run.stats.accuracy, lr=lr,
                        tokens_per_s=(s + 1 - first) * run.cfg.batch / elapsed if elapsed > 0 else 0.0)
         run.epoch_step = s + 1
-        run.log.write({"type": "train_step", **step.as_record(), "elapsed_s": elapsed})
+        # elapsed_s: the run's training seconds so far, across epochs and resumes
+        run.log.write({"type": "train_step", **step.as_record(), "elapsed_s": run.elapsed()})
         run.emit(step)
         run.call_hooks("on_step", step)
         spike = run.watch.check(step.loss)
@@ -139,6 +148,7 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
         if s + 1 < run.steps_per_epoch:  # the epoch's last step checkpoints after validation
             _checkpoint_or_stop(run, stop, due=bool(every) and run.step % every == 0)
     run.epoch_time = (time.perf_counter() - t0, (run.steps_per_epoch - first) * run.cfg.batch)
+    run.seconds_before, run.epoch_t0 = run.elapsed(), None
 
 
 def _checkpoint_or_stop(run: Run, stop: StopRequest, due: bool) -> None:

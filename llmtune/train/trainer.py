@@ -17,9 +17,10 @@ from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
-from llmtune.graph.planner import Program, Replay
+from llmtune.graph.planner import ArenaTooLarge, Program, Replay
 from llmtune.model.loaded import Model
 from llmtune.quant.qtensor import QTensor, backend_array, shape_only
+from llmtune.resources import available_memory
 from llmtune.train.optim import Optimizer
 
 
@@ -104,10 +105,15 @@ class Trainer:
                                    f"for {self.comm.size} ranks; each rank needs one (raise --batch or lower --ubatch)")
         self.my_ubatches = range(self.comm.rank, self.ubatches_per_step, self.comm.size)
         self.n_workers = cpu_workers(backend.name, workers, len(self.my_ubatches))
-        self._init_buffers()
-        self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd)
-        # worker 0 accumulates into flat_g, the others into buffers of their own, summed per step
-        self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
+        try:
+            self._init_buffers()
+            self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd)
+            # worker 0 accumulates into flat_g, the others into buffers of their own, summed per step
+            self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
+        except MemoryError:
+            raise self._does_not_fit(f"its weights, gradients and optimizer state ({self.n_trainable:,} trained values)") from None
+        # the activations' arenas are planned before they are allocated: a run they do not fit is refused
+        self._arena_budget = available_memory(backend)
         self._train_progs = [self._build_train_program(self._flat_views(g)) for g in self._worker_flat_g]
         # dropout-mask inputs of the training graph (name -> shape), fed per micro-batch
         self._masks = {n: node.shape for n, node in self._train_progs[0].inputs.items() if n.endswith(".dropout")}
@@ -164,7 +170,7 @@ class Trainer:
         grads = grad(loss, [nodes[n] for n in self.trainable], seed=loss_scale, checkpoint=self.grad_checkpoint)
         # a trainable tensor the loss does not reach keeps a zero gradient (buffers start zeroed)
         sinks = {grads[nodes[n]]: grad_views[n] for n in self.trainable if nodes[n] in grads}
-        return Program([loss, correct], self.backend, params=self._bind(nodes), accumulate=sinks)
+        return self._program([loss, correct], nodes, accumulate=sinks)
 
     def _input_buffers(self, prog: Program) -> dict:
         """One backend array per input of a training program (positions: the shared, fixed ones)."""
@@ -187,7 +193,28 @@ class Trainer:
         batch, nodes, logits = self.model.build(n_seq, self.n_ctx)
         targets = ops.input((n_seq * self.n_ctx,), "i32", name="targets")
         outs = [ops.cross_entropy(logits, targets), ops.count_correct(logits, targets)]
-        return Program(outs, self.backend, params=self._bind(nodes))
+        return self._program(outs, nodes)
+
+    def _program(self, outputs, nodes, accumulate=None) -> Program:
+        """A compiled program whose arena must fit what is left of the memory budget."""
+        try:
+            prog = Program(outputs, self.backend, params=self._bind(nodes), accumulate=accumulate,
+                           max_bytes=self._arena_budget)
+        except ArenaTooLarge as exc:
+            raise self._does_not_fit(f"{exc.needed / 2**20:,.0f} MiB of activations for one pass of "
+                                     f"{self.n_ubatch:,} tokens", exc.limit) from None
+        except MemoryError:
+            raise self._does_not_fit(f"the activations of one pass of {self.n_ubatch:,} tokens") from None
+        if self._arena_budget is not None:
+            self._arena_budget -= prog.memory.planned_bytes
+        return prog
+
+    def _does_not_fit(self, what: str, available: int | None = None) -> LlmtuneError:
+        """The one-line refusal of a run whose memory cannot be had."""
+        available = available_memory(self.backend) if available is None else available
+        have = f"; {available / 2**20:,.0f} MiB is available" if available is not None else ""
+        return LlmtuneError(f"{self.model.path}: the run does not fit in memory: it needs {what}{have} (lower --ubatch "
+                            f"or --ctx, use --grad-checkpoint, or train fewer tensors with --params or LoRA)")
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> dict[str, int]:

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 from rich.markup import escape
-from rich.progress import TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from llmtune.train import events as ev
 from llmtune.ui.format import mib, plus_minus
-from llmtune.ui.progress import progress_bar
 
 
 # EpochResult fields reported with their standard error (`<name>_err`), in column order
 _EPOCH_STATS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy")
+STEP_LINES = 10  # off a terminal, a progress line about every tenth of an epoch
 
 
 def _with_err(info: dict, key: str) -> str:
@@ -26,11 +27,13 @@ class FinetuneReporter:
 
     def __init__(self, out, err):
         self.out, self.err = out, err
-        self.progress = progress_bar(
-            err,
-            TextColumn("loss {task.fields[loss]:.4f}  acc {task.fields[acc]:.3f}  lr {task.fields[lr]:.2e}  "
+        # a bar that gives way first, so the step counter and the numbers keep their place at 80 columns
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(bar_width=None), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f} acc {task.fields[acc]:.3f} lr {task.fields[lr]:.1e} "
                        "{task.fields[tps]:,.0f} tok/s"),
-            TimeRemainingColumn(), transient=False, disable=not err.is_terminal,  # one finished bar per epoch stays
+            TimeRemainingColumn(), console=err, transient=False, expand=True,
+            disable=not err.is_terminal,  # one finished bar per epoch stays
         )
         self.tasks = {}
         self.epochs = []
@@ -43,7 +46,7 @@ class FinetuneReporter:
     def __exit__(self, *exc):
         self.progress.stop()
         if self.epochs:
-            self.out.print(self._summary())
+            self._print_summary()
         return False
 
     def __call__(self, event: ev.Event) -> None:
@@ -76,17 +79,37 @@ class FinetuneReporter:
         return self.tasks[epoch]
 
     def _on_step(self, e: ev.Step):
-        task = self._task(e.epoch, e.steps)
-        self.progress.update(task, completed=e.step, loss=e.running_loss, acc=e.accuracy, lr=e.lr, tps=e.tokens_per_s)
+        if self.err.is_terminal:
+            task = self._task(e.epoch, e.steps)
+            self.progress.update(task, completed=e.step, loss=e.running_loss, acc=e.accuracy, lr=e.lr,
+                                 tps=e.tokens_per_s)
+        elif e.step == 1 or e.step == e.steps or e.step % max(1, e.steps // STEP_LINES) == 0:
+            # no bar off a terminal: a line about every tenth of an epoch, so a log shows the run moving
+            self.err.print(f"epoch {e.epoch} step {e.step}/{e.steps}: loss {e.running_loss:.4f}, acc {e.accuracy:.3f}, "
+                           f"lr {e.lr:.2e}, {e.tokens_per_s:,.0f} tok/s", highlight=False)
 
     def _on_epoch(self, e: ev.EpochEnd):
         info = e.as_record()
         self.epochs.append(info)
+        self._print_fields(self.err, self._epoch_fields(info))
+
+    def _epoch_fields(self, info: dict, timing: bool = False) -> list[str]:
+        """An epoch's results as fields that a narrow terminal may break between, never inside."""
         train_loss, train_acc, val_loss, val_acc = (_with_err(info, key) for key in _EPOCH_STATS)
-        bench = ""
+        fields = [f"epoch {info['epoch']}:", f"train loss {train_loss}, acc {train_acc}", f"| val loss {val_loss}, acc {val_acc}"]
         if not math.isnan(info.get("bench_accuracy", math.nan)):
-            bench = f" | {self._bench_name()} acc {_with_err(info, 'bench_accuracy')}"
-        self.err.print(f"epoch {info['epoch']}: train loss {train_loss}, acc {train_acc} | val loss {val_loss}, acc {val_acc}{bench}")
+            fields.append(f"| {self._bench_name()} acc {_with_err(info, 'bench_accuracy')}")
+        if timing:
+            fields.append(f"| {info['tokens_per_s']:,.0f} tok/s, {info['seconds']:.1f}s")
+        return fields
+
+    @staticmethod
+    def _print_fields(console, fields: list[str]) -> None:
+        """Fields on one line; on a terminal too narrow for it, one field per line (indented)."""
+        line = " ".join(fields)
+        if console.is_terminal and len(line) > console.width:
+            line = fields[0] + "".join(f"\n  {f}" for f in fields[1:])
+        console.print(line, highlight=False, soft_wrap=True)
 
     def _on_benchmark(self, e: ev.Benchmark):
         self.bench = e
@@ -121,11 +144,26 @@ class FinetuneReporter:
         self.err.print(f"checkpoint {e.path} (step {e.step}; {e.where})", highlight=False, soft_wrap=True)
 
     def _on_resumed(self, e: ev.Resumed):
+        self.epochs = [asdict(r) for r in e.epochs]  # the summary covers the whole run, not this process's part
         self.err.print(f"resuming {e.path} at step {e.step} ({e.where})", highlight=False, soft_wrap=True)
 
     def _on_stopping(self, e: ev.Stopping):
         self.err.print(f"{e.signal}: finishing step {e.step + 1}, then writing a checkpoint "
                        f"(press Ctrl-C again to abort at once)", highlight=False, soft_wrap=True)
+
+    def _print_summary(self) -> None:
+        """The summary table, or (a terminal narrower than the table) each epoch as fields."""
+        table = self._summary()
+        natural = self.out.measure(table, options=self.out.options.update_width(10_000)).maximum
+        if not self.out.is_terminal or natural <= self.out.width:
+            self.out.print(table)
+            return
+        self.out.print("finetune summary", highlight=False)
+        if self.bench is not None:
+            self.out.print(f"before: {self._bench_name()} acc {plus_minus(self.bench.accuracy, self.bench.accuracy_err)}",
+                           highlight=False)
+        for info in self.epochs:
+            self._print_fields(self.out, self._epoch_fields(info, timing=True))
 
     def _summary(self) -> Table:
         table = Table(title="finetune summary")
