@@ -13,7 +13,8 @@ import typer
 from rich.markup import escape
 
 from llmtune.errors import Interrupted, LlmtuneError, LlmtuneWarning
-from llmtune.ui.console import NoWrapConsole
+from llmtune.ui.console import NoWrapConsole, survive_closed_pipes
+from llmtune.ui.usage import readable_help
 
 app = typer.Typer(
     name="llmtune",
@@ -172,7 +173,7 @@ def finetune(
 # --- init (llmtune/convert/init.py) ---
 @app.command("init")
 def init_cmd(
-    config: Optional[Path] = typer.Option(None, "--config", help="Model shape: a TOML [model] table, e.g. configs/llama-15m.toml.", show_default=False),
+    config: Optional[Path] = typer.Option(None, "--config", help="Model shape: a TOML \\[model] table, e.g. configs/llama-15m.toml.", show_default=False),
     config_c: Optional[Path] = typer.Option(None, "-c", hidden=True),  # init's old short flag: -c is --ctx in every other command
     vocab_from: Path = typer.Option(..., "--vocab-from", help="GGUF whose tokenizer (all tokenizer.* keys) the new model uses.", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the new GGUF.", show_default=False),
@@ -444,30 +445,64 @@ def _start_ranks() -> None:
             sys.exit(0)  # a command that does not split its work: rank 0 alone runs it (and writes its files)
 
 
+readable_help(app)  # every command above: --help with FILE, N, X, TEXT
+
+
+# the flags that shrink each command's memory, named when it does not fit (resources.memory_refusal)
+SHRINK_FLAGS = {"finetune": "--ubatch, --ctx or --grad-checkpoint", "perplexity": "--batch or --ctx",
+                "eval": "--batch or --ctx", "generate": "--ctx"}
+
+
+def _error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
-    """Console-script entry: user errors become one line on stderr and exit code 2 (a run that
-    diverged: 3); Ctrl-C / SIGTERM exit 130 / 143 after saying what was kept."""
+    """Console-script entry: user errors (flag mistakes included) become one line on stderr and
+    exit code 2 (a run that diverged: 3), as does memory that runs out; Ctrl-C / SIGTERM exit
+    130 / 143 after saying what was kept; a reader that closes the pipe stops the output only."""
     import threading
+
+    from llmtune.resources import out_of_memory_message
+    from llmtune.ui.usage import errors, usage_error_line
 
     in_main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     warnings.showwarning = _show_warning
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
     try:
-        _start_ranks()
-        app()
-    except LlmtuneError as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        if getattr(exc, "resumable", False) and getattr(exc, "checkpoint", None):
-            err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
-    except Interrupted as exc:
-        err.print(escape(exc.message or "interrupted"), highlight=False, soft_wrap=True)
-        if exc.checkpoint is not None:
-            err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
+        with survive_closed_pipes():
+            try:
+                _start_ranks()
+                code = app(standalone_mode=False)  # click's errors come here, not to typer's boxes
+                sys.exit(code if isinstance(code, int) else 0)
+            except errors.NoArgsIsHelpError:  # the help is printed already
+                sys.exit(2)
+            except errors.UsageError as exc:
+                _error(usage_error_line(exc))
+                sys.exit(2)
+            except errors.ClickException as exc:
+                _error(" ".join(exc.format_message().split()))
+                sys.exit(exc.exit_code)
+            except typer.Abort:
+                _error("aborted")
+                sys.exit(1)
+            except LlmtuneError as exc:
+                _error(str(exc))
+                if getattr(exc, "resumable", False) and getattr(exc, "checkpoint", None):
+                    err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
+                sys.exit(exc.exit_code)
+            except MemoryError as exc:  # what the estimate before the run did not foresee (cupy's too)
+                _error(out_of_memory_message(exc, f"llmtune {command}".strip(), SHRINK_FLAGS.get(command, "")))
+                sys.exit(2)
+            except Interrupted as exc:
+                err.print(escape(exc.message or "interrupted"), highlight=False, soft_wrap=True)
+                if exc.checkpoint is not None:
+                    err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
+                sys.exit(exc.exit_code)
+            except KeyboardInterrupt:
+                err.print("interrupted")
+                sys.exit(130)
     finally:
         warnings.showwarning = _default_showwarning
         for sig, handler in previous.items():
