@@ -218,11 +218,13 @@ def _export_cmd(
     Example: llmtune export model.gguf --lora adapter.gguf --type q4_k_m -o merged-q4_k_m.gguf
     """
     from llmtune.convert.export import export
-    from llmtune.ui.export import export_progress, summary_table
+    from llmtune.ui.export import export_progress, summary_notes, summary_table
 
     with export_progress(err, type) as on_tensor:
         summary = export(model, output, type, progress=on_tensor, lora=lora, lora_scale=lora_scale)
     out.print(summary_table(summary))
+    for line in summary_notes(summary):
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 app.command("export")(_export_cmd)

@@ -17,8 +17,8 @@ NO_WRAP_WIDTH = 4096  # a line (or table) piped to a file is laid out as wide as
 class NoWrapConsole(Console):
     """A rich Console that wraps at the terminal's width on a terminal only. Piped or redirected,
     rich would wrap tables and messages at 80 columns (or at another stream's terminal width),
-    splitting paths and numbers mid-word; this one lays them out at their natural width. An
-    explicit width (or COLUMNS) still wins."""
+    splitting paths and numbers mid-word; this one lays them out at their natural width, and ends
+    lines without the padding a table would add. An explicit width (or COLUMNS) still wins."""
 
     @property
     def size(self) -> ConsoleDimensions:
@@ -29,6 +29,14 @@ class NoWrapConsole(Console):
     @size.setter
     def size(self, new_size) -> None:
         Console.size.fset(self, new_size)
+
+    def _render_buffer(self, buffer) -> str:
+        """What rich writes; off a terminal without the spaces that pad a line to its table's width."""
+        text = super()._render_buffer(buffer)
+        if self.is_terminal or " \n" not in text:
+            return text
+        *lines, last = text.split("\n")
+        return "\n".join([line.rstrip(" ") for line in lines] + [last])
 
 
 class PipeSafeStream:
