@@ -55,3 +55,9 @@ class Interrupted(BaseException):
 
 class LlmtuneWarning(UserWarning):
     """Something the user should know that does not stop the command (the CLI prints one line)."""
+
+
+def plural(n: int, word: str, many: str = "") -> str:
+    """'1 token', '2 tokens', '1,024 tokens' (`many`: an irregular plural): every count a message
+    shows, so none says "1 epochs"."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"

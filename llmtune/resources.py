@@ -12,6 +12,10 @@ from typing import BinaryIO, Callable, Optional
 from llmtune.errors import LlmtuneError
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 10 * 2**20 else f"{n / 2**20:.1f} MiB"
+
+
 MEMORY_LIMIT_ENV = "LLMTUNE_MEMORY_LIMIT"  # a cap on what a run may use (bytes, or 512M, 2G...)
 
 
@@ -58,16 +62,16 @@ def check_memory(need: int, what: str, shrink: str, backend=None) -> None:
     file or command) needs about NEED but only AVAIL is available (lower `shrink`)."""
     avail = available_memory(backend)
     if avail is not None and need > avail:
-        raise LlmtuneError(f"{what}: needs about {need / 2**20:,.0f} MiB of memory but only {avail / 2**20:,.0f} MiB "
-                           f"is available" + (f" (lower {shrink})" if shrink else ""))
+        raise LlmtuneError(f"{what}: needs about {_mib(need)} of memory but only {_mib(avail)} is available"
+                           + (f" (lower {shrink})" if shrink else ""))
 
 
 def out_of_memory_message(exc: MemoryError, what: str, shrink: str) -> str:
     """An allocation that failed anyway (numpy's or cupy's MemoryError) in check_memory's words."""
     need = getattr(exc, "_total_size", None) or getattr(exc, "size", None)  # numpy's _ArrayMemoryError; cupy's
     avail = available_memory()
-    asked = f"could not allocate {need / 2**20:,.0f} MiB" if isinstance(need, int) else "ran out of memory"
-    have = f"; {avail / 2**20:,.0f} MiB is available" if avail is not None else ""
+    asked = f"could not allocate {_mib(need)}" if isinstance(need, int) else "ran out of memory"
+    have = f"; {_mib(avail)} is available" if avail is not None else ""
     return f"{what}: {asked}{have}" + (f" (lower {shrink})" if shrink else "")
 
 

@@ -32,9 +32,9 @@ import numpy as np
 
 from llmtune.backends.dist import run_split
 from llmtune.backends.threads import cpu_workers
-from llmtune.errors import LlmtuneError, LlmtuneWarning
+from llmtune.errors import LlmtuneError, LlmtuneWarning, plural
 from llmtune.quant.qtensor import backend_array, evaluation_copies
-from llmtune.tokenizer import read_text
+from llmtune.tokenizer import read_text, require_text
 
 DEFAULT_BATCH_TOKENS = {"cpu": 1024}  # tokens per forward pass (one per core) when --batch is not given
 DEFAULT_BATCH_TOKENS_OTHER = 8192  # accelerators amortise launches over bigger batches
@@ -277,6 +277,39 @@ class ChunkScorer:
         return host.reshape(n_seq, n_tok - first, -1)
 
 
+# ------------------------------------------------------------------------------------ memory
+def pass_bytes(model, backend, n_seq: int, n_tok: int, first: int, prefix=None) -> int:
+    """The arena one forward pass of this shape needs (planned, not allocated)."""
+    from llmtune.graph.planner import Program
+
+    _, nodes, logits = model.build(n_seq, n_tok, logits_start=first, prefix=prefix)
+    return Program([logits], backend, params={n: None for n in nodes.values()}, allocate=False).memory.planned_bytes
+
+
+def weight_copy_bytes(models, backend) -> int:
+    """What binding the models' weights allocates: on the cpu only float tensors of another dtype
+    (file-typed and float32 tensors stay memory-mapped), on a device every byte."""
+    itemsize = np.dtype(backend.dtype).itemsize
+    total = 0
+    for m in models:
+        for w in m.tensors().values():
+            raw = getattr(w, "raw", None)
+            if raw is not None:  # a QTensor, bound in its file type
+                total += 0 if backend.name == "cpu" else raw.nbytes
+            elif backend.name != "cpu" or np.asarray(w).dtype != backend.dtype:
+                total += w.size * itemsize
+    return total
+
+
+def check_evaluation_memory(models, backend, arenas: int, n_programs: int, what: str) -> None:
+    """Refuse, before anything is allocated, an evaluation whose weights and `n_programs` planned
+    arenas of `arenas` bytes each (per model: the workers' programs) need more than is available."""
+    from llmtune.resources import check_memory
+
+    need = weight_copy_bytes(models, backend) + arenas * n_programs * len(models)
+    check_memory(need, what, "--batch or --ctx", backend)
+
+
 # ------------------------------------------------------------------------------------ inputs
 def add_bos_of(model) -> tuple[bool, int]:
     """Whether the model's tokenizer adds BOS (then every chunk starts with it), and the BOS id."""
@@ -337,7 +370,7 @@ def _checked_ids(model, ids, ctx: int, chunks: Optional[int], source: str) -> tu
         raise LlmtuneError(f"--chunks: must be positive (got {chunks})")
     if ids.size < 2 * ctx:
         raise LlmtuneError(
-            f"{source or 'text'}: tokenizes to only {ids.size} tokens; --ctx {ctx} needs at least {2 * ctx}"
+            f"{source or 'text'}: tokenizes to only {plural(ids.size, 'token')}; --ctx {ctx} needs at least {2 * ctx}"
         )
     if ids.min() < 0 or ids.max() >= model.hp.n_vocab:
         raise LlmtuneError(f"{source or 'ids'}: token ids outside the vocabulary of {model.path.name}")
@@ -468,6 +501,9 @@ def perplexity_from_ids(
     backend = _as_backend(backend, precision)
     plan = _plan_chunks(models[0], ids, ctx, n_chunk, batch, backend.name)
     n_workers = cpu_workers(backend.name, workers, len(plan.pass_starts))
+    check_evaluation_memory(models, backend, pass_bytes(models[0], backend, plan.n_seq, ctx, plan.first), n_workers,
+                            f"{models[0].path}: perplexity with --ctx {ctx} ({plan.n_seq * ctx:,} tokens per pass, "
+                            f"{plural(n_workers, 'pass', 'passes')} at once)")
     # under an MPI launcher each rank scores its share of the passes (backends/dist.py); all get every result
     with evaluation_copies(backend):  # run_split is lazy: the passes run inside _accumulate
         passes = run_split(partial(_score_pass, plan), _scorer_factory(models, backend, ctx), plan.pass_starts, n_workers)
@@ -497,7 +533,7 @@ def perplexity(
     """llama-perplexity over a text file: see the module docstring and `perplexity_from_ids`."""
     from llmtune.model.adapter import attach
 
-    text = read_text(text_path)  # a missing text fails before the (slower) model load
+    text = require_text(read_text(text_path), text_path)  # a missing or empty text fails before the model load
     model = attach(_as_model(model_path), lora, lora_scale)  # bad adapters fail before tokenizing
     # with --chunks only the first chunks' tokens count (at least two chunks: the shortest text)
     ids = tokenize(model, text, None if chunks is None or chunks < 1 else max(chunks, 2) * ctx)
