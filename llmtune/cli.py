@@ -260,10 +260,22 @@ def perplexity_cmd(
     inputs = (model, text, *([kl_base] if kl_base else []), *(lora or []))
     if json_out is not None:
         check_output_path(json_out, *inputs, flag="--json")  # refuse a bad --json before the (long) evaluation
-    with perplexity_progress(err) as on_progress:
-        result = perplexity(model, text, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
-                            kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
-    out.print(format_report(result), highlight=False, soft_wrap=True)
+    try:
+        with perplexity_progress(err, out) as on_progress:  # the running values stream to stdout
+            result = perplexity(model, text, ctx=ctx, batch=batch, chunks=chunks, backend=backend, kl_base=kl_base,
+                                progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
+    except Interrupted as exc:  # Ctrl-C: the estimate and --json over the chunks done, then exit 130
+        if exc.partial is not None:
+            _report(exc.partial, format_report(exc.partial, running=False), write_json, json_out, inputs)
+        raise
+    _report(result, format_report(result, running=False), write_json, json_out, inputs)
+
+
+def _report(result, text: str, write_json, json_out: Optional[Path], inputs) -> None:
+    """An evaluation's final lines on stdout (raw: llama.cpp's lines hold tabs), then its --json."""
+    if not out.quiet:  # under MPI rank 0 alone prints (dist.quiet_other_ranks)
+        out.file.write(text + "\n")
+        out.file.flush()
     if json_out is not None:
         write_json(result, json_out, *inputs)
 
@@ -304,19 +316,20 @@ def eval_cmd(
     inputs = (model, file, *([kl_base] if kl_base else []), *(lora or []))
     if json_out is not None:
         check_output_path(json_out, *inputs, flag="--json")  # refuse a bad --json before the (long) evaluation
-    with benchmark_progress(err) as on_progress:
-        result = evaluate(model, file, kinds[0] if kinds else None, tasks=tasks, ctx=ctx, batch=batch, backend=backend,
-                          kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
-    if not out.quiet:  # under MPI rank 0 alone prints (dist.quiet_other_ranks)
-        out.file.write(format_report(result, running=not summary) + "\n")  # raw: llama.cpp's lines hold tabs
-        out.file.flush()
+    try:
+        with benchmark_progress(err, None if summary else out) as on_progress:  # running lines stream to stdout
+            result = evaluate(model, file, kinds[0] if kinds else None, tasks=tasks, ctx=ctx, batch=batch, backend=backend,
+                              kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
+    except Interrupted as exc:  # Ctrl-C: the results and --json over the tasks done, then exit 130
+        if exc.partial is not None:
+            _report(exc.partial, format_report(exc.partial, running=False), write_json, json_out, inputs)
+        raise
+    _report(result, format_report(result, running=False), write_json, json_out, inputs)
     if topics:
         if not result.topics:
             err.print(f"--topics: {file} names no topics (a JSONL \"topic\" field)", highlight=False)
         else:
             out.print(topics_table(result))
-    if json_out is not None:
-        write_json(result, json_out, *inputs)
 
 
 # --- generate (llmtune/eval/generate.py) ---

@@ -42,11 +42,13 @@ class Interrupted(BaseException):
     """SIGINT (Ctrl-C) or SIGTERM. A BaseException, as KeyboardInterrupt is, so that `except
     Exception` never swallows it while every `finally` (temp files) still runs. The CLI exits with
     128 + the signal number (130, 143). A finetune run stopped by the first signal sets
-    `checkpoint` to the checkpoint it wrote (or the last one when a second signal aborted it)."""
+    `checkpoint` to the checkpoint it wrote (or the last one when a second signal aborted it); an
+    evaluation (perplexity, eval) sets `partial` to its result over the work done so far."""
 
     def __init__(self, signum: int, message: str = "", checkpoint: "Path | None" = None):
         super().__init__(message or "interrupted")
         self.signum, self.message, self.checkpoint = signum, message, checkpoint
+        self.partial = None
 
     @property
     def exit_code(self) -> int:

@@ -72,6 +72,7 @@ class ScoreProgress:
     tokens_done: int
     n_tokens: int
     seconds: float
+    scores: Optional["RowScores"] = None  # filled so far: every row of `rows` (and of earlier passes) is in
 
 
 @dataclass(frozen=True)
@@ -316,7 +317,7 @@ def score_rows(
             tokens_done += rows[j].tokens.size
         done += len(p.rows)
         if progress is not None:
-            progress(ScoreProgress(p.rows, done, len(rows), tokens_done, n_tokens, time.perf_counter() - t0))
+            progress(ScoreProgress(p.rows, done, len(rows), tokens_done, n_tokens, time.perf_counter() - t0, out))
     out.n_tokens, out.seconds = n_tokens, time.perf_counter() - t0
     out.n_computed = sum(_computed_tokens(rows, p) for p in passes)
     return out

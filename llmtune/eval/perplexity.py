@@ -32,7 +32,7 @@ import numpy as np
 
 from llmtune.backends.dist import run_split
 from llmtune.backends.threads import cpu_workers
-from llmtune.errors import LlmtuneError, LlmtuneWarning, plural
+from llmtune.errors import Interrupted, LlmtuneError, LlmtuneWarning, plural
 from llmtune.quant.qtensor import backend_array, evaluation_copies
 from llmtune.tokenizer import read_text, require_text
 
@@ -62,6 +62,8 @@ class PerplexityResult:
     same_top_err: Optional[float] = None
     ppl_base: Optional[float] = None
     ppl_base_err: Optional[float] = None
+    partial: bool = False  # stopped (Ctrl-C / SIGTERM) after len(chunks) of n_chunks_planned chunks
+    n_chunks_planned: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -80,6 +82,7 @@ class PerplexityProgress:
     n_tokens: int
     ppl: float  # running estimate
     seconds: float
+    running: tuple = ()  # the running perplexity after each chunk this pass finished (llama.cpp's [i] values)
 
 
 # ------------------------------------------------------------------------------------ statistics
@@ -440,31 +443,41 @@ def _score_pass(chunks: _Chunks, scorers: list[ChunkScorer], c0: int) -> _BatchS
 
 def _accumulate(chunks: _Chunks, passes, with_kl: bool,
                 progress: Optional[Callable[[PerplexityProgress], None]]) -> PerplexityResult:
-    """Merge the passes' scores in chunk order, reporting progress after each pass."""
+    """Merge the passes' scores in chunk order, reporting progress after each pass. Stopped by a
+    signal, the Interrupted exception carries the result over the chunks done (`partial`)."""
     sums, kl_sums = _NllSums(), (_KlSums() if with_kl else None)
     t0 = time.perf_counter()
-    for c0, scores in zip(chunks.pass_starts, passes):
-        sums.add(scores.nll)
-        if kl_sums is not None:
-            kl_sums.add(scores)
-        if progress is not None:
-            done = min(c0 + chunks.n_seq, chunks.n_chunk)
-            progress(PerplexityProgress(done, chunks.n_chunk, done * chunks.ctx, chunks.n_chunk * chunks.ctx,
-                                        sums.current_ppl(), time.perf_counter() - t0))
-    res = _result(chunks, sums, time.perf_counter() - t0)
-    if kl_sums is not None:
-        kl_sums.fill(res)
-    return res
+    try:
+        for c0, scores in zip(chunks.pass_starts, passes):
+            sums.add(scores.nll)
+            if kl_sums is not None:
+                kl_sums.add(scores)
+            if progress is not None:
+                done = min(c0 + chunks.n_seq, chunks.n_chunk)
+                running = tuple(sums.running_ppl(chunks.n_scored)[c0:done])
+                progress(PerplexityProgress(done, chunks.n_chunk, done * chunks.ctx, chunks.n_chunk * chunks.ctx,
+                                            sums.current_ppl(), time.perf_counter() - t0, running))
+    except Interrupted as exc:
+        if sums.count:
+            exc.partial = _result(chunks, sums, time.perf_counter() - t0, kl_sums)
+        raise
+    return _result(chunks, sums, time.perf_counter() - t0, kl_sums)
 
 
-def _result(chunks: _Chunks, sums: _NllSums, seconds: float) -> PerplexityResult:
-    n_tokens = chunks.n_chunk * chunks.ctx
+def _result(chunks: _Chunks, sums: _NllSums, seconds: float, kl_sums: Optional[_KlSums] = None) -> PerplexityResult:
+    """The result over the chunks scored so far (all of them, or fewer: a partial result)."""
+    n_done = len(sums.chunk_nll)
+    n_tokens = n_done * chunks.ctx
     ppl, ppl_err = sums.estimate()
-    return PerplexityResult(
+    res = PerplexityResult(
         chunks=sums.running_ppl(chunks.n_scored), ppl=ppl, ppl_err=ppl_err, n_tokens=n_tokens,
         tokens_per_s=n_tokens / seconds if seconds > 0 else float("inf"), ctx=chunks.ctx,
         n_scored=sums.count, n_text_tokens=int(chunks.ids.size), seconds=seconds,
+        partial=n_done < chunks.n_chunk, n_chunks_planned=chunks.n_chunk,
     )
+    if kl_sums is not None:
+        kl_sums.fill(res)
+    return res
 
 
 # ------------------------------------------------------------------------------------ entry points
