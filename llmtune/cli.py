@@ -43,6 +43,23 @@ def _app_options(
 
 ModelArg = typer.Argument(..., help="Model file in GGUF format (as used by llama.cpp).", show_default=False)
 
+# options several commands take, declared once so each reads the same everywhere
+LoraOption = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's "
+                          "--lora; export merges it into the weights, as llama-export-lora).", show_default=False)
+LoraScaleOption = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora "
+                               "(llama.cpp's --lora-scaled). \\[default: 1]", show_default=False)
+
+
+def backend_option(default: Optional[str] = "cpu", default_text: str = " \\[default: cpu]"):
+    """--backend; finetune gives default None (its config decides) and the config's default as text."""
+    return typer.Option(default, "--backend", help="cpu, cuda or auto." + default_text, show_default=False)
+
+
+def precision_option(default: Optional[str] = "f32", default_text: str = " \\[default: f32]"):
+    """--precision; finetune gives default None (its config decides) and the config's default as text."""
+    return typer.Option(default, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation; "
+                        "finetune keeps f32 master weights)." + default_text, show_default=False)
+
 
 @app.command()
 def info(model: Path = ModelArg):
@@ -117,8 +134,8 @@ def finetune(
     seed: Optional[int] = typer.Option(None, "--seed", help="Shuffling seed; same seed, same output file." + _finetune_default("seed"), show_default=False),
     no_shuffle: bool = typer.Option(False, "--no-shuffle", help="Keep the training windows in file order."),
     metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON record per step and per validation pass here.", show_default=False),
-    backend: Optional[str] = typer.Option(None, "--backend", help="cpu, cuda or auto." + _finetune_default("backend"), show_default=False),
-    precision: Optional[str] = typer.Option(None, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights)." + _finetune_default("precision"), show_default=False),
+    backend: Optional[str] = backend_option(None, _finetune_default("backend")),
+    precision: Optional[str] = precision_option(None, _finetune_default("precision")),
     grad_checkpoint: bool = typer.Option(False, "--grad-checkpoint", help="Keep only the residual stream between layers and recompute each layer's activations in the backward: less memory (long contexts), about a third more compute; the same gradients."),
     lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Train a LoRA adapter of this rank on the frozen model; -o then receives llama.cpp's adapter GGUF (use it with --lora).", show_default=False),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", help="LoRA alpha: the adapter is scaled by alpha / rank." + _finetune_default("lora_alpha", unset="the rank"), show_default=False),
@@ -208,8 +225,8 @@ def _export_cmd(
         ..., "--type", "-t", show_default=False,
         help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m or q5_k_m.",
     ),
-    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF to merge into the weights first (repeat for several, as llama-export-lora).", show_default=False),
-    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
+    lora: Optional[List[Path]] = LoraOption,
+    lora_scale: Optional[List[float]] = LoraScaleOption,
 ):
     """Convert a model's weights to another type (F16, Q8_0, K-quants, llama.cpp's Q4_K_M / Q5_K_M mixes).
 
@@ -239,12 +256,12 @@ def perplexity_cmd(
     ctx: int = typer.Option(512, "--ctx", "-c", help="Tokens per chunk (llama-perplexity -c)."),
     batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass; a multiple of --ctx evaluates that many chunks at once. \\[default: 1024 on cpu, one pass per core]", show_default=False),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate only the first N chunks. \\[default: all]", show_default=False),
-    backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
+    backend: str = backend_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results (running values, ppl, error, tokens/s) as JSON here.", show_default=False),
     kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report KL-divergence (base || model) and top-token agreement.", show_default=False),
-    precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
-    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
-    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora (llama.cpp's --lora-scaled). \\[default: 1]", show_default=False),
+    precision: str = precision_option(),
+    lora: Optional[List[Path]] = LoraOption,
+    lora_scale: Optional[List[float]] = LoraScaleOption,
 ):
     """Perplexity over a text file, number for number as llama.cpp's llama-perplexity computes it.
 
@@ -291,14 +308,14 @@ def eval_cmd(
     tasks: Optional[int] = typer.Option(None, "--tasks", help="Score N tasks, chosen at random as llama.cpp chooses them. \\[default: HellaSwag 400, the others all]", show_default=False),
     ctx: int = typer.Option(512, "--ctx", "-c", help="llama-perplexity's -c: a task (shared prefix plus every answer) must fit in 4 x ctx tokens."),
     batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass (several tasks per pass). \\[default: 1024 on cpu, one pass per core]", show_default=False),
-    backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
-    precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
+    backend: str = backend_option(),
+    precision: str = precision_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every task's scores and choice, the totals and timings as JSON here.", show_default=False),
     kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report its accuracy, how often both choose alike, and KL(base || model) over the scored tokens.", show_default=False),
     topics: bool = typer.Option(False, "--topics", help="Multiple choice from JSONL with a \"topic\" field (MMLU): accuracy per topic."),
     summary: bool = typer.Option(False, "--summary", help="Print only the final lines, not llama.cpp's running line per task."),
-    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
-    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
+    lora: Optional[List[Path]] = LoraOption,
+    lora_scale: Optional[List[float]] = LoraScaleOption,
 ):
     """Benchmarks scored exactly as llama.cpp's llama-perplexity --hellaswag / --winogrande / --multiple-choice.
 
@@ -347,14 +364,14 @@ def generate_cmd(
     min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens less likely than this fraction of the most likely one; 0 disables."),
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise the last --repeat-last-n tokens (divide positive logits, multiply negative); 1 disables."),
     repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the repeat penalty looks at."),
-    seed: Optional[int] = typer.Option(None, "-s", "--seed", help="Sampling seed (llama.cpp's: the same seed gives its choices). \\[default: random]", show_default=False),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (llama.cpp's: the same seed gives its choices). \\[default: random]", show_default=False),
     ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (KV cache positions); 0: the model's. \\[default: the model's training context, at most 4096]", show_default=False),
-    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
-    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
+    lora: Optional[List[Path]] = LoraOption,
+    lora_scale: Optional[List[float]] = LoraScaleOption,
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template for --chat, instead of the model's tokenizer.chat_template.", show_default=False),
     no_display_prompt: bool = typer.Option(False, "--no-display-prompt", help="Print only the generated text, not the prompt first."),
-    backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
-    precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
+    backend: str = backend_option(),
+    precision: str = precision_option(),
 ):
     """Generate text with a KV cache, sampling as llama.cpp's llama-completion (greedy output is token for token llama.cpp's).
 
@@ -402,7 +419,7 @@ def generate_cmd(
             stream = Stream()
             res = session.reply(prompt, on_token=stream)
         else:
-            ids = gen.tokenize_prompt(prompt)
+            ids = gen.check_prompt(gen.tokenize_prompt(prompt))  # a prompt that cannot run fails before it is shown
             if not no_display_prompt:
                 sys.stdout.write(prompt)
             stream = Stream()

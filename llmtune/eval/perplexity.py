@@ -322,6 +322,16 @@ def add_bos_of(model) -> tuple[bool, int]:
     return bool(tok.add_bos), -1 if tok.bos_id is None else int(tok.bos_id)
 
 
+def warn_past_training(model, ctx: int) -> None:
+    """A LlmtuneWarning when ctx is beyond the model's training context (model/loaded.py
+    past_training; llama.cpp warns too: "possible training context overflow")."""
+    from llmtune.model.loaded import past_training
+
+    message = past_training(model, ctx)
+    if message:
+        warnings.warn(message, LlmtuneWarning, stacklevel=3)
+
+
 def _as_model(model_or_path):
     from llmtune.model.loaded import Model, load_model
 
@@ -508,9 +518,7 @@ def perplexity_from_ids(
     """
     models = _load_models(model, kl_base, lora, lora_scale)
     ids, n_chunk = _checked_ids(models[0], ids, ctx, chunks, source)
-    if ctx > models[0].hp.n_ctx_train:  # llama.cpp warns too ("possible training context overflow")
-        warnings.warn(f"--ctx {ctx} is more than the {models[0].hp.n_ctx_train} tokens {models[0].path} was trained on "
-                      f"({models[0].hp.arch}.context_length): positions past it are untrained", LlmtuneWarning, stacklevel=2)
+    warn_past_training(models[0], ctx)
     backend = _as_backend(backend, precision)
     plan = _plan_chunks(models[0], ids, ctx, n_chunk, batch, backend.name)
     n_workers = cpu_workers(backend.name, workers, len(plan.pass_starts))

@@ -687,8 +687,9 @@ def json_why(exc) -> str:
 
 
 def format_pieces(tok: Tokenizer, ids: Sequence[int]) -> bytes:
-    """llama-tokenize's listing: one `%6d -> '<piece>'` line per token, pieces as raw bytes."""
-    return b"".join(b"%6d -> '%s'\n" % (i, tok.token_to_bytes(i)) for i in ids)
+    """llama-tokenize's listing: one `%6d -> '<piece>'` line per token, pieces as raw bytes, but
+    a carriage return shown as \\r (raw, it would send the terminal's cursor back over the line)."""
+    return b"".join(b"%6d -> '%s'\n" % (i, tok.token_to_bytes(i).replace(b"\r", b"\\r")) for i in ids)
 
 
 def format_ids(ids: Sequence[int]) -> str:

@@ -11,6 +11,7 @@ from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from llmtune.eval.benchmarks import BenchmarkProgress, BenchmarkResult, wilson_interval
+from llmtune.ui.format import percent
 from llmtune.ui.perplexity import stream_writer, write_json as _write_json
 from llmtune.ui.progress import progress_bar
 
@@ -107,8 +108,8 @@ def topics_table(res: BenchmarkResult) -> Table:
     for col, justify in (("topic", "left"), ("right", "right"), ("tasks", "right"), ("accuracy", "right")):
         table.add_column(col, justify=justify)
     for topic, (right, total) in res.topics.items():
-        table.add_row(str(topic), str(right), str(total), f"{100 * right / total:.2f} %")
-    table.add_row("all", str(res.n_correct), str(res.n_tasks), f"{100 * res.accuracy:.2f} %", style="bold")
+        table.add_row(str(topic), str(right), str(total), percent(right / total))
+    table.add_row("all", str(res.n_correct), str(res.n_tasks), percent(res.accuracy), style="bold")
     return table
 
 
