@@ -283,3 +283,49 @@ def test_a_gzipped_gguf_gets_a_gzip_hint(tmp_path, monkeypatch, capsys):
     packed = tmp_path / "model.gguf.gz"
     packed.write_bytes(gzip.compress(STORIES.read_bytes()))
     _one_line_error(*run_cli(monkeypatch, capsys, "info", packed)[::2], "gzip-compressed", "gunzip")
+
+
+def test_a_short_flag_is_the_same_wherever_its_long_flag_is():
+    """`-s` was --seed in generate only: a long flag has the same short ones in every command."""
+    shorts: dict[str, set] = {}
+    for command in _commands().values():
+        for p in command.params:
+            opts = [o for o in getattr(p, "opts", ()) + tuple(getattr(p, "secondary_opts", ())) if o.startswith("-")]
+            longs = [o for o in opts if o.startswith("--")]
+            if longs and not getattr(p, "hidden", False):
+                shorts.setdefault(longs[0], set()).add(tuple(sorted(o for o in opts if not o.startswith("--"))))
+    assert {flag: s for flag, s in shorts.items() if len(s) > 1} == {}
+
+
+def test_generate_warns_past_the_training_context_and_greedy_has_no_seed(monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "generate", STORIES, "-p", "Once upon a time", "-n", "2",
+                             "--temp", "0", "-c", "4096")
+    assert code == 0 and out.startswith("Once upon a time")
+    assert f"warning: --ctx 4096 is more than the 2048 tokens {STORIES} was trained on" in err
+    assert "greedy" in err and "seed" not in err and "2 tokens (-n reached)" in err
+
+
+def test_generate_refuses_a_prompt_longer_than_the_context_before_printing_it(monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "generate", STORIES, "-c", "4", "-p", "Once upon a time")
+    _one_line_error(code, err, "the prompt has 5 tokens, more than the context of 4")
+    assert out == ""
+
+
+def test_a_batch_mistake_names_only_the_flag_given(small_text, tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", STORIES, small_text, "-o", tmp_path / "o.gguf",
+                           "-c", "64", "-b", "100")
+    _one_line_error(code, err, "--batch 100: must be a multiple of --ctx 64")
+    assert "--ubatch" not in err
+
+
+def test_tokenize_shows_a_carriage_return_escaped(tmp_path, monkeypatch, capsys):
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"one line\r\ntwo")
+    code, out, err = run_cli(monkeypatch, capsys, "tokenize", STORIES, crlf)
+    assert code == 0 and "'\\r'" in out and "\r" not in out
+
+
+def test_benchmark_accuracy_is_a_percentage_everywhere():
+    from llmtune.ui.format import percent
+
+    assert percent(0.35) == "35.00 %" and percent(0.35, 0.109424) == "35.00 ± 10.94 %" and percent(None) == "-"
