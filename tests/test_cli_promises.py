@@ -290,7 +290,7 @@ def test_a_short_flag_is_the_same_wherever_its_long_flag_is():
     shorts: dict[str, set] = {}
     for command in _commands().values():
         for p in command.params:
-            opts = [o for o in getattr(p, "opts", ()) + tuple(getattr(p, "secondary_opts", ())) if o.startswith("-")]
+            opts = [o for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ())) if o.startswith("-")]
             longs = [o for o in opts if o.startswith("--")]
             if longs and not getattr(p, "hidden", False):
                 shorts.setdefault(longs[0], set()).add(tuple(sorted(o for o in opts if not o.startswith("--"))))
