@@ -11,6 +11,7 @@ from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from llmtune.eval.benchmarks import BenchmarkProgress, BenchmarkResult, wilson_interval
+from llmtune.errors import plural
 from llmtune.ui.format import percent
 from llmtune.ui.perplexity import stream_writer, write_json as _write_json
 from llmtune.ui.progress import progress_bar
@@ -93,7 +94,7 @@ def summary_lines(res: BenchmarkResult) -> list[str]:
         lines.insert(0, f"Interrupted: the results below are over the {n} of {res.n_tasks_planned} tasks done")
     rate = n / res.seconds if res.seconds > 0 else float("inf")
     shared = f" ({res.n_computed:,} computed: questions shared)" if 0 < res.n_computed < res.n_tokens else ""
-    lines.append(f"{n} tasks ({res.n_correct} right), {res.n_tokens:,} tokens{shared} in {res.seconds:.2f} s: "
+    lines.append(f"{plural(n, 'task')} ({res.n_correct} right), {plural(res.n_tokens, 'token')}{shared} in {res.seconds:.2f} s: "
                  f"{rate:,.1f} tasks/s, {res.tokens_per_s:,.0f} tokens/s")
     return lines
 
