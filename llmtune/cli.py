@@ -14,10 +14,11 @@ from rich.markup import escape
 
 from llmtune.errors import Interrupted, LlmtuneError, LlmtuneWarning
 from llmtune.ui.console import NoWrapConsole, survive_closed_pipes
-from llmtune.ui.usage import readable_help
+from llmtune.ui.usage import ReadableGroup, readable_help
 
 app = typer.Typer(
     name="llmtune",
+    cls=ReadableGroup,
     help="Finetune and evaluate GGUF (llama.cpp) language models on CPU or NVIDIA GPUs.",
     no_args_is_help=True,
     add_completion=False,

@@ -223,8 +223,8 @@ def test_help_renders_every_text_literally():
 def test_help_shows_readable_placeholders(monkeypatch, capsys):
     code, out, _ = run_cli(monkeypatch, capsys, "init", "--help")
     assert code == 0 and "TOML [model] table" in out
-    for name in _commands():
-        code, out, _ = run_cli(monkeypatch, capsys, name, "--help")
+    for name in ["", *_commands()]:  # "": llmtune --help
+        code, out, _ = run_cli(monkeypatch, capsys, *([name] if name else []), "--help")
         assert code == 0 and not re.search(r"<(bool|int|float|str|path|list\[\w+\])>|\{[a-z_]+\}", out), (name, out)
     code, out, _ = run_cli(monkeypatch, capsys, "generate", "--help")
     assert re.search(r"--lora\s+FILE", out) and re.search(r"--temp\s+X", out) and re.search(r"--top-k\s+N", out)

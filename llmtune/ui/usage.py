@@ -115,9 +115,9 @@ class _Argument(typer.core.TyperArgument):
         return self.display_name_raw if self.required else f"[{self.display_name_raw}]"
 
 
-class ReadableCommand(typer.core.TyperCommand):
-    """A command whose --help names values FILE, N, X or TEXT (flags show none) instead of typer's
-    <path>, <int>, <bool>, <list[Path]> and {model}."""
+class _Readable:
+    """--help that names values FILE, N, X or TEXT (flags show none) instead of typer's <path>,
+    <int>, <bool>, <list[Path]> and {model}."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -135,6 +135,14 @@ class ReadableCommand(typer.core.TyperCommand):
         if option is not None:
             option.metavar = ""  # a flag: no <bool>
         return option
+
+
+class ReadableCommand(_Readable, typer.core.TyperCommand):
+    """A command with readable --help (see _Readable)."""
+
+
+class ReadableGroup(_Readable, typer.core.TyperGroup):
+    """The command group (`llmtune --help`) with readable --help (see _Readable)."""
 
 
 def readable_help(app: typer.Typer) -> None:
