@@ -13,10 +13,12 @@ import typer
 from rich.markup import escape
 
 from llmtune.errors import Interrupted, LlmtuneError, LlmtuneWarning
-from llmtune.ui.console import NoWrapConsole
+from llmtune.ui.console import NoWrapConsole, survive_closed_pipes
+from llmtune.ui.usage import ReadableGroup, readable_help
 
 app = typer.Typer(
     name="llmtune",
+    cls=ReadableGroup,
     help="Finetune and evaluate GGUF (llama.cpp) language models on CPU or NVIDIA GPUs.",
     no_args_is_help=True,
     add_completion=False,
@@ -41,6 +43,26 @@ def _app_options(
     """Finetune and evaluate GGUF (llama.cpp) language models on CPU or NVIDIA GPUs."""
 
 ModelArg = typer.Argument(..., help="Model file in GGUF format (as used by llama.cpp).", show_default=False)
+
+# options several commands take, declared once so each reads the same everywhere
+LoraOption = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's "
+                          "--lora; export merges it into the weights, as llama-export-lora).", show_default=False)
+LoraScaleOption = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora "
+                               "(llama.cpp's --lora-scaled). \\[default: 1]", show_default=False)
+
+
+def backend_option(default: Optional[str] = "cpu", default_text: str = " \\[default: cpu]"):
+    """--backend; finetune gives default None (its config decides) and the config's default as text."""
+    return typer.Option(default, "--backend", help="cpu, cuda or auto." + default_text, show_default=False)
+
+
+def precision_option(default: Optional[str] = "f32", default_text: str = " \\[default: f32]"):
+    """--precision; finetune gives default None (its config decides) and the config's default as text."""
+    return typer.Option(default, "--precision", help="Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation; "
+                        "finetune keeps f32 master weights)." + default_text, show_default=False)
+
+
+SHARED_OPTIONS = {"backend": backend_option, "precision": precision_option}  # finetune's settings that other commands share
 
 
 @app.command()
@@ -101,7 +123,9 @@ def _setting_options() -> list:
     params = []
     for f in dataclasses.fields(FinetuneConfig):
         meta, names = f.metadata, [flag_name(f.name)] + ([f.metadata["short"]] if f.metadata.get("short") else [])
-        if f.type == "bool":
+        if f.name in SHARED_OPTIONS:  # declared once for every command
+            option, annotation = SHARED_OPTIONS[f.name](None, _finetune_default(f.name)), Optional[str]
+        elif f.type == "bool":
             option, annotation = typer.Option(False, *names, help=meta["help"]), bool
         else:
             kind = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(f.type, str)
@@ -183,7 +207,7 @@ app.command()(_with_setting_options(finetune))
 # --- init (llmtune/convert/init.py) ---
 @app.command("init")
 def init_cmd(
-    config: Optional[Path] = typer.Option(None, "--config", help="Model shape: a TOML [model] table, e.g. configs/llama-15m.toml.", show_default=False),
+    config: Optional[Path] = typer.Option(None, "--config", help="Model shape: a TOML \\[model] table, e.g. configs/llama-15m.toml.", show_default=False),
     config_c: Optional[Path] = typer.Option(None, "-c", hidden=True),  # init's old short flag: -c is --ctx in every other command
     vocab_from: Path = typer.Option(..., "--vocab-from", help="GGUF whose tokenizer (all tokenizer.* keys) the new model uses.", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the new GGUF.", show_default=False),
@@ -218,8 +242,8 @@ def _export_cmd(
         ..., "--type", "-t", show_default=False,
         help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m or q5_k_m.",
     ),
-    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF to merge into the weights first (repeat for several, as llama-export-lora).", show_default=False),
-    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
+    lora: Optional[List[Path]] = LoraOption,
+    lora_scale: Optional[List[float]] = LoraScaleOption,
 ):
     """Convert a model's weights to another type (F16, Q8_0, K-quants, llama.cpp's Q4_K_M / Q5_K_M mixes).
 
@@ -228,11 +252,13 @@ def _export_cmd(
     Example: llmtune export model.gguf --lora adapter.gguf --type q4_k_m -o merged-q4_k_m.gguf
     """
     from llmtune.convert.export import export
-    from llmtune.ui.export import export_progress, summary_table
+    from llmtune.ui.export import export_progress, summary_notes, summary_table
 
     with export_progress(err, type) as on_tensor:
         summary = export(model, output, type, progress=on_tensor, lora=lora, lora_scale=lora_scale)
     out.print(summary_table(summary))
+    for line in summary_notes(summary):
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 app.command("export")(_export_cmd)
@@ -247,12 +273,12 @@ def perplexity_cmd(
     ctx: int = typer.Option(512, "--ctx", "-c", help="Tokens per chunk (llama-perplexity -c)."),
     batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass; a multiple of --ctx evaluates that many chunks at once. \\[default: 1024 on cpu, one pass per core]", show_default=False),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate only the first N chunks. \\[default: all]", show_default=False),
-    backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
+    backend: str = backend_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results (running values, ppl, error, tokens/s) as JSON here.", show_default=False),
     kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report KL-divergence (base || model) and top-token agreement.", show_default=False),
-    precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
-    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
-    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora (llama.cpp's --lora-scaled). \\[default: 1]", show_default=False),
+    precision: str = precision_option(),
+    lora: Optional[List[Path]] = LoraOption,
+    lora_scale: Optional[List[float]] = LoraScaleOption,
 ):
     """Perplexity over a text file, number for number as llama.cpp's llama-perplexity computes it.
 
@@ -268,10 +294,22 @@ def perplexity_cmd(
     inputs = (model, text, *([kl_base] if kl_base else []), *(lora or []))
     if json_out is not None:
         check_output_path(json_out, *inputs, flag="--json")  # refuse a bad --json before the (long) evaluation
-    with perplexity_progress(err) as on_progress:
-        result = perplexity(model, text, ctx=ctx, batch=batch, chunks=chunks, backend=backend,
-                            kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
-    out.print(format_report(result), highlight=False, soft_wrap=True)
+    try:
+        with perplexity_progress(err, out) as on_progress:  # the running values stream to stdout
+            result = perplexity(model, text, ctx=ctx, batch=batch, chunks=chunks, backend=backend, kl_base=kl_base,
+                                progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
+    except Interrupted as exc:  # Ctrl-C: the estimate and --json over the chunks done, then exit 130
+        if exc.partial is not None:
+            _report(exc.partial, format_report(exc.partial, running=False), write_json, json_out, inputs)
+        raise
+    _report(result, format_report(result, running=False), write_json, json_out, inputs)
+
+
+def _report(result, text: str, write_json, json_out: Optional[Path], inputs) -> None:
+    """An evaluation's final lines on stdout (raw: llama.cpp's lines hold tabs), then its --json."""
+    if not out.quiet:  # under MPI rank 0 alone prints (dist.quiet_other_ranks)
+        out.file.write(text + "\n")
+        out.file.flush()
     if json_out is not None:
         write_json(result, json_out, *inputs)
 
@@ -287,14 +325,14 @@ def eval_cmd(
     tasks: Optional[int] = typer.Option(None, "--tasks", help="Score N tasks, chosen at random as llama.cpp chooses them. \\[default: HellaSwag 400, the others all]", show_default=False),
     ctx: int = typer.Option(512, "--ctx", "-c", help="llama-perplexity's -c: a task (shared prefix plus every answer) must fit in 4 x ctx tokens."),
     batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass (several tasks per pass). \\[default: 1024 on cpu, one pass per core]", show_default=False),
-    backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
-    precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
+    backend: str = backend_option(),
+    precision: str = precision_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every task's scores and choice, the totals and timings as JSON here.", show_default=False),
     kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report its accuracy, how often both choose alike, and KL(base || model) over the scored tokens.", show_default=False),
     topics: bool = typer.Option(False, "--topics", help="Multiple choice from JSONL with a \"topic\" field (MMLU): accuracy per topic."),
     summary: bool = typer.Option(False, "--summary", help="Print only the final lines, not llama.cpp's running line per task."),
-    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
-    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
+    lora: Optional[List[Path]] = LoraOption,
+    lora_scale: Optional[List[float]] = LoraScaleOption,
 ):
     """Benchmarks scored exactly as llama.cpp's llama-perplexity --hellaswag / --winogrande / --multiple-choice.
 
@@ -312,19 +350,20 @@ def eval_cmd(
     inputs = (model, file, *([kl_base] if kl_base else []), *(lora or []))
     if json_out is not None:
         check_output_path(json_out, *inputs, flag="--json")  # refuse a bad --json before the (long) evaluation
-    with benchmark_progress(err) as on_progress:
-        result = evaluate(model, file, kinds[0] if kinds else None, tasks=tasks, ctx=ctx, batch=batch, backend=backend,
-                          kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
-    if not out.quiet:  # under MPI rank 0 alone prints (dist.quiet_other_ranks)
-        out.file.write(format_report(result, running=not summary) + "\n")  # raw: llama.cpp's lines hold tabs
-        out.file.flush()
+    try:
+        with benchmark_progress(err, None if summary else out) as on_progress:  # running lines stream to stdout
+            result = evaluate(model, file, kinds[0] if kinds else None, tasks=tasks, ctx=ctx, batch=batch, backend=backend,
+                              kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
+    except Interrupted as exc:  # Ctrl-C: the results and --json over the tasks done, then exit 130
+        if exc.partial is not None:
+            _report(exc.partial, format_report(exc.partial, running=False), write_json, json_out, inputs)
+        raise
+    _report(result, format_report(result, running=False), write_json, json_out, inputs)
     if topics:
         if not result.topics:
             err.print(f"--topics: {file} names no topics (a JSONL \"topic\" field)", highlight=False)
         else:
             out.print(topics_table(result))
-    if json_out is not None:
-        write_json(result, json_out, *inputs)
 
 
 # --- generate (llmtune/eval/generate.py) ---
@@ -342,14 +381,14 @@ def generate_cmd(
     min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens less likely than this fraction of the most likely one; 0 disables."),
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise the last --repeat-last-n tokens (divide positive logits, multiply negative); 1 disables."),
     repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the repeat penalty looks at."),
-    seed: Optional[int] = typer.Option(None, "-s", "--seed", help="Sampling seed (llama.cpp's: the same seed gives its choices). \\[default: random]", show_default=False),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (llama.cpp's: the same seed gives its choices). \\[default: random]", show_default=False),
     ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (KV cache positions); 0: the model's. \\[default: the model's training context, at most 4096]", show_default=False),
-    lora: Optional[List[Path]] = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's --lora).", show_default=False),
-    lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
+    lora: Optional[List[Path]] = LoraOption,
+    lora_scale: Optional[List[float]] = LoraScaleOption,
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template for --chat, instead of the model's tokenizer.chat_template.", show_default=False),
     no_display_prompt: bool = typer.Option(False, "--no-display-prompt", help="Print only the generated text, not the prompt first."),
-    backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
-    precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
+    backend: str = backend_option(),
+    precision: str = precision_option(),
 ):
     """Generate text with a KV cache, sampling as llama.cpp's llama-completion (greedy output is token for token llama.cpp's).
 
@@ -397,7 +436,7 @@ def generate_cmd(
             stream = Stream()
             res = session.reply(prompt, on_token=stream)
         else:
-            ids = gen.tokenize_prompt(prompt)
+            ids = gen.check_prompt(gen.tokenize_prompt(prompt))  # a prompt that cannot run fails before it is shown
             if not no_display_prompt:
                 sys.stdout.write(prompt)
             stream = Stream()
@@ -455,30 +494,64 @@ def _start_ranks() -> None:
             sys.exit(0)  # a command that does not split its work: rank 0 alone runs it (and writes its files)
 
 
+readable_help(app)  # every command above: --help with FILE, N, X, TEXT
+
+
+# the flags that shrink each command's memory, named when it does not fit (resources.memory_refusal)
+SHRINK_FLAGS = {"finetune": "--ubatch, --ctx or --grad-checkpoint", "perplexity": "--batch or --ctx",
+                "eval": "--batch or --ctx", "generate": "--ctx"}
+
+
+def _error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
-    """Console-script entry: user errors become one line on stderr and exit code 2 (a run that
-    diverged: 3); Ctrl-C / SIGTERM exit 130 / 143 after saying what was kept."""
+    """Console-script entry: user errors (flag mistakes included) become one line on stderr and
+    exit code 2 (a run that diverged: 3), as does memory that runs out; Ctrl-C / SIGTERM exit
+    130 / 143 after saying what was kept; a reader that closes the pipe stops the output only."""
     import threading
+
+    from llmtune.resources import out_of_memory_message
+    from llmtune.ui.usage import errors, usage_error_line
 
     in_main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     warnings.showwarning = _show_warning
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
     try:
-        _start_ranks()
-        app()
-    except LlmtuneError as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        if getattr(exc, "resumable", False) and getattr(exc, "checkpoint", None):
-            err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
-    except Interrupted as exc:
-        err.print(escape(exc.message or "interrupted"), highlight=False, soft_wrap=True)
-        if exc.checkpoint is not None:
-            err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        sys.exit(130)
+        with survive_closed_pipes():
+            try:
+                _start_ranks()
+                code = app(standalone_mode=False)  # click's errors come here, not to typer's boxes
+                sys.exit(code if isinstance(code, int) else 0)
+            except errors.NoArgsIsHelpError:  # the help is printed already
+                sys.exit(2)
+            except errors.UsageError as exc:
+                _error(usage_error_line(exc))
+                sys.exit(2)
+            except errors.ClickException as exc:
+                _error(" ".join(exc.format_message().split()))
+                sys.exit(exc.exit_code)
+            except typer.Abort:
+                _error("aborted")
+                sys.exit(1)
+            except LlmtuneError as exc:
+                _error(str(exc))
+                if getattr(exc, "resumable", False) and getattr(exc, "checkpoint", None):
+                    err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
+                sys.exit(exc.exit_code)
+            except MemoryError as exc:  # what the estimate before the run did not foresee (cupy's too)
+                _error(out_of_memory_message(exc, f"llmtune {command}".strip(), SHRINK_FLAGS.get(command, "")))
+                sys.exit(2)
+            except Interrupted as exc:
+                err.print(escape(exc.message or "interrupted"), highlight=False, soft_wrap=True)
+                if exc.checkpoint is not None:
+                    err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
+                sys.exit(exc.exit_code)
+            except KeyboardInterrupt:
+                err.print("interrupted")
+                sys.exit(130)
     finally:
         warnings.showwarning = _default_showwarning
         for sig, handler in previous.items():

@@ -42,11 +42,13 @@ class Interrupted(BaseException):
     """SIGINT (Ctrl-C) or SIGTERM. A BaseException, as KeyboardInterrupt is, so that `except
     Exception` never swallows it while every `finally` (temp files) still runs. The CLI exits with
     128 + the signal number (130, 143). A finetune run stopped by the first signal sets
-    `checkpoint` to the checkpoint it wrote (or the last one when a second signal aborted it)."""
+    `checkpoint` to the checkpoint it wrote (or the last one when a second signal aborted it); an
+    evaluation (perplexity, eval) sets `partial` to its result over the work done so far."""
 
     def __init__(self, signum: int, message: str = "", checkpoint: "Path | None" = None):
         super().__init__(message or "interrupted")
         self.signum, self.message, self.checkpoint = signum, message, checkpoint
+        self.partial = None
 
     @property
     def exit_code(self) -> int:
@@ -55,3 +57,9 @@ class Interrupted(BaseException):
 
 class LlmtuneWarning(UserWarning):
     """Something the user should know that does not stop the command (the CLI prints one line)."""
+
+
+def plural(n: int, word: str, many: str = "") -> str:
+    """'1 token', '2 tokens', '1,024 tokens' (`many`: an irregular plural): every count a message
+    shows, so none says "1 epochs"."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"

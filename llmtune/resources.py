@@ -12,12 +12,41 @@ from typing import BinaryIO, Callable, Optional
 from llmtune.errors import LlmtuneError
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 10 * 2**20 else f"{n / 2**20:.1f} MiB"
+
+
+MEMORY_LIMIT_ENV = "LLMTUNE_MEMORY_LIMIT"  # a cap on what a run may use (bytes, or 512M, 2G...)
+
+
+def memory_limit() -> Optional[int]:
+    """LLMTUNE_MEMORY_LIMIT in bytes (a number, optionally with K, M, G or T), None when unset."""
+    value = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if not value:
+        return None
+    scale = 1024 ** (" KMGT".index(value[-1].upper())) if value[-1].upper() in "KMGT" else 1
+    try:
+        limit = int(float(value[:-1] if scale > 1 else value) * scale)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise LlmtuneError(f"{MEMORY_LIMIT_ENV}={value}: not a size (bytes, or a number with K, M, G or T)")
+    return limit
+
+
 def available_memory(backend=None) -> Optional[int]:
     """Bytes a run may allocate: the device's free memory (a backend that can tell), else
-    MemAvailable on the host; None when unknown."""
+    MemAvailable on the host; at most LLMTUNE_MEMORY_LIMIT; None when unknown."""
+    limit = memory_limit()
     probe = getattr(backend, "available_memory", None)
     if probe is not None:
-        return probe()
+        avail = probe()
+    else:
+        avail = _host_available()
+    return avail if limit is None else limit if avail is None else min(avail, limit)
+
+
+def _host_available() -> Optional[int]:
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -26,6 +55,24 @@ def available_memory(backend=None) -> Optional[int]:
     except OSError:
         pass
     return None
+
+
+def check_memory(need: int, what: str, shrink: str, backend=None) -> None:
+    """Refuse up front, in one line, work that needs more memory than is available: `what` (the
+    file or command) needs about NEED but only AVAIL is available (lower `shrink`)."""
+    avail = available_memory(backend)
+    if avail is not None and need > avail:
+        raise LlmtuneError(f"{what}: needs about {_mib(need)} of memory but only {_mib(avail)} is available"
+                           + (f" (lower {shrink})" if shrink else ""))
+
+
+def out_of_memory_message(exc: MemoryError, what: str, shrink: str) -> str:
+    """An allocation that failed anyway (numpy's or cupy's MemoryError) in check_memory's words."""
+    need = getattr(exc, "_total_size", None) or getattr(exc, "size", None)  # numpy's _ArrayMemoryError; cupy's
+    avail = available_memory()
+    asked = f"could not allocate {_mib(need)}" if isinstance(need, int) else "ran out of memory"
+    have = f"; {_mib(avail)} is available" if avail is not None else ""
+    return f"{what}: {asked}{have}" + (f" (lower {shrink})" if shrink else "")
 
 
 def process_rss() -> Optional[int]:

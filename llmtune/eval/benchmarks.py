@@ -31,8 +31,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from llmtune.errors import LlmtuneError
-from llmtune.eval.continuations import Row, ScoreProgress, common_prefix, score_rows
+from llmtune.errors import Interrupted, LlmtuneError
+from llmtune.eval.continuations import Row, RowScores, ScoreProgress, common_prefix, score_rows
 from llmtune.eval.perplexity import _as_backend, _load_models, add_bos_of
 from llmtune.eval.tasks import KINDS, detect_kind, read_tasks, select_tasks
 
@@ -77,6 +77,8 @@ class BenchmarkResult:
     same_choice: Optional[float] = None  # fraction of tasks where model and base choose alike
     kl: Optional[float] = None  # mean KL(base || model) over the scored tokens
     kl_max: Optional[float] = None
+    partial: bool = False  # stopped (Ctrl-C / SIGTERM) after n_tasks of n_tasks_planned tasks
+    n_tasks_planned: int = 0
 
     @property
     def n_tasks(self) -> int:
@@ -116,6 +118,8 @@ class BenchmarkProgress:
     tokens_done: int
     n_tokens: int
     seconds: float
+    finished: tuple = ()  # TaskScores of the tasks this pass finished, in the order they finished
+    kind: str = ""  # the benchmark's kind (hellaswag, winogrande, multiple-choice)
 
 
 def wilson_interval(correct: int, n: int) -> tuple[float, float]:
@@ -319,31 +323,39 @@ def score_benchmark(
         rows += task.rows
         owner += [t] * len(task.rows)
     left = [len(task.rows) for task in bench.tasks]
-    finished = np.zeros(len(bench.tasks), dtype=bool)
-    state = {"done": 0}
+    done: dict[int, TaskScore] = {}  # task -> its score, in the order the tasks finished
+    state = {"tokens": 0, "passes": 0}
+
+    def task_score(t: int, scores) -> TaskScore:
+        task, rows_of = bench.tasks[t], slice(offsets[t], offsets[t] + len(bench.tasks[t].rows))
+        s = _answer_scores(task, scores.logprob[rows_of])
+        ts = TaskScore(task.index, _choose(bench.kind, s), task.gold, s, task.topic)
+        if scores.base_logprob is not None:
+            ts.base_choice = _choose(bench.kind, _answer_scores(task, scores.base_logprob[rows_of]))
+        return ts
 
     def on_pass(p: ScoreProgress) -> None:
+        finished = []
         for j in p.rows:
             t = owner[j]
             left[t] -= 1
             if left[t] == 0:
-                finished[t] = True
-                state["done"] += 1
+                done[t] = task_score(t, p.scores)
+                finished.append(done[t])
+        state["tokens"], state["passes"] = p.tokens_done, state["passes"] + 1
         if progress is not None:
-            progress(BenchmarkProgress(state["done"], len(bench.tasks), 0, p.tokens_done, p.n_tokens, p.seconds))
+            progress(BenchmarkProgress(len(done), len(bench.tasks), sum(ts.correct for ts in done.values()),
+                                       p.tokens_done, p.n_tokens, p.seconds, tuple(finished), bench.kind))
 
     t0 = time.perf_counter()
-    res = score_rows(models, rows, backend=backend, batch=batch, workers=workers, progress=on_pass)
-    seconds = time.perf_counter() - t0
-    scores = []
-    for t, task in enumerate(bench.tasks):
-        lp = res.logprob[offsets[t]:offsets[t] + len(task.rows)]
-        s = _answer_scores(task, lp)
-        ts = TaskScore(task.index, _choose(bench.kind, s), task.gold, s, task.topic)
-        if res.base_logprob is not None:
-            ts.base_choice = _choose(bench.kind, _answer_scores(task, res.base_logprob[offsets[t]:offsets[t] + len(task.rows)]))
-        scores.append(ts)
-    return _result(bench, scores, res, seconds)
+    try:
+        res = score_rows(models, rows, backend=backend, batch=batch, workers=workers, progress=on_pass)
+    except Interrupted as exc:  # Ctrl-C: the result over the tasks finished (file order), marked partial
+        if done:
+            partial = RowScores([], n_passes=state["passes"], n_tokens=state["tokens"])
+            exc.partial = _result(bench, [done[t] for t in sorted(done)], partial, time.perf_counter() - t0)
+        raise
+    return _result(bench, [done[t] for t in range(len(bench.tasks))], res, time.perf_counter() - t0)
 
 
 def _result(bench: Benchmark, scores: list[TaskScore], res, seconds: float) -> BenchmarkResult:
@@ -354,6 +366,7 @@ def _result(bench: Benchmark, scores: list[TaskScore], res, seconds: float) -> B
     lo, hi = wilson_interval(correct, n)
     out = BenchmarkResult(bench.kind, str(bench.path), scores, p, err, lo, hi,
                           random_chance=n / bench.n_answers if bench.n_answers else 0.0,
+                          partial=n < len(bench.tasks), n_tasks_planned=len(bench.tasks),
                           n_tokens=res.n_tokens, n_computed=res.n_computed, n_passes=res.n_passes, seconds=seconds,
                           tokens_per_s=res.n_tokens / seconds if seconds > 0 else 0.0)
     if any(t.topic is not None for t in scores):

@@ -30,8 +30,8 @@ import numpy as np
 from llmtune.arch.prefix import PrefixShape, prefix_inputs
 from llmtune.backends.dist import run_split
 from llmtune.backends.threads import cpu_workers
-from llmtune.eval.perplexity import (DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_TOKENS_OTHER, _scorer_factory, kl_rows,
-                                     log_softmax, token_nll)
+from llmtune.eval.perplexity import (DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_TOKENS_OTHER, _scorer_factory,
+                                     check_evaluation_memory, kl_rows, log_softmax, pass_bytes, token_nll)
 from llmtune.errors import LlmtuneError
 
 PROGRAMS_PER_WORKER = 4  # compiled pass shapes kept per worker (passes come sorted, so shapes repeat)
@@ -72,6 +72,7 @@ class ScoreProgress:
     tokens_done: int
     n_tokens: int
     seconds: float
+    scores: Optional["RowScores"] = None  # filled so far: every row of `rows` (and of earlier passes) is in
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,27 @@ def _score_pass(rows: list[Row], with_base: bool, scorers, p):
     return np.split(lp, split), np.split(blp, split), np.split(kl, split)
 
 
+def _shape(p) -> tuple:
+    """(n_seq, n_tok, first, prefix) of a pass's program."""
+    if isinstance(p, _PrefixPass):
+        return 1, p.shape.n_tok, p.shape.branch_start, p.shape
+    return len(p.rows), p.n_tok, p.first, None
+
+
+def _check_memory(models, backend, passes, n_workers: int) -> None:
+    """Refuse the run before any allocation when the weights and the arenas its workers keep (up
+    to PROGRAMS_PER_WORKER compiled shapes each, counted at the biggest pass's) do not fit."""
+    if not passes:
+        return
+    shapes = {_shape(p) for p in passes}
+    biggest = max(passes, key=lambda p: _shape(p)[0] * _shape(p)[1])
+    n_seq, n_tok, first, prefix = _shape(biggest)
+    arena = pass_bytes(models[0], backend, n_seq, n_tok, first, prefix)
+    check_evaluation_memory(models, backend, arena, n_workers * min(PROGRAMS_PER_WORKER, len(shapes)),
+                            f"{models[0].path}: a benchmark pass of {n_seq * n_tok:,} tokens "
+                            f"({n_workers} at once, {min(PROGRAMS_PER_WORKER, len(shapes))} shapes kept each)")
+
+
 def score_rows(
     models: list,
     rows: list[Row],
@@ -278,6 +300,7 @@ def score_rows(
     passes = plan_passes(rows, batch, min(limits, default=None))
     n_workers = cpu_workers(backend.name, workers, len(passes))
     max_len = max((p.shape.seq_len if isinstance(p, _PrefixPass) else p.n_tok for p in passes), default=1)
+    _check_memory(models, backend, passes, n_workers)
     make = _scorer_factory(models, backend, max_len, keep=PROGRAMS_PER_WORKER)
     with_base = len(models) > 1
     out = RowScores([None] * len(rows), [None] * len(rows) if with_base else None,
@@ -294,7 +317,7 @@ def score_rows(
             tokens_done += rows[j].tokens.size
         done += len(p.rows)
         if progress is not None:
-            progress(ScoreProgress(p.rows, done, len(rows), tokens_done, n_tokens, time.perf_counter() - t0))
+            progress(ScoreProgress(p.rows, done, len(rows), tokens_done, n_tokens, time.perf_counter() - t0, out))
     out.n_tokens, out.seconds = n_tokens, time.perf_counter() - t0
     out.n_computed = sum(_computed_tokens(rows, p) for p in passes)
     return out

@@ -24,6 +24,7 @@ import numpy as np
 
 from llmtune.arch.kvcache import CacheShape, KVCache
 from llmtune.errors import LlmtuneError
+from llmtune.eval.perplexity import warn_past_training
 from llmtune.eval.sampling import Sampler, SamplerConfig
 from llmtune.graph.planner import Program, Replay
 from llmtune.tokenizer.chat_template import eog_ids
@@ -52,6 +53,7 @@ class GenerateResult:
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     n_ctx: int = 0
+    greedy: bool = False  # --temp 0: the seed plays no part in the tokens
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -82,6 +84,7 @@ class Generator:
         if model.max_positions is not None and n_ctx > model.max_positions:
             raise LlmtuneError(f"--ctx {n_ctx}: {model.path} has learned positions for {hp.n_ctx_train} tokens only")
         self.n_ctx, self.n_batch = int(n_ctx), int(n_batch)
+        warn_past_training(model, self.n_ctx)
         self.shape = CacheShape.of(hp, self.n_ctx)
         be = self.backend
         # the tensors as the graph binds them (a quantized matrix as its bytes: quant/qtensor.py), or
@@ -135,15 +138,7 @@ class Generator:
     def feed(self, ids: Iterable[int]) -> np.ndarray:
         """Make the cache hold exactly `ids` and return the logits [V] after the last of them:
         the prefix already cached is kept, the rest evaluated in batches of n_batch."""
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise LlmtuneError("generate: the prompt is empty")
-        if len(ids) > self.n_ctx:
-            raise LlmtuneError(f"generate: the prompt has {len(ids)} tokens, more than the context of {self.n_ctx} "
-                               "(raise --ctx)")
-        bad = [i for i in ids if not 0 <= i < self.model.hp.n_vocab]
-        if bad:
-            raise LlmtuneError(f"{self.model.path}: token id {bad[0]} is outside the vocabulary of {self.model.hp.n_vocab}")
+        ids = self.check_prompt(ids)
         keep = 0
         for a, b in zip(self.tokens, ids):
             if a != b:
@@ -157,6 +152,20 @@ class Generator:
             logits = self._run(np.asarray(chunk, dtype=np.int32), start)
             self.tokens += chunk
         return np.array(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)  # (the buffer is reused)
+
+    def check_prompt(self, ids: Iterable[int]) -> list[int]:
+        """The ids as ints, or a one-line error when they cannot be fed (empty, longer than the
+        context, outside the vocabulary): callable before anything is printed."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise LlmtuneError("generate: the prompt is empty")
+        if len(ids) > self.n_ctx:
+            raise LlmtuneError(f"generate: the prompt has {len(ids)} tokens, more than the context of {self.n_ctx} "
+                               "(raise --ctx)")
+        bad = [i for i in ids if not 0 <= i < self.model.hp.n_vocab]
+        if bad:
+            raise LlmtuneError(f"{self.model.path}: token id {bad[0]} is outside the vocabulary of {self.model.hp.n_vocab}")
+        return ids
 
     def step(self, token: int) -> np.ndarray:
         """Append one token to the context and return the logits after it."""
@@ -196,7 +205,8 @@ class Generator:
                 on_token(-1, tail)
         text = b"".join(pieces).decode("utf-8", "replace")
         return GenerateResult(list(prompt_ids), out, text, stop, sampler.seed, len(prompt_ids) - n_cached,
-                              prompt_seconds, decode_seconds, self.n_ctx)
+                              prompt_seconds, decode_seconds, self.n_ctx,
+                              greedy=sampler.cfg.greedy)
 
     def _decode(self, logits, n_predict, sampler, on_token, stop_at_eog, out, pieces, decoder) -> str:
         """The sampling loop: tokens into `out`, their bytes into `pieces`; returns why it stopped."""

@@ -32,9 +32,9 @@ import numpy as np
 
 from llmtune.backends.dist import run_split
 from llmtune.backends.threads import cpu_workers
-from llmtune.errors import LlmtuneError, LlmtuneWarning
+from llmtune.errors import Interrupted, LlmtuneError, LlmtuneWarning, plural
 from llmtune.quant.qtensor import backend_array, evaluation_copies
-from llmtune.tokenizer import read_text
+from llmtune.tokenizer import read_text, require_text
 
 DEFAULT_BATCH_TOKENS = {"cpu": 1024}  # tokens per forward pass (one per core) when --batch is not given
 DEFAULT_BATCH_TOKENS_OTHER = 8192  # accelerators amortise launches over bigger batches
@@ -62,6 +62,8 @@ class PerplexityResult:
     same_top_err: Optional[float] = None
     ppl_base: Optional[float] = None
     ppl_base_err: Optional[float] = None
+    partial: bool = False  # stopped (Ctrl-C / SIGTERM) after len(chunks) of n_chunks_planned chunks
+    n_chunks_planned: int = 0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -80,6 +82,7 @@ class PerplexityProgress:
     n_tokens: int
     ppl: float  # running estimate
     seconds: float
+    running: tuple = ()  # the running perplexity after each chunk this pass finished (llama.cpp's [i] values)
 
 
 # ------------------------------------------------------------------------------------ statistics
@@ -277,6 +280,39 @@ class ChunkScorer:
         return host.reshape(n_seq, n_tok - first, -1)
 
 
+# ------------------------------------------------------------------------------------ memory
+def pass_bytes(model, backend, n_seq: int, n_tok: int, first: int, prefix=None) -> int:
+    """The arena one forward pass of this shape needs (planned, not allocated)."""
+    from llmtune.graph.planner import Program
+
+    _, nodes, logits = model.build(n_seq, n_tok, logits_start=first, prefix=prefix)
+    return Program([logits], backend, params={n: None for n in nodes.values()}, allocate=False).memory.planned_bytes
+
+
+def weight_copy_bytes(models, backend) -> int:
+    """What binding the models' weights allocates: on the cpu only float tensors of another dtype
+    (file-typed and float32 tensors stay memory-mapped), on a device every byte."""
+    itemsize = np.dtype(backend.dtype).itemsize
+    total = 0
+    for m in models:
+        for w in m.tensors().values():
+            raw = getattr(w, "raw", None)
+            if raw is not None:  # a QTensor, bound in its file type
+                total += 0 if backend.name == "cpu" else raw.nbytes
+            elif backend.name != "cpu" or np.asarray(w).dtype != backend.dtype:
+                total += w.size * itemsize
+    return total
+
+
+def check_evaluation_memory(models, backend, arenas: int, n_programs: int, what: str) -> None:
+    """Refuse, before anything is allocated, an evaluation whose weights and `n_programs` planned
+    arenas of `arenas` bytes each (per model: the workers' programs) need more than is available."""
+    from llmtune.resources import check_memory
+
+    need = weight_copy_bytes(models, backend) + arenas * n_programs * len(models)
+    check_memory(need, what, "--batch or --ctx", backend)
+
+
 # ------------------------------------------------------------------------------------ inputs
 def add_bos_of(model) -> tuple[bool, int]:
     """Whether the model's tokenizer adds BOS (then every chunk starts with it), and the BOS id."""
@@ -284,6 +320,16 @@ def add_bos_of(model) -> tuple[bool, int]:
     if tok.add_bos and tok.bos_id is None:
         raise LlmtuneError(f"{model.path}: the tokenizer adds BOS but the file names no BOS token")
     return bool(tok.add_bos), -1 if tok.bos_id is None else int(tok.bos_id)
+
+
+def warn_past_training(model, ctx: int) -> None:
+    """A LlmtuneWarning when ctx is beyond the model's training context (model/loaded.py
+    past_training; llama.cpp warns too: "possible training context overflow")."""
+    from llmtune.model.loaded import past_training
+
+    message = past_training(model, ctx)
+    if message:
+        warnings.warn(message, LlmtuneWarning, stacklevel=3)
 
 
 def _as_model(model_or_path):
@@ -337,7 +383,7 @@ def _checked_ids(model, ids, ctx: int, chunks: Optional[int], source: str) -> tu
         raise LlmtuneError(f"--chunks: must be positive (got {chunks})")
     if ids.size < 2 * ctx:
         raise LlmtuneError(
-            f"{source or 'text'}: tokenizes to only {ids.size} tokens; --ctx {ctx} needs at least {2 * ctx}"
+            f"{source or 'text'}: tokenizes to only {plural(ids.size, 'token')}; --ctx {ctx} needs at least {2 * ctx}"
         )
     if ids.min() < 0 or ids.max() >= model.hp.n_vocab:
         raise LlmtuneError(f"{source or 'ids'}: token ids outside the vocabulary of {model.path.name}")
@@ -407,31 +453,41 @@ def _score_pass(chunks: _Chunks, scorers: list[ChunkScorer], c0: int) -> _BatchS
 
 def _accumulate(chunks: _Chunks, passes, with_kl: bool,
                 progress: Optional[Callable[[PerplexityProgress], None]]) -> PerplexityResult:
-    """Merge the passes' scores in chunk order, reporting progress after each pass."""
+    """Merge the passes' scores in chunk order, reporting progress after each pass. Stopped by a
+    signal, the Interrupted exception carries the result over the chunks done (`partial`)."""
     sums, kl_sums = _NllSums(), (_KlSums() if with_kl else None)
     t0 = time.perf_counter()
-    for c0, scores in zip(chunks.pass_starts, passes):
-        sums.add(scores.nll)
-        if kl_sums is not None:
-            kl_sums.add(scores)
-        if progress is not None:
-            done = min(c0 + chunks.n_seq, chunks.n_chunk)
-            progress(PerplexityProgress(done, chunks.n_chunk, done * chunks.ctx, chunks.n_chunk * chunks.ctx,
-                                        sums.current_ppl(), time.perf_counter() - t0))
-    res = _result(chunks, sums, time.perf_counter() - t0)
-    if kl_sums is not None:
-        kl_sums.fill(res)
-    return res
+    try:
+        for c0, scores in zip(chunks.pass_starts, passes):
+            sums.add(scores.nll)
+            if kl_sums is not None:
+                kl_sums.add(scores)
+            if progress is not None:
+                done = min(c0 + chunks.n_seq, chunks.n_chunk)
+                running = tuple(sums.running_ppl(chunks.n_scored)[c0:done])
+                progress(PerplexityProgress(done, chunks.n_chunk, done * chunks.ctx, chunks.n_chunk * chunks.ctx,
+                                            sums.current_ppl(), time.perf_counter() - t0, running))
+    except Interrupted as exc:
+        if sums.count:
+            exc.partial = _result(chunks, sums, time.perf_counter() - t0, kl_sums)
+        raise
+    return _result(chunks, sums, time.perf_counter() - t0, kl_sums)
 
 
-def _result(chunks: _Chunks, sums: _NllSums, seconds: float) -> PerplexityResult:
-    n_tokens = chunks.n_chunk * chunks.ctx
+def _result(chunks: _Chunks, sums: _NllSums, seconds: float, kl_sums: Optional[_KlSums] = None) -> PerplexityResult:
+    """The result over the chunks scored so far (all of them, or fewer: a partial result)."""
+    n_done = len(sums.chunk_nll)
+    n_tokens = n_done * chunks.ctx
     ppl, ppl_err = sums.estimate()
-    return PerplexityResult(
+    res = PerplexityResult(
         chunks=sums.running_ppl(chunks.n_scored), ppl=ppl, ppl_err=ppl_err, n_tokens=n_tokens,
         tokens_per_s=n_tokens / seconds if seconds > 0 else float("inf"), ctx=chunks.ctx,
         n_scored=sums.count, n_text_tokens=int(chunks.ids.size), seconds=seconds,
+        partial=n_done < chunks.n_chunk, n_chunks_planned=chunks.n_chunk,
     )
+    if kl_sums is not None:
+        kl_sums.fill(res)
+    return res
 
 
 # ------------------------------------------------------------------------------------ entry points
@@ -462,12 +518,13 @@ def perplexity_from_ids(
     """
     models = _load_models(model, kl_base, lora, lora_scale)
     ids, n_chunk = _checked_ids(models[0], ids, ctx, chunks, source)
-    if ctx > models[0].hp.n_ctx_train:  # llama.cpp warns too ("possible training context overflow")
-        warnings.warn(f"--ctx {ctx} is more than the {models[0].hp.n_ctx_train} tokens {models[0].path} was trained on "
-                      f"({models[0].hp.arch}.context_length): positions past it are untrained", LlmtuneWarning, stacklevel=2)
+    warn_past_training(models[0], ctx)
     backend = _as_backend(backend, precision)
     plan = _plan_chunks(models[0], ids, ctx, n_chunk, batch, backend.name)
     n_workers = cpu_workers(backend.name, workers, len(plan.pass_starts))
+    check_evaluation_memory(models, backend, pass_bytes(models[0], backend, plan.n_seq, ctx, plan.first), n_workers,
+                            f"{models[0].path}: perplexity with --ctx {ctx} ({plan.n_seq * ctx:,} tokens per pass, "
+                            f"{plural(n_workers, 'pass', 'passes')} at once)")
     # under an MPI launcher each rank scores its share of the passes (backends/dist.py); all get every result
     with evaluation_copies(backend):  # run_split is lazy: the passes run inside _accumulate
         passes = run_split(partial(_score_pass, plan), _scorer_factory(models, backend, ctx), plan.pass_starts, n_workers)
@@ -497,7 +554,7 @@ def perplexity(
     """llama-perplexity over a text file: see the module docstring and `perplexity_from_ids`."""
     from llmtune.model.adapter import attach
 
-    text = read_text(text_path)  # a missing text fails before the (slower) model load
+    text = require_text(read_text(text_path), text_path)  # a missing or empty text fails before the model load
     model = attach(_as_model(model_path), lora, lora_scale)  # bad adapters fail before tokenizing
     # with --chunks only the first chunks' tokens count (at least two chunks: the shortest text)
     ids = tokenize(model, text, None if chunks is None or chunks < 1 else max(chunks, 2) * ctx)

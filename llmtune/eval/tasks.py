@@ -33,6 +33,7 @@ from typing import Optional
 import numpy as np
 
 from llmtune.errors import LlmtuneError, require_file
+from llmtune.tokenizer import json_why
 
 HELLASWAG_LINES = 6
 HELLASWAG_ENDINGS = 4
@@ -258,7 +259,7 @@ def read_multiple_choice_jsonl(path, text: Optional[str] = None) -> list[Multipl
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise LlmtuneError(f"{path}: {name}: not JSON ({exc.msg})") from None
+            raise LlmtuneError(f"{path}: {name}: not JSON ({json_why(exc)})") from None
         if not isinstance(obj, dict):
             raise LlmtuneError(f"{path}: {name}: expected an object with question, choices and answer")
         question, choices, answer = obj.get("question"), obj.get("choices"), obj.get("answer")

@@ -32,6 +32,7 @@ from llmtune.errors import LlmtuneError
 from llmtune.resources import write_atomically
 
 GGUF_MAGIC = b"GGUF"
+GZIP_MAGIC = b"\x1f\x8b"  # a .gguf.gz downloaded as it is
 READ_VERSIONS = (2, 3)  # v1 used 32-bit counts and is long obsolete
 WRITE_VERSION = 3
 DEFAULT_ALIGNMENT = 32
@@ -361,6 +362,8 @@ def _check_readable_gguf(path: Path) -> int:
         raise LlmtuneError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if size == 0:
         raise LlmtuneError(f"{path}: empty file, not a GGUF model")
+    if magic[:2] == GZIP_MAGIC:
+        raise LlmtuneError(f"{path}: a gzip-compressed file, not a GGUF (decompress it first: gunzip -k {path})")
     if magic != GGUF_MAGIC:
         raise LlmtuneError(f"{path}: not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
     return size

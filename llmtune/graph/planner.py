@@ -37,11 +37,14 @@ class ArenaTooLarge(MemoryError):
 
 class Program:
     def __init__(self, outputs: list[Node], backend, params: dict[Node, object] | None = None,
-                 accumulate: dict[Node, object] | None = None, max_bytes: int | None = None):
+                 accumulate: dict[Node, object] | None = None, allocate: bool = True,
+                 max_bytes: int | None = None):
         """outputs: nodes whose values `run` returns. params: leaf node -> backend array bound
         for every run. accumulate: node -> backend array that receives `+= value` as soon as the
-        node is computed (gradient accumulation into parameter-gradient buffers). max_bytes: the
-        most the arena may take (ArenaTooLarge, before allocating, when the plan needs more)."""
+        node is computed (gradient accumulation into parameter-gradient buffers). allocate=False
+        plans only: `memory` says what the arena would need, nothing is allocated or runnable
+        (memory checks before a run). max_bytes: the most the arena may take (ArenaTooLarge,
+        before allocating, when the plan needs more)."""
         self.max_bytes = max_bytes
         self.backend = backend
         self.outputs = list(outputs)
@@ -56,7 +59,7 @@ class Program:
                 self._leaf_values[n.id] = params[n]
             elif n.op == "const":
                 self._leaf_values[n.id] = backend.asarray(np.full(n.shape, n.attrs["value"], dtype=backend.dtype))
-        self._plan()
+        self._plan(allocate)
 
     # ------------------------------------------------------------------ planning
     def _dtype(self, node: Node):
@@ -65,12 +68,14 @@ class Program:
     def _nbytes(self, node: Node) -> int:
         return node.size * np.dtype(self._dtype(node)).itemsize
 
-    def _plan(self) -> None:
+    def _plan(self, allocate: bool = True) -> None:
         """ggml_gallocr_alloc_graph's steps: whose buffer each node uses, when each buffer is last
         read, where in one arena each buffer lives, then the kernel calls that fill them."""
         owner = _buffer_owners(self.order)
         last_use = _last_uses(self.order, self.outputs, owner)
         offsets, self.memory = self._allocate(owner, last_use)
+        if not allocate:
+            return
         if self.max_bytes is not None and self.memory.planned_bytes > self.max_bytes:
             raise ArenaTooLarge(self.memory.planned_bytes, self.max_bytes)
         arena = self.backend.arena(self.memory.planned_bytes)

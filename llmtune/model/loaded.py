@@ -119,6 +119,15 @@ def check_model(gf: GGUFFile) -> tuple[HParams, list]:
     return hp, present
 
 
+def past_training(model, ctx: int) -> "str | None":
+    """The warning for a --ctx beyond the model's training context (perplexity, generate and
+    finetune give it in these words; llama.cpp warns too), None when ctx is within it."""
+    if ctx <= model.hp.n_ctx_train:
+        return None
+    return (f"--ctx {ctx} is more than the {model.hp.n_ctx_train} tokens {model.path} was trained on "
+            f"({model.hp.arch}.context_length): positions past it are untrained")
+
+
 def load_model(path, quantized: bool = True) -> Model:
     """quantized: matrices stored in a quantized or 16-bit type stay as their bytes (QTensor; a
     frozen one is multiplied as llama.cpp multiplies it, activations rounded to its vec_dot type);

@@ -671,9 +671,25 @@ def read_text(path: str | Path | None) -> str:
         ) from None
 
 
+def require_text(text: str, name) -> str:
+    """`text` unchanged, or the one error every command gives for a file with nothing to read
+    (empty, or whitespace only): "NAME: file is empty"."""
+    if not text.strip():
+        raise LlmtuneError(f"{name}: file is empty")
+    return text
+
+
+def json_why(exc) -> str:
+    """Why a JSONL line does not parse, with its column: "unterminated string starting at column 9"
+    (a cut line), "expecting ',' delimiter at column 30"; the caller names file and line."""
+    why = exc.msg[:1].lower() + exc.msg[1:]
+    return f"{why}{'' if why.endswith(' at') else ' at'} column {exc.colno}"
+
+
 def format_pieces(tok: Tokenizer, ids: Sequence[int]) -> bytes:
-    """llama-tokenize's listing: one `%6d -> '<piece>'` line per token, pieces as raw bytes."""
-    return b"".join(b"%6d -> '%s'\n" % (i, tok.token_to_bytes(i)) for i in ids)
+    """llama-tokenize's listing: one `%6d -> '<piece>'` line per token, pieces as raw bytes, but
+    a carriage return shown as \\r (raw, it would send the terminal's cursor back over the line)."""
+    return b"".join(b"%6d -> '%s'\n" % (i, tok.token_to_bytes(i).replace(b"\r", b"\\r")) for i in ids)
 
 
 def format_ids(ids: Sequence[int]) -> str:

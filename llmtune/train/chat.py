@@ -65,16 +65,14 @@ def _record_format(record: dict) -> Optional[str]:
 
 def read_records(path, fmt: str = "auto") -> Records:
     """The file's records in one format; every problem is one line naming the file and line."""
-    from llmtune.tokenizer import read_text
+    from llmtune.tokenizer import json_why, read_text, require_text
 
     path = Path(path)
     if fmt not in FORMATS:
         raise LlmtuneError(f"--format: unknown format {fmt!r} (choose {', '.join(FORMATS)})")
-    text = read_text(path)
+    text = require_text(read_text(path), path)  # the words perplexity uses too
     is_jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
     if fmt == "plain" or (fmt == "auto" and not is_jsonl):
-        if not text.strip():
-            raise LlmtuneError(f"{path}: file is empty")
         return Records(path, "plain", [text], [1])
     out = Records(path, fmt)
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -83,7 +81,7 @@ def read_records(path, fmt: str = "auto") -> Records:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise LlmtuneError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+            raise LlmtuneError(f"{path}:{lineno}: invalid JSON ({json_why(exc)})") from None
         if not isinstance(record, dict):
             raise LlmtuneError(f"{path}:{lineno}: a record must be a JSON object")
         kind = _record_format(record)

@@ -98,6 +98,10 @@ class FinetuneConfig:
         if c.ctx < 2:
             raise LlmtuneError(f"--ctx: must be at least 2, got {c.ctx}")
         c.batch = c.batch or c.ctx
+        if c.batch % c.ctx:  # each flag checked on its own, so the message names only what was given
+            raise LlmtuneError(f"--batch {c.batch}: must be a multiple of --ctx {c.ctx}")
+        if c.ubatch and (c.ubatch % c.ctx or c.batch % c.ubatch):
+            raise LlmtuneError(f"--ubatch {c.ubatch}: must be a multiple of --ctx {c.ctx} dividing --batch {c.batch}")
         c.ubatch = c.ubatch or c.batch
         if c.epochs < 1:
             raise LlmtuneError(f"--epochs: must be at least 1, got {c.epochs}")

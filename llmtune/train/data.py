@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmtune.errors import LlmtuneError
+from llmtune.errors import LlmtuneError, plural
 
 
 def tokenize_documents(tokenizer, docs: list[str], jsonl: bool) -> np.ndarray:
@@ -64,7 +64,7 @@ class WindowDataset(TrainValSplit):
             n_val = 1
         n_train = n_windows - n_val
         if n_train < 1:
-            raise LlmtuneError(f"{source}: only {n_windows} window(s) of {n_ctx + 1} tokens: too few for a validation split")
+            raise LlmtuneError(f"{source}: only {plural(n_windows, 'window')} of {n_ctx + 1} tokens: too few for a validation split")
         return cls(np.asarray(tokens, dtype=np.int32), n_ctx, stride, n_train, n_val)
 
     def window(self, i: int) -> np.ndarray:

@@ -11,46 +11,66 @@ from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from llmtune.eval.benchmarks import BenchmarkProgress, BenchmarkResult, wilson_interval
-from llmtune.ui.perplexity import write_json as _write_json
+from llmtune.errors import plural
+from llmtune.ui.format import percent
+from llmtune.ui.perplexity import stream_writer, write_json as _write_json
 from llmtune.ui.progress import progress_bar
 
 TITLES = {"hellaswag": "HellaSwag", "winogrande": "Winogrande", "multiple-choice": "Multiple choice"}
 
 
 @contextmanager
-def benchmark_progress(console: Console) -> Iterator[Callable[[BenchmarkProgress], None]]:
-    """A transient bar over the tasks scored, with tokens/s; yields the `progress` callback."""
+def benchmark_progress(console: Console, out: Console = None) -> Iterator[Callable[[BenchmarkProgress], None]]:
+    """A transient bar over the tasks scored, with tokens/s; yields the `progress` callback. With
+    `out`, llama.cpp's running line per task streams there as each task finishes (in the order they
+    finish: passes group tasks by length); the bar then shows only when `out` is not a terminal."""
     columns = (TextColumn("tasks"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
                TimeRemainingColumn())
-    with progress_bar(console, *columns, redirect_stdout=False) as bar:
-        task = bar.add_task("benchmark", total=None, rate="")
+    write = stream_writer(out)[0] if out is not None else None
+    hide = out is not None and out.is_terminal
+    state = {"done": 0, "correct": 0}
+    try:
+        with progress_bar(console, *columns, redirect_stdout=False, **({"disable": True} if hide else {})) as bar:
+            task = bar.add_task("benchmark", total=None, rate="")
 
-        def on_progress(p: BenchmarkProgress) -> None:
-            bar.update(task, completed=p.tasks_done, total=p.n_tasks,
-                       rate=f"{p.tokens_done / max(p.seconds, 1e-9):,.0f} tok/s")
+            def on_progress(p: BenchmarkProgress) -> None:
+                for t in p.finished if write is not None else ():
+                    if state["done"] == 0 and running_header(p.kind):
+                        write(running_header(p.kind) + "\n")
+                    state["done"] += 1
+                    state["correct"] += t.correct
+                    write(running_line(p.kind, state["done"], state["correct"], t) + "\n")
+                bar.update(task, completed=p.tasks_done, total=p.n_tasks,
+                           rate=f"{p.tokens_done / max(p.seconds, 1e-9):,.0f} tok/s")
 
-        yield on_progress
+            yield on_progress
+    finally:
+        if write is not None and state["done"]:
+            write("\n")  # llama-perplexity's blank line between the running lines and the result
+
+
+def running_header(kind: str) -> str:
+    """The line llama-perplexity prints before its running lines ('' for Winogrande)."""
+    return {"hellaswag": "task\tacc_norm\t95% confidence interval", "winogrande": ""}.get(kind, "task\tacc_norm")
+
+
+def running_line(kind: str, i: int, correct: int, t) -> str:
+    """llama-perplexity's line after i tasks, `correct` of them right, `t` the last one scored."""
+    if kind == "hellaswag":
+        lo, hi = wilson_interval(correct, i)
+        return f"{i}\t{100 * correct / i:3.8f}%\t[{100 * lo:3.4f}%, {100 * hi:3.4f}%]"
+    if kind == "winogrande":
+        return f"{i}\t{100 * correct / i:.4f}\t{t.scores[0]:10.6f}  {t.scores[1]:10.6f}  {t.choice + 1}  {t.gold[0] + 1}"
+    return f"{i}\t{100 * correct / i:.8f}"
 
 
 def running_lines(res: BenchmarkResult) -> list[str]:
     """One line per task with the accuracy so far, exactly as llama-perplexity prints them."""
-    lines, correct = [], 0
-    if res.kind == "hellaswag":
-        lines.append("task\tacc_norm\t95% confidence interval")
-        for i, t in enumerate(res.tasks, 1):
-            correct += t.correct
-            lo, hi = wilson_interval(correct, i)
-            lines.append(f"{i}\t{100 * correct / i:3.8f}%\t[{100 * lo:3.4f}%, {100 * hi:3.4f}%]")
-    elif res.kind == "winogrande":
-        for i, t in enumerate(res.tasks, 1):
-            correct += t.correct
-            lines.append(f"{i}\t{100 * correct / i:.4f}\t{t.scores[0]:10.6f}  {t.scores[1]:10.6f}  "
-                         f"{t.choice + 1}  {t.gold[0] + 1}")
-    else:
-        lines.append("task\tacc_norm")
-        for i, t in enumerate(res.tasks, 1):
-            correct += t.correct
-            lines.append(f"{i}\t{100 * correct / i:.8f}")
+    lines = [running_header(res.kind)] if running_header(res.kind) else []
+    correct = 0
+    for i, t in enumerate(res.tasks, 1):
+        correct += t.correct
+        lines.append(running_line(res.kind, i, correct, t))
     return lines
 
 
@@ -70,14 +90,17 @@ def summary_lines(res: BenchmarkResult) -> list[str]:
     if res.base_accuracy is not None:
         lines.append(f"base model: accuracy {100 * res.base_accuracy:.4f} %, same answer {100 * res.same_choice:.2f} % "
                      f"of tasks, mean KLD {res.kl:.6f} (max {res.kl_max:.6f}) over the scored tokens")
+    if res.partial:
+        lines.insert(0, f"Interrupted: the results below are over the {n} of {res.n_tasks_planned} tasks done")
     rate = n / res.seconds if res.seconds > 0 else float("inf")
     shared = f" ({res.n_computed:,} computed: questions shared)" if 0 < res.n_computed < res.n_tokens else ""
-    lines.append(f"{n} tasks ({res.n_correct} right), {res.n_tokens:,} tokens{shared} in {res.seconds:.2f} s: "
+    lines.append(f"{plural(n, 'task')} ({res.n_correct} right), {plural(res.n_tokens, 'token')}{shared} in {res.seconds:.2f} s: "
                  f"{rate:,.1f} tasks/s, {res.tokens_per_s:,.0f} tokens/s")
     return lines
 
 
 def format_report(res: BenchmarkResult, running: bool = True) -> str:
+    """The running lines (unless they streamed already) and the final ones."""
     return "\n".join((running_lines(res) + [""] if running else []) + summary_lines(res))
 
 
@@ -86,8 +109,8 @@ def topics_table(res: BenchmarkResult) -> Table:
     for col, justify in (("topic", "left"), ("right", "right"), ("tasks", "right"), ("accuracy", "right")):
         table.add_column(col, justify=justify)
     for topic, (right, total) in res.topics.items():
-        table.add_row(str(topic), str(right), str(total), f"{100 * right / total:.2f} %")
-    table.add_row("all", str(res.n_correct), str(res.n_tasks), f"{100 * res.accuracy:.2f} %", style="bold")
+        table.add_row(str(topic), str(right), str(total), percent(right / total))
+    table.add_row("all", str(res.n_correct), str(res.n_tasks), percent(res.accuracy), style="bold")
     return table
 
 

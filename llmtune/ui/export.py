@@ -27,7 +27,7 @@ def export_progress(console: Console, type_name: str) -> Iterator[Progress]:
 
 
 def summary_table(summary: ExportSummary) -> Table:
-    """Sizes before and after, per conversion (source type -> output type) and in total."""
+    """Sizes before and after, per conversion (source type -> output type) and in total (summary_notes follow it)."""
     table = Table(title=f"{summary.model_path.name} -> {summary.out_path.name} ({summary.type})", title_justify="left")
     table.add_column("tensors", no_wrap=True)
     for col in ("count", "params", "size before", "size after", "bits/weight"):
@@ -40,11 +40,16 @@ def summary_table(summary: ExportSummary) -> Table:
     table.add_section()
     table.add_row("total", str(len(summary.tensors)), f"{summary.n_params:,}", mib(summary.bytes_in, 2),
                   mib(summary.bytes_out, 2), f"{summary.bpw_out:.2f}", style="bold")
-    table.caption = (f"quantized weights: {summary.quantized_bpw:.2f} bits/weight; "
-                     f"file {mib(summary.file_bytes, 2)}; {summary.seconds:.1f} s")
-    if summary.n_fallback:
-        table.caption += "\n* rows do not split into blocks of the wanted type: llama.cpp's fallback type"
     return table
+
+
+def summary_notes(summary: ExportSummary) -> list[str]:
+    """The lines under the table (lines of their own: a table's caption would wrap at its width)."""
+    notes = [f"quantized weights: {summary.quantized_bpw:.2f} bits/weight; file {mib(summary.file_bytes, 2)}; "
+             f"{summary.seconds:.1f} s"]
+    if summary.n_fallback:
+        notes.append("* rows do not split into blocks of the wanted type: llama.cpp's fallback type")
+    return notes
 
 
 def _by_conversion(tensors: list[TensorExport]) -> list[tuple[str, list[TensorExport]]]:

@@ -36,3 +36,12 @@ def plus_minus(value: Optional[float], err: Optional[float], fmt: str = ".4f") -
     if err is None or math.isnan(err):
         return format(value, fmt)
     return f"{format(value, fmt)} ± {format(err, fmt)}"
+
+
+def percent(value: Optional[float], err: Optional[float] = None, digits: int = 2) -> str:
+    """An accuracy (a fraction) as eval prints it: '41.23 %', with an error '41.23 ± 1.10 %';
+    '-' when unknown. finetune --eval-benchmark's lines and table show benchmark accuracy so too."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    err = None if err is None or math.isnan(err) else 100 * err
+    return plus_minus(100 * value, err, f".{digits}f") + " %"

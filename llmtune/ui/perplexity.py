@@ -17,27 +17,68 @@ from llmtune.gguf.file import check_output_path
 from llmtune.ui.progress import progress_bar
 
 
+def stream_writer(out: Console, shown: bool = True):
+    """-> (write, end): write(text) puts text on `out`'s stream and flushes it at once (a pipe or
+    file gets each piece as it is computed), end() closes the line begun. Nothing under MPI's other
+    ranks (a quiet console) or when not `shown`."""
+    state = {"open": False}
+
+    def write(text: str) -> None:
+        if shown and not out.quiet and text:
+            out.file.write(text)
+            out.file.flush()
+            state["open"] = not text.endswith("\n")
+
+    def end() -> None:
+        if state["open"]:
+            write("\n")
+
+    return write, end
+
+
 @contextmanager
-def perplexity_progress(console: Console) -> Iterator[Callable[[PerplexityProgress], None]]:
+def perplexity_progress(console: Console, out: Console = None) -> Iterator[Callable[[PerplexityProgress], None]]:
     """A transient bar over the tokens evaluated, with speed and running perplexity; yields the
-    `progress` callback of perplexity()."""
+    `progress` callback of perplexity(). With `out`, llama.cpp's running values ([1]5.1234,...)
+    stream there as each pass ends; the bar then shows only when `out` is not a terminal (on a
+    terminal the values themselves are the progress)."""
     columns = (TextColumn("tokens"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
                TimeRemainingColumn(), TextColumn("{task.fields[ppl]}"))
-    with progress_bar(console, *columns, redirect_stdout=False) as bar:
-        task = bar.add_task("perplexity", total=None, rate="", ppl="")
+    write, end = stream_writer(out) if out is not None else (None, None)
+    hide = out is not None and out.is_terminal
+    try:
+        with progress_bar(console, *columns, redirect_stdout=False,
+                          **({"disable": True} if hide else {})) as bar:
+            task = bar.add_task("perplexity", total=None, rate="", ppl="")
 
-        def on_progress(p: PerplexityProgress) -> None:
-            bar.update(task, completed=p.tokens_done, total=p.n_tokens, ppl=f"ppl {p.ppl:.4f}",
-                       rate=f"{p.tokens_done / max(p.seconds, 1e-9):,.0f} tok/s")
+            def on_progress(p: PerplexityProgress) -> None:
+                if write is not None:
+                    first = p.chunks_done - len(p.running) + 1
+                    write(running_values(p.running, first))
+                bar.update(task, completed=p.tokens_done, total=p.n_tokens, ppl=f"ppl {p.ppl:.4f}",
+                           rate=f"{p.tokens_done / max(p.seconds, 1e-9):,.0f} tok/s")
 
-        yield on_progress
+            yield on_progress
+    finally:
+        if end is not None:
+            end()
 
 
-def format_report(res: PerplexityResult) -> str:
-    """llama-perplexity's output (perplexity.cpp's printf lines): running values, the final
-    estimate, KL statistics when present."""
-    lines = ["".join(f"[{i}]{v:.4f}," for i, v in enumerate(res.chunks, 1)),
-             f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f}"]
+def running_values(values, first: int = 1) -> str:
+    """llama-perplexity's running line (or a piece of it): [i]ppl, for chunks first, first + 1..."""
+    return "".join(f"[{i}]{v:.4f}," for i, v in enumerate(values, first))
+
+
+def format_report(res: PerplexityResult, running: bool = True) -> str:
+    """llama-perplexity's output (perplexity.cpp's printf lines): running values (unless they
+    streamed already), the final estimate, KL statistics when present. A partial result (a run
+    stopped by Ctrl-C) says over how many chunks its estimate is."""
+    lines = [running_values(res.chunks)] if running else []
+    if res.partial:
+        lines.append(f"Estimate over the {len(res.chunks)} of {res.n_chunks_planned} chunks done (interrupted): "
+                     f"PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f}")
+    else:
+        lines.append(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f}")
     if res.kl is not None:
         lines += [
             f"Mean PPL(base): {res.ppl_base:.4f} +/- {res.ppl_base_err:.5f}",
