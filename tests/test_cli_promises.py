@@ -329,3 +329,91 @@ def test_benchmark_accuracy_is_a_percentage_everywhere():
     from llmtune.ui.format import percent
 
     assert percent(0.35) == "35.00 %" and percent(0.35, 0.109424) == "35.00 ± 10.94 %" and percent(None) == "-"
+
+
+# ------------------------------------------------------------------------------ finetune's own promises
+def test_finetune_survives_head(tmp_path):
+    """`llmtune finetune ... 2>&1 | head -2` (the issue's reproduction): exit 0, and the model and
+    its last checkpoint are written though nobody reads the output any more."""
+    out = tmp_path / "pipe.gguf"
+    text = tmp_path / "t.txt"
+    text.write_text(WIKI.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    cmd = (f"{sys.executable} -m llmtune.cli finetune {STORIES} {text} -c 64 --epochs 1 --lr 1e-3 "
+           f"--keep-checkpoints 1 -o {out} 2>&1 | head -2; exit ${{PIPESTATUS[0]}}")
+    res = subprocess.run(["bash", "-c", cmd], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and len(res.stdout.splitlines()) == 2, res
+    assert out.exists() and list(tmp_path.glob("pipe.gguf.ckpt-*.npz"))
+
+
+def test_finetune_progress_streams_off_a_terminal(small_text, tmp_path, monkeypatch, capsys):
+    """With stderr redirected there is no bar, but a line about every tenth of an epoch, each
+    before the epoch's result."""
+    code, out, err = run_cli(monkeypatch, capsys, "finetune", STORIES, small_text, "-o", tmp_path / "o.gguf",
+                             "-c", 32, "--epochs", 1, "--lr", 1e-3)
+    assert code == 0, err
+    lines = err.splitlines()
+    steps = [i for i, line in enumerate(lines) if re.match(r"epoch 1 step \d+/\d+: loss [0-9.]+, acc", line)]
+    epoch = next(i for i, line in enumerate(lines) if line.startswith("epoch 1: train loss"))
+    total = int(re.search(r"step \d+/(\d+)", lines[steps[0]]).group(1))
+    assert 10 <= len(steps) <= 12 and steps[-1] < epoch and lines[steps[-1]].startswith(f"epoch 1 step {total}/{total}")
+
+
+def _reporter_at(width: int):
+    """A FinetuneReporter whose consoles are a terminal of `width` columns (captured)."""
+    import io
+
+    from llmtune.ui.console import NoWrapConsole
+    from llmtune.ui.finetune import FinetuneReporter
+
+    out = NoWrapConsole(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
+    err = NoWrapConsole(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
+    return FinetuneReporter(out, err), out, err
+
+
+def _epoch(i: int):
+    from llmtune.train.events import EpochEnd, EpochResult
+
+    return EpochEnd(EpochResult(i, 2.684712, 0.052143, 0.382144, 0.004102, 2.804401, 0.154503, 0.313804, 0.016802,
+                                tokens_per_s=1845.2, seconds=7.71, bench_accuracy=0.35, bench_accuracy_err=0.1094))
+
+
+def test_finetune_at_80_columns_breaks_between_fields_never_inside(monkeypatch):
+    """On an 80-column terminal the bar keeps its step counter, and the epoch line and summary
+    break between fields: every number is whole on one line."""
+    from llmtune.train.events import Step
+
+    reporter, out, err = _reporter_at(80)
+    numbers = ["2.6847 ± 0.0521", "0.3821 ± 0.0041", "2.8044 ± 0.1545", "0.3138 ± 0.0168", "35.00 ± 10.94 %"]
+    with reporter:
+        reporter(Step(1, 1234, 3120, 1234, 2.7, 2.68, 0.38, 1e-3, 1845.0))
+        reporter(_epoch(1))
+        reporter(_epoch(2))
+    shown = re.sub(r"\x1b\[\??[0-9;]*[a-zA-Z]", "\n", err.file.getvalue() + out.file.getvalue())  # live redraws
+    assert "1234/3120" in shown
+    assert all(len(line) <= 80 for line in shown.splitlines()), shown
+    for text in (err.file.getvalue(), out.file.getvalue()):  # the two epochs: each number twice, whole
+        for n in numbers:
+            assert text.count(n) == 2, (n, text)
+    wide, wide_out, _ = _reporter_at(200)
+    with wide:
+        wide(_epoch(1))
+    assert "┃ epoch" in wide_out.file.getvalue()  # a terminal wide enough keeps the table
+
+
+def test_finetune_summary_and_elapsed_cover_a_resumed_run(small_text, tmp_path, monkeypatch, capsys):
+    """After --resume the summary lists every epoch of the run, and --metrics' elapsed_s goes on
+    from where the checkpoint left it instead of starting again at 0."""
+    out, metrics = tmp_path / "o.gguf", tmp_path / "m.jsonl"
+    import llmtune
+
+    llmtune.finetune(STORIES, small_text, out, ctx=32, epochs=2, lr=1e-3, keep_checkpoints=2, metrics=str(metrics))
+    first = next(p for p in sorted(tmp_path.glob("o.gguf.ckpt-*.npz")))
+    before = [r["elapsed_s"] for r in map(json.loads, metrics.read_text().splitlines()) if r["type"] == "train_step"]
+    code, stdout, err = run_cli(monkeypatch, capsys, "finetune", STORIES, small_text, "-o", out, "--resume", first)
+    assert code == 0, err
+    assert re.search(r"│\s+1 │", stdout) and re.search(r"│\s+2 │", stdout), stdout
+    after = [r["elapsed_s"] for r in map(json.loads, metrics.read_text().splitlines()) if r["type"] == "train_step"]
+    half = len(before) // 2
+    assert after[:half] == before[:half] and after[half] >= after[half - 1] > 0
+    assert "all epochs done" in err and "all 2 epochs" not in err

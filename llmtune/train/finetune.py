@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from llmtune.backends import get_backend
 from llmtune.backends.dist import world
 from llmtune.errors import Interrupted, LlmtuneError
-from llmtune.model.loaded import Model, load_model
+from llmtune.model.loaded import Model, load_model, past_training
 from llmtune.train import checkpoint as ckpts
 from llmtune.train import events as ev
 from llmtune.train import preflight
@@ -95,9 +95,8 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     model = load_model(model_path)
     model, trainable = _with_adapter(model, cfg) if cfg.lora else (model, model.select(cfg.params))
     run_hooks = _hooks(cfg, model, hooks)
-    if cfg.ctx > model.hp.n_ctx_train:
-        warn(f"--ctx {cfg.ctx} is more than the {model.hp.n_ctx_train} tokens {model_path} was "
-             f"trained on ({model.hp.arch}.context_length): positions past it are untrained")
+    if (past := past_training(model, cfg.ctx)) is not None:
+        warn(past)
     # plain text / {"text"}: overlapping windows; prompt-completion / chat: one masked example per window
     dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
                                       cfg.train_on_prompt)

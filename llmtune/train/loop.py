@@ -83,7 +83,7 @@ class Run:
 
     def where(self) -> str:
         if self.epoch >= self.cfg.epochs:
-            return f"all {self.cfg.epochs} epochs done"
+            return "all epochs done" if self.cfg.epochs > 1 else "the epoch done"
         return f"epoch {self.epoch + 1}, {self.epoch_step} of {self.steps_per_epoch} steps done"
 
     def epoch_order(self, epoch: int) -> Optional[np.ndarray]:

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from llmtune.train import events as ev
-from llmtune.ui.format import mib, plus_minus
+from llmtune.ui.format import mib, percent, plus_minus
 
 
 # EpochResult fields reported with their standard error (`<name>_err`), in column order
@@ -98,7 +98,7 @@ class FinetuneReporter:
         train_loss, train_acc, val_loss, val_acc = (_with_err(info, key) for key in _EPOCH_STATS)
         fields = [f"epoch {info['epoch']}:", f"train loss {train_loss}, acc {train_acc}", f"| val loss {val_loss}, acc {val_acc}"]
         if not math.isnan(info.get("bench_accuracy", math.nan)):
-            fields.append(f"| {self._bench_name()} acc {_with_err(info, 'bench_accuracy')}")
+            fields.append(f"| {self._bench_name()} acc {percent(info['bench_accuracy'], info['bench_accuracy_err'])}")
         if timing:
             fields.append(f"| {info['tokens_per_s']:,.0f} tok/s, {info['seconds']:.1f}s")
         return fields
@@ -114,7 +114,7 @@ class FinetuneReporter:
     def _on_benchmark(self, e: ev.Benchmark):
         self.bench = e
         self.err.print(f"--eval-benchmark ({e.benchmark}, {e.n_tasks} tasks) before training: "
-                       f"acc {plus_minus(e.accuracy, e.accuracy_err)}", highlight=False)
+                       f"acc {percent(e.accuracy, e.accuracy_err)}", highlight=False)
 
     def _bench_name(self) -> str:
         return self.bench.benchmark if self.bench else "benchmark"
@@ -160,7 +160,7 @@ class FinetuneReporter:
             return
         self.out.print("finetune summary", highlight=False)
         if self.bench is not None:
-            self.out.print(f"before: {self._bench_name()} acc {plus_minus(self.bench.accuracy, self.bench.accuracy_err)}",
+            self.out.print(f"before: {self._bench_name()} acc {percent(self.bench.accuracy, self.bench.accuracy_err)}",
                            highlight=False)
         for info in self.epochs:
             self._print_fields(self.out, self._epoch_fields(info, timing=True))
@@ -173,11 +173,11 @@ class FinetuneReporter:
         if bench:  # --eval-benchmark: a row for the model before training, a column for each epoch
             table.add_column(f"{self._bench_name()} acc", justify="right")
             if self.bench is not None:
-                table.add_row("before", *["-"] * 6, plus_minus(self.bench.accuracy, self.bench.accuracy_err))
+                table.add_row("before", *["-"] * 6, percent(self.bench.accuracy, self.bench.accuracy_err))
         for e in self.epochs:
             table.add_row(str(e["epoch"]), *(_with_err(e, key) for key in _EPOCH_STATS),
                           f"{e['tokens_per_s']:,.0f}", f"{e['seconds']:.1f}s",
-                          *([_with_err(e, "bench_accuracy")] if bench else []))
+                          *([percent(e["bench_accuracy"], e["bench_accuracy_err"])] if bench else []))
         return table
 
 
