@@ -10,8 +10,9 @@ import functools
 import numpy as np
 
 from llmtune.backends.base import Backend
-from llmtune.backends.threads import parallel_ranges
+from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
 from llmtune.quant import matmul as qmatmul
+from llmtune.resources import process_rss
 
 
 def _sigmoid_into(out, x):
@@ -179,20 +180,28 @@ def k_matmul(out, a, b, ta, tb):
     return np.matmul(a, b, out=out)
 
 
+# a stored matrix is bound as its block bytes, or (an evaluation's weights, CPUBackend.bind) as
+# qmatmul.WithCopies: the bytes and the float copies its products may keep
+def _raw(w):
+    return w.raw if type(w) is qmatmul.WithCopies else w
+
+
 def k_qlinear(out, x, w, qtype, round_x):
+    if type(w) is qmatmul.WithCopies:
+        return qmatmul.qlinear(out, x, w.raw, qtype, round_x, w.copies)
     return qmatmul.qlinear(out, x, w, qtype, round_x)
 
 
 def k_qlinear_back(out, g, w, qtype):
-    return qmatmul.qlinear_back(out, g, w, qtype)
+    return qmatmul.qlinear_back(out, g, _raw(w), qtype)
 
 
 def k_qget_rows(out, w, ids, qtype):
-    return qmatmul.qget_rows(out, w, ids, qtype)
+    return qmatmul.qget_rows(out, _raw(w), ids, qtype)
 
 
 def k_dequantize(out, w, qtype):
-    return qmatmul.dequantize(out, w, qtype)
+    return qmatmul.dequantize(out, _raw(w), qtype)
 
 
 def k_reshape(out, x, shape):
@@ -779,10 +788,48 @@ def _adamw_range(w, g, m, v, start, stop, *, lr, beta1, beta2, eps, wd, t):
 
 class CPUBackend(Backend):
     name = "cpu"
+    replays = True  # Python work per kernel is a visible part of a small model's pass
+    default_batch_tokens = 1024  # one pass per core (workers)
 
     def __init__(self, dtype=np.float32):
         super().__init__(dtype)
         self.kernels = dict(KERNELS)
+
+    # -- policies (backends/base.py) -------------------------------------------------------
+    def workers(self, requested, n_items):
+        """One work item per core, OpenBLAS single-threaded meanwhile (threads.cpu_workers)."""
+        return cpu_workers(requested, n_items)
+
+    def decode_context(self):
+        """BLAS single-threaded while decoding: a step's products are matrix-vector ones (einsum)
+        and tiny attention matmuls, where OpenBLAS threads only spin against each other."""
+        return blas_threads(1)
+
+    def step_tuner(self, n_workers):
+        """One micro-batch at a time: OpenBLAS's thread count chosen by timing (threads.BlasTuner)."""
+        return BlasTuner(enabled=n_workers == 1)
+
+    def resident_bytes(self):
+        return process_rss()
+
+    def bind(self, model, *, float_copies=False):
+        """As Backend.bind; float_copies: quantized matrices bound with a FloatCopies (a new one
+        of up to a quarter of the available memory, or the FloatCopies given: models evaluated
+        together share one budget), so their products keep float32 copies."""
+        from llmtune.quant.qtensor import QTensor, evaluation_budget
+
+        bound = super().bind(model)
+        if float_copies is False or float_copies is None:
+            return bound
+        copies = float_copies if isinstance(float_copies, qmatmul.FloatCopies) else qmatmul.FloatCopies(evaluation_budget())
+        if copies.budget <= 0:
+            return bound
+        tensors = model.tensors() if hasattr(model, "tensors") else model
+        for name, w in tensors.items():
+            if isinstance(w, QTensor):
+                bound[name] = qmatmul.WithCopies(bound[name], copies)
+        bound.float_copies = copies
+        return bound
 
     def asarray(self, host, dtype=None):
         host = np.asarray(host)

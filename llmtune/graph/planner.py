@@ -145,6 +145,34 @@ class Program:
         return [vals[n.id] for n in self.outputs]
 
 
+class ProgramCache:
+    """Compiled programs by key (a graph's shape), made by `make(key)` on first use. keep: the most
+    recently used programs kept compiled (None: every one); the least recently used is dropped,
+    and `on_drop(program)` told, before a new one is compiled, so the arenas of at most `keep`
+    programs are alive at once."""
+
+    def __init__(self, make, keep: int | None = None, on_drop=None):
+        self.make, self.keep, self.on_drop = make, keep, on_drop
+        self._programs: dict = {}  # insertion order = least recently used first
+
+    def get(self, key) -> Program:
+        prog = self._programs.pop(key, None)
+        if prog is None:
+            while self.keep is not None and len(self._programs) >= max(1, self.keep):
+                dropped = self._programs.pop(next(iter(self._programs)))
+                if self.on_drop is not None:
+                    self.on_drop(dropped)
+            prog = self.make(key)
+        self._programs[key] = prog
+        return prog
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def programs(self) -> list[Program]:
+        return list(self._programs.values())
+
+
 def _sinks_early(order: list[Node], sinks: set, outputs: list[Node]) -> list[Node]:
     """`order` with every node that only feeds accumulate sinks (a weight's gradient product and
     the sums into it) moved to right after its last input. Depth-first order from the outputs

@@ -32,7 +32,6 @@ as a small extra product with the weights' mins, so that term is reproduced too.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -334,11 +333,14 @@ def _block_rows(n_rows: int, n_cols: int) -> int:
     return max(1, min(n_rows, SCRATCH_ELEMENTS // max(1, n_cols)))
 
 
-class _DecodedCopies:
+class FloatCopies:
     """Float32 copies of stored matrices, made on first use while their total stays within
     `budget` bytes, for passes that multiply the same frozen weights over and over (perplexity,
-    benchmarks, generation): a product with a kept copy skips the per-block decode. Keyed by the
-    block bytes' address and shape (the file's memory map does not move during a pass)."""
+    benchmarks, generation): a product with a kept copy skips the per-block decode. The numbers
+    are those of the stored path (the activations are rounded the same way), up to BLAS's
+    summation order. Owned by the weights bound for an evaluation (Backend.bind(...,
+    float_copies=True)) and freed with them; keyed by the block bytes' address and shape (the
+    file's memory map does not move while they are bound)."""
 
     def __init__(self, budget: int):
         self.budget, self.used, self.arrays = budget, 0, {}
@@ -357,29 +359,21 @@ class _DecodedCopies:
         return dense
 
 
-_decoded: _DecodedCopies | None = None
+class WithCopies:
+    """A stored matrix's block bytes as an evaluation binds them on the cpu: `raw`, and the
+    FloatCopies its products may keep a float32 copy in."""
+
+    __slots__ = ("raw", "copies")
+
+    def __init__(self, raw: np.ndarray, copies: FloatCopies):
+        self.raw, self.copies = raw, copies
 
 
-@contextmanager
-def decoded_copies(budget: int):
-    """Within the block, quantized products keep float32 copies of up to `budget` bytes of
-    weights (freed at the end). The numbers are those of the stored path (the activations are
-    rounded the same way), up to BLAS's summation order. Nested blocks share the outer cache."""
-    global _decoded
-    if _decoded is not None or budget <= 0:
-        yield
-        return
-    _decoded = _DecodedCopies(budget)
-    try:
-        yield
-    finally:
-        _decoded = None
-
-
-def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x: bool = True) -> np.ndarray:
+def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x: bool = True,
+            copies: FloatCopies | None = None) -> np.ndarray:
     """out[..., n_out] = x[..., n_in] @ W^T for W stored as `qtype` block bytes raw [n_out, row
     bytes]; round_x: the activations rounded as ggml's CPU matmul rounds them (see the module
-    docstring), else used as they are."""
+    docstring), else used as they are. copies: where a float32 copy of W may be kept (FloatCopies)."""
     qt = qtype_of(qtype)
     n_out, n_in = out.shape[-1], x.shape[-1]
     x2, o2 = x.reshape(-1, n_in), out.reshape(-1, n_out)
@@ -389,8 +383,7 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
         xr = xr.astype(x.dtype, copy=False)
     else:
         xr = np.ascontiguousarray(x2)
-    cache = _decoded
-    dense = cache.get(raw, qtype, n_in) if cache is not None and x.dtype == F32 else None
+    dense = copies.get(raw, qtype, n_in) if copies is not None and x.dtype == F32 else None
     if dense is not None:
         np.matmul(xr, dense.T, out=o2)
         if corr is not None and qt.has_min:

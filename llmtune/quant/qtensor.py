@@ -9,7 +9,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from llmtune.quant.matmul import QTYPES, decoded_copies, dequantize_rows, row_bytes
+from llmtune.quant.matmul import QTYPES, dequantize_rows, row_bytes
 from llmtune.resources import available_memory
 
 
@@ -78,12 +78,17 @@ def shape_only(w) -> np.ndarray:
     return np.broadcast_to(np.float32(0), tuple(w.shape))
 
 
-def evaluation_copies(backend):
-    """For an evaluation command on the cpu (perplexity, eval, generate: the same frozen weights
-    multiplied pass after pass): quantized products keep float32 copies of the weights, up to a
-    quarter of the available memory (quant/matmul.py decoded_copies). Not used while training, whose
-    memory estimate counts the base in its file type."""
-    if getattr(backend, "name", backend) != "cpu":
-        return nullcontext()
+def evaluation_budget() -> int:
+    """Bytes of float32 copies an evaluation command may keep of its quantized weights (perplexity,
+    eval, generate: the same frozen weights multiplied pass after pass): a quarter of the available
+    memory (0 when unknown). Training keeps none: its memory estimate counts the base in its file
+    type."""
     avail = available_memory()
-    return decoded_copies(avail // 4 if avail else 0)
+    return avail // 4 if avail else 0
+
+
+def evaluation_copies(backend):  # noqa: ARG001 - kept for callers not yet moved to bind
+    """A no-op block, for callers written before Backend.bind(model, float_copies=True) owned the
+    float copies (cli.py's generate command wraps its Generator in it; a Generator binds its
+    copies itself). Remove with its last caller."""
+    return nullcontext()
