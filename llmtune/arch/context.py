@@ -64,19 +64,18 @@ class BuildContext:
 
     # ------------------------------------------------------------------ weights
     def w(self, name: str) -> Node:
-        """A required weight by base name ("blk.0.attn_q" -> blk.0.attn_q.weight), as floats."""
-        return _as_float(self.weights[f"{name}.weight"])
+        """A required weight by base name ("blk.0.attn_q" -> blk.0.attn_q.weight)."""
+        return self.weights[f"{name}.weight"]
 
     def opt(self, name: str) -> Node | None:
-        """An optional tensor by full name (None when the file does not have it), as floats."""
-        node = self.weights.get(name)
-        return None if node is None else _as_float(node)
+        """An optional tensor by full name (None when the file does not have it)."""
+        return self.weights.get(name)
 
     def mm(self, x: Node, name: str) -> Node:
         """x @ W^T (+ bias when the model has one): the one place a weight matrix is applied
         (llama.cpp's build_lora_mm: the base product, then each adapter's scale * (x A^T) B^T).
-        A frozen weight kept in its file type is multiplied as it is stored (apply_weight)."""
-        y = apply_weight(x, self.weights[f"{name}.weight"])
+        ops.linear multiplies a frozen weight kept in its file type as it is stored."""
+        y = ops.linear(x, self.weights[f"{name}.weight"])
         if self.lora is not None:
             y = self.lora.apply(x, y, f"{name}.weight")
         bias = self.opt(f"{name}.bias")
@@ -86,8 +85,7 @@ class BuildContext:
     def inp_embd(self) -> Node:
         """Token embeddings [n_seq * n_tok, n_embd] (llm_graph_context::build_inp_embd)."""
         b = self.batch
-        table = self.weights["token_embd.weight"]
-        x = ops.qget_rows(table, b.tokens) if table.dtype == "q" else ops.get_rows(table, b.tokens)
+        x = ops.get_rows(self.weights["token_embd.weight"], b.tokens)
         if self.lora is not None:  # token_embd adapters: + scale * A[tokens] B^T
             x = self.lora.apply_rows(b.tokens, x, "token_embd.weight")
         return ops.reshape(x, (b.n_seq * b.n_tok, self.hp.n_embd))
@@ -221,22 +219,11 @@ class BuildContext:
         """Final norm and the vocabulary projection (tied to token_embd when output is absent)."""
         x = self.norm(x, "output_norm")
         if self.opt("output.weight") is None:
-            logits = apply_weight(x, self.weights["token_embd.weight"])
+            logits = ops.linear(x, self.weights["token_embd.weight"])
         else:
             logits = self.mm(x, "output")
         cap = self.hp.final_softcap
         return ops.softcap(logits, cap) if cap else logits
-
-
-def _as_float(node: Node) -> Node:
-    """A weight kept in its file type (ops.qweight), decoded for ops other than a product."""
-    return ops.dequantize(node) if node.dtype == "q" else node
-
-
-def apply_weight(x: Node, w: Node) -> Node:
-    """x @ W^T by the weight's storage: ops.qlinear for a frozen matrix kept in its file type
-    (activations rounded as llama.cpp's CPU matmul rounds them), ops.linear for float weights."""
-    return ops.qlinear(x, w) if w.dtype == "q" else ops.linear(x, w)
 
 
 def causal_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float = 0.0, window: int = 0) -> Node:

@@ -22,6 +22,7 @@ import numpy as np
 
 from llmtune.backends.base import Backend
 from llmtune.errors import LlmtuneError
+from llmtune.quant.types import c_defines, qtype_of
 
 KERNEL_SOURCE = r"""
 // Everything below is compiled with `typedef float real;` or `typedef double real;` in front.
@@ -540,8 +541,8 @@ extern "C" __global__ void softcap_back(const real* y, const real* __restrict__ 
 }
 
 // ------------------------------------------------------------------ weights kept in a GGUF type
-// (quant/matmul.py is the reference: same values, same rounding of the activations). Type ids are
-// ggml's: F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30.
+// (quant/matmul.py is the reference: same values, same rounding of the activations). Type ids
+// (QT_<name>, ggml's), block sizes and bytes come from quant/types.py's registry (c_defines).
 __device__ __forceinline__ float half_bits_to_float(unsigned int h) {
     const unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
     if (e == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mant << 13));
@@ -583,41 +584,41 @@ __device__ __forceinline__ void scale_min_k4(const unsigned char* q, int s, floa
 // value j of a row of `type` blocks
 __device__ float dequant_value(const unsigned char* row, int type, int j) {
     switch (type) {
-        case 1: return load_half(row + 2 * j);
-        case 30: return __uint_as_float(((unsigned int)row[2 * j] | ((unsigned int)row[2 * j + 1] << 8)) << 16);
-        case 8: {
-            const unsigned char* b = row + (j / 32) * 34;
-            return (float)(signed char)b[2 + j % 32] * load_half(b);
+        case QT_F16: return load_half(row + 2 * j);
+        case QT_BF16: return __uint_as_float(((unsigned int)row[2 * j] | ((unsigned int)row[2 * j + 1] << 8)) << 16);
+        case QT_Q8_0: {
+            const unsigned char* b = row + (j / QT_Q8_0_BLOCK) * QT_Q8_0_BYTES;
+            return (float)(signed char)b[2 + j % QT_Q8_0_BLOCK] * load_half(b);
         }
-        case 2: case 3: {
-            const int e = j % 32, size = type == 2 ? 18 : 20, off = type == 2 ? 2 : 4;
+        case QT_Q4_0: case QT_Q4_1: {
+            const int e = j % 32, size = type == QT_Q4_0 ? QT_Q4_0_BYTES : QT_Q4_1_BYTES, off = type == QT_Q4_0 ? 2 : 4;
             const unsigned char* b = row + (j / 32) * size;
             const unsigned char byte = b[off + (e & 15)];
             const float q = (float)(e < 16 ? byte & 15 : byte >> 4);
-            return type == 2 ? (q - 8.0f) * load_half(b) : q * load_half(b) + load_half(b + 2);
+            return type == QT_Q4_0 ? (q - 8.0f) * load_half(b) : q * load_half(b) + load_half(b + 2);
         }
-        case 6: case 7: {
-            const int e = j % 32, size = type == 6 ? 22 : 24, off = type == 6 ? 2 : 4;
+        case QT_Q5_0: case QT_Q5_1: {
+            const int e = j % 32, size = type == QT_Q5_0 ? QT_Q5_0_BYTES : QT_Q5_1_BYTES, off = type == QT_Q5_0 ? 2 : 4;
             const unsigned char* b = row + (j / 32) * size;
             const unsigned int qh = (unsigned int)b[off] | ((unsigned int)b[off + 1] << 8) |
                                     ((unsigned int)b[off + 2] << 16) | ((unsigned int)b[off + 3] << 24);
             const unsigned char byte = b[off + 4 + (e & 15)];
             const float q = (float)((e < 16 ? byte & 15 : byte >> 4) | (((qh >> e) & 1u) << 4));
-            return type == 6 ? (q - 16.0f) * load_half(b) : q * load_half(b) + load_half(b + 2);
+            return type == QT_Q5_0 ? (q - 16.0f) * load_half(b) : q * load_half(b) + load_half(b + 2);
         }
-        case 12: case 13: {
+        case QT_Q4_K: case QT_Q5_K: {
             const int e = j % 256, s = e / 32, l = e % 32;
-            const unsigned char* b = row + (j / 256) * (type == 12 ? 144 : 176);
-            const unsigned char byte = b[(type == 12 ? 16 : 48) + 32 * (s / 2) + l];
+            const unsigned char* b = row + (j / 256) * (type == QT_Q4_K ? QT_Q4_K_BYTES : QT_Q5_K_BYTES);
+            const unsigned char byte = b[(type == QT_Q4_K ? 16 : 48) + 32 * (s / 2) + l];
             int q = (s & 1) ? byte >> 4 : byte & 15;
-            if (type == 13) q |= ((b[16 + l] >> s) & 1) << 4;
+            if (type == QT_Q5_K) q |= ((b[16 + l] >> s) & 1) << 4;
             float sc, m;
             scale_min_k4(b + 4, s, &sc, &m);
             return (load_half(b) * sc) * (float)q - load_half(b + 2) * m;
         }
-        case 14: {
+        case QT_Q6_K: {
             const int e = j % 256, n = e / 128, k = (e % 128) / 32, l = e % 32;
-            const unsigned char* b = row + (j / 256) * 210;
+            const unsigned char* b = row + (j / QT_Q6_K_BLOCK) * QT_Q6_K_BYTES;
             const unsigned char lb = b[64 * n + (k & 1) * 32 + l];
             const int q = ((k < 2 ? lb & 15 : lb >> 4) | (((b[128 + 32 * n + l] >> (2 * k)) & 3) << 4)) - 32;
             return (load_half(b + 208) * (float)(signed char)b[192 + 8 * n + 2 * k + l / 16]) * (float)q;
@@ -649,16 +650,17 @@ extern "C" __global__ void block_mins(const unsigned char* __restrict__ raw, rea
 }
 
 // Activations rounded as ggml's CPU matmul converts them to a weight type's vec_dot_type, in float
-// whatever `real` is: one thread per block of `block` values. kind 0: fp16, 1: bf16, 2: Q8_0,
-// 3: Q8_1 (corr[b] = fp16(d sum q) - fp16(d) sum q, for the weights' min term), 4: Q8_K.
+// whatever `real` is: one thread per block of `block` values. kind (ACT_<vec_dot type>): ACT_F16,
+// ACT_BF16, ACT_Q8_0, ACT_Q8_1 (corr[b] = fp16(d sum q) - fp16(d) sum q, for the weights' min
+// term), ACT_Q8_K.
 extern "C" __global__ void round_act(const real* __restrict__ x, real* __restrict__ out, real* __restrict__ corr,
                                      long long n_blocks, int block, int kind) {
     GRID_STRIDE(b, n_blocks) {
         const real* xb = x + b * block;
         real* ob = out + b * block;
-        if (kind == 0) { for (int i = 0; i < block; ++i) ob[i] = (real)round_half((float)xb[i]); continue; }
-        if (kind == 1) { for (int i = 0; i < block; ++i) ob[i] = (real)round_bf16((float)xb[i]); continue; }
-        if (kind == 4) {  // quantize_row_q8_K_ref: the first largest |x| sets the (signed) scale
+        if (kind == ACT_F16) { for (int i = 0; i < block; ++i) ob[i] = (real)round_half((float)xb[i]); continue; }
+        if (kind == ACT_BF16) { for (int i = 0; i < block; ++i) ob[i] = (real)round_bf16((float)xb[i]); continue; }
+        if (kind == ACT_Q8_K) {  // quantize_row_q8_K_ref: the first largest |x| sets the (signed) scale
             float amax = 0.0f, mx = 0.0f;
             for (int i = 0; i < block; ++i) {
                 const float v = (float)xb[i];
@@ -678,7 +680,7 @@ extern "C" __global__ void round_act(const real* __restrict__ x, real* __restric
             sum += q;
             ob[i] = (real)(q * dh);
         }
-        if (kind == 3) corr[b] = (real)(round_half(d * sum) - dh * sum);
+        if (kind == ACT_Q8_1) corr[b] = (real)(round_half(d * sum) - dh * sum);
     }
 }
 
@@ -789,7 +791,7 @@ _FA_THREADS, _FA_MAX_D = 128, 512  # FA_THREADS, FA_MAX_D of the flash_attn kern
 
 def kernel_source(dtype) -> str:
     """KERNEL_SOURCE specialised for one float type."""
-    return f"typedef {_C_TYPES[np.dtype(dtype)]} real;\n{KERNEL_SOURCE}"
+    return f"typedef {_C_TYPES[np.dtype(dtype)]} real;\n{c_defines()}{KERNEL_SOURCE}"
 
 
 def _flat_grid(n: int) -> tuple:
@@ -1017,9 +1019,6 @@ class _CupyRuntime:
 # ---------------------------------------------------------------------------------------- backend
 PRECISIONS = ("f32", "tf32", "bf16")
 # ggml type ids of the stored-weight types (the dequant_rows kernel's switch), and round_act's kinds
-_QTYPE_IDS = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-              "BF16": 30}
-_ACT_KINDS = {"f16": 0, "bf16": 1, "q8_0": 2, "q8_1": 3, "q8_K": 4}
 
 
 class CUDABackend(Backend):
@@ -1243,7 +1242,7 @@ class CUDABackend(Backend):
             ids = self._ids(ids) if has_ids else self._no_ids()
             self._launch("dequant_rows", out.dtype, _flat_grid(out.size), (_BLOCK,), w, ids, out, np.int64(out.size),
                          np.int32(out.shape[-1]), np.int64(w.shape[1]), np.int64(row0), np.int32(has_ids),
-                         np.int32(w.shape[0]), np.int32(_QTYPE_IDS[qtype]))
+                         np.int32(w.shape[0]), np.int32(qtype_of(qtype).ggml_id))
         return out
 
     def _no_ids(self):
@@ -1261,8 +1260,6 @@ class CUDABackend(Backend):
         return max(1, min(n_rows, self.q_scratch_elements // max(1, n_cols)))
 
     def _k_qlinear(self, out, x, w, qtype, round_x):
-        from llmtune.quant.matmul import ACT_BLOCK, qtype_of
-
         qt = qtype_of(qtype)
         n_out, n_in = out.shape[-1], x.shape[-1]
         x2, o2 = self._contig(x).reshape(-1, n_in), out.reshape(-1, n_out)
@@ -1271,12 +1268,12 @@ class CUDABackend(Backend):
         corr = None
         if round_x:
             xr = self.xp.empty(x2.shape, x2.dtype)
-            block = ACT_BLOCK[qt.act]
+            block = qt.act_type.block
             corr = self.xp.empty((x2.shape[0], n_in // 32 if qt.has_min else 1), x2.dtype)
             if x2.size:
                 n_blocks = x2.size // block
                 self._launch("round_act", x2.dtype, _flat_grid(n_blocks), (_BLOCK,), x2, xr, corr, np.int64(n_blocks),
-                             np.int32(block), np.int32(_ACT_KINDS[qt.act]))
+                             np.int32(block), np.int32(qt.act_type.kind))
             x2 = xr
         rb = self._q_block_rows(n_out, n_in)
         wb = self.xp.empty((rb, n_in), out.dtype)

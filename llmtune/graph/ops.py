@@ -30,7 +30,14 @@ def _register(name, backward=None, view=False, inplace=False):
     OPS[name] = OpDef(backward, view, inplace)
 
 
+# ops that read a stored matrix (ops.qweight) as its blocks; any other op given one reads it decoded
+# (dequantize), as ggml converts a src type, so graph builders never branch on a weight's storage
+_STORED_READERS = frozenset({"qlinear", "qlinear_back", "qget_rows", "dequantize"})
+
+
 def _node(op, inputs, attrs, shape, dtype="f32", contiguous=True):
+    if op not in _STORED_READERS and any(i.dtype == "q" for i in inputs):
+        inputs = tuple(dequantize(i) if i.dtype == "q" else i for i in inputs)
     rg = any(i.requires_grad for i in inputs) and dtype == "f32"
     return Node(op, inputs, attrs, shape, dtype, requires_grad=rg, contiguous=contiguous)
 
@@ -197,7 +204,11 @@ def matmul(a: Node, b: Node, ta: bool = False, tb: bool = False) -> Node:
 
 
 def linear(x: Node, w: Node) -> Node:
-    """x[..., in] @ W[out, in]^T."""
+    """x[..., in] @ W[out, in]^T, by W's storage as ggml_mul_mat reads its src0 type: a matrix
+    kept in its file type (qweight) through qlinear (activations rounded as llama.cpp's CPU
+    matmul rounds them), a float one through matmul."""
+    if w.dtype == "q":
+        return qlinear(x, w)
     return matmul(x, w, tb=True)
 
 
@@ -220,9 +231,10 @@ _register("matmul", _matmul_backward)
 # --------------------------------------------------------------------------- weights kept in a GGUF type
 def qweight(shape, qtype: str, name: str = "") -> Node:
     """A frozen matrix W[out, in] kept as its GGUF block bytes (`qtype`: "Q4_K", "F16", ... a key of
-    quant/matmul.QTYPES): bound to a uint8 array [out, bytes per row]. Only qlinear, qlinear_back,
-    qget_rows and dequantize read it; it never has a gradient."""
-    from llmtune.quant.matmul import qtype_of
+    quant/types.QTYPES): bound to a uint8 array [out, bytes per row]. qlinear, qlinear_back, qget_rows
+    and dequantize read its blocks (linear and get_rows pick them for it); any other op reads it
+    decoded; it never has a gradient."""
+    from llmtune.quant.types import qtype_of
 
     qtype_of(qtype)
     if len(tuple(shape)) != 2:
@@ -346,7 +358,10 @@ _register("pad", lambda n, g: (slice_rows(g, n.attrs["axis"], n.attrs["start"], 
 
 # --------------------------------------------------------------------------- embeddings
 def get_rows(w: Node, ids: Node) -> Node:
-    """w[ids]: ids int32 of any shape -> ids.shape + (w.shape[1],)."""
+    """w[ids]: ids int32 of any shape -> ids.shape + (w.shape[1],); the rows of a matrix kept in
+    its file type are decoded (qget_rows), as ggml_get_rows does for any src0 type."""
+    if w.dtype == "q":
+        return qget_rows(w, ids)
     return _node("get_rows", (w, ids), {}, ids.shape + w.shape[1:])
 
 

@@ -16,9 +16,8 @@ from llmtune.arch.prefix import PrefixShape, SharedPrefix
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, load_gguf
-from llmtune.graph import ops
 from llmtune.model.adapter import LoraGraph
-from llmtune.quant.qtensor import QTensor, stored
+from llmtune.quant.qtensor import graph_leaf, stored
 
 
 @dataclass
@@ -89,8 +88,7 @@ class Model:
         prefix: the layout of shared prefixes and their continuations (arch/prefix.py); the batch is
         then one flat sequence of prefix.n_tok tokens with run-time positions."""
         trainable = set(trainable)
-        nodes = {name: ops.qweight(w.shape, w.qtype, name=name) if isinstance(w, QTensor) and name not in trainable
-                 else ops.param(w.shape, name=name, requires_grad=name in trainable) for name, w in self.tensors().items()}
+        nodes = {name: graph_leaf(name, w, name in trainable) for name, w in self.tensors().items()}
         lora = LoraGraph.of(self.adapters, nodes, lora_dropout) if self.adapters else None
         batch = Batch.make(n_seq, n_tok)
         shared = None

@@ -32,57 +32,18 @@ as a small extra product with the weights' mins, so that term is reproduced too.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
+from llmtune.quant.types import ACT_BLOCK, QTYPES, QType, qtype_of, row_bytes  # noqa: F401 - the registry, re-exported
+
 F32 = np.float32
 
-
-@dataclass(frozen=True)
-class QType:
-    name: str  # ggml's type name
-    block: int  # values per block
-    size: int  # bytes per block
-    act: str  # how ggml rounds the activations multiplied with it (its vec_dot_type)
-    has_min: bool = False  # Q4_1 / Q5_1: value = d * q + m (the Q8_1 correction applies)
-
-
-QTYPES: dict[str, QType] = {
-    t.name: t
-    for t in (
-        QType("F16", 1, 2, "f16"),
-        QType("BF16", 1, 2, "bf16"),
-        QType("Q8_0", 32, 34, "q8_0"),
-        QType("Q4_0", 32, 18, "q8_0"),
-        QType("Q5_0", 32, 22, "q8_0"),
-        QType("Q4_1", 32, 20, "q8_1", has_min=True),
-        QType("Q5_1", 32, 24, "q8_1", has_min=True),
-        QType("Q4_K", 256, 144, "q8_K"),
-        QType("Q5_K", 256, 176, "q8_K"),
-        QType("Q6_K", 256, 210, "q8_K"),
-    )
-}
-ACT_BLOCK = {"f16": 1, "bf16": 1, "q8_0": 32, "q8_1": 32, "q8_K": 256}
 
 # float32 elements of the per-thread weight scratch: the rows dequantized for one BLAS call
 SCRATCH_ELEMENTS = 1 << 22  # 16 MiB
 # float32 bytes dequantized per numpy pass: the temporaries of one pass stay in L2
 _PASS_BYTES = 1 << 20
-
-
-def qtype_of(name: str) -> QType:
-    qt = QTYPES.get(name)
-    if qt is None:
-        raise ValueError(f"no quantized matmul for type {name} (have {', '.join(QTYPES)})")
-    return qt
-
-
-def row_bytes(qtype: str, n_cols: int) -> int:
-    qt = qtype_of(qtype)
-    if n_cols % qt.block:
-        raise ValueError(f"{qtype}: a row of {n_cols} values is not a whole number of {qt.block}-value blocks")
-    return n_cols // qt.block * qt.size
 
 
 # ------------------------------------------------------------------------------------ dequantization
