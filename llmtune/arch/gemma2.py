@@ -94,15 +94,9 @@ class GemmaBase(Family):
     # ------------------------------------------------------------------ graph
     def build(self, ctx: BuildContext):
         hp = ctx.hp
-        x = ops.scale(ctx.inp_embd(), math.sqrt(hp.n_embd))
-        for il in range(hp.n_layer):
-            blk = f"blk.{il}"
-            h = ctx.attn(ctx.norm(x, f"{blk}.attn_norm"), il)  # q/k norms, window, softcap: hp
-            if il == hp.n_layer - 1:  # rows that produce no logits need no more work
-                x, h = ctx.logit_rows(x), ctx.logit_rows(h)
-            x = ops.add(x, ctx.norm(h, f"{blk}.post_attention_norm"))
-            h = ctx.ffn(ctx.norm(x, f"{blk}.ffn_norm"), blk)  # down(gelu(gate x) * up x)
-            x = ops.add(x, ctx.norm(h, f"{blk}.post_ffw_norm"))
+        x = ctx.cb(ops.scale(ctx.inp_embd(), math.sqrt(hp.n_embd)), "inp_scaled")
+        # q/k norms, sliding window and softcap come from hp; each branch normed again (post norms)
+        x = ctx.layers(x, post_norms=True)
         return ctx.output(x)  # final norm, token_embd projection, final softcap when set
 
     # ------------------------------------------------------------------ helpers for write_hparams
