@@ -969,7 +969,7 @@ def test_gemm_plan_reads_views_in_place(ta, tb):
     from llmtune.backends import cuda
 
     runtime = cuda_emu.EmuRuntime()
-    st = cuda._element_strides
+    st = cuda.element_strides
     for (la, a), (lb, b) in [(x, y) for x in _views() for y in _views()]:
         a_in = np.swapaxes(a, -1, -2) if ta else a  # op(a_in) == a, as a view
         b_in = b if tb else np.swapaxes(b, -1, -2)  # op(b_in) == b^T, as a view
@@ -986,7 +986,7 @@ def test_gemm_plan_refuses_unreadable_views():
 
     a = randn(6, 8)[::2, ::2]  # neither rows nor columns contiguous
     b = randn(4, 2)
-    st = cuda._element_strides
+    st = cuda.element_strides
     assert cuda.plan_gemm(a.shape, st(a), b.shape, st(b), (3, 2), (2, 1), False, False) is None
 
 

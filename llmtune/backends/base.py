@@ -113,3 +113,13 @@ def _check_workers(requested: Optional[int]) -> None:
 
     if requested is not None and requested < 1:
         raise LlmtuneError(f"workers: must be positive (got {requested})")
+
+
+def kernel_table(source, prefix: str, names: bool = False) -> dict:
+    """The kernel table of a backend by the one convention of all of them: the kernel of op X is
+    `source`'s attribute `prefix + X` (cpu.py's module functions k_X, the CUDA backend's methods
+    _k_X), for every op of graph/ops.OPS it has; names=True gives the attribute names instead.
+    tests/test_kernels_cover_ops.py checks that every op has one and that none is left over."""
+    from llmtune.graph.ops import OPS
+
+    return {op: (prefix + op if names else getattr(source, prefix + op)) for op in OPS if hasattr(source, prefix + op)}

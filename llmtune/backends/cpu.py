@@ -6,10 +6,11 @@ Kernels write into planned `out` buffers and avoid temporaries where numpy allow
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 
-from llmtune.backends.base import Backend
+from llmtune.backends.base import Backend, kernel_table
 from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
 from llmtune.quant import matmul as qmatmul
 from llmtune.resources import process_rss
@@ -708,52 +709,8 @@ def k_count_correct(out, logits, targets):
     return out
 
 
-# op name -> kernel, one entry per op of graph/ops.OPS
-KERNELS = {
-    "sum_to": k_sum_to,
-    "broadcast_to": k_broadcast_to,
-    "add": k_add,
-    "mul": k_mul,
-    "scale": k_scale,
-    "silu": k_silu,
-    "silu_back": k_silu_back,
-    "swiglu": k_swiglu,
-    "swiglu_back": k_swiglu_back,
-    "gelu": k_gelu,
-    "gelu_back": k_gelu_back,
-    "geglu": k_geglu,
-    "geglu_back": k_geglu_back,
-    "softcap": k_softcap,
-    "softcap_back": k_softcap_back,
-    "matmul": k_matmul,
-    "qlinear": k_qlinear,
-    "qlinear_back": k_qlinear_back,
-    "qget_rows": k_qget_rows,
-    "dequantize": k_dequantize,
-    "reshape": k_reshape,
-    "permute": k_permute,
-    "cont": k_cont,
-    "slice": k_slice,
-    "pad": k_pad,
-    "get_rows": k_get_rows,
-    "add_rows": k_add_rows,
-    "rms_norm": k_rms_norm,
-    "rms_norm_back": k_rms_norm_back,
-    "layer_norm": k_layer_norm,
-    "layer_norm_back": k_layer_norm_back,
-    "rope": k_rope,
-    "softmax_causal": k_softmax_causal,
-    "softmax_masked": k_softmax_masked,
-    "softmax_back": k_softmax_back,
-    "flash_attn": k_flash_attn,
-    "flash_attn_back": k_flash_attn_back,
-    "after": k_after,
-    "cache_write": k_cache_write,
-    "logsumexp": k_logsumexp,
-    "cross_entropy": k_cross_entropy,
-    "cross_entropy_back": k_cross_entropy_back,
-    "count_correct": k_count_correct,
-}
+# op name -> kernel: every k_<op> above (base.kernel_table's convention)
+KERNELS = kernel_table(sys.modules[__name__], "k_")
 
 
 _ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2
