@@ -84,12 +84,13 @@ class BuildContext:
         return self.cb(node, weight)
 
     # ------------------------------------------------------------------ weights
-    def w(self, name: str) -> Node:
-        """A required weight by base name ("blk.0.attn_q" -> blk.0.attn_q.weight)."""
-        return self.weights[f"{name}.weight"]
+    def tensor(self, name: str) -> Node:
+        """A required tensor by full name ("position_embd.weight")."""
+        return self.weights[name]
 
     def opt(self, name: str) -> Node | None:
-        """An optional tensor by full name (None when the file does not have it)."""
+        """An optional tensor by full name (None when the file does not have it). The builders
+        that apply a weight (mm, norm) take its base name ("blk.0.attn_q") instead."""
         return self.weights.get(name)
 
     def mm(self, x: Node, name: str) -> Node:
@@ -146,7 +147,7 @@ class BuildContext:
         hp = self.hp
         if hp.ffn_gated and self.opt(f"{blk}.ffn_gate.weight") is None:
             up = self.mm(x, f"{blk}.ffn_up")
-            h = self.gated_act(ops.slice_rows(up, 1, 0, hp.n_ff), ops.slice_rows(up, 1, hp.n_ff, 2 * hp.n_ff))
+            h = self.gated_act(ops.slice_axis(up, 1, 0, hp.n_ff), ops.slice_axis(up, 1, hp.n_ff, 2 * hp.n_ff))
         elif hp.ffn_gated:
             h = self.gated_act(self.mm(x, f"{blk}.ffn_gate"), self.mm(x, f"{blk}.ffn_up"))
         else:
@@ -185,7 +186,7 @@ class BuildContext:
             biases = dict.fromkeys(parts)  # llama.cpp adds separate biases only when all three exist
         out = []
         for p, (start, stop) in parts.items():
-            y = ops.slice_rows(qkv, 1, start, stop)
+            y = ops.slice_axis(qkv, 1, start, stop)
             y = y if biases[p] is None else ops.add(y, biases[p])
             out.append(self.heads(y, hp.n_head if p == "q" else hp.n_head_kv))
         return tuple(out)
@@ -233,8 +234,8 @@ class BuildContext:
         d = x.shape[-1]
         if hp.n_rot == d:
             return ops.scale(y, f)
-        rest = ops.scale(ops.slice_rows(x, len(x.shape) - 1, hp.n_rot, d), 1.0 - f)
-        return ops.add(ops.scale(y, f), ops.pad_rows(rest, len(x.shape) - 1, hp.n_rot, d))
+        rest = ops.scale(ops.slice_axis(x, len(x.shape) - 1, hp.n_rot, d), 1.0 - f)
+        return ops.add(ops.scale(y, f), ops.pad_axis(rest, len(x.shape) - 1, hp.n_rot, d))
 
     def rope_factors(self, il: int) -> Node | None:
         """Frequency factors (llama_model::get_rope_factors): rope_freqs.weight when present,
@@ -255,7 +256,7 @@ class BuildContext:
         if start == 0:
             return x
         x3 = ops.reshape(x, (b.n_seq, b.n_tok, x.shape[-1]))
-        kept = ops.slice_rows(x3, 1, start, b.n_tok)
+        kept = ops.slice_axis(x3, 1, start, b.n_tok)
         return ops.reshape(kept, (b.n_seq * (b.n_tok - start), x.shape[-1]))
 
     def output(self, x: Node) -> Node:

@@ -49,7 +49,7 @@ class GemmaBase(Family):
 
     traits = dict(rope_mode="neox", norm_kind="rms", activation="gelu", ffn_gated=True)
     swa_period = 2  # load_swa_pattern's default
-    size_27b = 0  # n_layer of the 27B model, whose query scale is 1/sqrt(n_embd / n_head)
+    n_layer_27b = 0  # the 27B model's n_layer (llama.cpp's LLM_TYPE_27B), whose query scale is 1/sqrt(n_embd / n_head)
     qk_norm = False
 
     def make_hparams(self, **fields):
@@ -60,7 +60,7 @@ class GemmaBase(Family):
             fields["swa_layers"] = swa_pattern(n_layer, self.swa_period)
         if fields.get("attn_scale") is None and n_head:
             head_dim = fields.get("head_dim_kq") or n_embd // n_head
-            size = n_embd // n_head if n_layer == self.size_27b else head_dim
+            size = n_embd // n_head if n_layer == self.n_layer_27b else head_dim
             fields["attn_scale"] = 1.0 / math.sqrt(float(size)) if size > 0 else None
         return super().make_hparams(**fields)
 
@@ -126,7 +126,7 @@ class Gemma2(GemmaBase):
     config_keys = {"sliding_window": "int", "attn_softcap": "float", "final_softcap": "float",
                    "rope_freq_base_swa": "float"}
     swa_period = 2
-    size_27b = 46
+    n_layer_27b = 46
 
     def make_hparams(self, **fields):
         fields["tied_output"] = True

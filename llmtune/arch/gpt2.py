@@ -67,6 +67,6 @@ class GPT2(Family):
                                f"{hp.n_ctx_train} learned positions")
         # token embeddings + learned position embeddings (position_embd rows at the batch positions)
         x = ops.reshape(ctx.inp_embd(), (b.n_seq, b.n_tok, hp.n_embd))
-        x = ops.add(x, ops.get_rows(ctx.w("position_embd"), b.pos))
+        x = ops.add(x, ops.get_rows(ctx.tensor("position_embd.weight"), b.pos))
         x = ctx.cb(ops.reshape(x, (b.n_seq * b.n_tok, hp.n_embd)), "inpL")
         return ctx.output(ctx.layers(x))  # layer norms, fused qkv with bias and no rope, gelu MLP: hp

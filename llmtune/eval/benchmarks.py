@@ -86,11 +86,6 @@ class BenchmarkResult:
     def n_correct(self) -> int:
         return sum(t.correct for t in self.tasks)
 
-    def running_accuracy(self) -> list[float]:
-        """Accuracy after each task, in evaluation order (llama.cpp's running values)."""
-        hits = np.cumsum([t.correct for t in self.tasks])
-        return (hits / np.arange(1, len(self.tasks) + 1)).tolist()
-
     def to_dict(self) -> dict:
         d = asdict(self)
         for key in ("base_accuracy", "same_choice", "kl", "kl_max"):

@@ -317,20 +317,20 @@ def _axis(x: Node, axis: int) -> int:
     return axis % nd
 
 
-def slice_rows(x: Node, axis: int, start: int, stop: int) -> Node:
-    """x[..., start:stop, ...] along `axis` (a view; axis may be negative). A slice of the last
+def slice_axis(x: Node, axis: int, start: int, stop: int) -> Node:
+    """x[..., start:stop, ...] along `axis`, any axis (a view; axis may be negative). A slice of the last
     axis of a matrix (a fused projection's halves) is strided: `cont` it for a dense consumer."""
     axis = _axis(x, axis)
     if not 0 <= start <= stop <= x.shape[axis]:
-        raise ValueError(f"slice_rows: [{start}:{stop}] of axis {axis} of {x.shape}")
+        raise ValueError(f"slice_axis: [{start}:{stop}] of axis {axis} of {x.shape}")
     shape = list(x.shape)
     shape[axis] = stop - start
     contiguous = x.contiguous and all(s == 1 for s in x.shape[:axis])
     return _node("slice", (x,), {"axis": axis, "start": start, "stop": stop}, shape, contiguous=contiguous)
 
 
-def pad_rows(x: Node, axis: int, start: int, full: int) -> Node:
-    """Zeros of length `full` along `axis` with x placed at `start` (backward of slice)."""
+def pad_axis(x: Node, axis: int, start: int, full: int) -> Node:
+    """Zeros of length `full` along `axis` (any axis) with x placed at `start` (backward of slice)."""
     axis = _axis(x, axis)
     shape = list(x.shape)
     shape[axis] = full
@@ -343,7 +343,7 @@ def concat(parts: list, axis: int) -> Node:
     full = sum(p.shape[axis] for p in parts)
     out, start = None, 0
     for p in parts:
-        term = pad_rows(p, axis, start, full)
+        term = pad_axis(p, axis, start, full)
         out = term if out is None else add(out, term)
         start += p.shape[axis]
     return out
@@ -352,8 +352,8 @@ def concat(parts: list, axis: int) -> Node:
 _register("reshape", lambda n, g: (reshape(g, n.inputs[0].shape),), view=True)
 _register("permute", lambda n, g: (permute(g, tuple(np.argsort(n.attrs["axes"]))),), view=True)
 _register("cont", lambda n, g: (g,))
-_register("slice", lambda n, g: (pad_rows(g, n.attrs["axis"], n.attrs["start"], n.inputs[0].shape[n.attrs["axis"]]),), view=True)
-_register("pad", lambda n, g: (slice_rows(g, n.attrs["axis"], n.attrs["start"], n.attrs["start"] + n.inputs[0].shape[n.attrs["axis"]]),))
+_register("slice", lambda n, g: (pad_axis(g, n.attrs["axis"], n.attrs["start"], n.inputs[0].shape[n.attrs["axis"]]),), view=True)
+_register("pad", lambda n, g: (slice_axis(g, n.attrs["axis"], n.attrs["start"], n.attrs["start"] + n.inputs[0].shape[n.attrs["axis"]]),))
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -508,7 +508,7 @@ def flash_attn(q: Node, k: Node, v: Node, scale_: float, softcap_: float = 0.0, 
     n_o = q.size
     attrs = {"scale": float(scale_), "softcap": float(softcap_), "window": int(window)}
     packed = _node("flash_attn", (q, k, v), attrs, (n_o + B * H * T,))
-    return reshape(slice_rows(packed, 0, 0, n_o), q.shape)
+    return reshape(slice_axis(packed, 0, 0, n_o), q.shape)
 
 
 def flash_attn_back(q: Node, k: Node, v: Node, packed: Node, g: Node, attrs: dict) -> Node:
@@ -523,12 +523,12 @@ def _flash_attn_backward(n: Node, g: Node):
     q, k, v = n.inputs
     # The gradient reaches the packed buffer only through O's view: autodiff hands it over as
     # pad(dO); the backward reads dO itself, so that pad is never computed.
-    d_out = g.inputs[0] if g.op == "pad" else slice_rows(g, 0, 0, q.size)
+    d_out = g.inputs[0] if g.op == "pad" else slice_axis(g, 0, 0, q.size)
     d_out = reshape(d_out, q.shape)
     back = flash_attn_back(q, k, v, n, d_out, n.attrs)
     parts, start = [], 0
     for x in (q, k, v):
-        parts.append(reshape(slice_rows(back, 0, start, start + x.size), x.shape) if x.requires_grad else None)
+        parts.append(reshape(slice_axis(back, 0, start, start + x.size), x.shape) if x.requires_grad else None)
         start += x.size
     return tuple(parts)
 
