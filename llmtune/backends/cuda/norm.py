@@ -9,28 +9,22 @@ from llmtune.backends.cuda.launch import row_threads
 
 
 class NormKernels:
-    def _k_rms_norm(self, out, x, eps):
+    def _norm_rows(self, name, out, x, eps, g=None):
+        """One block per row of x: kernel `name`(x, [g,] out, n, eps)."""
         x, rows, n = self._rows(x)
         if rows:
-            self._launch("rms_norm", out.dtype, (rows,), row_threads(n), x, out, np.int32(n), out.dtype.type(eps))
+            grads = () if g is None else (self._contig(g),)
+            self._launch(name, out.dtype, (rows,), row_threads(n), x, *grads, out, np.int32(n), out.dtype.type(eps))
         return out
+
+    def _k_rms_norm(self, out, x, eps):
+        return self._norm_rows("rms_norm", out, x, eps)
 
     def _k_rms_norm_back(self, out, x, g, eps):
-        x, rows, n = self._rows(x)
-        if rows:
-            self._launch("rms_norm_back", out.dtype, (rows,), row_threads(n), x, self._contig(g), out,
-                         np.int32(n), out.dtype.type(eps))
-        return out
+        return self._norm_rows("rms_norm_back", out, x, eps, g)
 
     def _k_layer_norm(self, out, x, eps):
-        x, rows, n = self._rows(x)
-        if rows:
-            self._launch("layer_norm", out.dtype, (rows,), row_threads(n), x, out, np.int32(n), out.dtype.type(eps))
-        return out
+        return self._norm_rows("layer_norm", out, x, eps)
 
     def _k_layer_norm_back(self, out, x, g, eps):
-        x, rows, n = self._rows(x)
-        if rows:
-            self._launch("layer_norm_back", out.dtype, (rows,), row_threads(n), x, self._contig(g), out,
-                         np.int32(n), out.dtype.type(eps))
-        return out
+        return self._norm_rows("layer_norm_back", out, x, eps, g)
