@@ -179,7 +179,8 @@ def hf_running_ppl(model, ids: np.ndarray, add_bos: bool, bos: int, ctx: int, ch
 
 
 def check_family(name: str, tmp: Path, record: bool) -> None:
-    from llmtune.eval.perplexity import _as_model, add_bos_of, tokenize
+    from llmtune.eval.perplexity import tokenize
+    from llmtune.eval.scoring import add_bos_of, as_model
     from llmtune.tokenizer import read_text
 
     case = FAMILIES[name]
@@ -190,7 +191,7 @@ def check_family(name: str, tmp: Path, record: bool) -> None:
 
     ours = family_check.llmtune_running_ppl(model_path, text, ctx, chunks)
     fixture["chunks"] = chunks = min(chunks, len(ours))  # as check_families.py --record: the chunks the text fills
-    lt_model = _as_model(model_path)
+    lt_model = as_model(model_path)
     ids = tokenize(lt_model, read_text(text))
     theirs = hf_running_ppl(load_hf(model_path, PATCHES.get(name, Patch())), ids, *add_bos_of(lt_model), ctx, chunks)
     diff = family_check.max_rel_diff(ours, theirs)

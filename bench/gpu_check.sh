@@ -33,7 +33,7 @@ try:
 except Exception as exc:
     print("cupy unusable:", exc)
 from llmtune.backends import cuda
-print("llmtune cuda available:", cuda.available(), "|", cuda._unavailable_reason())
+print("llmtune cuda available:", cuda.available(), "|", cuda.unavailable_reason())
 EOF
 } 2>&1 | tee "$LOG/env.txt"
 

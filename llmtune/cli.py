@@ -421,26 +421,24 @@ def generate_cmd(
     if prompt is None and not interactive:
         raise LlmtuneError("generate: no prompt (give -p TEXT or -f FILE, pipe it on stdin, or use --chat in a terminal)")
     from llmtune.backends import get_backend
-    from llmtune.quant.qtensor import evaluation_copies
 
     gen = Generator(load_for_generation(model, lora, lora_scale), get_backend(backend, precision=precision), n_ctx=ctx)
-    with evaluation_copies(gen.backend):  # the frozen weights decoded once, not per token
-        if chat:
-            from llmtune.tokenizer.chat_template import ChatTemplate
+    if chat:
+        from llmtune.tokenizer.chat_template import ChatTemplate
 
-            template = ChatTemplate.for_model(gen.model.gguf, gen.tokenizer, chat_template)
-            session = ChatSession(gen, template, sampler, n_predict, system)
-            if interactive:
-                chat_loop(session, err, _read_line, first=prompt)
-                return
-            stream = Stream()
-            res = session.reply(prompt, on_token=stream)
-        else:
-            ids = gen.check_prompt(gen.tokenize_prompt(prompt))  # a prompt that cannot run fails before it is shown
-            if not no_display_prompt:
-                sys.stdout.write(prompt)
-            stream = Stream()
-            res = gen.generate(ids, n_predict, sampler, on_token=stream)
+        template = ChatTemplate.for_model(gen.model.gguf, gen.tokenizer, chat_template)
+        session = ChatSession(gen, template, sampler, n_predict, system)
+        if interactive:
+            chat_loop(session, err, _read_line, first=prompt)
+            return
+        stream = Stream()
+        res = session.reply(prompt, on_token=stream)
+    else:
+        ids = gen.check_prompt(gen.tokenize_prompt(prompt))  # a prompt that cannot run fails before it is shown
+        if not no_display_prompt:
+            sys.stdout.write(prompt)
+        stream = Stream()
+        res = gen.generate(ids, n_predict, sampler, on_token=stream)
     stream.end_line()
     err.print(f"[dim]{escape(summary(res))}[/]", highlight=False)
 

@@ -1,6 +1,6 @@
 """A CPU emulator for the CUDA backend's kernels, so its logic is tested without a GPU.
 
-llmtune/backends/cuda.py's KERNEL_SOURCE is compiled with g++ against a small header that
+llmtune/backends/cuda/'s kernel source (runtime.kernel_source: every section's .cu) is compiled with g++ against a small header that
 provides CUDA's builtins: every CUDA thread of a block is a fiber (ucontext, switched with setjmp), __syncthreads and
 __shfl_xor_sync are barriers the fibers meet at (in shuffled or random-priority order, so
 ordering assumptions and shared-memory races show up), shared memory is static storage, blocks run one after another. A barrier that can
@@ -308,7 +308,7 @@ def _describe_arg(arg) -> str:
 
 
 class EmuRuntime:
-    """cuda.py's device runtime on the CPU: numpy arrays, emulated kernels, literal cuBLAS."""
+    """backends/cuda/runtime.py's device runtime on the CPU: numpy arrays, emulated kernels, literal cuBLAS."""
 
     xp = np
     device_name = "CPU emulator"

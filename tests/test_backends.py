@@ -226,7 +226,7 @@ def test_matmul_on_strided_views(name):
 
     def build(a_raw, b_raw, c_raw):
         a, b, c = (ops.permute(t, (0, 2, 1, 3)) for t in (a_raw, b_raw, c_raw))
-        return [ops.matmul(a, b, tb=True), ops.matmul(b, c, ta=True), ops.matmul(ops.slice_rows(a, 2, 1, 4), b, tb=True)]
+        return [ops.matmul(a, b, tb=True), ops.matmul(b, c, ta=True), ops.matmul(ops.slice_axis(a, 2, 1, 4), b, tb=True)]
 
     check_forward(name, build, [a @ np.swapaxes(b, -1, -2), np.swapaxes(b, -1, -2) @ c,
                                 a[:, :, 1:4] @ np.swapaxes(b, -1, -2)], a_raw=a_raw, b_raw=b_raw, c_raw=c_raw)
@@ -237,7 +237,7 @@ def test_shape_ops(name):
     check_forward(
         name,
         lambda x: [ops.reshape(x, (12, 5)), ops.cont(ops.permute(x, (2, 0, 1))), ops.reshape(ops.permute(x, (1, 0, 2)), (4, 15)),
-                   ops.slice_rows(x, 1, 1, 3), ops.pad_rows(x, 1, 2, 7)],
+                   ops.slice_axis(x, 1, 1, 3), ops.pad_axis(x, 1, 2, 7)],
         [x.reshape(12, 5), x.transpose(2, 0, 1), x.transpose(1, 0, 2).reshape(4, 15), x[:, 1:3],
          np.concatenate([np.zeros((3, 2, 5)), x, np.zeros((3, 1, 5))], axis=1)],
         x=x,
@@ -260,11 +260,11 @@ def test_slice_last_axis_then_cont(name):
 
     def build(x, w, u):
         fused = ops.linear(u, w)  # [6, 16]: gate rows 0..7, up rows 8..15 of w
-        gate, up = ops.cont(ops.slice_rows(fused, 1, 0, 8)), ops.cont(ops.slice_rows(fused, -1, 8, 16))
-        return [ops.cont(ops.slice_rows(x, 1, 0, 6)), ops.cont(ops.slice_rows(x, 1, 6, 12)),
-                ops.cont(ops.slice_rows(x, -1, 2, 5)), ops.swiglu(gate, up), ops.geglu(gate, up),
-                ops.add(ops.slice_rows(x, 1, 3, 10), ops.slice_rows(x, 1, 0, 7)),
-                ops.matmul(ops.slice_rows(x, 1, 5, 12), ops.slice_rows(w, 0, 0, 7))]
+        gate, up = ops.cont(ops.slice_axis(fused, 1, 0, 8)), ops.cont(ops.slice_axis(fused, -1, 8, 16))
+        return [ops.cont(ops.slice_axis(x, 1, 0, 6)), ops.cont(ops.slice_axis(x, 1, 6, 12)),
+                ops.cont(ops.slice_axis(x, -1, 2, 5)), ops.swiglu(gate, up), ops.geglu(gate, up),
+                ops.add(ops.slice_axis(x, 1, 3, 10), ops.slice_axis(x, 1, 0, 7)),
+                ops.matmul(ops.slice_axis(x, 1, 5, 12), ops.slice_axis(w, 0, 0, 7))]
 
     f = u @ w.T
     check_forward(name, build, [x[:, :6], x[:, 6:], x[:, 2:5], f[:, :8] * sigmoid(f[:, :8]) * f[:, 8:],
@@ -440,7 +440,7 @@ def test_cache_write(name):
     cache = backend.asarray(start.astype(np.float32))
     c = ops.param((B, H, N, d), name="cache", requires_grad=False)
     xn, pn = ops.input((B, T, H, d), name="x"), ops.input((T,), "i32", name="pos")
-    out = ops.slice_rows(ops.cache_write(c, ops.scale(xn, 1.0), pn), 2, 0, 6)
+    out = ops.slice_axis(ops.cache_write(c, ops.scale(xn, 1.0), pn), 2, 0, 6)
     prog = Program([out], backend, params={c: cache})
     got = prog.run(x=backend.asarray(x.astype(np.float32)), pos=backend.asarray(pos))[0]
     assert_close(backend.to_numpy(got), want[:, :, :6])
@@ -544,7 +544,7 @@ def _consts(values):
     """A float vector known to the graph (no gradient): one-hot pads of scalar constants, summed."""
     out = None
     for i, v in enumerate(values):
-        term = ops.pad_rows(ops.const(v, (1,)), 0, i, len(values))
+        term = ops.pad_axis(ops.const(v, (1,)), 0, i, len(values))
         out = term if out is None else ops.add(out, term)
     return out
 
@@ -553,7 +553,7 @@ def _fused_gate_up(x, w):
     """phi3's FFN entry: one product, split in halves of its last axis."""
     fused = ops.linear(x, w)
     n = w.shape[0] // 2
-    return ops.swiglu(ops.cont(ops.slice_rows(fused, 1, 0, n)), ops.cont(ops.slice_rows(fused, 1, n, 2 * n)))
+    return ops.swiglu(ops.cont(ops.slice_axis(fused, 1, 0, n)), ops.cont(ops.slice_axis(fused, 1, n, 2 * n)))
 
 
 GRAD_CASES = {
@@ -573,9 +573,9 @@ GRAD_CASES = {
     "matmul_tt": (lambda a, b: ops.matmul(a, b, True, True), {"a": (4, 3), "b": (5, 4)}, {}),
     "matmul_batch_broadcast": (lambda a, b: ops.matmul(a, b, tb=True), {"a": (2, 1, 3, 4), "b": (3, 2, 4)}, {}),
     "permute_reshape": (lambda a: ops.reshape(ops.permute(a, (1, 0, 2)), (3, 8)), {"a": (2, 3, 4)}, {}),
-    "slice": (lambda a: ops.slice_rows(a, 1, 1, 3), {"a": (2, 4, 3)}, {}),
-    "pad": (lambda a: ops.pad_rows(a, 1, 2, 6), {"a": (2, 3, 2)}, {}),
-    "slice_last_axis_cont": (lambda a: ops.geglu(ops.cont(ops.slice_rows(a, 1, 0, 3)), ops.cont(ops.slice_rows(a, -1, 3, 6))),
+    "slice": (lambda a: ops.slice_axis(a, 1, 1, 3), {"a": (2, 4, 3)}, {}),
+    "pad": (lambda a: ops.pad_axis(a, 1, 2, 6), {"a": (2, 3, 2)}, {}),
+    "slice_last_axis_cont": (lambda a: ops.geglu(ops.cont(ops.slice_axis(a, 1, 0, 3)), ops.cont(ops.slice_axis(a, -1, 3, 6))),
                              {"a": (4, 6)}, {}),
     # phi3's fused gate+up projection, split in halves of the product's last axis
     "fused_gate_up": (_fused_gate_up, {"x": (4, 5), "w": (6, 5)}, {}),
@@ -969,7 +969,7 @@ def test_gemm_plan_reads_views_in_place(ta, tb):
     from llmtune.backends import cuda
 
     runtime = cuda_emu.EmuRuntime()
-    st = cuda._element_strides
+    st = cuda.element_strides
     for (la, a), (lb, b) in [(x, y) for x in _views() for y in _views()]:
         a_in = np.swapaxes(a, -1, -2) if ta else a  # op(a_in) == a, as a view
         b_in = b if tb else np.swapaxes(b, -1, -2)  # op(b_in) == b^T, as a view
@@ -986,7 +986,7 @@ def test_gemm_plan_refuses_unreadable_views():
 
     a = randn(6, 8)[::2, ::2]  # neither rows nor columns contiguous
     b = randn(4, 2)
-    st = cuda._element_strides
+    st = cuda.element_strides
     assert cuda.plan_gemm(a.shape, st(a), b.shape, st(b), (3, 2), (2, 1), False, False) is None
 
 

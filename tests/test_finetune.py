@@ -161,17 +161,21 @@ def test_help_shows_the_config_defaults(monkeypatch):
 def test_cpu_workers_rule(monkeypatch):
     """One worker off the cpu, for a single item, or without OpenBLAS thread control; else one per core up to 4."""
     from llmtune.backends import threads
+    from llmtune.backends.base import Backend
+    from llmtune.backends.cpu import CPUBackend
 
-    with pytest.raises(LlmtuneError, match="workers: must be positive"):
-        threads.cpu_workers("cpu", 0, 8)
+    cpu = CPUBackend()
+    for be in (cpu, Backend()):
+        with pytest.raises(LlmtuneError, match="workers: must be positive"):
+            be.workers(0, 8)
     monkeypatch.setattr(threads.blas_threads, "available", lambda: True)
     monkeypatch.setattr(threads, "n_cores", lambda: 16)
-    assert threads.cpu_workers("cuda", None, 8) == 1
-    assert threads.cpu_workers("cpu", None, 1) == 1
-    assert threads.cpu_workers("cpu", None, 8) == threads.MAX_CPU_WORKERS
-    assert threads.cpu_workers("cpu", 6, 8) == 6 and threads.cpu_workers("cpu", 6, 3) == 3
+    assert Backend().workers(None, 8) == 1  # a backend that queues its own work (cuda)
+    assert cpu.workers(None, 1) == 1
+    assert cpu.workers(None, 8) == threads.MAX_CPU_WORKERS
+    assert cpu.workers(6, 8) == 6 and cpu.workers(6, 3) == 3
     monkeypatch.setattr(threads.blas_threads, "available", lambda: False)
-    assert threads.cpu_workers("cpu", 6, 8) == 1
+    assert cpu.workers(6, 8) == 1
 
 
 def test_lr_schedule_matches_llama_cpp():

@@ -131,9 +131,9 @@ def test_lora_on_a_quantized_base_matches_cpu(name, exports, wikitext_ids):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K"])
 def test_decoded_copies_give_the_stored_products(qtype):
-    """Inside decoded_copies a product reads a float32 copy of the weight (made once, within the
+    """With a FloatCopies a product reads a float32 copy of the weight (made once, within the
     budget) and gives the stored path's numbers; a matrix over the budget keeps the stored path;
-    the copies are freed at the end."""
+    the copies belong to the FloatCopies (the bound weights), nothing is kept without one."""
     from gguf import GGMLQuantizationType as QT
 
     from llmtune.quant import matmul as qm
@@ -144,15 +144,13 @@ def test_decoded_copies_give_the_stored_products(qtype):
     raw = np.ascontiguousarray(quantize(w, QT[qtype])).view(np.uint8).reshape(96, -1)
     x = rng.standard_normal((5, 256)).astype(np.float32)
     stored = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype)
-    with qm.decoded_copies(96 * 256 * 4):
-        cached = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype)
-        again = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype)
-        cache = qm._decoded
-        assert cache.used == 96 * 256 * 4 and len(cache.arrays) == 1
-        small = raw[:48]  # another matrix: the budget is spent, so it takes the stored path
-        qm.qlinear(np.empty((5, 48), np.float32), x, small, qtype)
-        assert len(cache.arrays) == 1
-    assert qm._decoded is None
+    cache = qm.FloatCopies(96 * 256 * 4)
+    cached = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype, copies=cache)
+    again = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype, copies=cache)
+    assert cache.used == 96 * 256 * 4 and len(cache.arrays) == 1
+    small = raw[:48]  # another matrix: the budget is spent, so it takes the stored path
+    qm.qlinear(np.empty((5, 48), np.float32), x, small, qtype, copies=cache)
+    assert len(cache.arrays) == 1
     np.testing.assert_allclose(cached, stored, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(again, cached)
 

@@ -20,3 +20,21 @@ class LlamaQKVBias(Llama):
             if spec.name.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight")):
                 specs.append(TensorSpec(spec.name.replace(".weight", ".bias"), spec.shape[:1], "zeros"))
         return specs
+
+
+class MisspelledNorm(LlamaQKVBias):
+    """Not registered: the build-time check's test registers it. Its build misspells layer 0's
+    ffn_norm ("ffn_nrom"), which a norm looks up as optional, as llama.cpp's builders skip null
+    tensors; Model.build then names the required blk.0.ffn_norm.weight it never read."""
+
+    name = "toy-misspelled-norm"
+
+    def build(self, ctx):
+        from llmtune.graph import ops
+
+        x = ctx.inp_embd()
+        for il in range(ctx.hp.n_layer):
+            x = ops.add(x, ctx.attn(ctx.norm(x, f"blk.{il}.attn_norm"), il))
+            norm = "ffn_nrom" if il == 0 else "ffn_norm"
+            x = ops.add(x, ctx.ffn(ctx.norm(x, f"blk.{il}.{norm}"), f"blk.{il}"))
+        return ctx.output(x)

@@ -3,7 +3,12 @@ of one graph, with the shared layer builders as methods. A family's `build` is a
 composition of these; activations are 2-D [n_seq * n_tok, n_embd] between layers.
 
 Weights are looked up by their GGUF base name ("blk.3.attn_q"); a tensor the file does not have
-(an optional bias or norm) is simply skipped, as llama.cpp's builders skip null tensors.
+(an optional bias or norm) is simply skipped, as llama.cpp's builders skip null tensors, and
+Model.build fails naming any required weight the graph never reached (a misspelled name).
+
+The builders name their results as llama.cpp's cb(cur, "attn_norm", il) does ("attn_norm-3",
+"Qcur-3", "ffn_out-3", "l_out-3", "result_output"): the names a dump of one forward pass lists
+(graph/dump.py, LLMTUNE_DUMP), to compare with llama.cpp's eval-callback output.
 """
 
 from __future__ import annotations
@@ -62,35 +67,70 @@ class BuildContext:
             return self.cache.n_ctx
         return self.prefix.shape.seq_len if self.prefix is not None else self.batch.n_tok
 
+    # ------------------------------------------------------------------ names
+    @staticmethod
+    def cb(node: Node, name: str, il: int = -1) -> Node:
+        """Name a computed node as llama.cpp's graph callback does: "name-il" in layer il, else
+        "name" (leaves keep theirs: inputs are bound by name)."""
+        if not node.is_leaf:
+            node.name = f"{name}-{il}" if il >= 0 else name
+        return node
+
+    def cb_weight(self, node: Node, weight: str) -> Node:
+        """Name a node after the weight it applies: "blk.3.attn_q" -> "attn_q-3"."""
+        parts = weight.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+            return self.cb(node, parts[2], int(parts[1]))
+        return self.cb(node, weight)
+
     # ------------------------------------------------------------------ weights
-    def w(self, name: str) -> Node:
-        """A required weight by base name ("blk.0.attn_q" -> blk.0.attn_q.weight), as floats."""
-        return _as_float(self.weights[f"{name}.weight"])
+    def tensor(self, name: str) -> Node:
+        """A required tensor by full name ("position_embd.weight")."""
+        return self.weights[name]
 
     def opt(self, name: str) -> Node | None:
-        """An optional tensor by full name (None when the file does not have it), as floats."""
-        node = self.weights.get(name)
-        return None if node is None else _as_float(node)
+        """An optional tensor by full name (None when the file does not have it). The builders
+        that apply a weight (mm, norm) take its base name ("blk.0.attn_q") instead."""
+        return self.weights.get(name)
 
     def mm(self, x: Node, name: str) -> Node:
         """x @ W^T (+ bias when the model has one): the one place a weight matrix is applied
         (llama.cpp's build_lora_mm: the base product, then each adapter's scale * (x A^T) B^T).
-        A frozen weight kept in its file type is multiplied as it is stored (apply_weight)."""
-        y = apply_weight(x, self.weights[f"{name}.weight"])
+        ops.linear multiplies a frozen weight kept in its file type as it is stored."""
+        y = ops.linear(x, self.weights[f"{name}.weight"])
         if self.lora is not None:
             y = self.lora.apply(x, y, f"{name}.weight")
         bias = self.opt(f"{name}.bias")
-        return y if bias is None else ops.add(y, bias)
+        return self.cb_weight(y if bias is None else ops.add(y, bias), name)
 
     # ------------------------------------------------------------------ layers
+    def layers(self, x: Node, post_norms: bool = False) -> Node:
+        """The pre-norm decoder stack of llama.cpp's llm_build_llama (and of its phi3, gpt2,
+        gemma2/3 builders): per layer x += attn(norm(x)), x += ffn(norm(x)); post_norms (gemma):
+        each branch is normed again before its residual add. The last layer keeps only the rows
+        that produce logits (logit_rows) once attention has read them all."""
+        n_layer = self.hp.n_layer
+        for il in range(n_layer):
+            blk = f"blk.{il}"
+            h = self.attn(self.norm(x, f"{blk}.attn_norm"), il)
+            if il == n_layer - 1:  # rows that produce no logits need no more work
+                x, h = self.logit_rows(x), self.logit_rows(h)
+            if post_norms:
+                h = self.norm(h, f"{blk}.post_attention_norm")
+            x = self.cb(ops.add(x, h), "ffn_inp", il)
+            h = self.cb(self.ffn(self.norm(x, f"{blk}.ffn_norm"), blk), "ffn_out", il)
+            if post_norms:
+                h = self.norm(h, f"{blk}.post_ffw_norm")
+            x = self.cb(ops.add(x, h), "l_out", il)
+        return x
+
     def inp_embd(self) -> Node:
         """Token embeddings [n_seq * n_tok, n_embd] (llm_graph_context::build_inp_embd)."""
         b = self.batch
-        table = self.weights["token_embd.weight"]
-        x = ops.qget_rows(table, b.tokens) if table.dtype == "q" else ops.get_rows(table, b.tokens)
+        x = ops.get_rows(self.weights["token_embd.weight"], b.tokens)
         if self.lora is not None:  # token_embd adapters: + scale * A[tokens] B^T
             x = self.lora.apply_rows(b.tokens, x, "token_embd.weight")
-        return ops.reshape(x, (b.n_seq * b.n_tok, self.hp.n_embd))
+        return self.cb(ops.reshape(x, (b.n_seq * b.n_tok, self.hp.n_embd)), "inp_embd")
 
     def norm(self, x: Node, name: str, kind: str | None = None) -> Node:
         """RMS or layer norm with the optional weight and bias `name`.weight/.bias (build_norm)."""
@@ -99,7 +139,7 @@ class BuildContext:
         weight, bias = self.opt(f"{name}.weight"), self.opt(f"{name}.bias")
         if weight is not None:
             y = ops.mul(y, weight)
-        return y if bias is None else ops.add(y, bias)
+        return self.cb_weight(y if bias is None else ops.add(y, bias), name)
 
     def ffn(self, x: Node, blk: str) -> Node:
         """Feed-forward block (build_ffn): gated down(act(gate x) * up x), or down(act(up x)).
@@ -107,7 +147,7 @@ class BuildContext:
         hp = self.hp
         if hp.ffn_gated and self.opt(f"{blk}.ffn_gate.weight") is None:
             up = self.mm(x, f"{blk}.ffn_up")
-            h = self.gated_act(ops.slice_rows(up, 1, 0, hp.n_ff), ops.slice_rows(up, 1, hp.n_ff, 2 * hp.n_ff))
+            h = self.gated_act(ops.slice_axis(up, 1, 0, hp.n_ff), ops.slice_axis(up, 1, hp.n_ff, 2 * hp.n_ff))
         elif hp.ffn_gated:
             h = self.gated_act(self.mm(x, f"{blk}.ffn_gate"), self.mm(x, f"{blk}.ffn_up"))
         else:
@@ -146,7 +186,7 @@ class BuildContext:
             biases = dict.fromkeys(parts)  # llama.cpp adds separate biases only when all three exist
         out = []
         for p, (start, stop) in parts.items():
-            y = ops.slice_rows(qkv, 1, start, stop)
+            y = ops.slice_axis(qkv, 1, start, stop)
             y = y if biases[p] is None else ops.add(y, biases[p])
             out.append(self.heads(y, hp.n_head if p == "q" else hp.n_head_kv))
         return tuple(out)
@@ -155,8 +195,9 @@ class BuildContext:
         """The rest of attention from per-head q, k, v [B, T, heads, head_dim] (families with a
         fused qkv projection enter here): q/k norms, rope, attention, output projection."""
         hp, b, blk = self.hp, self.batch, f"blk.{il}"
-        q = self.rope(self.head_norm(q, f"{blk}.attn_q_norm"), il)
-        k = self.rope(self.head_norm(k, f"{blk}.attn_k_norm"), il)
+        q = self.cb(self.rope(self.head_norm(q, f"{blk}.attn_q_norm"), il), "Qcur", il)
+        k = self.cb(self.rope(self.head_norm(k, f"{blk}.attn_k_norm"), il), "Kcur", il)
+        v = self.cb(v, "Vcur", il)
         window = hp.sliding_window if hp.is_swa(il) else 0
         if self.cache is not None:
             out = self.cache.attention(q, k, v, il, b.pos, hp.kq_scale, softcap=hp.attn_softcap, window=window)
@@ -164,7 +205,8 @@ class BuildContext:
             out = self.prefix.attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
         else:
             out = causal_attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
-        return self.mm(ops.reshape(out, (b.n_seq * b.n_tok, hp.n_embd_q)), f"{blk}.attn_output")
+        out = self.cb(ops.reshape(out, (b.n_seq * b.n_tok, hp.n_embd_q)), "kqv_out", il)
+        return self.mm(out, f"{blk}.attn_output")
 
     def heads(self, x: Node, n_head: int) -> Node:
         """[n_seq * n_tok, n_head * head_dim] -> [n_seq, n_tok, n_head, head_dim]."""
@@ -192,8 +234,8 @@ class BuildContext:
         d = x.shape[-1]
         if hp.n_rot == d:
             return ops.scale(y, f)
-        rest = ops.scale(ops.slice_rows(x, len(x.shape) - 1, hp.n_rot, d), 1.0 - f)
-        return ops.add(ops.scale(y, f), ops.pad_rows(rest, len(x.shape) - 1, hp.n_rot, d))
+        rest = ops.scale(ops.slice_axis(x, len(x.shape) - 1, hp.n_rot, d), 1.0 - f)
+        return ops.add(ops.scale(y, f), ops.pad_axis(rest, len(x.shape) - 1, hp.n_rot, d))
 
     def rope_factors(self, il: int) -> Node | None:
         """Frequency factors (llama_model::get_rope_factors): rope_freqs.weight when present,
@@ -214,29 +256,18 @@ class BuildContext:
         if start == 0:
             return x
         x3 = ops.reshape(x, (b.n_seq, b.n_tok, x.shape[-1]))
-        kept = ops.slice_rows(x3, 1, start, b.n_tok)
+        kept = ops.slice_axis(x3, 1, start, b.n_tok)
         return ops.reshape(kept, (b.n_seq * (b.n_tok - start), x.shape[-1]))
 
     def output(self, x: Node) -> Node:
         """Final norm and the vocabulary projection (tied to token_embd when output is absent)."""
-        x = self.norm(x, "output_norm")
+        x = self.cb(self.norm(x, "output_norm"), "result_norm")
         if self.opt("output.weight") is None:
-            logits = apply_weight(x, self.weights["token_embd.weight"])
+            logits = ops.linear(x, self.weights["token_embd.weight"])
         else:
             logits = self.mm(x, "output")
         cap = self.hp.final_softcap
-        return ops.softcap(logits, cap) if cap else logits
-
-
-def _as_float(node: Node) -> Node:
-    """A weight kept in its file type (ops.qweight), decoded for ops other than a product."""
-    return ops.dequantize(node) if node.dtype == "q" else node
-
-
-def apply_weight(x: Node, w: Node) -> Node:
-    """x @ W^T by the weight's storage: ops.qlinear for a frozen matrix kept in its file type
-    (activations rounded as llama.cpp's CPU matmul rounds them), ops.linear for float weights."""
-    return ops.qlinear(x, w) if w.dtype == "q" else ops.linear(x, w)
+        return self.cb(ops.softcap(logits, cap) if cap else logits, "result_output")
 
 
 def causal_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float = 0.0, window: int = 0) -> Node:

@@ -49,7 +49,7 @@ class GemmaBase(Family):
 
     traits = dict(rope_mode="neox", norm_kind="rms", activation="gelu", ffn_gated=True)
     swa_period = 2  # load_swa_pattern's default
-    size_27b = 0  # n_layer of the 27B model, whose query scale is 1/sqrt(n_embd / n_head)
+    n_layer_27b = 0  # the 27B model's n_layer (llama.cpp's LLM_TYPE_27B), whose query scale is 1/sqrt(n_embd / n_head)
     qk_norm = False
 
     def make_hparams(self, **fields):
@@ -60,7 +60,7 @@ class GemmaBase(Family):
             fields["swa_layers"] = swa_pattern(n_layer, self.swa_period)
         if fields.get("attn_scale") is None and n_head:
             head_dim = fields.get("head_dim_kq") or n_embd // n_head
-            size = n_embd // n_head if n_layer == self.size_27b else head_dim
+            size = n_embd // n_head if n_layer == self.n_layer_27b else head_dim
             fields["attn_scale"] = 1.0 / math.sqrt(float(size)) if size > 0 else None
         return super().make_hparams(**fields)
 
@@ -94,15 +94,9 @@ class GemmaBase(Family):
     # ------------------------------------------------------------------ graph
     def build(self, ctx: BuildContext):
         hp = ctx.hp
-        x = ops.scale(ctx.inp_embd(), math.sqrt(hp.n_embd))
-        for il in range(hp.n_layer):
-            blk = f"blk.{il}"
-            h = ctx.attn(ctx.norm(x, f"{blk}.attn_norm"), il)  # q/k norms, window, softcap: hp
-            if il == hp.n_layer - 1:  # rows that produce no logits need no more work
-                x, h = ctx.logit_rows(x), ctx.logit_rows(h)
-            x = ops.add(x, ctx.norm(h, f"{blk}.post_attention_norm"))
-            h = ctx.ffn(ctx.norm(x, f"{blk}.ffn_norm"), blk)  # down(gelu(gate x) * up x)
-            x = ops.add(x, ctx.norm(h, f"{blk}.post_ffw_norm"))
+        x = ctx.cb(ops.scale(ctx.inp_embd(), math.sqrt(hp.n_embd)), "inp_scaled")
+        # q/k norms, sliding window and softcap come from hp; each branch normed again (post norms)
+        x = ctx.layers(x, post_norms=True)
         return ctx.output(x)  # final norm, token_embd projection, final softcap when set
 
     # ------------------------------------------------------------------ helpers for write_hparams
@@ -132,7 +126,7 @@ class Gemma2(GemmaBase):
     config_keys = {"sliding_window": "int", "attn_softcap": "float", "final_softcap": "float",
                    "rope_freq_base_swa": "float"}
     swa_period = 2
-    size_27b = 46
+    n_layer_27b = 46
 
     def make_hparams(self, **fields):
         fields["tied_output"] = True

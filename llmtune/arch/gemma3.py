@@ -21,7 +21,7 @@ class Gemma3(GemmaBase):
     name = "gemma3"
     config_keys = {"sliding_window": "int", "final_softcap": "float", "rope_freq_base_swa": "float"}
     swa_period = 6
-    size_27b = 62
+    n_layer_27b = 62
     qk_norm = True
 
     def make_hparams(self, **fields):

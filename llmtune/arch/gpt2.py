@@ -67,13 +67,6 @@ class GPT2(Family):
                                f"{hp.n_ctx_train} learned positions")
         # token embeddings + learned position embeddings (position_embd rows at the batch positions)
         x = ops.reshape(ctx.inp_embd(), (b.n_seq, b.n_tok, hp.n_embd))
-        x = ops.add(x, ops.get_rows(ctx.w("position_embd"), b.pos))
-        x = ops.reshape(x, (b.n_seq * b.n_tok, hp.n_embd))
-        for il in range(hp.n_layer):
-            blk = f"blk.{il}"
-            h = ctx.attn(ctx.norm(x, f"{blk}.attn_norm"), il)  # fused qkv with bias, no rope
-            if il == hp.n_layer - 1:  # rows that produce no logits need no more work
-                x, h = ctx.logit_rows(x), ctx.logit_rows(h)
-            x = ops.add(x, h)
-            x = ops.add(x, ctx.ffn(ctx.norm(x, f"{blk}.ffn_norm"), blk))  # gelu MLP
-        return ctx.output(x)
+        x = ops.add(x, ops.get_rows(ctx.tensor("position_embd.weight"), b.pos))
+        x = ctx.cb(ops.reshape(x, (b.n_seq * b.n_tok, hp.n_embd)), "inpL")
+        return ctx.output(ctx.layers(x))  # layer norms, fused qkv with bias and no rope, gelu MLP: hp

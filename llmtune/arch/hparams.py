@@ -109,9 +109,6 @@ class MetaKeys:
     def __init__(self, md: dict, arch: str, source: str):
         self.md, self.arch, self.source = md, arch, source
 
-    def has(self, key: str) -> bool:
-        return f"{self.arch}.{key}" in self.md
-
     def get(self, key: str, default=_REQUIRED):
         full = f"{self.arch}.{key}"
         if full in self.md:

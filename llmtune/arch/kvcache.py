@@ -80,8 +80,8 @@ class KVCache:
         group = H // Hkv
         kc = ops.cache_write(self.nodes[f"cache.k.{il}"], k, pos)  # [B, Hkv, n_ctx, d], with the new rows
         vc = ops.cache_write(self.nodes[f"cache.v.{il}"], v, pos)
-        kt = kc if self.n_kv == self.n_ctx else ops.slice_rows(kc, 2, 0, self.n_kv)
-        vt = vc if self.n_kv == self.n_ctx else ops.slice_rows(vc, 2, 0, self.n_kv)
+        kt = kc if self.n_kv == self.n_ctx else ops.slice_axis(kc, 2, 0, self.n_kv)
+        vt = vc if self.n_kv == self.n_ctx else ops.slice_axis(vc, 2, 0, self.n_kv)
         # one new token (a decode step): [B, 1, H, d] is already [B, Hkv, group, d] in memory, no copy
         qg = ops.reshape(q, (B, Hkv, group, d)) if T == 1 else ops.reshape(ops.permute(q, (0, 2, 1, 3)), (B, Hkv, group * T, d))
         scores = ops.matmul(qg, kt, tb=True)  # [B, Hkv, group*T, n_kv]

@@ -18,7 +18,6 @@ from llmtune.arch import register
 from llmtune.arch.context import BuildContext
 from llmtune.arch.family import Family, TensorSpec, output_tensors
 from llmtune.errors import LlmtuneError
-from llmtune.graph import ops
 
 
 @register
@@ -71,12 +70,5 @@ class Phi3(Family):
         return specs
 
     def build(self, ctx: BuildContext):
-        x = ctx.inp_embd()
-        for il in range(ctx.hp.n_layer):
-            blk = f"blk.{il}"
-            h = ctx.attn(ctx.norm(x, f"{blk}.attn_norm"), il)  # fused qkv, partial NEOX rope
-            if il == ctx.hp.n_layer - 1:  # rows that produce no logits need no more work
-                x, h = ctx.logit_rows(x), ctx.logit_rows(h)
-            x = ops.add(x, h)
-            x = ops.add(x, ctx.ffn(ctx.norm(x, f"{blk}.ffn_norm"), blk))  # fused gate+up
-        return ctx.output(x)
+        # llama's stack: ctx.qkv splits the fused qkv, ctx.rope the partial NEOX rope, ctx.ffn the fused gate+up
+        return ctx.output(ctx.layers(ctx.inp_embd()))

@@ -78,11 +78,11 @@ class SharedPrefix:
 
     def _trunks(self, x: Node) -> Node:
         s = self.shape
-        return ops.reshape(ops.slice_rows(x, 1, 0, s.branch_start), (s.n_trunk, s.trunk_len) + x.shape[2:])
+        return ops.reshape(ops.slice_axis(x, 1, 0, s.branch_start), (s.n_trunk, s.trunk_len) + x.shape[2:])
 
     def _branches(self, x: Node) -> Node:
         s = self.shape
-        return ops.reshape(ops.slice_rows(x, 1, s.branch_start, s.n_tok), (s.n_branch, s.branch_len) + x.shape[2:])
+        return ops.reshape(ops.slice_axis(x, 1, s.branch_start, s.n_tok), (s.n_branch, s.branch_len) + x.shape[2:])
 
     def _gather(self, trunks: Node) -> Node:
         """Each branch's trunk [n_branch, trunk_len, heads, d] (rows of the trunks by trunk_of)."""

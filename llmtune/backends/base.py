@@ -5,18 +5,32 @@ A kernel is `kernel(out, *inputs, **attrs) -> array`. For ops that are views (op
 (a buffer planned by graph/planner.py) and returns it. Each backend declares its kernel table
 (op name -> kernel) explicitly, covering exactly graph/ops.OPS (tests/test_kernels_cover_ops.py).
 `llmtune.backends.get_backend` picks a backend by name; this module imports none of them.
+
+A backend also owns the policies that depend on where its kernels run, so code outside
+backends/ asks it instead of testing its name: `replays` (programs re-run as pre-bound calls,
+planner.Replay), `default_batch_tokens`, `workers` (work items at once), `decode_context` and
+`step_tuner` (host thread settings), `resident_bytes` (the memory probe) and `bind` (a model's
+weights placed on it, with the float copies of quantized matrices an evaluation keeps).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 
 class Backend:
-    name = "base"
+    name = "base"  # for reports and metadata only: policies are the capabilities below
+    precision = "f32"  # matmul precision (cuda: also "tf32" / "bf16")
     kernels: dict[str, Callable]  # op name -> kernel, set by each backend
+    # programs whose inputs live in fixed buffers re-run as pre-bound kernel calls (planner.Replay):
+    # worth it where Python work per kernel shows (host kernels), not where launches are queued
+    replays = False
+    # tokens per evaluation pass when --batch is not given: accelerators amortise launches over
+    # bigger batches
+    default_batch_tokens = 8192
 
     def __init__(self, dtype=np.float32):
         self.dtype = np.dtype(dtype)
@@ -42,10 +56,38 @@ class Backend:
     def synchronize(self) -> None:
         pass
 
-    def host_resident_bytes(self) -> int | None:
-        """Bytes this process holds where the backend keeps its tensors, when that memory is the
-        process's own (the cpu: its resident set); None for a device with memory of its own."""
+    maps_host_arrays = False  # True where a backend array may be a host numpy array (a memory-mapped file's bytes)
+
+    def resident_bytes(self) -> Optional[int]:
+        """The memory probe: bytes this backend's arrays hold in this process's own memory now
+        (the cpu: the process's resident size), None where they live elsewhere (a device)."""
         return None
+
+    def bind(self, model, *, float_copies: bool = False) -> "BoundWeights":
+        """`model`'s tensors (a Model, or a dict name -> array / QTensor) as this backend's arrays,
+        by name, for Program params (llama.cpp's weight buffers): a quantized matrix as its block
+        bytes, everything else as floats in the backend's dtype. float_copies: an evaluation that
+        multiplies the same frozen weights pass after pass may keep float copies of the quantized
+        ones (a backend that can: the cpu), owned by the returned weights."""
+        from llmtune.quant.qtensor import backend_array
+
+        tensors = model.tensors() if hasattr(model, "tensors") else model
+        return BoundWeights({name: backend_array(self, w) for name, w in tensors.items()})
+
+    # -- parallelism ---------------------------------------------------------------------
+    def workers(self, requested: Optional[int], n_items: int) -> int:
+        """How many work items (forward passes, micro-batches) run at once: one, on a backend
+        that queues its own work."""
+        _check_workers(requested)
+        return 1
+
+    def decode_context(self):
+        """The block a token-by-token decode runs in (host thread settings)."""
+        return nullcontext()
+
+    def step_tuner(self, n_workers: int) -> Callable:
+        """A factory of blocks that one repeated step (a training step's micro-batches) runs in."""
+        return nullcontext
 
     # -- execution -----------------------------------------------------------------------
     def accumulate(self, dst: Any, src: Any) -> None:
@@ -59,3 +101,27 @@ class Backend:
     def sgd_step(self, w, g, *, lr: float, wd: float) -> None:
         raise NotImplementedError
 
+
+
+class BoundWeights(dict):
+    """A model's tensors placed on a backend (name -> backend array), and what the placement
+    owns: `float_copies`, the float32 copies of quantized matrices an evaluation keeps (or None)."""
+
+    float_copies = None
+
+
+def _check_workers(requested: Optional[int]) -> None:
+    from llmtune.errors import LlmtuneError
+
+    if requested is not None and requested < 1:
+        raise LlmtuneError(f"workers: must be positive (got {requested})")
+
+
+def kernel_table(source, prefix: str, names: bool = False) -> dict:
+    """The kernel table of a backend by the one convention of all of them: the kernel of op X is
+    `source`'s attribute `prefix + X` (cpu.py's module functions k_X, the CUDA backend's methods
+    _k_X), for every op of graph/ops.OPS it has; names=True gives the attribute names instead.
+    tests/test_kernels_cover_ops.py checks that every op has one and that none is left over."""
+    from llmtune.graph.ops import OPS
+
+    return {op: (prefix + op if names else getattr(source, prefix + op)) for op in OPS if hasattr(source, prefix + op)}

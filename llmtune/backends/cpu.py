@@ -6,12 +6,14 @@ Kernels write into planned `out` buffers and avoid temporaries where numpy allow
 from __future__ import annotations
 
 import functools
+import sys
 
 import numpy as np
 
-from llmtune.backends.base import Backend
-from llmtune.backends.threads import parallel_ranges
+from llmtune.backends.base import Backend, kernel_table
+from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
 from llmtune.quant import matmul as qmatmul
+from llmtune.resources import process_rss
 
 
 def _sigmoid_into(out, x):
@@ -179,20 +181,28 @@ def k_matmul(out, a, b, ta, tb):
     return np.matmul(a, b, out=out)
 
 
+# a stored matrix is bound as its block bytes, or (an evaluation's weights, CPUBackend.bind) as
+# qmatmul.WithCopies: the bytes and the float copies its products may keep
+def _raw(w):
+    return w.raw if type(w) is qmatmul.WithCopies else w
+
+
 def k_qlinear(out, x, w, qtype, round_x):
+    if type(w) is qmatmul.WithCopies:
+        return qmatmul.qlinear(out, x, w.raw, qtype, round_x, w.copies)
     return qmatmul.qlinear(out, x, w, qtype, round_x)
 
 
 def k_qlinear_back(out, g, w, qtype):
-    return qmatmul.qlinear_back(out, g, w, qtype)
+    return qmatmul.qlinear_back(out, g, _raw(w), qtype)
 
 
 def k_qget_rows(out, w, ids, qtype):
-    return qmatmul.qget_rows(out, w, ids, qtype)
+    return qmatmul.qget_rows(out, _raw(w), ids, qtype)
 
 
 def k_dequantize(out, w, qtype):
-    return qmatmul.dequantize(out, w, qtype)
+    return qmatmul.dequantize(out, _raw(w), qtype)
 
 
 def k_reshape(out, x, shape):
@@ -699,52 +709,8 @@ def k_count_correct(out, logits, targets):
     return out
 
 
-# op name -> kernel, one entry per op of graph/ops.OPS
-KERNELS = {
-    "sum_to": k_sum_to,
-    "broadcast_to": k_broadcast_to,
-    "add": k_add,
-    "mul": k_mul,
-    "scale": k_scale,
-    "silu": k_silu,
-    "silu_back": k_silu_back,
-    "swiglu": k_swiglu,
-    "swiglu_back": k_swiglu_back,
-    "gelu": k_gelu,
-    "gelu_back": k_gelu_back,
-    "geglu": k_geglu,
-    "geglu_back": k_geglu_back,
-    "softcap": k_softcap,
-    "softcap_back": k_softcap_back,
-    "matmul": k_matmul,
-    "qlinear": k_qlinear,
-    "qlinear_back": k_qlinear_back,
-    "qget_rows": k_qget_rows,
-    "dequantize": k_dequantize,
-    "reshape": k_reshape,
-    "permute": k_permute,
-    "cont": k_cont,
-    "slice": k_slice,
-    "pad": k_pad,
-    "get_rows": k_get_rows,
-    "add_rows": k_add_rows,
-    "rms_norm": k_rms_norm,
-    "rms_norm_back": k_rms_norm_back,
-    "layer_norm": k_layer_norm,
-    "layer_norm_back": k_layer_norm_back,
-    "rope": k_rope,
-    "softmax_causal": k_softmax_causal,
-    "softmax_masked": k_softmax_masked,
-    "softmax_back": k_softmax_back,
-    "flash_attn": k_flash_attn,
-    "flash_attn_back": k_flash_attn_back,
-    "after": k_after,
-    "cache_write": k_cache_write,
-    "logsumexp": k_logsumexp,
-    "cross_entropy": k_cross_entropy,
-    "cross_entropy_back": k_cross_entropy_back,
-    "count_correct": k_count_correct,
-}
+# op name -> kernel: every k_<op> above (base.kernel_table's convention)
+KERNELS = kernel_table(sys.modules[__name__], "k_")
 
 
 _ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2
@@ -779,10 +745,49 @@ def _adamw_range(w, g, m, v, start, stop, *, lr, beta1, beta2, eps, wd, t):
 
 class CPUBackend(Backend):
     name = "cpu"
+    maps_host_arrays = True
+    replays = True  # Python work per kernel is a visible part of a small model's pass
+    default_batch_tokens = 1024  # one pass per core (workers)
 
     def __init__(self, dtype=np.float32):
         super().__init__(dtype)
         self.kernels = dict(KERNELS)
+
+    # -- policies (backends/base.py) -------------------------------------------------------
+    def workers(self, requested, n_items):
+        """One work item per core, OpenBLAS single-threaded meanwhile (threads.cpu_workers)."""
+        return cpu_workers(requested, n_items)
+
+    def decode_context(self):
+        """BLAS single-threaded while decoding: a step's products are matrix-vector ones (einsum)
+        and tiny attention matmuls, where OpenBLAS threads only spin against each other."""
+        return blas_threads(1)
+
+    def step_tuner(self, n_workers):
+        """One micro-batch at a time: OpenBLAS's thread count chosen by timing (threads.BlasTuner)."""
+        return BlasTuner(enabled=n_workers == 1)
+
+    def resident_bytes(self):
+        return process_rss()
+
+    def bind(self, model, *, float_copies=False):
+        """As Backend.bind; float_copies: quantized matrices bound with a FloatCopies (a new one
+        of up to a quarter of the available memory, or the FloatCopies given: models evaluated
+        together share one budget), so their products keep float32 copies."""
+        from llmtune.quant.qtensor import QTensor, evaluation_budget
+
+        bound = super().bind(model)
+        if float_copies is False or float_copies is None:
+            return bound
+        copies = float_copies if isinstance(float_copies, qmatmul.FloatCopies) else qmatmul.FloatCopies(evaluation_budget())
+        if copies.budget <= 0:
+            return bound
+        tensors = model.tensors() if hasattr(model, "tensors") else model
+        for name, w in tensors.items():
+            if isinstance(w, QTensor):
+                bound[name] = qmatmul.WithCopies(bound[name], copies)
+        bound.float_copies = copies
+        return bound
 
     def asarray(self, host, dtype=None):
         host = np.asarray(host)
@@ -790,11 +795,6 @@ class CPUBackend(Backend):
 
     def to_numpy(self, arr):
         return np.asarray(arr)
-
-    def host_resident_bytes(self):
-        from llmtune.resources import process_rss
-
-        return process_rss()
 
     def zeros(self, shape, dtype=None):
         return np.zeros(shape, dtype=dtype or self.dtype)

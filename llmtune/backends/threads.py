@@ -46,16 +46,17 @@ def share_cores(n_processes: int) -> None:
         funcs[1](_CORE_SHARE)
 
 
-def cpu_workers(backend_name: str, requested: Optional[int], n_items: int) -> int:
-    """How many work items (forward passes, micro-batches) run at once.
+def cpu_workers(requested: Optional[int], n_items: int) -> int:
+    """How many work items (forward passes, micro-batches) run at once on the host's cores (the
+    cpu backend's `workers`).
 
-    On the cpu backend, with at least two items, and where OpenBLAS's thread count can be set
-    (else its threads and ours would fight over the cores): `requested`, or one per core up to
-    MAX_CPU_WORKERS, never more than there are items. Everywhere else: one.
+    With at least two items, and where OpenBLAS's thread count can be set (else its threads and
+    ours would fight over the cores): `requested`, or one per core up to MAX_CPU_WORKERS, never
+    more than there are items. Otherwise one.
     """
     if requested is not None and requested < 1:
         raise LlmtuneError(f"workers: must be positive (got {requested})")
-    if backend_name != "cpu" or n_items < 2 or not blas_threads.available():
+    if n_items < 2 or not blas_threads.available():
         return 1
     n = requested or min(n_cores(), MAX_CPU_WORKERS)
     return max(1, min(n, n_items))

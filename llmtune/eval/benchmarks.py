@@ -33,7 +33,7 @@ import numpy as np
 
 from llmtune.errors import Interrupted, LlmtuneError
 from llmtune.eval.continuations import Row, RowScores, ScoreProgress, common_prefix, score_rows
-from llmtune.eval.perplexity import _as_backend, _load_models, add_bos_of
+from llmtune.eval.scoring import add_bos_of, as_backend, as_model, load_models
 from llmtune.eval.tasks import KINDS, detect_kind, read_tasks, select_tasks
 
 N_PARALLEL = 4  # llama-perplexity's sequences for these modes: the KV cache holds 4 * ctx tokens
@@ -87,11 +87,6 @@ class BenchmarkResult:
     @property
     def n_correct(self) -> int:
         return sum(t.correct for t in self.tasks)
-
-    def running_accuracy(self) -> list[float]:
-        """Accuracy after each task, in evaluation order (llama.cpp's running values)."""
-        hits = np.cumsum([t.correct for t in self.tasks])
-        return (hits / np.arange(1, len(self.tasks) + 1)).tolist()
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -312,11 +307,13 @@ def score_benchmark(
     workers: Optional[int] = None,
     lora=None,
     lora_scale=None,
+    float_copies: bool = False,
 ) -> BenchmarkResult:
     """Score prepared tasks with `model` (Model or GGUF path; `kl_base` adds the base's answers and
-    KL(base || model) over the scored tokens)."""
-    models = _load_models(model, kl_base, lora, lora_scale)
-    backend = _as_backend(backend, precision)
+    KL(base || model) over the scored tokens). float_copies: the weights stay frozen for the whole
+    run (the eval command; not a finetune's benchmark hook), see scoring.scorer_factory."""
+    models = load_models(model, kl_base, lora, lora_scale)
+    backend = as_backend(backend, precision)
     rows, owner, offsets = [], [], []
     for t, task in enumerate(bench.tasks):
         offsets.append(len(rows))
@@ -349,7 +346,8 @@ def score_benchmark(
 
     t0 = time.perf_counter()
     try:
-        res = score_rows(models, rows, backend=backend, batch=batch, workers=workers, progress=on_pass)
+        res = score_rows(models, rows, backend=backend, batch=batch, workers=workers, progress=on_pass,
+                         float_copies=float_copies)
     except Interrupted as exc:  # Ctrl-C: the result over the tasks finished (file order), marked partial
         if done:
             partial = RowScores([], n_passes=state["passes"], n_tokens=state["tokens"])
@@ -399,11 +397,7 @@ def evaluate(
 ) -> BenchmarkResult:
     """llama-perplexity --hellaswag / --winogrande / --multiple-choice on `path` (see the module
     docstring). `model_path`: a GGUF path or a loaded Model."""
-    from llmtune.eval.perplexity import _as_model
-    from llmtune.quant.qtensor import evaluation_copies
-
-    model = _as_model(model_path)
+    model = as_model(model_path)
     bench = prepare_benchmark(model, path, kind, tasks=tasks, ctx=ctx)
-    with evaluation_copies(backend):
-        return score_benchmark(model, bench, backend=backend, batch=batch, kl_base=kl_base, progress=progress,
-                               precision=precision, workers=workers, lora=lora, lora_scale=lora_scale)
+    return score_benchmark(model, bench, backend=backend, batch=batch, kl_base=kl_base, progress=progress,
+                           precision=precision, workers=workers, lora=lora, lora_scale=lora_scale, float_copies=True)

@@ -29,9 +29,8 @@ import numpy as np
 
 from llmtune.arch.prefix import PrefixShape, prefix_inputs
 from llmtune.backends.dist import run_split
-from llmtune.backends.threads import cpu_workers
-from llmtune.eval.perplexity import (DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_TOKENS_OTHER, _scorer_factory,
-                                     check_evaluation_memory, kl_rows, log_softmax, pass_bytes, token_nll)
+from llmtune.eval.scoring import (batch_tokens, check_evaluation_memory, kl_rows, log_softmax, pass_bytes,
+                                  scorer_factory, token_nll)
 from llmtune.errors import LlmtuneError
 
 PROGRAMS_PER_WORKER = 4  # compiled pass shapes kept per worker (passes come sorted, so shapes repeat)
@@ -284,24 +283,23 @@ def score_rows(
     batch: Optional[int] = None,
     workers: Optional[int] = None,
     progress: Optional[Callable[[ScoreProgress], None]] = None,
+    float_copies: bool = False,
 ) -> RowScores:
     """log p(target | tokens before position + 1) for every scored position of every row, under
     models[0] (and models[1], the base, when given). `batch`: tokens per forward pass (default as
-    perplexity: 1024 on cpu, one pass per core; 8192 elsewhere)."""
-    if batch is None:
-        batch = DEFAULT_BATCH_TOKENS.get(backend.name, DEFAULT_BATCH_TOKENS_OTHER)
-    if batch < 1:
-        raise LlmtuneError(f"--batch: must be positive (got {batch})")
+    perplexity: the backend's default_batch_tokens). float_copies: the weights are an evaluation
+    command's frozen ones (scoring.scorer_factory)."""
+    batch = batch_tokens(batch, backend)
     n_vocab = models[0].hp.n_vocab
     for r in rows:
         if r.tokens.size and (r.tokens.min() < 0 or r.tokens.max() >= n_vocab):
             raise LlmtuneError(f"token ids outside the vocabulary of {models[0].path.name}")
     limits = [m.max_positions for m in models if m.max_positions is not None]
     passes = plan_passes(rows, batch, min(limits, default=None))
-    n_workers = cpu_workers(backend.name, workers, len(passes))
+    n_workers = backend.workers(workers, len(passes))
     max_len = max((p.shape.seq_len if isinstance(p, _PrefixPass) else p.n_tok for p in passes), default=1)
     _check_memory(models, backend, passes, n_workers)
-    make = _scorer_factory(models, backend, max_len, keep=PROGRAMS_PER_WORKER)
+    make = scorer_factory(models, backend, max_len, keep=PROGRAMS_PER_WORKER, float_copies=float_copies)
     with_base = len(models) > 1
     out = RowScores([None] * len(rows), [None] * len(rows) if with_base else None,
                     [None] * len(rows) if with_base else None, n_passes=len(passes))

@@ -16,7 +16,6 @@ parsed); generation stops after `n_predict` tokens, at an end-of-generation toke
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -24,11 +23,11 @@ import numpy as np
 
 from llmtune.arch.kvcache import CacheShape, KVCache
 from llmtune.errors import LlmtuneError
-from llmtune.eval.perplexity import warn_past_training
+from llmtune.eval.scoring import warn_past_training
 from llmtune.eval.sampling import Sampler, SamplerConfig
-from llmtune.graph.planner import Program, Replay
+from llmtune.graph.planner import Program, ProgramCache, Replay
 from llmtune.tokenizer.chat_template import eog_ids
-from llmtune.quant.qtensor import QTensor, backend_array
+from llmtune.quant.qtensor import QTensor
 
 DEFAULT_N_CTX = 4096  # llama.cpp's common default context; never more than the model's n_ctx_train
 DEFAULT_N_BATCH = 512  # prompt tokens per forward pass
@@ -87,44 +86,38 @@ class Generator:
         warn_past_training(model, self.n_ctx)
         self.shape = CacheShape.of(hp, self.n_ctx)
         be = self.backend
-        # the tensors as the graph binds them (a quantized matrix as its bytes: quant/qtensor.py), or
-        # `values` given (a trainer's live weights: samples during training cost no copy)
-        self.values = values if values is not None else {name: backend_array(be, w) for name, w in model.tensors().items()}
+        # the tensors as the graph binds them (a quantized matrix as its bytes, with the float copies
+        # the backend keeps for frozen weights: Backend.bind), or `values` given (a trainer's live
+        # weights: samples during training cost no copy)
+        self.values = values if values is not None else be.bind(model, float_copies=True)
         self.cache = self.shape.allocate(be)
-        self._programs: OrderedDict = OrderedDict()
+        self._replays: dict = {}  # decode program -> its Replay (a backend that replays: fixed host input buffers)
+        self._programs = ProgramCache(self._compile, keep=MAX_PROGRAMS, on_drop=lambda prog: self._replays.pop(prog, None))
         self.tokens: list[int] = []  # what the cache holds, position by position
         self.tokenizer = model.tokenizer
         self.eog = eog_ids(self.tokenizer)
         self._tok_buf = np.zeros((1, 1), dtype=np.int32)
         self._pos_buf = np.zeros(1, dtype=np.int32)
-        self._replays: dict = {}  # decode program -> its Replay (cpu: fixed host input buffers)
 
     # ------------------------------------------------------------------ programs
-    def _program(self, n_tok: int, n_kv: int) -> Program:
-        key = (n_tok, n_kv)
-        prog = self._programs.get(key)
-        if prog is not None:
-            self._programs.move_to_end(key)
-            return prog
+    def _compile(self, key: tuple[int, int]) -> Program:
+        """The forward program of n_tok new tokens attending over n_kv cache positions."""
+        n_tok, n_kv = key
         cache = KVCache(self.shape, n_kv)
         _, nodes, logits = self.model.build(1, n_tok, logits_start=n_tok - 1, cache=cache)
         params = {node: self.values[name] for name, node in nodes.items()}
         params.update({node: self.cache[name] for name, node in cache.nodes.items()})
-        prog = Program([logits], self.backend, params=params)
-        self._programs[key] = prog
-        if len(self._programs) > MAX_PROGRAMS:
-            self._replays.pop(self._programs.popitem(last=False)[1], None)
-        return prog
+        return Program([logits], self.backend, params=params)
 
     def _run(self, tokens: np.ndarray, n_past: int):
         """Logits of the last of `tokens` (evaluated at positions n_past..), as a backend array [1, V]."""
         n = len(tokens)
-        prog = self._program(n, kv_bucket(n_past + n, self.n_ctx))
+        prog = self._programs.get((n, kv_bucket(n_past + n, self.n_ctx)))
         be = self.backend
         if n == 1:  # the decode step: reuse the host buffers
             self._tok_buf[0, 0], self._pos_buf[0] = tokens[0], n_past
             tok, pos = self._tok_buf, self._pos_buf
-            if be.name == "cpu":  # the buffers are the graph's inputs themselves: replay
+            if be.replays:  # the buffers are the graph's inputs themselves: replay
                 replay = self._replays.get(prog)
                 if replay is None:
                     replay = self._replays[prog] = Replay(prog, {"tokens": tok, "pos": pos})
@@ -139,12 +132,7 @@ class Generator:
         """Make the cache hold exactly `ids` and return the logits [V] after the last of them:
         the prefix already cached is kept, the rest evaluated in batches of n_batch."""
         ids = self.check_prompt(ids)
-        keep = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(ids) - 1)  # the last token is always run: its logits are the answer
+        keep = self._common_prefix(ids)
         self.tokens = self.tokens[:keep]
         logits = None
         for start in range(keep, len(ids), self.n_batch):
@@ -196,7 +184,7 @@ class Generator:
         pieces: list[bytes] = []
         t1 = time.perf_counter()
         decoder = _Utf8Stream()
-        with _decode_threads(self.backend):
+        with self.backend.decode_context():
             stop = self._decode(logits, n_predict, sampler, on_token, stop_at_eog, out, pieces, decoder)
         decode_seconds = time.perf_counter() - t1
         if on_token is not None:
@@ -232,6 +220,8 @@ class Generator:
         return stop
 
     def _common_prefix(self, ids) -> int:
+        """Tokens at the start of `ids` the cache holds already, the last of `ids` excepted (it is
+        always run: its logits are the answer)."""
         n = 0
         for a, b in zip(self.tokens, ids):
             if a != b:
@@ -244,17 +234,7 @@ class Generator:
         return {"weights": sum(w.nbytes if isinstance(w, QTensor) else int(np.prod(np.shape(w))) * itemsize
                                for w in self.model.tensors().values()),
                 "kv cache": self.shape.nbytes(itemsize),
-                "activations": sum(p.memory.planned_bytes for p in self._programs.values())}
-
-
-def _decode_threads(backend):
-    """BLAS single-threaded while decoding on the cpu: a step's products are matrix-vector ones
-    (einsum) and tiny attention matmuls, where OpenBLAS threads only spin against each other."""
-    from contextlib import nullcontext
-
-    from llmtune.backends.threads import blas_threads
-
-    return blas_threads(1) if backend.name == "cpu" else nullcontext()
+                "activations": sum(p.memory.planned_bytes for p in self._programs.programs())}
 
 
 class _Utf8Stream:
@@ -326,7 +306,6 @@ def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[Sampl
     """Generate a continuation of `prompt` (a string: tokenized as llama-completion does) with
     `model` (a path or a loaded Model)."""
     from llmtune.model.loaded import Model
-    from llmtune.quant.qtensor import evaluation_copies
 
     if isinstance(model, Model):
         from llmtune.model.adapter import attach
@@ -338,8 +317,7 @@ def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[Sampl
     ids = gen.tokenize_prompt(prompt)
     if not ids:
         raise LlmtuneError("generate: the prompt is empty (and the model adds no BOS)")
-    with evaluation_copies(gen.backend):
-        return gen.generate(ids, n_predict, Sampler(sampler or SamplerConfig()), on_token=on_token)
+    return gen.generate(ids, n_predict, Sampler(sampler or SamplerConfig()), on_token=on_token)
 
 
 class TrainingSampler:

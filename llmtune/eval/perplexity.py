@@ -31,13 +31,12 @@ from typing import Callable, Optional
 import numpy as np
 
 from llmtune.backends.dist import run_split
-from llmtune.backends.threads import cpu_workers
 from llmtune.errors import Interrupted, LlmtuneError, LlmtuneWarning, plural
-from llmtune.quant.qtensor import backend_array, evaluation_copies
+from llmtune.eval.scoring import (ChunkScorer, add_bos_of, as_backend, as_model, batch_tokens, check_evaluation_memory,
+                                  kl_rows, load_models, log_softmax, pass_bytes, scorer_factory, token_nll,
+                                  warn_past_training)
 from llmtune.tokenizer import read_text, require_text
 
-DEFAULT_BATCH_TOKENS = {"cpu": 1024}  # tokens per forward pass (one per core) when --batch is not given
-DEFAULT_BATCH_TOKENS_OTHER = 8192  # accelerators amortise launches over bigger batches
 MIN_CTX = 3  # n_ctx/2 .. n_ctx-2 must hold at least one scored position
 
 
@@ -139,40 +138,6 @@ def check_finite_nll(nll: np.ndarray, model, c0: int) -> np.ndarray:
     return nll
 
 
-EXP_SAFE = 60.0  # |row max| below this: exp needs no shift (32000 * e^60 is far from float32 overflow)
-
-
-def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """-log softmax(logits)[target] per row, float64. logits [..., V] float32 is overwritten.
-
-    One exp pass over the logits in float32 (rows are shifted by their max only when some max is
-    outside +-EXP_SAFE), float32 pairwise row sums (relative error ~1e-7), the rest in float64.
-    """
-    target_logit = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(np.float64)
-    row_max = logits.max(axis=-1, keepdims=True)
-    shift = np.zeros_like(row_max)
-    if np.abs(row_max).max() > EXP_SAFE:
-        shift = row_max
-        np.subtract(logits, shift, out=logits)
-    np.exp(logits, out=logits)
-    lse = np.log(logits.sum(axis=-1).astype(np.float64)) + shift[..., 0]
-    return lse - target_logit
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-probabilities in float32 (a new array)."""
-    z = logits - logits.max(axis=-1, keepdims=True)
-    z -= np.log(np.exp(z).sum(axis=-1))[..., None]
-    return z
-
-
-def kl_rows(base_logp: np.ndarray, model_logp: np.ndarray) -> np.ndarray:
-    """KL(base || model) per row in float64 from float32 log-probabilities."""
-    diff = base_logp - model_logp
-    diff *= np.exp(base_logp)
-    return diff.sum(axis=-1, dtype=np.float64)
-
-
 @dataclass
 class _BatchScores:
     """What one forward pass over consecutive chunks contributes, merged in chunk order."""
@@ -221,159 +186,7 @@ class _KlSums:
         res.ppl_base, res.ppl_base_err = self.base.estimate()
 
 
-# ------------------------------------------------------------------------------------ forward passes
-class ChunkScorer:
-    """Logits of the scored positions of n_seq chunks per forward pass, for one model.
-
-    One compiled Program per input shape (sequences, tokens per sequence, first position with
-    logits); the `keep` most recently used stay compiled (perplexity: 1, the full batch until the
-    partial last one; benchmarks, whose passes change shape, keep a few). `weights` (name ->
-    backend array) lets several scorers share one copy.
-    """
-
-    def __init__(self, model, backend, ctx: int, weights: Optional[dict] = None, keep: int = 1):
-        self.model, self.backend, self.ctx = model, backend, ctx
-        self.first = ctx // 2  # llama.cpp: logits from position n_ctx/2 on
-        if weights is None:
-            weights = {name: backend_array(backend, w) for name, w in model.tensors().items()}
-        self.weights = weights
-        self.pos = backend.asarray(np.arange(ctx, dtype=np.int32))
-        self.keep = max(1, keep)
-        self._programs: dict[tuple, object] = {}  # insertion order = least recently used first
-        self._positions = {ctx: self.pos}
-
-    def _program(self, n_seq: int, n_tok: int, first: int, prefix=None):
-        key = (n_seq, n_tok, first, prefix)
-        prog = self._programs.pop(key, None)
-        if prog is None:
-            from llmtune.graph.planner import Program
-
-            while len(self._programs) >= self.keep:  # drop the least recently used shape
-                del self._programs[next(iter(self._programs))]
-            _, nodes, logits = self.model.build(n_seq, n_tok, logits_start=first, prefix=prefix)
-            prog = Program([logits], self.backend, params={nodes[n]: a for n, a in self.weights.items()})
-        self._programs[key] = prog
-        return prog
-
-    def prefix_logits(self, tokens: np.ndarray, shape, inputs: dict) -> np.ndarray:
-        """Logits [n_branch * branch_len, n_vocab] of the branch rows of a shared-prefix pass
-        (arch/prefix.py): tokens int32 [n_tok] in its flat layout, inputs from prefix_inputs.
-        The array may be the program's own output buffer, as in logits()."""
-        prog = self._program(1, shape.n_tok, shape.branch_start, shape)
-        feed = {name: self.backend.asarray(a) for name, a in inputs.items()}
-        (out,) = prog.run(tokens=self.backend.asarray(tokens.reshape(1, -1)), **feed)
-        return self.backend.to_numpy(out).reshape(shape.n_tok - shape.branch_start, -1)
-
-    def logits(self, tokens: np.ndarray, first: Optional[int] = None) -> np.ndarray:
-        """tokens int32 [n_seq, n_tok] (n_tok: ctx for perplexity) -> float32 host array
-        [n_seq, n_tok - first, n_vocab]: the logits of positions first.. (default ctx // 2).
-
-        The array may be the program's own output buffer: valid (and writable) until the next call.
-        """
-        n_seq, n_tok = tokens.shape
-        first = self.first if first is None else first
-        pos = self._positions.get(n_tok)
-        if pos is None:
-            pos = self._positions[n_tok] = self.backend.asarray(np.arange(n_tok, dtype=np.int32))
-        (out,) = self._program(n_seq, n_tok, first).run(tokens=self.backend.asarray(tokens), pos=pos)
-        host = self.backend.to_numpy(out)
-        return host.reshape(n_seq, n_tok - first, -1)
-
-
-# ------------------------------------------------------------------------------------ memory
-def pass_bytes(model, backend, n_seq: int, n_tok: int, first: int, prefix=None) -> int:
-    """The arena one forward pass of this shape needs (planned, not allocated)."""
-    from llmtune.graph.planner import Program
-
-    _, nodes, logits = model.build(n_seq, n_tok, logits_start=first, prefix=prefix)
-    return Program([logits], backend, params={n: None for n in nodes.values()}, allocate=False).memory.planned_bytes
-
-
-def weight_copy_bytes(models, backend) -> int:
-    """What binding the models' weights allocates: on the cpu only float tensors of another dtype
-    (file-typed and float32 tensors stay memory-mapped), on a device every byte."""
-    itemsize = np.dtype(backend.dtype).itemsize
-    total = 0
-    for m in models:
-        for w in m.tensors().values():
-            raw = getattr(w, "raw", None)
-            if raw is not None:  # a QTensor, bound in its file type
-                total += 0 if backend.name == "cpu" else raw.nbytes
-            elif backend.name != "cpu" or np.asarray(w).dtype != backend.dtype:
-                total += w.size * itemsize
-    return total
-
-
-def check_evaluation_memory(models, backend, arenas: int, n_programs: int, what: str) -> None:
-    """Refuse, before anything is allocated, an evaluation whose weights and `n_programs` planned
-    arenas of `arenas` bytes each (per model: the workers' programs) need more than is available."""
-    from llmtune.resources import check_memory
-
-    need = weight_copy_bytes(models, backend) + arenas * n_programs * len(models)
-    check_memory(need, what, "--batch or --ctx", backend)
-
-
 # ------------------------------------------------------------------------------------ inputs
-def add_bos_of(model) -> tuple[bool, int]:
-    """Whether the model's tokenizer adds BOS (then every chunk starts with it), and the BOS id."""
-    tok = model.tokenizer
-    if tok.add_bos and tok.bos_id is None:
-        raise LlmtuneError(f"{model.path}: the tokenizer adds BOS but the file names no BOS token")
-    return bool(tok.add_bos), -1 if tok.bos_id is None else int(tok.bos_id)
-
-
-def warn_past_training(model, ctx: int) -> None:
-    """A LlmtuneWarning when ctx is beyond the model's training context (model/loaded.py
-    past_training; llama.cpp warns too: "possible training context overflow")."""
-    from llmtune.model.loaded import past_training
-
-    message = past_training(model, ctx)
-    if message:
-        warnings.warn(message, LlmtuneWarning, stacklevel=3)
-
-
-def _as_model(model_or_path):
-    from llmtune.model.loaded import Model, load_model
-
-    return model_or_path if isinstance(model_or_path, Model) else load_model(model_or_path)
-
-
-def _as_backend(backend, precision: str = "f32"):
-    from llmtune.backends import Backend, get_backend
-
-    return backend if isinstance(backend, Backend) else get_backend(backend, precision=precision)
-
-
-def check_same_vocab(model, base) -> None:
-    """KL-divergence compares distributions token by token: both vocabularies must be identical."""
-    a, b = model.gguf.get("tokenizer.ggml.tokens"), base.gguf.get("tokenizer.ggml.tokens")
-    if model.hp.n_vocab != base.hp.n_vocab or (a is not None and b is not None and a != b):
-        raise LlmtuneError(
-            f"{base.path}: vocabulary differs from {model.path.name} "
-            f"({base.hp.n_vocab} vs {model.hp.n_vocab} tokens); --kl-base needs the same vocabulary"
-        )
-
-
-def _seqs_per_pass(batch: Optional[int], ctx: int, backend_name: str, n_chunk: int) -> int:
-    if batch is None:
-        batch = DEFAULT_BATCH_TOKENS.get(backend_name, DEFAULT_BATCH_TOKENS_OTHER)
-    if batch < 1:
-        raise LlmtuneError(f"--batch: must be positive (got {batch})")
-    return max(1, min(batch // ctx, n_chunk))  # a batch below ctx still evaluates whole chunks
-
-
-def _load_models(model, kl_base, lora=None, lora_scale=None) -> list:
-    """[model] or [model, base]: Models from Models or GGUF paths, vocabularies checked; the
-    adapters in `lora` (paths or LoraAdapters, llama.cpp's --lora) applied to the model only."""
-    from llmtune.model.adapter import attach
-
-    models = [attach(_as_model(model), lora, lora_scale)]
-    if kl_base is not None:
-        models.append(_as_model(kl_base))
-        check_same_vocab(*models)
-    return models
-
-
 def _checked_ids(model, ids, ctx: int, chunks: Optional[int], source: str) -> tuple[np.ndarray, int]:
     """The ids as flat int32 and the number of chunks to evaluate; one-line errors for bad arguments."""
     ids = np.asarray(ids).astype(np.int32, copy=False).ravel()
@@ -427,15 +240,9 @@ class _Chunks:
         return tokens, window[:, self.first + 1:]
 
 
-def _plan_chunks(model, ids: np.ndarray, ctx: int, n_chunk: int, batch: Optional[int], backend_name: str) -> _Chunks:
-    n_seq = _seqs_per_pass(batch, ctx, backend_name, n_chunk)
+def _plan_chunks(model, ids: np.ndarray, ctx: int, n_chunk: int, batch: Optional[int], backend) -> _Chunks:
+    n_seq = max(1, min(batch_tokens(batch, backend) // ctx, n_chunk))  # a batch below ctx still evaluates whole chunks
     return _Chunks(ids, ctx, n_chunk, n_seq, *add_bos_of(model))
-
-
-def _scorer_factory(models: list, backend, ctx: int, keep: int = 1) -> Callable[[], list[ChunkScorer]]:
-    """Makes each worker its own scorers (compiled programs, buffers) over one shared upload of the weights."""
-    weights = [{n: backend_array(backend, w) for n, w in m.tensors().items()} for m in models]
-    return lambda: [ChunkScorer(m, backend, ctx, w, keep) for m, w in zip(models, weights)]
 
 
 def _score_pass(chunks: _Chunks, scorers: list[ChunkScorer], c0: int) -> _BatchScores:
@@ -516,19 +323,19 @@ def perplexity_from_ids(
     `source` names the text in error messages. `workers`: forward passes run at once on the cpu
     backend (default: one per core, up to 4); the numbers do not depend on it.
     """
-    models = _load_models(model, kl_base, lora, lora_scale)
+    models = load_models(model, kl_base, lora, lora_scale)
     ids, n_chunk = _checked_ids(models[0], ids, ctx, chunks, source)
     warn_past_training(models[0], ctx)
-    backend = _as_backend(backend, precision)
-    plan = _plan_chunks(models[0], ids, ctx, n_chunk, batch, backend.name)
-    n_workers = cpu_workers(backend.name, workers, len(plan.pass_starts))
+    backend = as_backend(backend, precision)
+    plan = _plan_chunks(models[0], ids, ctx, n_chunk, batch, backend)
+    n_workers = backend.workers(workers, len(plan.pass_starts))
     check_evaluation_memory(models, backend, pass_bytes(models[0], backend, plan.n_seq, ctx, plan.first), n_workers,
                             f"{models[0].path}: perplexity with --ctx {ctx} ({plan.n_seq * ctx:,} tokens per pass, "
                             f"{plural(n_workers, 'pass', 'passes')} at once)")
     # under an MPI launcher each rank scores its share of the passes (backends/dist.py); all get every result
-    with evaluation_copies(backend):  # run_split is lazy: the passes run inside _accumulate
-        passes = run_split(partial(_score_pass, plan), _scorer_factory(models, backend, ctx), plan.pass_starts, n_workers)
-        return _accumulate(plan, passes, with_kl=kl_base is not None, progress=progress)
+    make = scorer_factory(models, backend, ctx, float_copies=True)
+    passes = run_split(partial(_score_pass, plan), make, plan.pass_starts, n_workers)
+    return _accumulate(plan, passes, with_kl=kl_base is not None, progress=progress)
 
 
 def tokenize(model, text: str, max_tokens: Optional[int] = None) -> np.ndarray:
@@ -555,7 +362,7 @@ def perplexity(
     from llmtune.model.adapter import attach
 
     text = require_text(read_text(text_path), text_path)  # a missing or empty text fails before the model load
-    model = attach(_as_model(model_path), lora, lora_scale)  # bad adapters fail before tokenizing
+    model = attach(as_model(model_path), lora, lora_scale)  # bad adapters fail before tokenizing
     # with --chunks only the first chunks' tokens count (at least two chunks: the shortest text)
     ids = tokenize(model, text, None if chunks is None or chunks < 1 else max(chunks, 2) * ctx)
     return perplexity_from_ids(model, ids, ctx=ctx, batch=batch, chunks=chunks, backend=backend,

@@ -69,3 +69,15 @@ def topo_order(outputs) -> list[Node]:
             if inp.id not in seen:
                 stack.append((inp, False))
     return order
+
+
+def name_intermediates(order) -> None:
+    """Give every unnamed computed node of `order` (topological) a name derived from its first named
+    input, as ggml names a view after its source ("Qcur-0 (permute)"); nodes a graph builder named
+    (arch/context.py cb) keep theirs."""
+    for n in order:
+        if n.name or n.is_leaf:
+            continue
+        src = next((i.name for i in n.inputs if i.name), "")
+        base = src.split(" (", 1)[0]
+        n.name = f"{base} ({n.op})" if base else n.op

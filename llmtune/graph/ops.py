@@ -30,7 +30,14 @@ def _register(name, backward=None, view=False, inplace=False):
     OPS[name] = OpDef(backward, view, inplace)
 
 
+# ops that read a stored matrix (ops.qweight) as its blocks; any other op given one reads it decoded
+# (dequantize), as ggml converts a src type, so graph builders never branch on a weight's storage
+_STORED_READERS = frozenset({"qlinear", "qlinear_back", "qget_rows", "dequantize"})
+
+
 def _node(op, inputs, attrs, shape, dtype="f32", contiguous=True):
+    if op not in _STORED_READERS and any(i.dtype == "q" for i in inputs):
+        inputs = tuple(dequantize(i) if i.dtype == "q" else i for i in inputs)
     rg = any(i.requires_grad for i in inputs) and dtype == "f32"
     return Node(op, inputs, attrs, shape, dtype, requires_grad=rg, contiguous=contiguous)
 
@@ -197,7 +204,11 @@ def matmul(a: Node, b: Node, ta: bool = False, tb: bool = False) -> Node:
 
 
 def linear(x: Node, w: Node) -> Node:
-    """x[..., in] @ W[out, in]^T."""
+    """x[..., in] @ W[out, in]^T, by W's storage as ggml_mul_mat reads its src0 type: a matrix
+    kept in its file type (qweight) through qlinear (activations rounded as llama.cpp's CPU
+    matmul rounds them), a float one through matmul."""
+    if w.dtype == "q":
+        return qlinear(x, w)
     return matmul(x, w, tb=True)
 
 
@@ -220,9 +231,10 @@ _register("matmul", _matmul_backward)
 # --------------------------------------------------------------------------- weights kept in a GGUF type
 def qweight(shape, qtype: str, name: str = "") -> Node:
     """A frozen matrix W[out, in] kept as its GGUF block bytes (`qtype`: "Q4_K", "F16", ... a key of
-    quant/matmul.QTYPES): bound to a uint8 array [out, bytes per row]. Only qlinear, qlinear_back,
-    qget_rows and dequantize read it; it never has a gradient."""
-    from llmtune.quant.matmul import qtype_of
+    quant/types.QTYPES): bound to a uint8 array [out, bytes per row]. qlinear, qlinear_back, qget_rows
+    and dequantize read its blocks (linear and get_rows pick them for it); any other op reads it
+    decoded; it never has a gradient."""
+    from llmtune.quant.types import qtype_of
 
     qtype_of(qtype)
     if len(tuple(shape)) != 2:
@@ -305,20 +317,20 @@ def _axis(x: Node, axis: int) -> int:
     return axis % nd
 
 
-def slice_rows(x: Node, axis: int, start: int, stop: int) -> Node:
-    """x[..., start:stop, ...] along `axis` (a view; axis may be negative). A slice of the last
+def slice_axis(x: Node, axis: int, start: int, stop: int) -> Node:
+    """x[..., start:stop, ...] along `axis`, any axis (a view; axis may be negative). A slice of the last
     axis of a matrix (a fused projection's halves) is strided: `cont` it for a dense consumer."""
     axis = _axis(x, axis)
     if not 0 <= start <= stop <= x.shape[axis]:
-        raise ValueError(f"slice_rows: [{start}:{stop}] of axis {axis} of {x.shape}")
+        raise ValueError(f"slice_axis: [{start}:{stop}] of axis {axis} of {x.shape}")
     shape = list(x.shape)
     shape[axis] = stop - start
     contiguous = x.contiguous and all(s == 1 for s in x.shape[:axis])
     return _node("slice", (x,), {"axis": axis, "start": start, "stop": stop}, shape, contiguous=contiguous)
 
 
-def pad_rows(x: Node, axis: int, start: int, full: int) -> Node:
-    """Zeros of length `full` along `axis` with x placed at `start` (backward of slice)."""
+def pad_axis(x: Node, axis: int, start: int, full: int) -> Node:
+    """Zeros of length `full` along `axis` (any axis) with x placed at `start` (backward of slice)."""
     axis = _axis(x, axis)
     shape = list(x.shape)
     shape[axis] = full
@@ -331,7 +343,7 @@ def concat(parts: list, axis: int) -> Node:
     full = sum(p.shape[axis] for p in parts)
     out, start = None, 0
     for p in parts:
-        term = pad_rows(p, axis, start, full)
+        term = pad_axis(p, axis, start, full)
         out = term if out is None else add(out, term)
         start += p.shape[axis]
     return out
@@ -340,13 +352,16 @@ def concat(parts: list, axis: int) -> Node:
 _register("reshape", lambda n, g: (reshape(g, n.inputs[0].shape),), view=True)
 _register("permute", lambda n, g: (permute(g, tuple(np.argsort(n.attrs["axes"]))),), view=True)
 _register("cont", lambda n, g: (g,))
-_register("slice", lambda n, g: (pad_rows(g, n.attrs["axis"], n.attrs["start"], n.inputs[0].shape[n.attrs["axis"]]),), view=True)
-_register("pad", lambda n, g: (slice_rows(g, n.attrs["axis"], n.attrs["start"], n.attrs["start"] + n.inputs[0].shape[n.attrs["axis"]]),))
+_register("slice", lambda n, g: (pad_axis(g, n.attrs["axis"], n.attrs["start"], n.inputs[0].shape[n.attrs["axis"]]),), view=True)
+_register("pad", lambda n, g: (slice_axis(g, n.attrs["axis"], n.attrs["start"], n.attrs["start"] + n.inputs[0].shape[n.attrs["axis"]]),))
 
 
 # --------------------------------------------------------------------------- embeddings
 def get_rows(w: Node, ids: Node) -> Node:
-    """w[ids]: ids int32 of any shape -> ids.shape + (w.shape[1],)."""
+    """w[ids]: ids int32 of any shape -> ids.shape + (w.shape[1],); the rows of a matrix kept in
+    its file type are decoded (qget_rows), as ggml_get_rows does for any src0 type."""
+    if w.dtype == "q":
+        return qget_rows(w, ids)
     return _node("get_rows", (w, ids), {}, ids.shape + w.shape[1:])
 
 
@@ -493,7 +508,7 @@ def flash_attn(q: Node, k: Node, v: Node, scale_: float, softcap_: float = 0.0, 
     n_o = q.size
     attrs = {"scale": float(scale_), "softcap": float(softcap_), "window": int(window)}
     packed = _node("flash_attn", (q, k, v), attrs, (n_o + B * H * T,))
-    return reshape(slice_rows(packed, 0, 0, n_o), q.shape)
+    return reshape(slice_axis(packed, 0, 0, n_o), q.shape)
 
 
 def flash_attn_back(q: Node, k: Node, v: Node, packed: Node, g: Node, attrs: dict) -> Node:
@@ -508,12 +523,12 @@ def _flash_attn_backward(n: Node, g: Node):
     q, k, v = n.inputs
     # The gradient reaches the packed buffer only through O's view: autodiff hands it over as
     # pad(dO); the backward reads dO itself, so that pad is never computed.
-    d_out = g.inputs[0] if g.op == "pad" else slice_rows(g, 0, 0, q.size)
+    d_out = g.inputs[0] if g.op == "pad" else slice_axis(g, 0, 0, q.size)
     d_out = reshape(d_out, q.shape)
     back = flash_attn_back(q, k, v, n, d_out, n.attrs)
     parts, start = [], 0
     for x in (q, k, v):
-        parts.append(reshape(slice_rows(back, 0, start, start + x.size), x.shape) if x.requires_grad else None)
+        parts.append(reshape(slice_axis(back, 0, start, start + x.size), x.shape) if x.requires_grad else None)
         start += x.size
     return tuple(parts)
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from llmtune.graph import dump
 from llmtune.graph.node import Node, topo_order
 from llmtune.graph.ops import OPS
 
@@ -26,13 +28,18 @@ class MemoryReport:
     n_nodes: int
 
 
-class ArenaTooLarge(MemoryError):
-    """A program whose planned arena is larger than the bytes its caller can give it: raised
-    before anything is allocated, so the caller can refuse the run in one line."""
+class Step(NamedTuple):
+    """One kernel call of a planned program: node `nid`'s value = kernel(out, *values of ins,
+    **attrs); `out` is its arena view (None for views of an input); `sink`, when set, receives the
+    value (+= in a run, = in an assigning run)."""
 
-    def __init__(self, needed: int, limit: int):
-        super().__init__(f"the planned arena needs {needed} bytes, {limit} are available")
-        self.needed, self.limit = needed, limit
+    nid: int
+    kernel: Callable
+    out: Any
+    ins: tuple
+    attrs: dict
+    sink: Any
+    op: str
 
 
 class Program:
@@ -51,6 +58,7 @@ class Program:
         self.accumulate = dict(accumulate or {})
         self.order = _sinks_early(topo_order(self.outputs + list(self.accumulate)), set(self.accumulate), self.outputs)
         self.inputs = {n.name: n for n in self.order if n.op == "input"}
+        self._dump = dump.pending(self.order)  # LLMTUNE_DUMP: the named nodes the first run writes out
         self._leaf_values = {}
         for n in self.order:
             if n.op == "param":
@@ -72,7 +80,7 @@ class Program:
         """ggml_gallocr_alloc_graph's steps: whose buffer each node uses, when each buffer is last
         read, where in one arena each buffer lives, then the kernel calls that fill them."""
         owner = _buffer_owners(self.order)
-        last_use = _last_uses(self.order, self.outputs, owner)
+        last_use = _last_uses(self.order, self.outputs + (self._dump or []), owner)
         offsets, self.memory = self._allocate(owner, last_use)
         if not allocate:
             return
@@ -106,9 +114,8 @@ class Program:
                 alloc.free(offset_of[o], size_of[o])
         return offset_of, MemoryReport(alloc.high_water, naive, len(self.order))
 
-    def _build_steps(self, arena, owner, offsets) -> tuple[list, list]:
-        """One (node id, kernel, out, input ids, attrs, sink) per computed node, for `run` and for
-        `run(assign=True)`; `out` is the node's arena view, None for views of an input."""
+    def _build_steps(self, arena, owner, offsets) -> tuple[list[Step], list[Step]]:
+        """One Step per computed node, for `run` and for `run(assign=True)`."""
         steps, assign_steps = [], []
         for n in self.order:
             if n.is_leaf:
@@ -121,10 +128,10 @@ class Program:
                 raise NotImplementedError(f"backend {self.backend.name} has no kernel for op {n.op!r}")
             ins = tuple(inp.id for inp in n.inputs)
             sink = self.accumulate.get(n)
-            steps.append((n.id, kernel, out, ins, n.attrs, sink))
+            steps.append(Step(n.id, kernel, out, ins, n.attrs, sink, n.op))
             # assign mode: a sink computed into its own buffer writes straight into the target
             direct = sink is not None and out is not None and tuple(sink.shape) == n.shape
-            assign_steps.append((n.id, kernel, sink if direct else out, ins, n.attrs, None if direct else sink))
+            assign_steps.append(Step(n.id, kernel, sink if direct else out, ins, n.attrs, None if direct else sink, n.op))
         return steps, assign_steps
 
     def _inplace_source(self, n: Node, i: int, owner, last_use):
@@ -137,30 +144,74 @@ class Program:
         return src.id if last_use.get(src.id) == i else None
 
     # ------------------------------------------------------------------ execution
-    def run(self, *, assign: bool = False, **inputs) -> list:
-        """Bind inputs by name, execute, return the output arrays (valid until the next run).
+    def steps(self, assign: bool = False) -> list[Step]:
+        """The kernel calls of a run (assign: of a run that assigns its accumulate targets)."""
+        return self._assign_steps if assign else self._steps
 
-        Accumulate targets receive `+= value`; with assign=True they receive `= value` instead
-        (the first micro-batch of a step), mostly by computing straight into them."""
+    def bind(self, inputs: dict) -> dict:
+        """Node id -> value of every leaf: the bound parameters and constants, and `inputs` by name."""
         vals = dict(self._leaf_values)
         for name, node in self.inputs.items():
             if name not in inputs:
                 raise ValueError(f"missing input {name!r}")
             vals[node.id] = inputs[name]
+        return vals
+
+    def finish(self, vals: dict) -> list:
+        """The output values of a run whose node values are `vals` (and, once, LLMTUNE_DUMP's file)."""
+        if self._dump is not None:
+            dump.write(self._dump, vals, self.backend)
+            self._dump = None
+        return [vals[n.id] for n in self.outputs]
+
+    def run(self, *, assign: bool = False, **inputs) -> list:
+        """Bind inputs by name, execute, return the output arrays (valid until the next run).
+
+        Accumulate targets receive `+= value`; with assign=True they receive `= value` instead
+        (the first micro-batch of a step), mostly by computing straight into them."""
+        vals = self.bind(inputs)
         if assign:
-            for nid, kernel, out, ins, attrs, sink in self._assign_steps:
+            for nid, kernel, out, ins, attrs, sink, _ in self._assign_steps:
                 val = kernel(out, *[vals[j] for j in ins], **attrs)
                 vals[nid] = val
                 if sink is not None:
                     sink[...] = val
         else:
             accumulate = self.backend.accumulate
-            for nid, kernel, out, ins, attrs, sink in self._steps:
+            for nid, kernel, out, ins, attrs, sink, _ in self._steps:
                 val = kernel(out, *[vals[j] for j in ins], **attrs)
                 vals[nid] = val
                 if sink is not None:
                     accumulate(sink, val)
-        return [vals[n.id] for n in self.outputs]
+        return self.finish(vals)
+
+
+class ProgramCache:
+    """Compiled programs by key (a graph's shape), made by `make(key)` on first use. keep: the most
+    recently used programs kept compiled (None: every one); the least recently used is dropped,
+    and `on_drop(program)` told, before a new one is compiled, so the arenas of at most `keep`
+    programs are alive at once."""
+
+    def __init__(self, make, keep: int | None = None, on_drop=None):
+        self.make, self.keep, self.on_drop = make, keep, on_drop
+        self._programs: dict = {}  # insertion order = least recently used first
+
+    def get(self, key) -> Program:
+        prog = self._programs.pop(key, None)
+        if prog is None:
+            while self.keep is not None and len(self._programs) >= max(1, self.keep):
+                dropped = self._programs.pop(next(iter(self._programs)))
+                if self.on_drop is not None:
+                    self.on_drop(dropped)
+            prog = self.make(key)
+        self._programs[key] = prog
+        return prog
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def programs(self) -> list[Program]:
+        return list(self._programs.values())
 
 
 def _sinks_early(order: list[Node], sinks: set, outputs: list[Node]) -> list[Node]:
@@ -234,16 +285,12 @@ class Replay:
 
     def _record(self) -> list:
         prog = self.prog
-        vals = dict(prog._leaf_values)
-        for name, node in prog.inputs.items():
-            vals[node.id] = self.feed[name]
-        ops_of = {n.id: n.op for n in prog.order}
+        vals = prog.bind(self.feed)
         sink_call = _copy_into if self.assign else prog.backend.accumulate
         calls, fixed = [], True
-        for nid, kernel, out, ins, attrs, sink in (prog._assign_steps if self.assign else prog._steps):
+        for nid, kernel, out, ins, attrs, sink, op in prog.steps(self.assign):
             args = tuple(vals[j] for j in ins)
             val = vals[nid] = kernel(out, *args, **attrs)
-            op = ops_of[nid]
             if sink is not None:
                 sink_call(sink, val)
             if op in _PURE_VIEWS:
@@ -253,7 +300,7 @@ class Replay:
             calls.append(functools.partial(kernel, out, *args, **attrs))
             if sink is not None:
                 calls.append(functools.partial(sink_call, sink, val))
-        self.outputs = [vals[n.id] for n in prog.outputs]
+        self.outputs = prog.finish(vals)
         self.fixed = fixed
         if fixed:
             self.calls = calls

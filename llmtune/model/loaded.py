@@ -16,9 +16,9 @@ from llmtune.arch.prefix import PrefixShape, SharedPrefix
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, load_gguf
-from llmtune.graph import ops
+from llmtune.graph.node import name_intermediates, topo_order
 from llmtune.model.adapter import LoraGraph
-from llmtune.quant.qtensor import QTensor, stored
+from llmtune.quant.qtensor import graph_leaf, stored
 
 
 @dataclass
@@ -89,8 +89,7 @@ class Model:
         prefix: the layout of shared prefixes and their continuations (arch/prefix.py); the batch is
         then one flat sequence of prefix.n_tok tokens with run-time positions."""
         trainable = set(trainable)
-        nodes = {name: ops.qweight(w.shape, w.qtype, name=name) if isinstance(w, QTensor) and name not in trainable
-                 else ops.param(w.shape, name=name, requires_grad=name in trainable) for name, w in self.tensors().items()}
+        nodes = {name: graph_leaf(name, w, name in trainable) for name, w in self.tensors().items()}
         lora = LoraGraph.of(self.adapters, nodes, lora_dropout) if self.adapters else None
         batch = Batch.make(n_seq, n_tok)
         shared = None
@@ -100,7 +99,22 @@ class Model:
             shared = SharedPrefix(prefix, swa=self.hp.has_swa)
         context = BuildContext(self.hp, nodes, batch, logits_start, lora=lora, cache=cache, prefix=shared)
         logits = self.family.build(context)
+        order = topo_order([logits])
+        self._check_reached(nodes, order)
+        name_intermediates(order)
         return batch, nodes, logits
+
+    def _check_reached(self, nodes: dict, order: list) -> None:
+        """Every required weight (the family's tensors not marked optional) is read by the graph: a
+        name misspelled in a family's build (ctx.norm(x, "blk.0.ffn_nrom") looks its weight up as
+        optional and skips it) fails here, naming the weight."""
+        reached = {n.id for n in order if n.is_leaf}
+        missed = [s.name for s in self.family.tensors(self.hp)
+                  if not s.optional and s.name in nodes and nodes[s.name].id not in reached]
+        if missed:
+            more = f" (and {len(missed) - 1} more)" if len(missed) > 1 else ""
+            raise LlmtuneError(f"{self.path}: the {self.hp.arch} graph never reads the required weight {missed[0]}{more} "
+                               "(a misspelled name in the family's build?)")
 
 
 def hparams_of(gf: GGUFFile) -> HParams:

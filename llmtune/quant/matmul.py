@@ -32,58 +32,18 @@ as a small extra product with the weights' mins, so that term is reproduced too.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 
+from llmtune.quant.types import ACT_BLOCK, QTYPES, QType, qtype_of, row_bytes  # noqa: F401 - the registry, re-exported
+
 F32 = np.float32
 
-
-@dataclass(frozen=True)
-class QType:
-    name: str  # ggml's type name
-    block: int  # values per block
-    size: int  # bytes per block
-    act: str  # how ggml rounds the activations multiplied with it (its vec_dot_type)
-    has_min: bool = False  # Q4_1 / Q5_1: value = d * q + m (the Q8_1 correction applies)
-
-
-QTYPES: dict[str, QType] = {
-    t.name: t
-    for t in (
-        QType("F16", 1, 2, "f16"),
-        QType("BF16", 1, 2, "bf16"),
-        QType("Q8_0", 32, 34, "q8_0"),
-        QType("Q4_0", 32, 18, "q8_0"),
-        QType("Q5_0", 32, 22, "q8_0"),
-        QType("Q4_1", 32, 20, "q8_1", has_min=True),
-        QType("Q5_1", 32, 24, "q8_1", has_min=True),
-        QType("Q4_K", 256, 144, "q8_K"),
-        QType("Q5_K", 256, 176, "q8_K"),
-        QType("Q6_K", 256, 210, "q8_K"),
-    )
-}
-ACT_BLOCK = {"f16": 1, "bf16": 1, "q8_0": 32, "q8_1": 32, "q8_K": 256}
 
 # float32 elements of the per-thread weight scratch: the rows dequantized for one BLAS call
 SCRATCH_ELEMENTS = 1 << 22  # 16 MiB
 # float32 bytes dequantized per numpy pass: the temporaries of one pass stay in L2
 _PASS_BYTES = 1 << 20
-
-
-def qtype_of(name: str) -> QType:
-    qt = QTYPES.get(name)
-    if qt is None:
-        raise ValueError(f"no quantized matmul for type {name} (have {', '.join(QTYPES)})")
-    return qt
-
-
-def row_bytes(qtype: str, n_cols: int) -> int:
-    qt = qtype_of(qtype)
-    if n_cols % qt.block:
-        raise ValueError(f"{qtype}: a row of {n_cols} values is not a whole number of {qt.block}-value blocks")
-    return n_cols // qt.block * qt.size
 
 
 # ------------------------------------------------------------------------------------ dequantization
@@ -334,11 +294,14 @@ def _block_rows(n_rows: int, n_cols: int) -> int:
     return max(1, min(n_rows, SCRATCH_ELEMENTS // max(1, n_cols)))
 
 
-class _DecodedCopies:
+class FloatCopies:
     """Float32 copies of stored matrices, made on first use while their total stays within
     `budget` bytes, for passes that multiply the same frozen weights over and over (perplexity,
-    benchmarks, generation): a product with a kept copy skips the per-block decode. Keyed by the
-    block bytes' address and shape (the file's memory map does not move during a pass)."""
+    benchmarks, generation): a product with a kept copy skips the per-block decode. The numbers
+    are those of the stored path (the activations are rounded the same way), up to BLAS's
+    summation order. Owned by the weights bound for an evaluation (Backend.bind(...,
+    float_copies=True)) and freed with them; keyed by the block bytes' address and shape (the
+    file's memory map does not move while they are bound)."""
 
     def __init__(self, budget: int):
         self.budget, self.used, self.arrays = budget, 0, {}
@@ -357,29 +320,21 @@ class _DecodedCopies:
         return dense
 
 
-_decoded: _DecodedCopies | None = None
+class WithCopies:
+    """A stored matrix's block bytes as an evaluation binds them on the cpu: `raw`, and the
+    FloatCopies its products may keep a float32 copy in."""
+
+    __slots__ = ("raw", "copies")
+
+    def __init__(self, raw: np.ndarray, copies: FloatCopies):
+        self.raw, self.copies = raw, copies
 
 
-@contextmanager
-def decoded_copies(budget: int):
-    """Within the block, quantized products keep float32 copies of up to `budget` bytes of
-    weights (freed at the end). The numbers are those of the stored path (the activations are
-    rounded the same way), up to BLAS's summation order. Nested blocks share the outer cache."""
-    global _decoded
-    if _decoded is not None or budget <= 0:
-        yield
-        return
-    _decoded = _DecodedCopies(budget)
-    try:
-        yield
-    finally:
-        _decoded = None
-
-
-def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x: bool = True) -> np.ndarray:
+def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x: bool = True,
+            copies: FloatCopies | None = None) -> np.ndarray:
     """out[..., n_out] = x[..., n_in] @ W^T for W stored as `qtype` block bytes raw [n_out, row
     bytes]; round_x: the activations rounded as ggml's CPU matmul rounds them (see the module
-    docstring), else used as they are."""
+    docstring), else used as they are. copies: where a float32 copy of W may be kept (FloatCopies)."""
     qt = qtype_of(qtype)
     n_out, n_in = out.shape[-1], x.shape[-1]
     x2, o2 = x.reshape(-1, n_in), out.reshape(-1, n_out)
@@ -389,8 +344,7 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
         xr = xr.astype(x.dtype, copy=False)
     else:
         xr = np.ascontiguousarray(x2)
-    cache = _decoded
-    dense = cache.get(raw, qtype, n_in) if cache is not None and x.dtype == F32 else None
+    dense = copies.get(raw, qtype, n_in) if copies is not None and x.dtype == F32 else None
     if dense is not None:
         np.matmul(xr, dense.T, out=o2)
         if corr is not None and qt.has_min:

@@ -5,11 +5,10 @@ dequantize the whole matrix."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 
 import numpy as np
 
-from llmtune.quant.matmul import QTYPES, decoded_copies, dequantize_rows, row_bytes
+from llmtune.quant.matmul import QTYPES, dequantize_rows, row_bytes
 from llmtune.resources import available_memory
 
 
@@ -65,6 +64,17 @@ def stored(info, keep: bool = True):
     return None
 
 
+def graph_leaf(name: str, w, trainable: bool = False):
+    """The graph leaf of model tensor `name`: a frozen QTensor as its stored blocks (ops.qweight:
+    products and row lookups read them as they are), anything else (and whatever trains) a float
+    ops.param."""
+    from llmtune.graph import ops
+
+    if isinstance(w, QTensor) and not trainable:
+        return ops.qweight(w.shape, w.qtype, name=name)
+    return ops.param(w.shape, name=name, requires_grad=trainable)
+
+
 def backend_array(backend, w):
     """The array a backend binds for a model tensor: the raw bytes of a QTensor, else the float
     values in the backend's dtype."""
@@ -78,12 +88,10 @@ def shape_only(w) -> np.ndarray:
     return np.broadcast_to(np.float32(0), tuple(w.shape))
 
 
-def evaluation_copies(backend):
-    """For an evaluation command on the cpu (perplexity, eval, generate: the same frozen weights
-    multiplied pass after pass): quantized products keep float32 copies of the weights, up to a
-    quarter of the available memory (quant/matmul.py decoded_copies). Not used while training, whose
-    memory estimate counts the base in its file type."""
-    if getattr(backend, "name", backend) != "cpu":
-        return nullcontext()
+def evaluation_budget() -> int:
+    """Bytes of float32 copies an evaluation command may keep of its quantized weights (perplexity,
+    eval, generate: the same frozen weights multiplied pass after pass): a quarter of the available
+    memory (0 when unknown). Training keeps none: its memory estimate counts the base in its file
+    type."""
     avail = available_memory()
-    return decoded_copies(avail // 4 if avail else 0)
+    return avail // 4 if avail else 0

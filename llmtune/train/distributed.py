@@ -25,7 +25,7 @@ def agree_ranks(run) -> None:
     facts.update({f"the {name} file" if name != "lora_init" else "the --lora-init file": fp[name] for name in run.inputs})
     facts.update({
         "the run's settings": fp["settings"],
-        "the backend": f"{tr.backend.name} {tr.backend.dtype} {getattr(tr.backend, 'precision', 'f32')}",
+        "the backend": f"{tr.backend.name} {tr.backend.dtype} {tr.backend.precision}",
         "the trained tensors": digest(tr.trainable, tr.n_trainable),
         "the starting point (--resume)": f"step {run.step}" + (f" of run {run.run_id}" if run.step else ""),
     })

@@ -71,7 +71,7 @@ def checked_memory(trainer: Trainer, model_path) -> dict[str, int]:
             f"but only {avail / 2**20:.0f} MiB is available (lower --ubatch or --ctx, train fewer tensors with --params, "
             f"or use --grad-checkpoint)"
         )
-    rss = trainer.backend.host_resident_bytes()
+    rss = trainer.backend.resident_bytes()
     if rss is not None:  # the trained weights, written already, are resident and counted in "base"
         memory["runtime"] = max(0, rss - trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize)
     return memory

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmtune.backends.dist import Communicator, DistributedError, run_split, world
-from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers
+from llmtune.backends.threads import blas_threads
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
-from llmtune.graph.planner import ArenaTooLarge, Program, Replay
+from llmtune.graph.planner import ArenaTooLarge, Program, ProgramCache, Replay
 from llmtune.model.loaded import Model
-from llmtune.quant.qtensor import QTensor, backend_array, shape_only
+from llmtune.quant.qtensor import QTensor, shape_only
 from llmtune.resources import available_memory
 from llmtune.train.optim import Optimizer
 
@@ -104,7 +104,7 @@ class Trainer:
             raise DistributedError(f"--batch {n_batch} / --ubatch {n_ubatch}: {self.ubatches_per_step} micro-batch(es) per step "
                                    f"for {self.comm.size} ranks; each rank needs one (raise --batch or lower --ubatch)")
         self.my_ubatches = range(self.comm.rank, self.ubatches_per_step, self.comm.size)
-        self.n_workers = cpu_workers(backend.name, workers, len(self.my_ubatches))
+        self.n_workers = backend.workers(workers, len(self.my_ubatches))
         try:
             self._init_buffers()
             self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd)
@@ -118,14 +118,14 @@ class Trainer:
         # dropout-mask inputs of the training graph (name -> shape), fed per micro-batch
         self._masks = {n: node.shape for n, node in self._train_progs[0].inputs.items() if n.endswith(".dropout")}
         # compiled eval programs by sequence count, one cache per concurrent worker (grown on demand)
-        self._eval_caches: list[dict[int, Program]] = []
+        self._eval_caches: list[ProgramCache] = []
         self._pos = backend.asarray(np.arange(n_ctx, dtype=np.int32))
         # each worker's training inputs live in fixed buffers (each pass writes its values into
-        # them), so on the cpu its program replays with pre-bound kernel calls (planner.Replay)
+        # them), so on a backend that replays its program runs as pre-bound kernel calls (planner.Replay)
         self._train_inputs = [self._input_buffers(p) for p in self._train_progs]
         self._replays: list[dict[bool, Replay]] = [{} for _ in self._train_progs]  # by assign mode
-        # one micro-batch at a time: OpenBLAS's thread count by timing (threads.BlasTuner)
-        self._blas_tuner = BlasTuner(enabled=backend.name == "cpu" and self.n_workers == 1)
+        # the block each step's micro-batches run in (cpu, one at a time: OpenBLAS's thread count by timing)
+        self._blas_tuner = backend.step_tuner(self.n_workers)
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
 
     # ------------------------------------------------------------------ setup
@@ -141,9 +141,8 @@ class Trainer:
             view[...] = be.asarray(weights[name].astype(be.dtype, copy=False))
             self.values[name] = view
         self.grads = self._flat_views(self.flat_g)
-        for name, w in weights.items():
-            if name not in self.values:
-                self.values[name] = backend_array(be, w)  # a QTensor's bytes as they are
+        frozen = {name: w for name, w in weights.items() if name not in self.values}
+        self.values.update(be.bind(frozen))  # a QTensor's bytes as they are
         gguf = getattr(self.model, "gguf", None)
         if self.trainable and gguf is not None:
             gguf.drop_pages()  # the trained tensors now live in flat_w; frozen ones fault back in
@@ -179,10 +178,10 @@ class Trainer:
                 for name, node in prog.inputs.items()}
 
     def _run_train(self, w: int, assign: bool) -> list:
-        """Worker w's training program on its input buffers: replayed on the cpu, where Python
-        work per kernel is a visible part of a small model's step."""
+        """Worker w's training program on its input buffers: replayed where the backend replays
+        (the cpu, where Python work per kernel is a visible part of a small model's step)."""
         prog, feed = self._train_progs[w], self._train_inputs[w]
-        if self.backend.name != "cpu":
+        if not self.backend.replays:
             return prog.run(assign=assign, **feed)
         replay = self._replays[w].get(assign)
         if replay is None:
@@ -329,17 +328,14 @@ class Trainer:
         core at once on the cpu)."""
         k = self.seqs_per_ubatch
         starts = list(range(0, len(inputs), k))
-        n_w = cpu_workers(self.backend.name, self._requested_workers, len(starts))
+        n_w = self.backend.workers(self._requested_workers, len(starts))
 
-        def score(progs: dict, start: int):
+        def score(progs: ProgramCache, start: int):
             x, y = inputs[start : start + k], targets[start : start + k]
-            prog = progs.get(len(x))
-            if prog is None:
-                prog = progs[len(x)] = self._make_eval_program(len(x))
-            loss, correct = prog.run(**self._feed(x, y))
+            loss, correct = progs.get(len(x)).run(**self._feed(x, y))
             return float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), int((y >= 0).sum())
 
-        self._eval_caches += [{} for _ in range(n_w - len(self._eval_caches))]
+        self._eval_caches += [ProgramCache(self._make_eval_program) for _ in range(n_w - len(self._eval_caches))]
         caches: queue.SimpleQueue = queue.SimpleQueue()  # each worker takes its own cache
         for cache in self._eval_caches[:n_w]:
             caches.put(cache)

@@ -1,0 +1,57 @@
+"""The CUDA kernels of ops.py's loss section (loss.cu): logsumexp, cross entropy (mean over the
+rows whose target is not masked) and its gradient, count_correct."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmtune.backends.cuda.launch import BLOCK, flat_grid, row_threads
+
+
+class LossKernels:
+    def _k_logsumexp(self, out, x):
+        x, rows, n = self._rows(x)
+        if rows:
+            self._launch("logsumexp_rows", out.dtype, (rows,), row_threads(n), x, out, np.int32(n))
+        return out
+
+    def _counted(self, targets, rows: int, dtype):
+        """The divisor of the mean, on the device: the rows whose target is not negative (masked),
+        or the row count when every row is masked (loss 0; no rows at all: NaN, as numpy)."""
+        n = self.xp.count_nonzero(targets >= 0)
+        return self.xp.asarray(self.xp.where(n > 0, n, rows), dtype=dtype)
+
+    def _k_cross_entropy(self, out, logits, targets, lse):
+        logits, rows, n_vocab = self._rows(logits)
+        targets = self._ids(targets).reshape(-1)
+        losses = self.xp.empty(rows, logits.dtype)
+        if rows:
+            self._launch("cross_entropy_rows", out.dtype, flat_grid(rows), (BLOCK,), logits,
+                         targets, self._contig(lse), losses, np.int64(rows), np.int32(n_vocab))
+        self.xp.sum(losses, out=out)
+        self.xp.divide(out, self._counted(targets, rows, out.dtype), out=out)  # mean over the counted rows
+        return out
+
+    def _k_cross_entropy_back(self, out, logits, targets, lse, g):
+        logits, rows, n_vocab = self._rows(logits)
+        targets = self._ids(targets).reshape(-1)
+        if out.size:
+            gs = self._contig(self.xp.asarray(self.xp.asarray(g, dtype=out.dtype) / self._counted(targets, rows, out.dtype),
+                                              dtype=out.dtype))
+            self._launch("cross_entropy_back", out.dtype, flat_grid(out.size), (BLOCK,), logits,
+                         targets, self._contig(lse), gs, out, np.int64(rows), np.int32(n_vocab))
+        return out
+
+    def _per_row(self, name, logits, targets):
+        """A [rows] buffer filled by a one-block-per-row kernel over the logits."""
+        logits, rows, n_vocab = self._rows(logits)
+        targets = self._ids(targets).reshape(-1)
+        per_row = self.xp.empty(rows, logits.dtype)
+        if rows:
+            self._launch(name, logits.dtype, (rows,), row_threads(n_vocab), logits, targets, per_row, np.int32(n_vocab))
+        return per_row
+
+    def _k_count_correct(self, out, logits, targets):
+        hits = self._per_row("count_correct_rows", logits, targets)
+        self.xp.sum(hits, out=out)
+        return out
