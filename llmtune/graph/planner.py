@@ -28,6 +28,15 @@ class MemoryReport:
     n_nodes: int
 
 
+class ArenaTooLarge(MemoryError):
+    """A program whose planned arena is larger than the bytes its caller can give it: raised
+    before anything is allocated, so the caller can refuse the run in one line."""
+
+    def __init__(self, needed: int, limit: int):
+        super().__init__(f"the planned arena needs {needed} bytes, {limit} are available")
+        self.needed, self.limit = needed, limit
+
+
 class Step(NamedTuple):
     """One kernel call of a planned program: node `nid`'s value = kernel(out, *values of ins,
     **attrs); `out` is its arena view (None for views of an input); `sink`, when set, receives the
