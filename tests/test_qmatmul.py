@@ -82,8 +82,9 @@ def test_lora_on_a_quantized_base(exports, wikitext_ids):
 
 
 def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
-    """Trained matrices of a quantized file become float32 master weights (re-quantized on save);
-    the frozen ones stay as stored."""
+    """Trained matrices of a quantized file become float32 master weights, written as F32 (the
+    output policy: re-quantizing would round the training away), and --out-type q8_0 stores them
+    back in the file's type; the frozen ones stay as stored."""
     from llmtune.train.trainer import RunningStats, Trainer
 
     model = load_model(exports["q8_0"])
@@ -99,9 +100,12 @@ def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
     out, text = tmp_path / "tuned.gguf", tmp_path / "text.txt"
     text.write_text(wiki100k_path.read_text()[:3000])
     llmtune.finetune(exports["q8_0"], text, out, ctx=64, batch=64, epochs=1, lr=1e-4, params="attn_q", val_split=0.5)
-    tuned = load_model(out)
-    assert {n: getattr(w, "qtype", "F32") for n, w in tuned.weights.items()} == \
-        {n: getattr(w, "qtype", "F32") for n, w in model.weights.items()}
+    types = {n: getattr(w, "qtype", "F32") for n, w in model.weights.items()}
+    written = {n: getattr(w, "qtype", "F32") for n, w in load_model(out).weights.items()}
+    assert written == {n: "F32" if n in trainable else t for n, t in types.items()}
+    llmtune.finetune(exports["q8_0"], text, tmp_path / "q8.gguf", ctx=64, batch=64, epochs=1, lr=1e-4, params="attn_q",
+                     val_split=0.5, out_type="q8_0")
+    assert {n: getattr(w, "qtype", "F32") for n, w in load_model(tmp_path / "q8.gguf").weights.items()} == types
 
 
 @pytest.mark.parametrize("name", ["cuda-emu", pytest.param("cuda", marks=pytest.mark.cuda)])
