@@ -38,7 +38,8 @@ class FinetuneConfig:
     lora_dropout: float = 0.0  # dropout on the adapters' inputs while training (PEFT's lora_dropout)
     lora_init: Optional[str] = None  # adapter GGUF to continue training (fixes rank and targets)
     # instruction / chat data (train/chat.py) and samples during training
-    format: str = "auto"  # auto | plain | text | completion | chat
+    format: str = "auto"  # auto | plain | text | completion | chat | sharegpt | alpaca (train/records.py)
+    pack: bool = False  # several examples per window, each attending to itself (train/chat.py PackedDataset)
     chat_template: Optional[str] = None  # .jinja file overriding the model's tokenizer.chat_template
     train_on_prompt: bool = False  # completion/chat data: every token carries loss, not only the answers
     sample_prompt: Optional[str] = None  # print a short greedy continuation of this after each epoch

@@ -274,9 +274,9 @@ class _Run:
         """Optimizer step `s` of the epoch over the next batch of windows in `order`."""
         lr = self.schedule.lr(epoch + s / self.steps_per_epoch, self.step)
         seqs = self.cfg.batch // self.cfg.ctx
-        x, y = self.dataset.gather(order[s * seqs : (s + 1) * seqs])
+        x, y, *segments = self.dataset.gather(order[s * seqs : (s + 1) * seqs])  # packed: + segments
         with np.errstate(over="ignore", invalid="ignore"):  # a diverging step is reported by the guard, not by numpy
-            loss = self.trainer.train_step(x, y, lr, stats)
+            loss = self.trainer.train_step(x, y, lr, stats, *segments)
         if self.step == 0:
             self.result.first_loss = loss
         self.step += 1
@@ -297,8 +297,8 @@ class _Run:
     def _validate(self, er: EpochResult, log: _MetricsLog) -> None:
         """Loss and accuracy over the held-out windows, into `er` and the log."""
         val = RunningStats()
-        x, y = self.dataset.gather(self.dataset.val_indices())
-        self.trainer.evaluate(x, y, val)
+        x, y, *segments = self.dataset.gather(self.dataset.val_indices())  # packed: + segments
+        self.trainer.evaluate(x, y, val, *segments)
         er.val_loss, er.val_loss_err, er.val_accuracy, er.val_accuracy_err = val.loss, val.loss_err, val.accuracy, val.accuracy_err
         log.write({"type": "validation", "epoch": er.epoch, "global_step": self.step, "loss": val.loss,
                    "loss_err": val.loss_err, "accuracy": val.accuracy, "accuracy_err": val.accuracy_err})
@@ -515,12 +515,12 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt=None, em
                                     f"trained on ({model.hp.arch}.context_length): positions past it are untrained"})
     # plain text / {"text"}: overlapping windows; prompt-completion / chat: one masked example per window
     dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
-                                      cfg.train_on_prompt)
+                                      cfg.train_on_prompt, cfg.pack)
     steps_per_epoch = _steps_per_epoch(dataset, cfg, data_path)
     trainer = Trainer(model, get_backend(cfg.backend, precision=cfg.precision), n_ctx=cfg.ctx, n_batch=cfg.batch,
                       n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer, wd=cfg.wd,
                       lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
-                      workers=ckpt.meta.get("workers") if ckpt is not None else None)
+                      workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack)
     trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
     memory = _checked_memory(trainer, model_path)
     _check_disk(out_path, trainer, model_path, cfg, dataset)
