@@ -339,6 +339,7 @@ def generate_cmd(
     lora_scale: Optional[List[float]] = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora. \\[default: 1]", show_default=False),
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template for --chat, instead of the model's tokenizer.chat_template.", show_default=False),
     no_display_prompt: bool = typer.Option(False, "--no-display-prompt", help="Print only the generated text, not the prompt first."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Never sample an end-of-generation token (llama.cpp's --ignore-eos: their logits are -inf), so generation runs to -n or a full context: fixed-length speed runs."),
     backend: str = typer.Option("cpu", "--backend", help="cpu, cuda or auto."),
     precision: str = typer.Option("f32", "--precision", help="Matmul precision: f32, or on cuda tf32/bf16."),
 ):
@@ -347,6 +348,8 @@ def generate_cmd(
     The text streams to stdout as it comes; a summary (tokens, speed, seed) goes to stderr. Generation stops after -n tokens, at an end-of-generation token (EOS, <|im_end|>, <|eot_id|>, ...) or when the context is full.
 
     Example: llmtune generate model.gguf -p "Once upon a time" -n 64 --temp 0
+
+    Example (a fixed 256 tokens, for speed): llmtune generate model.gguf -p "Once upon a time" -n 256 --ignore-eos
 
     Example (chat): llmtune generate tuned.gguf --chat --system "Answer briefly." -p "What is LoRA?"
     """
@@ -376,6 +379,8 @@ def generate_cmd(
     from llmtune.quant.qtensor import evaluation_copies
 
     gen = Generator(load_for_generation(model, lora, lora_scale), get_backend(backend, precision=precision), n_ctx=ctx)
+    if ignore_eos:
+        sampler.ban(gen.eog)
     with evaluation_copies(gen.backend):  # the frozen weights decoded once, not per token
         if chat:
             from llmtune.tokenizer.chat_template import ChatTemplate

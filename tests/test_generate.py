@@ -187,6 +187,29 @@ def test_cli_generate(monkeypatch, capsys, stories_path):
     assert "16 tokens (-n reached)" in err and "tok/s" in err
 
 
+def test_cli_generate_ignore_eos(monkeypatch, capsys, stories_path):
+    """--ignore-eos bans the end-of-generation tokens (llama.cpp: logit bias -inf): on a model made
+    to prefer EOS everywhere (+100 on its logit) generation stops at once, and with the flag it
+    runs to -n with exactly the tokens of the unchanged model (EOS's logit is -inf either way)."""
+    args = ("generate", stories_path, "-p", "Once upon a time", "-n", "12", "--temp", "0")
+    code, want, _ = run_cli(monkeypatch, capsys, *args)
+    eos = load_model(stories_path).tokenizer.eos_id
+    for name in ("feed", "step"):
+        def boosted(self, *a, _orig=getattr(Generator, name)):
+            logits = _orig(self, *a)
+            logits[eos] += 100.0
+            return logits
+        monkeypatch.setattr(Generator, name, boosted)
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0 and out.strip() == "Once upon a time" and "end of generation" in err, (out, err)
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--ignore-eos")
+    assert code == 0 and out == want and "12 tokens (-n reached)" in err, (out, err)
+    sampler = Sampler(SamplerConfig(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    sampler.ban([3])
+    logits = np.array([0.0, 1.0, 0.5, 9.0], dtype=np.float32)
+    assert 3 not in {sampler.sample(logits) for _ in range(200)} and logits[3] == 9.0  # logits left as they were
+
+
 def test_cli_generate_reads_stdin(monkeypatch, capsys, stories_path):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Once upon a time"))
     code, out, err = run_cli(monkeypatch, capsys, "generate", stories_path, "-n", "8", "--temp", "0",
