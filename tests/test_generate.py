@@ -142,6 +142,21 @@ def test_utf8_stream_holds_split_characters():
     assert s.flush() == "\ufffd"
 
 
+def test_sample_previews_end_on_a_whole_character():
+    """finetune's --sample-prompt preview (TrainingSampler) stops after a token count: the text is
+    cut at the last token boundary that ends a character, else inside the token, never in U+FFFD."""
+    from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
+
+    assert [incomplete_tail(b) for b in (b"", b"a", b"\xc3", b"\xc3\xa9", b"x\xe2\x82", b"\xf0\x9f\x98", b"\xf0\x9f\x98\x80")] \
+        == [0, 0, 1, 0, 2, 3, 0]
+    assert whole_characters([b"ab", b"\xe2\x82", b"\xac"]) == "ab\u20ac"  # complete: all of it
+    assert whole_characters([b"ab", b" c", b"\xe2\x82"]) == "ab c"  # the last token boundary before the break
+    assert whole_characters([b"a", b"\xf0\x9f", b"\x98"]) == "a"  # a 4-byte character in 3 tokens
+    assert whole_characters([b"ab\xc3\xa9\xe2"]) == "ab\u00e9"  # one token: cut inside it
+    assert whole_characters([b"x", b"\xe2"]) == "x"
+    assert whole_characters([]) == ""
+
+
 # ------------------------------------------------------------------------------ chat
 TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}[{{ m.content }}]\n{% elif m.role == 'user' %}"
             "User: {{ m.content }}\n{% else %}Bot: {{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
