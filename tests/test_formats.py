@@ -115,6 +115,9 @@ def test_json_array_is_records_never_text(tmp_path, model, template, wrap):
     assert read_records(data).format == "text"  # documents, not the JSON punctuation
     with pytest.raises(LlmtuneError, match=r"--format plain: .*a.json is a .json file of records, not plain text"):
         read_records(data, "plain")
+    data.write_text("".join(json.dumps(r) + "\n" for r in ALPACA))  # JSONL named .json
+    with pytest.raises(LlmtuneError, match=r"a.json: invalid JSON \(Extra data at line 2 column 1\); one record per line is JSONL"):
+        read_records(data)
 
 
 def test_parquet_records(tmp_path, model, template):

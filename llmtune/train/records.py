@@ -141,7 +141,8 @@ def _json(text: str, where: str):
         return json.loads(text)
     except json.JSONDecodeError as exc:
         at = f" at line {exc.lineno} column {exc.colno}" if "\n" in text else ""
-        raise LlmtuneError(f"{where}: invalid JSON ({exc.msg}{at})") from None
+        hint = "; one record per line is JSONL: name the file .jsonl" if exc.msg == "Extra data" and at else ""
+        raise LlmtuneError(f"{where}: invalid JSON ({exc.msg}{at}){hint}") from None
 
 
 def _json_array(data, path: Path) -> list:
