@@ -160,12 +160,16 @@ def test_best_fit_decreasing():
 def test_pack_report_and_refusals(tmp_path, stories_path, monkeypatch, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", completion_rows(16))
     code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, data, "-o", tmp_path / "o.gguf",
-                             "--ctx", "64", "--epochs", "1", "--val-split", "0", "--pack")
+                             "--ctx", "64", "--epochs", "1", "--val-split", "0.25", "--pack")
     assert code == 0, err
-    ds, _ = build_dataset(load_model(stories_path), data, 64, 0.0, pack=True)
-    pad = ds.padding(range(ds.n_train))
-    assert (f"16 completion examples, packed into {ds.n_train} windows ({16 / ds.n_train:.1f} examples per window, "
-            f"{pad:.0%} of the training windows padding)") in err, err
+    ds, _ = build_dataset(load_model(stories_path), data, 64, 0.25, pack=True)
+    pad, windows = ds.padding(range(ds.n_train)), ds.n_train + ds.n_val
+    assert ds.n_val and (f"16 completion examples, packed into {windows} windows ({16 / windows:.1f} examples per "
+                         f"window, {pad:.0%} of the training windows padding)") in err, err
+    import llmtune
+
+    res = llmtune.finetune(stories_path, data, tmp_path / "o1.gguf", ctx=64, epochs=1, val_split=0.25, pack=True)
+    assert np.isfinite(res.epochs[0].val_loss) and res.n_val_windows == ds.n_val
     code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, REPO / "data" / "wikitext-100k.txt",
                              "-o", tmp_path / "o2.gguf", "--pack")
     assert code == 2 and "--pack: " in err and "cut into full windows already" in err and len(err.strip().splitlines()) == 1
