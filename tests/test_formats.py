@@ -28,6 +28,7 @@ ALPACA = [
     {"instruction": "Name a color.", "input": "", "output": "Red."},
     {"instruction": "Add the numbers.", "input": "2 and 3", "output": "Five.", "system": "Be brief."},
 ]
+ALPACA_MULTILINE = {"instruction": "Sum:\nall of them.", "input": "1\n2", "output": "Three."}
 # rendered with TEMPLATE: what carries loss, and the whole text (hand-written)
 ALPACA_LOSS = ["Red.</s>", "Five.</s>"]
 ALPACA_TEXT = ["User: Name a color.\nBot: Red.</s>", "[Be brief.]\nUser: Add the numbers.\n2 and 3\nBot: Five.</s>"]
@@ -63,8 +64,8 @@ def pieces(tok, ids) -> str:
     return b"".join(tok.token_to_bytes(int(i)) for i in ids).decode().replace("▁", " ")
 
 
-def check_masks(model, data, want_loss, want_text, template=None, fmt="auto", want_format=None):
-    ds, _ = build_dataset(model, data, 96, 0.0, fmt=fmt, chat_template=template)
+def check_masks(model, data, want_loss, want_text, template=None, fmt="auto", want_format=None, ctx=96):
+    ds, _ = build_dataset(model, data, ctx, 0.0, fmt=fmt, chat_template=template)
     tok = model.tokenizer
     assert ds.format == (want_format or ds.format) and len(ds.examples) == len(want_loss)
     for ex, loss, text in zip(ds.examples, want_loss, want_text):
@@ -91,6 +92,10 @@ def test_alpaca_without_a_chat_template_uses_the_alpaca_prompt(tmp_path, model):
     ds = check_masks(model, write_jsonl(tmp_path / "a.jsonl", ALPACA[1:]), ["Five.</s>"], [
         "Be brief.\n\n### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\nFive.</s>"])
     assert ds.template is None
+    check_masks(model, write_jsonl(tmp_path / "c.jsonl", [ALPACA_MULTILINE]), ["Three.</s>"], [
+        "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+        "response that appropriately completes the request.\n\n### Instruction:\nSum:\nall of them.\n\n### Input:\n"
+        "1\n2\n\n### Response:\nThree.</s>"], ctx=512)
     ds, _ = build_dataset(model, write_jsonl(tmp_path / "b.jsonl", ALPACA[:1]), 512, 0.0)
     assert pieces(model.tokenizer, ds.examples[0].ids[1:]).startswith(" "
         "Below is an instruction that describes a task. Write a response that appropriately completes the request."

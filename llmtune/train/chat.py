@@ -85,12 +85,14 @@ class ExampleBuilder:
         loss[max(n_prompt, 1):] = True
         return self._example(full, loss)
 
-    def alpaca(self, system, user: str, output: str, where: str) -> Example:
-        """An Alpaca record: through the chat template when there is one, else the Alpaca prompt."""
+    def alpaca(self, system, instruction: str, extra, output: str, where: str) -> Example:
+        """An Alpaca record: through the chat template when there is one (the user turn: the
+        instruction, then the input on the next line, as LLaMA-Factory), else the Alpaca prompt."""
         if self.template is not None:
+            user = instruction if extra is None else f"{instruction}\n{extra}"
             turns = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
             return self.chat(([{"role": "system", "content": system}] if system else []) + turns, where)
-        return self.completion(alpaca_prompt(system, user), output)
+        return self.completion(alpaca_prompt(system, instruction, extra), output)
 
     def chat(self, messages: list[dict], where: str) -> Example:
         from llmtune.tokenizer.chat_template import ChatTemplateError, encode
@@ -144,11 +146,10 @@ class ExampleBuilder:
         return Example(ids, loss)
 
 
-def alpaca_prompt(system, user: str) -> str:
+def alpaca_prompt(system, instruction: str, extra=None) -> str:
     """The Stanford Alpaca prompt (tatsu-lab/stanford_alpaca's PROMPT_DICT, axolotl's `alpaca`):
     its preamble (or the record's system text), the instruction and input, then "### Response:"."""
-    instruction, _, extra = user.partition("\n")
-    if extra:
+    if extra is not None:
         preamble = system or ("Below is an instruction that describes a task, paired with an input that provides "
                               "further context. Write a response that appropriately completes the request.")
         return f"{preamble}\n\n### Instruction:\n{instruction}\n\n### Input:\n{extra}\n\n### Response:\n"

@@ -18,7 +18,7 @@ Record formats (detected from the first record, or named with --format):
 - sharegpt    {"conversations" (or "messages"): [{"from": human|gpt|system|user|assistant|tool,
               "value"}, ...]}: roles mapped to chat's (human -> user, gpt -> assistant)
 - alpaca      {"instruction", "input" (optional), "output", "system" (optional)}: kept as
-              (system, instruction + "\\n" + input, output); train/chat.py renders it.
+              (system, instruction, input, output); train/chat.py renders it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Records:
 
     path: Path
     format: str
-    items: list = field(default_factory=list)  # str (plain, text) | (prompt, completion) | messages | alpaca triple
+    items: list = field(default_factory=list)  # str (plain, text) | (prompt, completion) | messages | alpaca 4-tuple
     wheres: list = field(default_factory=list)  # "FILE:LINE" / "FILE: record N" of each item, for errors
 
 
@@ -199,7 +199,7 @@ def _string(record: dict, key: str, where: str, what: str = "", optional: bool =
 
 def parse_record(record: dict, fmt: str, where: str):
     """One record of format `fmt`, checked: str (text), (prompt, completion), messages (chat,
-    sharegpt) or (system or None, user text, output) (alpaca)."""
+    sharegpt) or (system, instruction, input, output) (alpaca; system and input None when absent)."""
     if fmt == "text":
         return _string(record, "text", where)
     if fmt == "completion":
@@ -207,8 +207,8 @@ def parse_record(record: dict, fmt: str, where: str):
     if fmt == "alpaca":
         instruction, output = _string(record, "instruction", where), _string(record, "output", where)
         extra = _string(record, "input", where, optional=True)
-        user = f"{instruction}\n{extra}" if extra and extra.strip() else instruction
-        return _string(record, "system", where, optional=True) or None, user, output
+        system = _string(record, "system", where, optional=True)
+        return system or None, instruction, extra if extra and extra.strip() else None, output
     if fmt == "sharegpt":
         key = "conversations" if "conversations" in record or "messages" not in record else "messages"
         return _messages(record, key, where, ("from", "value"), SHAREGPT_ROLES)
