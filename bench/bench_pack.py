@@ -11,10 +11,10 @@ every pass padding. Both layouts are built by finetune's own code (train/chat.py
 with and without pack) and trained by its Trainer with the same LoRA (rank --rank on attention
 and FFN matrices, the Q4_1 base frozen in its file type), --batch tokens per optimizer step.
 
-Each measurement is --steps optimizer steps after one warm-up step (compilation, BLAS tuning),
-timed on the steps alone; the figure is the loss-carrying tokens (assistant turns and their
-<|im_end|>) of those steps per second. Packed and unpacked runs alternate --repeats times in one
-process, so a busy machine slows both alike; the medians and their ratio are printed, with the
+Each repeat is --steps optimizer steps of each layout after one warm-up step of each (compilation,
+BLAS tuning), timed on the steps alone, the two layouts' steps interleaved (unpacked then packed,
+packed then unpacked, ...) so a load that drifts slows both alike; the figure is the loss-carrying
+tokens (assistant turns and their <|im_end|>) of those steps per second; the medians and their ratio are printed, with the
 load average before and after.
 """
 
@@ -106,19 +106,24 @@ def main(argv=None) -> int:
     print(f"load average before: {load_average()}")
     rates: dict[bool, list[float]] = {False: [], True: []}
     for r in range(args.repeats):
-        for pack in (False, True):
-            ds, tr = layouts[pack], trainers[pack]
+        batches, tokens, seconds = {}, {False: 0, True: 0}, {False: 0.0, True: 0.0}
+        for pack, ds in layouts.items():
             order = ds.train_order(r, 0, True)
-            batches = [ds.gather(order[s * seqs : (s + 1) * seqs]) for s in range(args.steps + 1)]
-            tr.train_step(batches[0][0], batches[0][1], 1e-4, RunningStats(), *batches[0][2:])  # warm-up
-            stats = RunningStats()
-            t0 = time.perf_counter()
-            for b in batches[1:]:
-                tr.train_step(b[0], b[1], 1e-4, stats, *b[2:])
-            seconds = time.perf_counter() - t0
-            rates[pack].append(stats.tokens / seconds)
-            print(f"  repeat {r + 1} {'packed' if pack else 'unpacked'}: {stats.tokens} loss tokens in {seconds:.2f} s "
-                  f"= {stats.tokens / seconds:,.1f} loss tokens/s", flush=True)
+            batches[pack] = [ds.gather(order[s * seqs : (s + 1) * seqs]) for s in range(args.steps + 1)]
+            b = batches[pack][0]
+            trainers[pack].train_step(b[0], b[1], 1e-4, RunningStats(), *b[2:])  # warm-up
+        for s in range(1, args.steps + 1):  # steps interleaved (ABBA...): a load that drifts hits both alike
+            for pack in ((False, True) if s % 2 else (True, False)):
+                b, stats = batches[pack][s], RunningStats()
+                t0 = time.perf_counter()
+                trainers[pack].train_step(b[0], b[1], 1e-4, stats, *b[2:])
+                seconds[pack] += time.perf_counter() - t0
+                tokens[pack] += stats.tokens
+        for pack in (False, True):
+            rates[pack].append(tokens[pack] / seconds[pack])
+            print(f"  repeat {r + 1} {'packed' if pack else 'unpacked'}: {tokens[pack]} loss tokens in "
+                  f"{seconds[pack]:.2f} s ({seconds[pack] / args.steps:.2f} s/step) = {rates[pack][-1]:,.1f} loss tokens/s",
+                  flush=True)
     med = {pack: statistics.median(v) for pack, v in rates.items()}
     print(f"load average after: {load_average()}")
     print(f"median loss tokens/s: unpacked {med[False]:,.1f}, packed {med[True]:,.1f}: {med[True] / med[False]:.2f}x")
