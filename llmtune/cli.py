@@ -156,7 +156,7 @@ def _settings_given(options: dict) -> dict:
 
 def finetune(
     model: Path = ModelArg,
-    data: Path = typer.Argument(..., help="Training data: a plain UTF-8 file (tokenized whole), or .jsonl with per line {\"text\"}, {\"prompt\", \"completion\"} or {\"messages\": [{\"role\", \"content\"}, ...]}.", show_default=False),
+    data: Path = typer.Argument(..., help="Training data: a plain UTF-8 file (tokenized whole), or records in .jsonl, .json (an array), .parquet, .csv or a folder of them: {\"text\"}, {\"prompt\", \"completion\"}, {\"messages\": [{\"role\", \"content\"}, ...]} (chat), ShareGPT {\"conversations\": [{\"from\", \"value\"}, ...]} or Alpaca {\"instruction\", \"input\", \"output\"}.", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained GGUF (never the input).", show_default=False),
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of these settings (flags override it).", metavar="FILE"),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run saved in this checkpoint (OUT.ckpt-STEP.npz) with its own settings; the result is byte-identical to an uninterrupted run.", show_default=False, metavar="FILE"),
@@ -170,7 +170,7 @@ def finetune(
 
     A full finetune writes its trained tensors as F32 (a quantized input's type would round the training away) and scores the file as written; --out-type q4_k_m (or any export type) stores the whole trained model in that type instead.
 
-    Prompt/completion and chat data (rendered with the model's chat template) train one example per window, padded; only the completion / assistant turns (with their end-of-turn token) carry loss unless --train-on-prompt.
+    Prompt/completion and chat data (chat, ShareGPT and Alpaca records, rendered with the model's chat template; Alpaca without one as the Alpaca prompt) train one example per window, padded, or several per window with --pack; only the completion / assistant (gpt, output) turns with their end-of-turn token carry loss unless --train-on-prompt.
 
     Example: llmtune finetune model.gguf notes.txt -o tuned.gguf --ctx 256 --epochs 2 --lr 1e-4
 
@@ -387,6 +387,7 @@ def generate_cmd(
     lora_scale: Optional[List[float]] = LoraScaleOption,
     chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template for --chat, instead of the model's tokenizer.chat_template.", show_default=False),
     no_display_prompt: bool = typer.Option(False, "--no-display-prompt", help="Print only the generated text, not the prompt first."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Never sample an end-of-generation token (llama.cpp's --ignore-eos: their logits are -inf), so generation runs to -n or a full context: fixed-length speed runs."),
     backend: str = backend_option(),
     precision: str = precision_option(),
 ):
@@ -395,6 +396,8 @@ def generate_cmd(
     The text streams to stdout as it comes; a summary (tokens, speed, seed) goes to stderr. Generation stops after -n tokens, at an end-of-generation token (EOS, <|im_end|>, <|eot_id|>, ...) or when the context is full.
 
     Example: llmtune generate model.gguf -p "Once upon a time" -n 64 --temp 0
+
+    Example (a fixed 256 tokens, for speed): llmtune generate model.gguf -p "Once upon a time" -n 256 --ignore-eos
 
     Example (chat): llmtune generate tuned.gguf --chat --system "Answer briefly." -p "What is LoRA?"
     """
@@ -423,6 +426,8 @@ def generate_cmd(
     from llmtune.backends import get_backend
 
     gen = Generator(load_for_generation(model, lora, lora_scale), get_backend(backend, precision=precision), n_ctx=ctx)
+    if ignore_eos:
+        sampler.ban(gen.eog)
     if chat:
         from llmtune.tokenizer.chat_template import ChatTemplate
 

@@ -142,6 +142,21 @@ def test_utf8_stream_holds_split_characters():
     assert s.flush() == "\ufffd"
 
 
+def test_sample_previews_end_on_a_whole_character():
+    """finetune's --sample-prompt preview (TrainingSampler) stops after a token count: the text is
+    cut at the last token boundary that ends a character, else inside the token, never in U+FFFD."""
+    from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
+
+    assert [incomplete_tail(b) for b in (b"", b"a", b"\xc3", b"\xc3\xa9", b"x\xe2\x82", b"\xf0\x9f\x98", b"\xf0\x9f\x98\x80")] \
+        == [0, 0, 1, 0, 2, 3, 0]
+    assert whole_characters([b"ab", b"\xe2\x82", b"\xac"]) == "ab\u20ac"  # complete: all of it
+    assert whole_characters([b"ab", b" c", b"\xe2\x82"]) == "ab c"  # the last token boundary before the break
+    assert whole_characters([b"a", b"\xf0\x9f", b"\x98"]) == "a"  # a 4-byte character in 3 tokens
+    assert whole_characters([b"ab\xc3\xa9\xe2"]) == "ab\u00e9"  # one token: cut inside it
+    assert whole_characters([b"x", b"\xe2"]) == "x"
+    assert whole_characters([]) == ""
+
+
 # ------------------------------------------------------------------------------ chat
 TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}[{{ m.content }}]\n{% elif m.role == 'user' %}"
             "User: {{ m.content }}\n{% else %}Bot: {{ m.content }}{{ eos_token }}{% endif %}{% endfor %}"
@@ -185,6 +200,29 @@ def test_cli_generate(monkeypatch, capsys, stories_path):
     want = bytes.fromhex(FIXTURE["stories260K"]["llama.cpp"]["hex"]).decode()
     assert out.startswith("Once upon a time" + want[:30])
     assert "16 tokens (-n reached)" in err and "tok/s" in err
+
+
+def test_cli_generate_ignore_eos(monkeypatch, capsys, stories_path):
+    """--ignore-eos bans the end-of-generation tokens (llama.cpp: logit bias -inf): on a model made
+    to prefer EOS everywhere (+100 on its logit) generation stops at once, and with the flag it
+    runs to -n with exactly the tokens of the unchanged model (EOS's logit is -inf either way)."""
+    args = ("generate", stories_path, "-p", "Once upon a time", "-n", "12", "--temp", "0")
+    code, want, _ = run_cli(monkeypatch, capsys, *args)
+    eos = load_model(stories_path).tokenizer.eos_id
+    for name in ("feed", "step"):
+        def boosted(self, *a, _orig=getattr(Generator, name)):
+            logits = _orig(self, *a)
+            logits[eos] += 100.0
+            return logits
+        monkeypatch.setattr(Generator, name, boosted)
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0 and out.strip() == "Once upon a time" and "end of generation" in err, (out, err)
+    code, out, err = run_cli(monkeypatch, capsys, *args, "--ignore-eos")
+    assert code == 0 and out == want and "12 tokens (-n reached)" in err, (out, err)
+    sampler = Sampler(SamplerConfig(temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    sampler.ban([3])
+    logits = np.array([0.0, 1.0, 0.5, 9.0], dtype=np.float32)
+    assert 3 not in {sampler.sample(logits) for _ in range(200)} and logits[3] == 9.0  # logits left as they were
 
 
 def test_cli_generate_reads_stdin(monkeypatch, capsys, stories_path):

@@ -25,7 +25,7 @@ class Batch:
     """Symbolic inputs of one forward pass: n_seq sequences of n_tok tokens."""
 
     tokens: Node  # [n_seq, n_tok] int32
-    pos: Node  # [n_tok] int32 positions (shared by all sequences)
+    pos: Node  # [n_tok] int32 positions (shared by all sequences); packed windows: [n_seq, n_tok]
 
     @property
     def n_seq(self) -> int:
@@ -36,8 +36,9 @@ class Batch:
         return self.tokens.shape[1]
 
     @classmethod
-    def make(cls, n_seq: int, n_tok: int) -> "Batch":
-        return cls(ops.input((n_seq, n_tok), "i32", name="tokens"), ops.input((n_tok,), "i32", name="pos"))
+    def make(cls, n_seq: int, n_tok: int, packed: bool = False) -> "Batch":
+        pos = (n_seq, n_tok) if packed else (n_tok,)
+        return cls(ops.input((n_seq, n_tok), "i32", name="tokens"), ops.input(pos, "i32", name="pos"))
 
 
 class BuildContext:
@@ -51,13 +52,15 @@ class BuildContext:
     back, the batch's positions given at run time (generation), or None.
     prefix: the layout of a batch of shared prefixes and their continuations (arch/prefix.py
     SharedPrefix: evaluation of several answers to one question), or None.
+    packing: the masks of packed windows (arch/packing.py Packing: several examples per training
+    window, each attending to itself, positions per token), or None.
     """
 
     def __init__(self, hp: HParams, weights: dict[str, Node], batch: Batch, logits_start: int = 0, lora=None,
-                 cache=None, prefix=None):
+                 cache=None, prefix=None, packing=None):
         self.hp, self.weights, self.batch, self.logits_start = hp, weights, batch, logits_start
         self.lora = lora
-        self.cache, self.prefix = cache, prefix
+        self.cache, self.prefix, self.packing = cache, prefix, packing
 
     @property
     def n_ctx(self) -> int:
@@ -203,6 +206,8 @@ class BuildContext:
             out = self.cache.attention(q, k, v, il, b.pos, hp.kq_scale, softcap=hp.attn_softcap, window=window)
         elif self.prefix is not None:
             out = self.prefix.attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
+        elif self.packing is not None:
+            out = self.packing.attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
         else:
             out = causal_attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
         out = self.cb(ops.reshape(out, (b.n_seq * b.n_tok, hp.n_embd_q)), "kqv_out", il)
@@ -226,7 +231,14 @@ class BuildContext:
             return x
         factors = self.rope_factors(il)
         extra = {} if factors is None else {"freq_factors": factors}
-        y = ops.rope(x, self.batch.pos, hp.n_rot, hp.rope_base(il), hp.rope_freq_scale, hp.rope_mode, **extra)
+        pos = self.batch.pos
+        if len(pos.shape) == 2:  # positions per sequence (packed windows): rope the batch as one sequence
+            rows = ops.reshape(x, (1, x.shape[0] * x.shape[1]) + x.shape[2:])
+            y = ops.rope(rows, ops.reshape(pos, (pos.size,)), hp.n_rot, hp.rope_base(il), hp.rope_freq_scale,
+                         hp.rope_mode, **extra)
+            y = ops.reshape(y, x.shape)
+        else:
+            y = ops.rope(x, pos, hp.n_rot, hp.rope_base(il), hp.rope_freq_scale, hp.rope_mode, **extra)
         f = hp.rope_attn_factor
         if f == 1.0:
             return y

@@ -26,6 +26,7 @@ from llmtune.errors import LlmtuneError
 from llmtune.eval.scoring import warn_past_training
 from llmtune.eval.sampling import Sampler, SamplerConfig
 from llmtune.graph.planner import Program, ProgramCache, Replay
+from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
 from llmtune.tokenizer.chat_template import eog_ids
 from llmtune.quant.qtensor import QTensor
 
@@ -246,16 +247,7 @@ class _Utf8Stream:
 
     def push(self, piece: bytes) -> str:
         data = self.buf + piece
-        cut = len(data)
-        # an incomplete trailing sequence: a lead byte within the last 3 bytes whose length runs past the end
-        for back in range(1, min(4, len(data)) + 1):
-            b = data[-back]
-            if b & 0xC0 == 0x80:
-                continue  # continuation byte
-            need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
-            if need > back:
-                cut = len(data) - back
-            break
+        cut = len(data) - incomplete_tail(data)
         self.buf = data[cut:]
         return data[:cut].decode("utf-8", "replace")
 
@@ -347,5 +339,7 @@ class TrainingSampler:
     def sample(self) -> str:
         self.gen.tokens = []  # the weights changed: nothing cached is valid
         n = min(self.N_PREDICT, self.gen.n_ctx - len(self.ids))
-        return self.gen.generate(self.ids, n, Sampler(SamplerConfig(temp=0.0, seed=0))).text
+        res = self.gen.generate(self.ids, n, Sampler(SamplerConfig(temp=0.0, seed=0)))
+        tok = self.gen.tokenizer  # cut at N_PREDICT tokens: end on a whole character, at a token boundary
+        return whole_characters([tok.token_to_bytes(t, special=False) for t in res.tokens])
 

@@ -84,6 +84,12 @@ class Sampler:
         self.uniform = CanonicalUniform(self.seed)
         self.prev: deque[int] = deque(maxlen=max(cfg.repeat_last_n, 1))
         self.penalties_on = cfg.repeat_last_n > 0 and cfg.repeat_penalty != 1.0
+        self.banned = np.zeros(0, dtype=np.int64)
+
+    def ban(self, tokens) -> None:
+        """Never sample these tokens: llama.cpp's logit bias of -inf, the first sampler of its
+        chain (--ignore-eos bans every end-of-generation token this way)."""
+        self.banned = np.asarray(sorted(set(int(t) for t in tokens)), dtype=np.int64)
 
     def accept(self, token: int) -> None:
         """Record a token of the context (prompt or generated) for the repetition penalty."""
@@ -93,6 +99,9 @@ class Sampler:
     def sample(self, logits: np.ndarray) -> int:
         """The next token from logits [n_vocab] (not modified)."""
         cfg = self.cfg
+        if self.banned.size:
+            logits = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
+            logits[self.banned[self.banned < logits.size]] = -np.inf
         if cfg.greedy and not self.penalties_on:
             self.uniform()  # llama.cpp's dist still draws once per token
             return int(np.argmax(logits))

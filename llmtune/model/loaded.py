@@ -13,6 +13,7 @@ import numpy as np
 from llmtune.arch import check_tensors, get_family, read_hparams
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.arch.prefix import PrefixShape, SharedPrefix
+from llmtune.arch.packing import Packing
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, load_gguf
@@ -81,23 +82,27 @@ class Model:
         return names
 
     def build(self, n_seq: int, n_tok: int, *, logits_start: int = 0, trainable=(), lora_dropout: float = 0.0,
-              cache=None, prefix: PrefixShape | None = None):
+              cache=None, prefix: PrefixShape | None = None, packed: bool = False):
         """Forward graph for n_seq x n_tok tokens -> (batch inputs, tensor nodes by name, logits).
         Nodes cover `tensors()` (adapters included); lora_dropout > 0 (training) adds the adapters'
         dropout-mask inputs (adapter.dropout_masks). cache: an arch/kvcache.py KVCache (generation);
         its buffers are leaves of the graph too (in cache.nodes, not in the returned nodes).
         prefix: the layout of shared prefixes and their continuations (arch/prefix.py); the batch is
-        then one flat sequence of prefix.n_tok tokens with run-time positions."""
+        then one flat sequence of prefix.n_tok tokens with run-time positions. packed: each of the
+        n_seq windows holds several examples (arch/packing.py), positions [n_seq, n_tok] and the
+        block-diagonal masks given at run time."""
         trainable = set(trainable)
         nodes = {name: graph_leaf(name, w, name in trainable) for name, w in self.tensors().items()}
         lora = LoraGraph.of(self.adapters, nodes, lora_dropout) if self.adapters else None
-        batch = Batch.make(n_seq, n_tok)
+        batch = Batch.make(n_seq, n_tok, packed)
         shared = None
         if prefix is not None:
             if (n_seq, n_tok) != (1, prefix.n_tok):
                 raise ValueError(f"build: {n_seq} x {n_tok} tokens for the prefix layout {prefix}")
             shared = SharedPrefix(prefix, swa=self.hp.has_swa)
-        context = BuildContext(self.hp, nodes, batch, logits_start, lora=lora, cache=cache, prefix=shared)
+        packing = Packing(n_seq, n_tok, swa=self.hp.has_swa) if packed else None
+        context = BuildContext(self.hp, nodes, batch, logits_start, lora=lora, cache=cache, prefix=shared,
+                               packing=packing)
         logits = self.family.build(context)
         order = topo_order([logits])
         self._check_reached(nodes, order)

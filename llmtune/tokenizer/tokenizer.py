@@ -686,6 +686,33 @@ def json_why(exc) -> str:
     return f"{why}{'' if why.endswith(' at') else ' at'} column {exc.colno}"
 
 
+def incomplete_tail(data: bytes) -> int:
+    """Bytes at the end of `data` that begin a UTF-8 character without finishing it (0 when it
+    ends on a character boundary): a lead byte within the last 4 whose sequence runs past the end."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 == 0x80:
+            continue  # continuation byte
+        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+        return back if need > back else 0
+    return 0
+
+
+def whole_characters(pieces: Sequence[bytes]) -> str:
+    """The text of token pieces cut short at a character boundary: at the last token boundary that
+    ends a whole UTF-8 character when there is one, else inside the last token, so a preview cut at
+    a token count never ends in a broken character (U+FFFD)."""
+    data = b"".join(pieces)
+    k = len(pieces)
+    while k and incomplete_tail(data):
+        data = data[: len(data) - len(pieces[k - 1])]
+        k -= 1
+    if not k:  # no token boundary ends a character: cut the bytes instead
+        data = b"".join(pieces)
+        data = data[: len(data) - incomplete_tail(data)]
+    return data.decode("utf-8", "replace")
+
+
 def format_pieces(tok: Tokenizer, ids: Sequence[int]) -> bytes:
     """llama-tokenize's listing: one `%6d -> '<piece>'` line per token, pieces as raw bytes, but
     a carriage return shown as \\r (raw, it would send the terminal's cursor back over the line)."""

@@ -1,13 +1,22 @@
-"""Instruction and chat data for `finetune`: formats, rendering, loss masks, one example per window.
+"""Instruction and chat data for `finetune`: rendering, loss masks, one example per window (or packed).
 
-Formats (detected per file from its first record, or forced with --format):
+Records come from train/records.py (JSONL, JSON, Parquet, CSV, folders; formats detected from the
+first record or named with --format):
 - plain       a text file tokenized whole (what train/data.py does);
-- text        JSONL records {"text": ...};
-- completion  JSONL records {"prompt": ..., "completion": ...}: the text prompt + completion,
-              BOS first (per the model's flag) and EOS last, as TRL's prompt-completion data;
-- chat        JSONL records {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}
+- text        {"text": ...} records, each a document;
+- completion  {"prompt": ..., "completion": ...}: the text prompt + completion, BOS first (per the
+              model's flag) and EOS last, as TRL's prompt-completion data;
+- chat        {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...}, ...]}
               rendered with the model's chat template (tokenizer/chat_template.py; --chat-template
-              overrides it), as transformers' apply_chat_template renders and tokenizes them.
+              overrides it), as transformers' apply_chat_template renders and tokenizes them;
+- sharegpt    {"conversations": [{"from": "human"|"gpt"|..., "value": ...}]}: the same as chat once
+              its roles are mapped (human -> user, gpt -> assistant): the gpt turns carry loss;
+- alpaca      {"instruction", "input", "output", "system"}: a conversation of an optional system
+              turn, one user turn (instruction, then input on the next line) and the output as the
+              assistant turn, rendered with the chat template when the model has one (or
+              --chat-template is given), as LLaMA-Factory renders Alpaca data; a model without one
+              gets the Stanford Alpaca prompt (axolotl's `alpaca` type) as a prompt/completion
+              pair. Either way only the output (and its end-of-turn token or EOS) carries loss.
 
 Loss mask: by default only the completion, or every assistant turn's content and the end-of-turn
 token after it (<|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, EOS...), carry loss; the prompt,
@@ -17,116 +26,27 @@ order (each one's content searched after the previous one's), which works whatev
 inserts between turns; character spans become token spans by tokenizing the text before each
 boundary (a token straddling a boundary counts on the later side at a start, the earlier at an end).
 
-Windows: one example per window of ctx + 1 tokens, never packed: the example at the start, its
-targets after, then padding whose targets are -1 (no loss). Attention is causal, so an example
-never sees the padding after it, and no example ever attends to another one; no position or mask
-machinery is needed, at the price of the padding's compute (choose --ctx near your longest
-examples). An example longer than the window is truncated to its first ctx + 1 tokens (counted and
-reported); one left with no loss-carrying token is dropped (counted). The last val_split of the
-examples validate; training examples are shuffled each epoch.
+Windows: by default one example per window of ctx + 1 tokens: the example at the start, its targets
+after, then padding whose targets are -1 (no loss). Attention is causal, so an example never sees
+the padding after it, and no example ever attends to another one; no position or mask machinery is
+needed, at the price of the padding's compute. With --pack (PackedDataset) several examples share a
+window, each attending only to itself with positions restarting at 0 (arch/packing.py), so the loss
+and gradients are the same and the padding mostly goes. An example longer than the window is
+truncated to its first ctx + 1 tokens (counted and reported); one left with no loss-carrying token is
+dropped (counted). The last val_split of the examples validate; training windows are shuffled each
+epoch.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Optional
+import bisect
+from dataclasses import dataclass
 
 import numpy as np
 
 from llmtune.errors import LlmtuneError
 from llmtune.train.data import TrainValSplit
-
-FORMATS = ("auto", "plain", "text", "completion", "chat")
-ROLES = ("system", "user", "assistant")
-
-
-# ------------------------------------------------------------------------------------ reading
-@dataclass
-class Records:
-    """The records of a JSONL file (or the text of a plain file) and their format."""
-
-    path: Path
-    format: str
-    items: list = field(default_factory=list)  # str (plain/text) | (prompt, completion) | messages
-    lines: list = field(default_factory=list)  # 1-based line of each item
-
-
-def _record_format(record: dict) -> Optional[str]:
-    if "messages" in record:
-        return "chat"
-    if "prompt" in record or "completion" in record:
-        return "completion"
-    if "text" in record:
-        return "text"
-    return None
-
-
-def read_records(path, fmt: str = "auto") -> Records:
-    """The file's records in one format; every problem is one line naming the file and line."""
-    from llmtune.tokenizer import json_why, read_text, require_text
-
-    path = Path(path)
-    if fmt not in FORMATS:
-        raise LlmtuneError(f"--format: unknown format {fmt!r} (choose {', '.join(FORMATS)})")
-    text = require_text(read_text(path), path)  # the words perplexity uses too
-    is_jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
-    if fmt == "plain" or (fmt == "auto" and not is_jsonl):
-        return Records(path, "plain", [text], [1])
-    out = Records(path, fmt)
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise LlmtuneError(f"{path}:{lineno}: invalid JSON ({json_why(exc)})") from None
-        if not isinstance(record, dict):
-            raise LlmtuneError(f"{path}:{lineno}: a record must be a JSON object")
-        kind = _record_format(record)
-        if out.format == "auto":
-            if kind is None:
-                raise LlmtuneError(f"{path}:{lineno}: record has none of \"text\", \"prompt\"/\"completion\", \"messages\"")
-            out.format = kind
-        out.items.append(_parse(record, out.format, path, lineno))
-        out.lines.append(lineno)
-    if not out.items:
-        raise LlmtuneError(f"{path}: no records")
-    return out
-
-
-def _string(record: dict, key: str, path, lineno: int, what: str = "") -> str:
-    if key not in record:
-        raise LlmtuneError(f"{path}:{lineno}: {what}record has no \"{key}\" field")
-    value = record[key]
-    if not isinstance(value, str):
-        raise LlmtuneError(f"{path}:{lineno}: {what}\"{key}\" must be a string")
-    return value
-
-
-def _parse(record: dict, fmt: str, path, lineno: int):
-    if fmt == "text":
-        return _string(record, "text", path, lineno)
-    if fmt == "completion":
-        return _string(record, "prompt", path, lineno), _string(record, "completion", path, lineno)
-    messages = record.get("messages")
-    if "messages" not in record:
-        raise LlmtuneError(f"{path}:{lineno}: record has no \"messages\" field")
-    if not isinstance(messages, list) or not messages:
-        raise LlmtuneError(f"{path}:{lineno}: \"messages\" must be a non-empty list")
-    clean = []
-    for i, m in enumerate(messages):
-        what = f"message {i + 1}: "
-        if not isinstance(m, dict):
-            raise LlmtuneError(f"{path}:{lineno}: {what}must be an object with \"role\" and \"content\"")
-        role = _string(m, "role", path, lineno, what)
-        if role not in ROLES:
-            raise LlmtuneError(f"{path}:{lineno}: {what}unknown role {role!r} (use {', '.join(ROLES)})")
-        clean.append({**m, "role": role, "content": _string(m, "content", path, lineno, what)})
-    if not any(m["role"] == "assistant" for m in clean):
-        raise LlmtuneError(f"{path}:{lineno}: the conversation has no assistant turn (nothing to learn)")
-    return clean
+from llmtune.train.records import FORMATS, Records, read_records  # noqa: F401 - the data-reading half
 
 
 # ------------------------------------------------------------------------------------ examples
@@ -165,6 +85,15 @@ class ExampleBuilder:
         loss[max(n_prompt, 1):] = True
         return self._example(full, loss)
 
+    def alpaca(self, system, instruction: str, extra, output: str, where: str) -> Example:
+        """An Alpaca record: through the chat template when there is one (the user turn: the
+        instruction, then the input on the next line, as LLaMA-Factory), else the Alpaca prompt."""
+        if self.template is not None:
+            user = instruction if extra is None else f"{instruction}\n{extra}"
+            turns = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+            return self.chat(([{"role": "system", "content": system}] if system else []) + turns, where)
+        return self.completion(alpaca_prompt(system, instruction, extra), output)
+
     def chat(self, messages: list[dict], where: str) -> Example:
         from llmtune.tokenizer.chat_template import ChatTemplateError, encode
 
@@ -189,8 +118,8 @@ class ExampleBuilder:
             content = m["content"].strip()
             at = text.find(content, cursor) if content else cursor
             if at < 0:
-                if m["role"] == "user":
-                    continue  # a template may rewrite user text; the assistant turns still anchor
+                if m["role"] != "assistant":
+                    continue  # a template may rewrite user / tool text; the assistant turns still anchor
                 raise LlmtuneError(f"{where}: message {n} (assistant) does not appear in the chat template's "
                                    f"rendering of the conversation, so its tokens cannot be masked")
             end = at + len(content)
@@ -215,6 +144,17 @@ class ExampleBuilder:
         if len(loss):
             loss[0] = False  # the first token is never a target
         return Example(ids, loss)
+
+
+def alpaca_prompt(system, instruction: str, extra=None) -> str:
+    """The Stanford Alpaca prompt (tatsu-lab/stanford_alpaca's PROMPT_DICT, axolotl's `alpaca`):
+    its preamble (or the record's system text), the instruction and input, then "### Response:"."""
+    if extra is not None:
+        preamble = system or ("Below is an instruction that describes a task, paired with an input that provides "
+                              "further context. Write a response that appropriately completes the request.")
+        return f"{preamble}\n\n### Instruction:\n{instruction}\n\n### Input:\n{extra}\n\n### Response:\n"
+    preamble = system or "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+    return f"{preamble}\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 # ------------------------------------------------------------------------------------ dataset
@@ -262,18 +202,100 @@ class ExampleDataset(TrainValSplit):
 
     def gather(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """(inputs [n, n_ctx], targets [n, n_ctx]); targets -1 where no loss (prompt, padding)."""
-        indices = list(indices)
-        x = np.full((len(indices), self.n_ctx), self.pad_id, dtype=np.int32)
-        y = np.full((len(indices), self.n_ctx), -1, dtype=np.int32)
-        for r, i in enumerate(indices):
-            ex = self.examples[i]
-            n = len(ex.ids) - 1
-            x[r, :n] = ex.ids[:-1]
-            y[r, :n] = np.where(ex.loss[1:], ex.ids[1:], -1)
+        x, y, _ = self._rows([[i] for i in indices])
         return x, y
+
+    def _rows(self, windows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(inputs, targets, segments) [len(windows), n_ctx] of windows of examples laid back to
+        back: example s of a window is segment s, the padding after them segment len(window)."""
+        x = np.full((len(windows), self.n_ctx), self.pad_id, dtype=np.int32)
+        y = np.full((len(windows), self.n_ctx), -1, dtype=np.int32)
+        seg = np.empty((len(windows), self.n_ctx), dtype=np.int32)
+        for r, window in enumerate(windows):
+            at = 0
+            for s, i in enumerate(window):
+                ex = self.examples[i]
+                n = len(ex.ids) - 1
+                x[r, at : at + n] = ex.ids[:-1]
+                y[r, at : at + n] = np.where(ex.loss[1:], ex.ids[1:], -1)
+                seg[r, at : at + n] = s
+                at += n
+            seg[r, at:] = len(window)
+        return x, y, seg
 
     def loss_tokens(self, indices) -> int:
         return int(sum(int(self.examples[i].loss[1:].sum()) for i in indices))
+
+    def slots(self, indices) -> int:
+        """Input slots the examples take in windows (each example of n tokens: n - 1)."""
+        return int(sum(len(self.examples[i].ids) - 1 for i in indices))
+
+    def padding(self, indices) -> float:
+        """The share of the windows' input slots that are padding, one example per window."""
+        indices = list(indices)
+        return 1.0 - self.slots(indices) / max(len(indices) * self.n_ctx, 1)
+
+
+def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of item indices whose lengths sum to at most `capacity`: best-fit decreasing (TRL's
+    pack_dataset strategy "bfd"): longest first, each into the fullest bin it fits in. Bins are
+    ordered by their first item, items within a bin by index (file order)."""
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, bin), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = bisect.bisect_left(free, (lengths[i], -1))
+        if j == len(free):
+            bins.append([])
+            room, b = capacity, len(bins) - 1
+        else:
+            room, b = free.pop(j)
+        bins[b].append(i)
+        if room - lengths[i] > 0:
+            bisect.insort(free, (room - lengths[i], b))
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+@dataclass
+class PackedDataset(TrainValSplit):
+    """--pack: the examples of an ExampleDataset several to a window (pack_lengths over the input
+    slots each takes, len(ids) - 1), training examples into the training windows and validation
+    ones into the validation windows. Packed once; the windows are shuffled each epoch. gather also
+    returns each window's segments, from which the trainer makes the positions (restarting at every
+    example) and the block-diagonal causal masks (arch/packing.py): every example's loss and
+    gradient are those it has in a window of its own."""
+
+    source: ExampleDataset
+    windows: list  # example indices of each window, the training windows first
+    n_train: int
+    n_val: int
+
+    @classmethod
+    def build(cls, source: ExampleDataset) -> "PackedDataset":
+        windows = []
+        for part in (range(source.n_train), range(source.n_train, source.n_train + source.n_val)):
+            bins = pack_lengths([len(source.examples[i].ids) - 1 for i in part], source.n_ctx)
+            windows.append([[part[j] for j in b] for b in bins])
+        return cls(source, windows[0] + windows[1], len(windows[0]), len(windows[1]))
+
+    n_ctx = property(lambda self: self.source.n_ctx)
+    format = property(lambda self: self.source.format)
+    template = property(lambda self: self.source.template)  # what --sample-prompt renders with
+    tokens = property(lambda self: self.source.tokens)
+
+    def gather(self, indices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(inputs, targets, segments) [n, n_ctx] of windows `indices`."""
+        return self.source._rows([self.windows[i] for i in indices])
+
+    def examples_of(self, indices) -> list[int]:
+        return [i for w in indices for i in self.windows[w]]
+
+    def loss_tokens(self, indices) -> int:
+        return self.source.loss_tokens(self.examples_of(indices))
+
+    def padding(self, indices) -> float:
+        """The share of the windows' input slots that are padding."""
+        indices = list(indices)
+        return 1.0 - self.source.slots(self.examples_of(indices)) / max(len(indices) * self.n_ctx, 1)
 
 
 def pad_token(tokenizer) -> int:
@@ -286,45 +308,64 @@ def pad_token(tokenizer) -> int:
 
 # ------------------------------------------------------------------------------------ entry
 def build_dataset(model, data_path, ctx: int, val_split: float, fmt: str = "auto", chat_template=None,
-                  train_on_prompt: bool = False):
+                  train_on_prompt: bool = False, pack: bool = False):
     """(dataset, n_tokens) for finetune: plain text and {"text"} records as train/data.py's
-    overlapping windows (every token carries loss), completion and chat records one example per
-    window with their loss masks."""
+    overlapping windows (every token carries loss), completion, chat, sharegpt and alpaca records
+    one example per window with their loss masks, or several per window with `pack`."""
     from llmtune.train.data import WindowDataset, tokenize_documents
 
     records = read_records(data_path, fmt)
     if records.format in ("plain", "text"):
         if train_on_prompt:
-            raise LlmtuneError("--train-on-prompt: only prompt/completion and chat data have a prompt to mask")
+            raise LlmtuneError("--train-on-prompt: only prompt/completion and chat data (chat, sharegpt, alpaca) "
+                               "have a prompt to mask")
+        if pack:
+            raise LlmtuneError(f"--pack: {data_path} holds {records.format} data, cut into full windows already; "
+                               f"--pack is for prompt/completion and chat records")
         if chat_template is not None:
             raise LlmtuneError(f"--chat-template: {data_path} holds {records.format} data, not conversations")
         tokens = tokenize_documents(model.tokenizer, records.items, records.format == "text")
         return WindowDataset.build(tokens, ctx, val_split, source=str(data_path)), len(tokens)
-    template = None
-    if records.format == "chat":
-        from llmtune.tokenizer.chat_template import ChatTemplate
-
-        template = ChatTemplate.for_model(model.gguf, model.tokenizer, chat_template)
-    elif chat_template is not None:
-        raise LlmtuneError(f"--chat-template: {data_path} holds prompt/completion records, not conversations")
+    template = _template(model, records, data_path, chat_template)
     builder = ExampleBuilder(model.tokenizer, template, train_on_prompt)
     examples = []
-    for item, line in zip(records.items, records.lines):
+    for item, where in zip(records.items, records.wheres):
         if records.format == "completion":
             examples.append(builder.completion(*item))
+        elif records.format == "alpaca":
+            examples.append(builder.alpaca(*item, where))
         else:
-            examples.append(builder.chat(item, f"{data_path}:{line}"))
+            examples.append(builder.chat(item, where))
     ds = ExampleDataset.build(examples, ctx, val_split, pad_token(model.tokenizer), str(data_path), records.format)
     ds.template = template
-    return ds, ds.tokens
+    return (PackedDataset.build(ds) if pack else ds), ds.tokens
+
+
+def _template(model, records: Records, data_path, override):
+    """The chat template the records render with: conversations need one (the model's or
+    --chat-template's), Alpaca records use it when there is one, prompt/completion records never."""
+    from llmtune.tokenizer.chat_template import TEMPLATE_KEY, ChatTemplate
+
+    if records.format == "completion":
+        if override is not None:
+            raise LlmtuneError(f"--chat-template: {data_path} holds prompt/completion records, not conversations")
+        return None
+    if records.format == "alpaca" and override is None and not model.gguf.metadata.get(TEMPLATE_KEY):
+        return None  # the Alpaca prompt (alpaca_prompt)
+    return ChatTemplate.for_model(model.gguf, model.tokenizer, override)
 
 
 def data_info(ds, seqs_per_epoch: int) -> dict:
-    """What finetune's start report says about the data: its format and the tokens that carry
-    loss in an epoch (windows or examples not filling a last batch wait for the next epoch)."""
-    if not isinstance(ds, ExampleDataset):
+    """What finetune's start report says about the data: its format, the tokens that carry loss
+    in an epoch (windows or examples not filling a last batch wait for the next epoch) and, for
+    examples, how they fill the windows (examples per window, the padding left)."""
+    if not isinstance(ds, (ExampleDataset, PackedDataset)):
         return {"format": "text", "loss_tokens_per_epoch": seqs_per_epoch * ds.n_ctx}
+    examples = ds.source if isinstance(ds, PackedDataset) else ds
     train = ds.loss_tokens(range(ds.n_train))
-    return {"format": ds.format, "examples": ds.n_train + ds.n_val, "truncated": ds.n_truncated,
-            "dropped": ds.n_dropped, "loss_tokens": train,
-            "loss_tokens_per_epoch": int(round(train * seqs_per_epoch / max(ds.n_train, 1)))}
+    return {"format": ds.format, "examples": examples.n_train + examples.n_val, "truncated": examples.n_truncated,
+            "dropped": examples.n_dropped, "loss_tokens": train,
+            "loss_tokens_per_epoch": int(round(train * seqs_per_epoch / max(ds.n_train, 1))),
+            "packed": isinstance(ds, PackedDataset), "windows": ds.n_train + ds.n_val,
+            "per_window": (examples.n_train + examples.n_val) / max(ds.n_train + ds.n_val, 1),
+            "padding": ds.padding(range(ds.n_train))}

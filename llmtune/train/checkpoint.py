@@ -65,6 +65,13 @@ def glob_escape(name: str) -> str:
 
 
 def file_sha256(path) -> str:
+    """sha256 of a file's bytes; of a data folder (train/records.py data_files): of each data
+    file's name and sha256, in order."""
+    if Path(path).is_dir():
+        from llmtune.train.records import data_files
+
+        listing = "".join(f"{f.name}\0{file_sha256(f)}\n" for f in data_files(Path(path)))
+        return hashlib.sha256(listing.encode()).hexdigest()
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(1 << 22):

@@ -67,8 +67,15 @@ class FinetuneConfig:
                                              "convert_lora_to_gguf.py's); it fixes rank and targets.",
                                        metavar="FILE", path=True)
     # instruction / chat data (train/chat.py) and samples during training
-    format: str = setting("auto", "Data format: auto (from the file's first record), plain, text, completion or chat.",
-                          metavar="NAME")
+    format: str = setting("auto", "Data format: auto (detected from the file's first record), plain, text, completion, "
+                                  "chat, sharegpt or alpaca.", metavar="NAME")
+    pack: bool = setting(False, "Put several prompt/completion or chat examples in each --ctx window, each attending "
+                                "only to itself with its own positions (TRL's padding_free): the same loss and "
+                                "gradients per example, most of the padding's compute saved (SmolLM2-135M chat set "
+                                "at --ctx 128: 2.00x the loss-carrying tokens/s, BENCHMARKS.md). Off by default: a "
+                                "step of --batch tokens then holds more examples, so an --lr/--epochs recipe changes "
+                                "meaning, and past --ctx 256 packed attention is not blockwise (memory grows with "
+                                "ctx^2).")
     chat_template: Optional[str] = setting(None, "Jinja chat template rendering chat data, instead of the model's "
                                                  "tokenizer.chat_template.", metavar="FILE", path=True)
     train_on_prompt: bool = setting(False, "Completion / chat data: every token carries loss, not only the completion "

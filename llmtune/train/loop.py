@@ -167,9 +167,9 @@ def _train_step(run: Run, s: int) -> tuple[float, float]:
     (its mean loss, its learning rate)."""
     lr = run.schedule.lr(run.epoch + s / run.steps_per_epoch, run.step)
     seqs = run.cfg.batch // run.cfg.ctx
-    x, y = run.dataset.gather(run.order[s * seqs : (s + 1) * seqs])
+    x, y, *segments = run.dataset.gather(run.order[s * seqs : (s + 1) * seqs])  # packed: + segments
     with np.errstate(over="ignore", invalid="ignore"):  # a diverging step is reported by the guard, not by numpy
-        loss = run.trainer.train_step(x, y, lr, run.stats)
+        loss = run.trainer.train_step(x, y, lr, run.stats, *segments)
     if run.step == 0:
         run.result.first_loss = loss
     run.step += 1
@@ -191,8 +191,8 @@ def _end_epoch(run: Run) -> ev.EpochResult:
 def _validate(run: Run, result: ev.EpochResult) -> None:
     """Loss and accuracy over the held-out windows, into `result` and the log."""
     val = RunningStats()
-    x, y = run.dataset.gather(run.dataset.val_indices())
-    run.trainer.evaluate(x, y, val)
+    x, y, *segments = run.dataset.gather(run.dataset.val_indices())  # packed: + segments
+    run.trainer.evaluate(x, y, val, *segments)
     result.val_loss, result.val_loss_err, result.val_accuracy, result.val_accuracy_err = (
         val.loss, val.loss_err, val.accuracy, val.accuracy_err)
     run.log.write({"type": "validation", "epoch": result.epoch, "global_step": run.step, "loss": val.loss,

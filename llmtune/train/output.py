@@ -121,8 +121,8 @@ def _check_written(run) -> None:
         tr.comm.barrier("writing the model")  # the other ranks score what rank 0 wrote
         _load_as_written(run, lossy, types)
         val = RunningStats()
-        x, y = run.dataset.gather(run.dataset.val_indices())
-        tr.evaluate(x, y, val)
+        x, y, *segments = run.dataset.gather(run.dataset.val_indices())  # packed: + segments
+        tr.evaluate(x, y, val, *segments)
         written = val.loss
     counts: dict[str, int] = {}
     for t in types.values():

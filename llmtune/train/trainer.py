@@ -70,14 +70,16 @@ class Trainer:
     def __init__(self, model: Model, backend, *, n_ctx: int, n_batch: int, n_ubatch: int,
                  trainable: list[str], optimizer: str = "adamw", wd: float = 0.0, workers: int | None = None,
                  lora_dropout: float = 0.0, seed: int = 0, comm: Communicator | None = None,
-                 grad_checkpoint: bool = False):
+                 grad_checkpoint: bool = False, packed: bool = False):
         """trainable: names in model.tensors() (base weights, or a LoRA adapter's A/B keys: the
         base then stays frozen). workers: micro-batches computed at once (cpu: by default one per
         core when a step has several, each with single-threaded BLAS). The result does not depend
         on it beyond float rounding. lora_dropout: PEFT's dropout on the adapters' inputs in
         training passes, masks drawn per sequence from `seed` (adapter.dropout_masks).
         grad_checkpoint: the backward recomputes each layer's activations (autodiff.grad's
-        checkpoint) instead of keeping them from the forward: same gradients, less memory."""
+        checkpoint) instead of keeping them from the forward: same gradients, less memory.
+        packed: each window holds several examples (arch/packing.py); train_step and evaluate then
+        take the windows' segment numbers, which give the positions and attention masks."""
         if n_batch % n_ctx or n_ubatch % n_ctx or n_batch % n_ubatch:
             raise LlmtuneError(
                 f"--batch {n_batch} / --ubatch {n_ubatch}: both must be multiples of --ctx {n_ctx}, and ubatch must divide batch"
@@ -94,7 +96,7 @@ class Trainer:
         if dense:
             self.model = model = dataclasses.replace(model, weights={**model.weights, **dense})
         self.lora_dropout, self.seed, self.steps_done = float(lora_dropout), seed, 0
-        self.grad_checkpoint = bool(grad_checkpoint)
+        self.grad_checkpoint, self.packed = bool(grad_checkpoint), bool(packed)
         self.max_loss = math.inf  # a step's mean loss above it stops training (Diverged)
         self._requested_workers = workers
         # data-parallel ranks (backends/dist.py; default: this process's world): rank r takes the
@@ -161,7 +163,7 @@ class Trainer:
 
     def _build_train_program(self, grad_views: dict) -> Program:
         batch, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable,
-                                                lora_dropout=self.lora_dropout)
+                                                lora_dropout=self.lora_dropout, packed=self.packed)
         targets = ops.input((self.n_ubatch,), "i32", name="targets")
         loss_scale = ops.input((), name="loss_scale")
         loss = ops.cross_entropy(logits, targets)
@@ -174,7 +176,7 @@ class Trainer:
     def _input_buffers(self, prog: Program) -> dict:
         """One backend array per input of a training program (positions: the shared, fixed ones)."""
         be = self.backend
-        return {name: self._pos if name == "pos" else be.zeros(node.shape, np.int32 if node.dtype == "i32" else None)
+        return {name: self._pos if name == "pos" and not self.packed else be.zeros(node.shape, np.int32 if node.dtype == "i32" else None)
                 for name, node in prog.inputs.items()}
 
     def _run_train(self, w: int, assign: bool) -> list:
@@ -189,7 +191,7 @@ class Trainer:
         return replay.run()
 
     def _make_eval_program(self, n_seq: int) -> Program:
-        batch, nodes, logits = self.model.build(n_seq, self.n_ctx)
+        batch, nodes, logits = self.model.build(n_seq, self.n_ctx, packed=self.packed)
         targets = ops.input((n_seq * self.n_ctx,), "i32", name="targets")
         outs = [ops.cross_entropy(logits, targets), ops.count_correct(logits, targets)]
         return self._program(outs, nodes)
@@ -250,15 +252,22 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ steps
-    def _feed(self, inputs: np.ndarray, targets: np.ndarray, seqs: range | None = None) -> dict:
+    def _feed(self, inputs: np.ndarray, targets: np.ndarray, seqs: range | None = None, segments=None) -> dict:
         """Inputs of one pass; `seqs` (training passes): the micro-batch's sequence indices within
-        the step, which pick its dropout masks."""
+        the step, which pick its dropout masks; `segments` (packed windows): their positions and masks."""
         be = self.backend
         feed = {
             "tokens": be.asarray(np.ascontiguousarray(inputs, dtype=np.int32)),
             "pos": self._pos,
             "targets": be.asarray(np.ascontiguousarray(targets, dtype=np.int32).reshape(-1)),
         }
+        if self.packed:
+            from llmtune.arch.packing import packing_inputs
+
+            if segments is None:
+                raise ValueError("a packed trainer's passes need the windows' segments")
+            for name, value in packing_inputs(self.model.hp, segments).items():  # masks in the backend's float type
+                feed[name] = be.asarray(value if value.dtype == np.int32 else value.astype(be.dtype, copy=False))
         if seqs is not None and self._masks:
             from llmtune.model.adapter import dropout_masks
 
@@ -266,9 +275,10 @@ class Trainer:
             feed.update({n: be.asarray(m.astype(be.dtype, copy=False)) for n, m in masks.items()})
         return feed
 
-    def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats) -> float:
-        """One optimizer step over n_batch tokens (inputs/targets: [n_batch/n_ctx, n_ctx]).
-        Returns the step's mean loss."""
+    def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats,
+                   segments: np.ndarray | None = None) -> float:
+        """One optimizer step over n_batch tokens (inputs/targets: [n_batch/n_ctx, n_ctx]; packed:
+        segments of the same shape). Returns the step's mean loss."""
         be = self.backend
         k, n_ub, n_w = self.seqs_per_ubatch, self.ubatches_per_step, self.n_workers
         # tokens carrying loss per micro-batch (a target of -1, a masked prompt or padding token,
@@ -281,7 +291,9 @@ class Trainer:
 
         def work(w: int) -> None:  # worker w takes this rank's micro-batches w, w + n_w, ...
             for j, u in enumerate(self.my_ubatches[w::n_w]):
-                feed = self._feed(inputs[u * k : (u + 1) * k], targets[u * k : (u + 1) * k], range(u * k, (u + 1) * k))
+                part = slice(u * k, (u + 1) * k)
+                feed = self._feed(inputs[part], targets[part], range(u * k, (u + 1) * k),
+                                  None if segments is None else segments[part])
                 feed["loss_scale"] = scales[u]
                 bufs = self._train_inputs[w]
                 for name, value in feed.items():
@@ -323,16 +335,18 @@ class Trainer:
         every = self.comm.allreduce_host(mine, f"the all-reduce of step {step}'s losses")
         return [(float(loss), int(correct)) for loss, correct in every.T]
 
-    def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats) -> None:
+    def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats,
+                 segments: np.ndarray | None = None) -> None:
         """Loss/accuracy without gradients, in passes of at most n_ubatch tokens (one pass per
-        core at once on the cpu)."""
+        core at once on the cpu); packed windows with their segments."""
         k = self.seqs_per_ubatch
         starts = list(range(0, len(inputs), k))
         n_w = self.backend.workers(self._requested_workers, len(starts))
 
         def score(progs: ProgramCache, start: int):
             x, y = inputs[start : start + k], targets[start : start + k]
-            loss, correct = progs.get(len(x)).run(**self._feed(x, y))
+            seg = None if segments is None else segments[start : start + k]
+            loss, correct = progs.get(len(x)).run(**self._feed(x, y, segments=seg))
             return float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), int((y >= 0).sum())
 
         self._eval_caches += [ProgramCache(self._make_eval_program) for _ in range(n_w - len(self._eval_caches))]

@@ -191,6 +191,11 @@ def data_line(data: dict) -> str:
         notes.append(f"{data['truncated']} truncated to --ctx")
     if data["dropped"]:
         notes.append(f"{data['dropped']} dropped (no answer token left within --ctx)")
-    return (f"data: {data['examples']:,} {data['format']} examples, one per window (prompts masked unless "
-            f"--train-on-prompt){'; ' + ', '.join(notes) if notes else ''}; {per_epoch}")
+    if data.get("packed"):
+        layout = (f"packed into {data['windows']:,} windows ({data['per_window']:.1f} examples per window, "
+                  f"{data['padding']:.0%} of the training windows padding)")
+    else:
+        layout = f"one per window ({data['padding']:.0%} of the training windows padding; --pack packs them)"
+    return (f"data: {data['examples']:,} {data['format']} examples, {layout}; prompts masked unless "
+            f"--train-on-prompt{'; ' + ', '.join(notes) if notes else ''}; {per_epoch}")
 
