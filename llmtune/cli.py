@@ -401,7 +401,7 @@ def generate_cmd(
 
     Example (chat): llmtune generate tuned.gguf --chat --system "Answer briefly." -p "What is LoRA?"
     """
-    from llmtune.eval.generate import ChatSession, Generator, load_for_generation
+    from llmtune.eval.generate import ChatSession, Generator, generate, load_for_generation
     from llmtune.eval.sampling import Sampler, SamplerConfig
     from llmtune.tokenizer import read_text
     from llmtune.ui.generate import Stream, chat_loop, summary
@@ -414,8 +414,8 @@ def generate_cmd(
         raise LlmtuneError("--chat-template: needs --chat")
     if n_predict < -1:
         raise LlmtuneError(f"-n: must be -1 or more, got {n_predict}")
-    sampler = Sampler(SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                                    repeat_last_n=repeat_last_n, seed=seed))
+    sampling = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                             repeat_last_n=repeat_last_n, seed=seed)
     interactive = chat and sys.stdin.isatty()
     if prompt_file is not None:
         prompt = read_text(prompt_file)
@@ -425,25 +425,25 @@ def generate_cmd(
         raise LlmtuneError("generate: no prompt (give -p TEXT or -f FILE, pipe it on stdin, or use --chat in a terminal)")
     from llmtune.backends import get_backend
 
-    gen = Generator(load_for_generation(model, lora, lora_scale), get_backend(backend, precision=precision), n_ctx=ctx)
-    if ignore_eos:
-        sampler.ban(gen.eog)
-    if chat:
+    stream = Stream()
+    if not chat:
+        show = None if no_display_prompt else (lambda: sys.stdout.write(prompt))  # once the prompt is known to fit
+        res = generate(model, prompt, n_predict=n_predict, sampler=sampling,
+                       backend=get_backend(backend, precision=precision), n_ctx=ctx, lora=lora, lora_scale=lora_scale,
+                       on_token=stream, on_prompt=show, ignore_eos=ignore_eos)
+    else:
         from llmtune.tokenizer.chat_template import ChatTemplate
 
+        gen = Generator(load_for_generation(model, lora, lora_scale), get_backend(backend, precision=precision), n_ctx=ctx)
+        sampler = Sampler(sampling)
+        if ignore_eos:
+            sampler.ban(gen.eog)
         template = ChatTemplate.for_model(gen.model.gguf, gen.tokenizer, chat_template)
         session = ChatSession(gen, template, sampler, n_predict, system)
         if interactive:
             chat_loop(session, err, _read_line, first=prompt)
             return
-        stream = Stream()
         res = session.reply(prompt, on_token=stream)
-    else:
-        ids = gen.check_prompt(gen.tokenize_prompt(prompt))  # a prompt that cannot run fails before it is shown
-        if not no_display_prompt:
-            sys.stdout.write(prompt)
-        stream = Stream()
-        res = gen.generate(ids, n_predict, sampler, on_token=stream)
     stream.end_line()
     err.print(f"[dim]{escape(summary(res))}[/]", highlight=False)
 

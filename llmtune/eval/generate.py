@@ -294,9 +294,11 @@ def load_for_generation(model_path, lora=None, lora_scale=None):
 
 def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[SamplerConfig] = None,
              backend="cpu", n_ctx: Optional[int] = None, lora=None, lora_scale=None,
-             on_token: Optional[Callable[[int, str], None]] = None) -> GenerateResult:
+             on_token: Optional[Callable[[int, str], None]] = None, on_prompt: Optional[Callable[[], None]] = None,
+             ignore_eos: bool = False) -> GenerateResult:
     """Generate a continuation of `prompt` (a string: tokenized as llama-completion does) with
-    `model` (a path or a loaded Model)."""
+    `model` (a path or a loaded Model). on_prompt: called once the prompt is known to fit, before
+    the first token (the CLI prints the prompt there); ignore_eos: llama.cpp's --ignore-eos."""
     from llmtune.model.loaded import Model
 
     if isinstance(model, Model):
@@ -309,7 +311,13 @@ def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[Sampl
     ids = gen.tokenize_prompt(prompt)
     if not ids:
         raise LlmtuneError("generate: the prompt is empty (and the model adds no BOS)")
-    return gen.generate(ids, n_predict, Sampler(sampler or SamplerConfig()), on_token=on_token)
+    ids = gen.check_prompt(ids)
+    chain = Sampler(sampler or SamplerConfig())
+    if ignore_eos:
+        chain.ban(gen.eog)
+    if on_prompt is not None:
+        on_prompt()
+    return gen.generate(ids, n_predict, chain, on_token=on_token)
 
 
 class TrainingSampler:
