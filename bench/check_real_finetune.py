@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         data.write_text("".join(json.dumps(r) + "\n" for r in train), encoding="utf-8")
         common = dict(ctx=128, epochs=args.epochs, val_split=len(held_out) / len(train), seed=0)
         report["full_f32"] = finetune(args.model, data, tmp / "full.gguf", lr=1e-4, **common)
-        for t in ("q4_1", "q8_0"):
+        for t in ("q4_1",):
             report[f"full_{t}"] = finetune(args.model, data, tmp / f"full-{t}.gguf", lr=1e-4, out_type=t, **common)
         report["lora"] = finetune(args.model, data, tmp / "lora.gguf", lr=1e-3, lora_rank=8, **common)
         if args.llama_bin:

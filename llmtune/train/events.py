@@ -118,6 +118,8 @@ class Sample(Event):
 
 @dataclass(frozen=True)
 class Checkpoint(Event):
+    """A checkpoint written: its path, the optimizer steps it holds, and where in the run that is."""
+
     kind: ClassVar[str] = "checkpoint"
     path: str
     step: int
@@ -125,11 +127,10 @@ class Checkpoint(Event):
 
 
 @dataclass(frozen=True)
-class Resumed(Event):
+class Resumed(Checkpoint):
+    """A run continued from a checkpoint."""
+
     kind: ClassVar[str] = "resumed"
-    path: str
-    step: int
-    where: str
     epochs: tuple = ()  # the EpochResults of the epochs finished before the checkpoint
 
 
