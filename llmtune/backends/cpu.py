@@ -11,6 +11,7 @@ import numpy as np
 
 from llmtune.backends.base import Backend
 from llmtune.backends.threads import parallel_ranges
+from llmtune.native import kernels as native
 from llmtune.quant import matmul as qmatmul
 
 
@@ -168,9 +169,11 @@ def k_softcap_back(out, y, g, cap):
 
 def k_matmul(out, a, b, ta, tb):
     if tb and not ta and b.ndim == 2 and a.size == a.shape[-1] and b.flags.c_contiguous and a.dtype == b.dtype:
-        # one row times a weight matrix (a KV-cached decode step): einsum streams W's rows once,
-        # about twice OpenBLAS's sgemv_t when W is not in cache
-        np.einsum("nk,k->n", b, a.reshape(-1), out=out.reshape(-1))
+        # one row times a weight matrix (a KV-cached decode step): the compiled product over the
+        # cores (llmtune/native), else einsum, which streams W's rows once, about twice OpenBLAS's
+        # sgemv_t when W is not in cache
+        if not native.f32_linear(out.reshape(1, -1), a.reshape(1, -1), b):
+            np.einsum("nk,k->n", b, a.reshape(-1), out=out.reshape(-1))
         return out
     if ta:
         a = np.swapaxes(a, -1, -2)

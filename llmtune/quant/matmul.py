@@ -27,6 +27,10 @@ weight block gives the same number up to float summation order. The one exceptio
 term of Q4_1/Q5_1: ggml multiplies the weight's min by the stored s = fp16(d sum q) where the
 dequantized activations sum to fp16(d) sum q; the difference, per activation block, is added
 as a small extra product with the weights' mins, so that term is reproduced too.
+
+Up to native.MAX_ROWS activation rows (a decode step, a short prompt) go to the compiled block
+product of llmtune/native when it is built: the same integers, multiplied as ggml multiplies them,
+with no float copy of the weight; this module's numpy path is its reference and fallback.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+
+from llmtune.native import kernels as native
 
 F32 = np.float32
 
@@ -383,6 +389,8 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
     qt = qtype_of(qtype)
     n_out, n_in = out.shape[-1], x.shape[-1]
     x2, o2 = x.reshape(-1, n_in), out.reshape(-1, n_out)
+    if round_x and native.qlinear(o2, x2, raw, qtype):  # a few rows: the compiled block product, no float copy
+        return out
     corr = None
     if round_x:
         xr, corr = round_activations(x2, qt.act)
