@@ -167,8 +167,12 @@ def k_softcap_back(out, y, g, cap):
     return out
 
 
+def _one_row(a, b, ta, tb) -> bool:
+    return tb and not ta and b.ndim == 2 and a.size == a.shape[-1] and b.flags.c_contiguous and a.dtype == b.dtype
+
+
 def k_matmul(out, a, b, ta, tb):
-    if tb and not ta and b.ndim == 2 and a.size == a.shape[-1] and b.flags.c_contiguous and a.dtype == b.dtype:
+    if _one_row(a, b, ta, tb):
         # one row times a weight matrix (a KV-cached decode step): the compiled product over the
         # cores (llmtune/native), else einsum, which streams W's rows once, about twice OpenBLAS's
         # sgemv_t when W is not in cache
@@ -182,8 +186,21 @@ def k_matmul(out, a, b, ta, tb):
     return np.matmul(a, b, out=out)
 
 
+def _bind_matmul(out, a, b, ta, tb):
+    """A replayed one-row product as one pre-bound compiled call (graph/planner.py Replay)."""
+    if _one_row(a, b, ta, tb) and a.flags.c_contiguous and out.flags.c_contiguous:
+        return native.bind_f32_linear(out.reshape(1, -1), a.reshape(1, -1), b)
+    return None
+
+
+k_matmul.bind = _bind_matmul
+
+
 def k_qlinear(out, x, w, qtype, round_x):
     return qmatmul.qlinear(out, x, w, qtype, round_x)
+
+
+k_qlinear.bind = qmatmul.bind_qlinear
 
 
 def k_qlinear_back(out, g, w, qtype):

@@ -11,6 +11,7 @@ cores this process may use).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 
@@ -94,6 +95,35 @@ def qlinear(out2: np.ndarray, x2: np.ndarray, raw: np.ndarray, qtype: str) -> bo
     rc = lib.lt_qlinear(code, _addr(raw), raw.strides[0], out2.shape[1], x2.shape[1], _addr(x2), x2.shape[0],
                         _addr(out2), out2.strides[0] // 4, _state["threads"])
     return rc == 0
+
+
+def bind_qlinear(out2: np.ndarray, x2: np.ndarray, raw: np.ndarray, qtype: str):
+    """qlinear(out2, x2, raw, qtype) as a call with no arguments (the addresses converted once),
+    for a replayed program whose buffers stay where they are; None when the kernel does not take
+    the case. The call keeps the arrays alive."""
+    lib = _load()
+    code = TYPE_CODES.get(qtype)
+    if lib is None or code is None or not _rows_ok(out2, x2) or raw.dtype != np.uint8 or raw.strides[-1] != 1:
+        return None
+    args = (code, _addr(raw), raw.strides[0], out2.shape[1], x2.shape[1], _addr(x2), x2.shape[0], _addr(out2),
+            out2.strides[0] // 4, _state["threads"])
+    return _bound(lib.lt_qlinear, args, (out2, x2, raw))
+
+
+def bind_f32_linear(out2: np.ndarray, x2: np.ndarray, w: np.ndarray):
+    """f32_linear as a call with no arguments (see bind_qlinear)."""
+    lib = _load()
+    if lib is None or not _rows_ok(out2, x2) or w.dtype != np.float32 or w.strides[-1] != 4:
+        return None
+    args = (_addr(w), w.strides[0], w.shape[0], w.shape[1], _addr(x2), x2.shape[0], _addr(out2),
+            out2.strides[0] // 4, _state["threads"])
+    return _bound(lib.lt_f32_linear, args, (out2, x2, w))
+
+
+def _bound(fn, args, keep):
+    call = functools.partial(fn, *args)
+    call.keep = keep  # the arrays whose addresses it holds
+    return call
 
 
 def f32_linear(out2: np.ndarray, x2: np.ndarray, w: np.ndarray) -> bool:

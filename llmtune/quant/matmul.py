@@ -423,6 +423,15 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
     return out
 
 
+def bind_qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x: bool = True):
+    """qlinear(out, x, raw, qtype, round_x) as a call with no arguments, for buffers that stay
+    where they are (a replayed program, graph/planner.py Replay): the compiled product with its
+    arguments converted once, or None where qlinear would not use it."""
+    if not (round_x and x.flags.c_contiguous and out.flags.c_contiguous):
+        return None
+    return native.bind_qlinear(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), raw, qtype)
+
+
 def qlinear_back(out: np.ndarray, g: np.ndarray, raw: np.ndarray, qtype: str) -> np.ndarray:
     """out[..., n_in] = g[..., n_out] @ W: the input gradient of qlinear (straight through the
     rounding of the activations), W dequantized a row block at a time."""
