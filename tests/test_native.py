@@ -99,7 +99,8 @@ def test_products_match_ggml_kernels():
 @pytest.mark.parametrize("act", ["q8_0", "q8_1", "q8_K"])
 def test_activation_blocks_are_the_numpy_rounding(act):
     """The activation blocks the kernels multiply decode to numpy's rounded activations exactly
-    (quant/matmul.py round_activations), and q8_1's s to its correction."""
+    (quant/matmul.py round_activations), and q8_1's s to its correction; the float copies of the
+    scales after the blocks are their fp16 values."""
     x = _activations(1, 1024, np.random.default_rng(1))
     want, corr = qmatmul.round_activations(x, act)
     b = kernels.quantize_activations(x[0], act)
@@ -111,14 +112,17 @@ def test_activation_blocks_are_the_numpy_rounding(act):
         bsums = blk[:, 260:].copy().view(np.int16)
         np.testing.assert_array_equal(bsums, q.reshape(-1, 16, 16).sum(axis=-1))
         return
-    size = 36 if act == "q8_1" else 34
-    blk = b.reshape(-1, size)
+    size, nb = (36 if act == "q8_1" else 34), x.shape[1] // 32
+    blk = b[: nb * size].reshape(nb, size)
+    scales = b[nb * size:].view(np.float32).reshape(-1, nb)  # d (and s) again, as float32
+    np.testing.assert_array_equal(scales[0], blk[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32))
     d = blk[:, 0:2].copy().view(np.float16).astype(np.float32)
     q = blk[:, size - 32:].view(np.int8).astype(np.float32)
     np.testing.assert_array_equal((q * d).reshape(-1), want[0])
     if act == "q8_1":
         s = blk[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
         np.testing.assert_array_equal(s - d[:, 0] * q.sum(axis=1), corr[0])
+        np.testing.assert_array_equal(scales[1], s)
 
 
 @needs_library

@@ -10,8 +10,9 @@
  * (ggml_vec_dot_q4_0_q8_0 & co.: per-block int32 pair sums, one fused multiply-add per block into
  * eight float lanes); elsewhere the portable loops of ggml-cpu/quants.c (*_generic).
  *
- * Output rows are split over a small pool of worker threads (lt_pool_*: spin briefly, then
- * sleep on a condition variable, recreated after fork).
+ * Output rows are split in chunks of CHUNK_ROWS over the calling thread and a small pool of
+ * workers that claim chunks as they come (pool_run: spin briefly, then sleep on a condition
+ * variable; recreated after fork).
  *
  * Built by llmtune/native/build.py at first use; every entry point is tested against the numpy
  * path in tests/test_native.py.
@@ -197,9 +198,10 @@ static inline __m256 mul_sum_i8_pairs_float(const __m256i x, const __m256i y) {
 static float dot_q8_0(const uint8_t *w, const void *vy, int nb) {
     const block_q8_0 *y = vy;
 #if LT_AVX2
+    const float *yd = (const float *)(y + nb);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, w += 34) {
-        const __m256 d = _mm256_set1_ps(h2f(w) * f16_to_f32(y[i].d));
+        const __m256 d = _mm256_set1_ps(h2f(w) * yd[i]);
         const __m256i qx = _mm256_loadu_si256((const __m256i *)(w + 2));
         const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
         acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc);
@@ -220,10 +222,11 @@ static float dot_q8_0(const uint8_t *w, const void *vy, int nb) {
 static float dot_q4_0(const uint8_t *w, const void *vy, int nb) {
     const block_q8_0 *y = vy;
 #if LT_AVX2
+    const float *yd = (const float *)(y + nb);
     __m256 acc = _mm256_setzero_ps();
     const __m256i off = _mm256_set1_epi8(8);
     for (int i = 0; i < nb; i++, w += 18) {
-        const __m256 d = _mm256_set1_ps(h2f(w) * f16_to_f32(y[i].d));
+        const __m256 d = _mm256_set1_ps(h2f(w) * yd[i]);
         const __m256i qx = _mm256_sub_epi8(bytes_from_nibbles_32(w + 2), off);
         const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
         acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc);
@@ -247,11 +250,13 @@ static float dot_q4_0(const uint8_t *w, const void *vy, int nb) {
 static float dot_q4_1(const uint8_t *w, const void *vy, int nb) {
     const block_q8_1 *y = vy;
 #if LT_AVX2
+    const float *yd = (const float *)(y + nb), *ys = yd + nb;  /* the scales as floats (act_scales) */
     __m256 acc = _mm256_setzero_ps();
     float summs = 0;
     for (int i = 0; i < nb; i++, w += 20) {
-        summs += h2f(w + 2) * f16_to_f32(y[i].s);
-        const __m256 d0d1 = _mm256_mul_ps(_mm256_set1_ps(h2f(w)), _mm256_set1_ps(f16_to_f32(y[i].d)));
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)w));  /* d, m of the block */
+        summs += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * ys[i];
+        const __m256 d0d1 = _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_set1_ps(yd[i]));
         const __m256i qx = bytes_from_nibbles_32(w + 4);
         const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
         acc = _mm256_fmadd_ps(d0d1, mul_sum_us8_pairs_float(qx, qy), acc);
@@ -277,16 +282,16 @@ static float dot_q5(const uint8_t *w, const void *vy, int nb, int has_min) {
     const int bsz = has_min ? 24 : 22, hoff = has_min ? 4 : 2;
     float summs = 0;
 #if LT_AVX2
+    const float *yd = (const float *)((const uint8_t *)vy + nb * (has_min ? sizeof(block_q8_1) : sizeof(block_q8_0)));
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; i++, w += bsz) {
         const int8_t *ys = has_min ? ((const block_q8_1 *)vy)[i].qs : ((const block_q8_0 *)vy)[i].qs;
-        const float dy = f16_to_f32(has_min ? ((const block_q8_1 *)vy)[i].d : ((const block_q8_0 *)vy)[i].d);
-        const __m256 d = _mm256_set1_ps(h2f(w) * dy);
+        const __m256 d = _mm256_set1_ps(h2f(w) * yd[i]);
         __m256i qx = bytes_from_nibbles_32(w + hoff + 4);
         __m256i bxhi = bytes_from_bits_32(w + hoff);
         const __m256i qy = _mm256_loadu_si256((const __m256i *)ys);
         if (has_min) {  /* ggml_vec_dot_q5_1_q8_1: q | 16 where the bit is set, unsigned */
-            summs += h2f(w + 2) * f16_to_f32(((const block_q8_1 *)vy)[i].s);
+            summs += h2f(w + 2) * yd[nb + i];
             bxhi = _mm256_and_si256(bxhi, _mm256_set1_epi8(0x10));
             qx = _mm256_or_si256(qx, bxhi);
             acc = _mm256_fmadd_ps(d, mul_sum_us8_pairs_float(qx, qy), acc);
@@ -433,40 +438,62 @@ static const qtype_t QTYPES[] = {  /* index = the type code lt_qlinear takes (na
 #define N_QTYPES ((int)(sizeof(QTYPES) / sizeof(QTYPES[0])))
 
 static int64_t act_row_bytes(int act, int64_t n) {
-    switch (act) {
-        case ACT_Q8_0: return n / QK * (int64_t)sizeof(block_q8_0);
-        case ACT_Q8_1: return n / QK * (int64_t)sizeof(block_q8_1);
+    switch (act) {  /* q8_0 / q8_1 blocks, then their d (and s) as floats (act_scales) */
+        case ACT_Q8_0: return n / QK * (int64_t)(sizeof(block_q8_0) + 4);
+        case ACT_Q8_1: return n / QK * (int64_t)(sizeof(block_q8_1) + 8);
         default: return n / QK_K * (int64_t)sizeof(block_q8_K);
     }
 }
 
-/* One activation row quantized to `act` (0: q8_0, 1: q8_1, 2: q8_K); n a multiple of the block. */
+/* The fp16 scales of a q8_0 / q8_1 row also as floats after its blocks (the same values, converted
+ * once instead of once per weight row): d[nb], then for q8_1 s[nb]. */
+static void act_scales(uint8_t *row, int64_t nb, int with_sum) {
+    float *f = (float *)(row + nb * (with_sum ? sizeof(block_q8_1) : sizeof(block_q8_0)));
+    for (int64_t i = 0; i < nb; i++) {
+        if (with_sum) {
+            const block_q8_1 *b = (const block_q8_1 *)row + i;
+            f[i] = f16_to_f32(b->d);
+            f[nb + i] = f16_to_f32(b->s);
+        } else {
+            f[i] = f16_to_f32(((const block_q8_0 *)row)[i].d);
+        }
+    }
+}
+
+/* One activation row quantized to `act` (0: q8_0, 1: q8_1, 2: q8_K); n a multiple of the block.
+ * `out` holds lt_act_row_bytes(act, n) bytes: the ggml blocks first. */
 void lt_quantize_act(int act, const float *x, int64_t n, uint8_t *out) {
-    if (act == ACT_Q8_K) quantize_q8_K(x, n, (block_q8_K *)out);
-    else quantize_q8_01(x, n, out, act == ACT_Q8_1);
+    if (act == ACT_Q8_K) {
+        quantize_q8_K(x, n, (block_q8_K *)out);
+    } else {
+        quantize_q8_01(x, n, out, act == ACT_Q8_1);
+        act_scales(out, n / QK, act == ACT_Q8_1);
+    }
 }
 
 int64_t lt_act_row_bytes(int act, int64_t n) { return act_row_bytes(act, n); }
 
-/* ------------------------------------------------------------------ thread pool */
+/* ------------------------------------------------------------------ thread pool
+ * A job is n_chunks calls fn(arg, chunk); the calling thread and the workers claim chunks from one
+ * atomic ticket (job generation << 40 | n_chunks << 20 | next chunk), so on a busy machine a worker
+ * that is not scheduled takes nothing and the caller does the rest: the caller waits only for
+ * chunks a worker has claimed. Workers spin LT_SPIN_NS for the next job, then sleep. */
 #define LT_MAX_THREADS 64
-#define LT_SPIN_NS 200000  /* a worker spins this long for the next product before it sleeps */
+#define LT_SPIN_NS 200000
+#define LT_MAX_CHUNKS ((1 << 20) - 1)
 
-typedef void (*task_fn)(void *arg, int ith, int nth);
+typedef void (*task_fn)(void *arg, int64_t chunk);
 
 static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int n_workers, sleepers;
-    atomic_uint gen;
-    atomic_int done;
-    task_fn fn;
-    void *arg;
-    int nth;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL, NULL, 0};
-static pthread_mutex_t pool_start = PTHREAD_MUTEX_INITIALIZER;  /* one product on the pool at a time */
-
-static unsigned spawn_gen;  /* pool.gen when the newest workers were created */
+    atomic_uint gen;          /* bumped when a job is published */
+    atomic_uint_fast64_t ticket;
+    atomic_int busy;          /* workers inside a job */
+    atomic_uintptr_t fn, arg; /* the job (read by workers that may come late: see claim) */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0};
+static pthread_mutex_t pool_start = PTHREAD_MUTEX_INITIALIZER;  /* one job on the pool at a time */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -480,9 +507,24 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* The next chunk of job `gen`, or -1 when it has none left (or is no longer the current job). */
+static int64_t claim(unsigned gen) {
+    uint_fast64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    for (;;) {
+        const uint_fast64_t next = t & LT_MAX_CHUNKS, total = (t >> 20) & LT_MAX_CHUNKS;
+        if ((unsigned)((t >> 40) & 0xFFFFFF) != (gen & 0xFFFFFF) || next >= total) return -1;
+        if (atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire))
+            return (int64_t)next;
+    }
+}
+
+static void run_chunks(unsigned gen, task_fn fn, void *arg) {
+    for (int64_t c; (c = claim(gen)) >= 0;) fn(arg, c);
+}
+
 static void *worker_main(void *p) {
-    const int ith = (int)(intptr_t)p;
-    unsigned seen = spawn_gen;  /* the generation before the product it was started for */
+    (void)p;
+    unsigned seen = 0;
     for (;;) {
         int64_t t0 = 0;
         int spins = 0;
@@ -502,9 +544,14 @@ static void *worker_main(void *p) {
             }
             cpu_relax();
         }
+        atomic_fetch_add_explicit(&pool.busy, 1, memory_order_acq_rel);
+        /* a late worker may read the next job's fn/arg with this gen: claim() then finds the
+         * ticket of another generation (or none left) and nothing runs */
         seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
-        if (ith < pool.nth) pool.fn(pool.arg, ith, pool.nth);
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        const task_fn fn = (task_fn)atomic_load_explicit(&pool.fn, memory_order_acquire);
+        void *arg = (void *)atomic_load_explicit(&pool.arg, memory_order_acquire);
+        run_chunks(seen, fn, arg);
+        atomic_fetch_sub_explicit(&pool.busy, 1, memory_order_acq_rel);
     }
     return NULL;
 }
@@ -514,45 +561,49 @@ static void pool_after_fork(void) {  /* the child has no workers: start afresh *
     pthread_cond_init(&pool.cv, NULL);
     pthread_mutex_init(&pool_start, NULL);
     pool.n_workers = pool.sleepers = 0;
+    atomic_store(&pool.busy, 0);
 }
 
 static int pool_grow(int n_workers) {
     static int atfork_done = 0;
     if (!atfork_done) { pthread_atfork(NULL, NULL, pool_after_fork); atfork_done = 1; }
-    spawn_gen = atomic_load_explicit(&pool.gen, memory_order_relaxed);
     while (pool.n_workers < n_workers) {
         pthread_t th;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int rc = pthread_create(&th, &attr, worker_main, (void *)(intptr_t)(pool.n_workers + 1));
+        const int rc = pthread_create(&th, &attr, worker_main, NULL);
         pthread_attr_destroy(&attr);
-        if (rc) return pool.n_workers;
+        if (rc) break;
         pool.n_workers++;
     }
     return pool.n_workers;
 }
 
-/* fn(arg, ith, nth) for ith in 0..nth-1, ith 0 on the calling thread */
-static void pool_run(task_fn fn, void *arg, int nth) {
+/* fn(arg, c) for every chunk c < n_chunks, over the calling thread and nth - 1 workers */
+static void pool_run(task_fn fn, void *arg, int64_t n_chunks, int nth) {
     if (nth > LT_MAX_THREADS) nth = LT_MAX_THREADS;
-    if (nth <= 1 || pthread_mutex_trylock(&pool_start) != 0) {  /* busy (another caller): run alone */
-        fn(arg, 0, 1);
+    if (nth <= 1 || n_chunks <= 1 || n_chunks > LT_MAX_CHUNKS || pthread_mutex_trylock(&pool_start) != 0) {
+        for (int64_t c = 0; c < n_chunks; c++) fn(arg, c);  /* alone (or another caller has the pool) */
         return;
     }
-    const int nw = pool_grow(nth - 1);
-    nth = nw + 1 < nth ? nw + 1 : nth;
-    pool.fn = fn;
-    pool.arg = arg;
-    pool.nth = nth;
-    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    if (pool_grow(nth - 1) == 0) {
+        pthread_mutex_unlock(&pool_start);
+        for (int64_t c = 0; c < n_chunks; c++) fn(arg, c);
+        return;
+    }
+    const unsigned gen = atomic_load_explicit(&pool.gen, memory_order_relaxed) + 1;
+    atomic_store_explicit(&pool.fn, (uintptr_t)fn, memory_order_release);
+    atomic_store_explicit(&pool.arg, (uintptr_t)arg, memory_order_release);
+    atomic_store_explicit(&pool.ticket, ((uint_fast64_t)(gen & 0xFFFFFF) << 40) | ((uint_fast64_t)n_chunks << 20),
+                          memory_order_release);
     pthread_mutex_lock(&pool.mu);
-    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+    atomic_store_explicit(&pool.gen, gen, memory_order_release);
     if (pool.sleepers) pthread_cond_broadcast(&pool.cv);
     pthread_mutex_unlock(&pool.mu);
-    fn(arg, 0, nth);
+    run_chunks(gen, fn, arg);
     int spins = 0;
-    while (atomic_load_explicit(&pool.done, memory_order_acquire) < nw) {
+    while (atomic_load_explicit(&pool.busy, memory_order_acquire) > 0) {  /* chunks a worker still runs */
         if (++spins % 1024 == 0) sched_yield();
         cpu_relax();
     }
@@ -560,6 +611,8 @@ static void pool_run(task_fn fn, void *arg, int nth) {
 }
 
 /* ------------------------------------------------------------------ products */
+#define CHUNK_ROWS 16
+
 typedef struct {
     dot_fn dot;
     const uint8_t *w;
@@ -572,16 +625,9 @@ typedef struct {
     int64_t n_in;
 } job_t;
 
-static void rows_of(int64_t n, int ith, int nth, int64_t *r0, int64_t *r1) {
-    const int64_t per = (n + nth - 1) / nth;
-    *r0 = per * ith;
-    *r1 = *r0 + per < n ? *r0 + per : n;
-}
-
-static void q_task(void *p, int ith, int nth) {
+static void q_task(void *p, int64_t chunk) {
     const job_t *j = p;
-    int64_t r0, r1;
-    rows_of(j->n_out, ith, nth, &r0, &r1);
+    const int64_t r0 = chunk * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->n_out ? r0 + CHUNK_ROWS : j->n_out;
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *wr = j->w + r * j->w_stride;
         for (int64_t i = 0; i < j->m; i++)
@@ -589,10 +635,9 @@ static void q_task(void *p, int ith, int nth) {
     }
 }
 
-static void f32_task(void *p, int ith, int nth) {
+static void f32_task(void *p, int64_t chunk) {
     const job_t *j = p;
-    int64_t r0, r1;
-    rows_of(j->n_out, ith, nth, &r0, &r1);
+    const int64_t r0 = chunk * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->n_out ? r0 + CHUNK_ROWS : j->n_out;
     for (int64_t r = r0; r < r1; r++) {
         const float *wr = (const float *)(j->w + r * j->w_stride);
         for (int64_t i = 0; i < j->m; i++)
@@ -619,8 +664,7 @@ int lt_qlinear(int type, const uint8_t *w, int64_t w_stride, int64_t n_out, int6
     }
     for (int64_t i = 0; i < m; i++) lt_quantize_act(qt->act, x + i * n_in, n_in, act_buf + i * xq_stride);
     job_t job = {qt->dot, w, w_stride, n_out, n_in / qt->block, act_buf, xq_stride, m, out, out_stride, NULL, n_in};
-    if (n_out < 64) nth = 1;
-    pool_run(q_task, &job, nth);
+    pool_run(q_task, &job, (n_out + CHUNK_ROWS - 1) / CHUNK_ROWS, nth);
     return 0;
 }
 
@@ -628,8 +672,7 @@ int lt_qlinear(int type, const uint8_t *w, int64_t w_stride, int64_t n_out, int6
 int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
                   const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
     job_t job = {NULL, (const uint8_t *)w, w_stride, n_out, 0, NULL, 0, m, out, out_stride, x, n_in};
-    if (n_out < 64) nth = 1;
-    pool_run(f32_task, &job, nth);
+    pool_run(f32_task, &job, (n_out + CHUNK_ROWS - 1) / CHUNK_ROWS, nth);
     return 0;
 }
 
