@@ -167,18 +167,28 @@ def k_softcap_back(out, y, g, cap):
     return out
 
 
-def _one_row(a, b, ta, tb) -> bool:
-    return tb and not ta and b.ndim == 2 and a.size == a.shape[-1] and b.flags.c_contiguous and a.dtype == b.dtype
+def _weight_product(a, b, ta, tb) -> bool:
+    return tb and not ta and b.ndim == 2 and b.flags.c_contiguous and a.dtype == b.dtype
+
+
+def _native_rows(out, a):
+    """(out, a) as [rows, features] views for the compiled product, or None (a copy would be made)."""
+    if a.flags.c_contiguous and out.flags.c_contiguous:
+        return out.reshape(-1, out.shape[-1]), a.reshape(-1, a.shape[-1])
+    return None
 
 
 def k_matmul(out, a, b, ta, tb):
-    if _one_row(a, b, ta, tb):
-        # one row times a weight matrix (a KV-cached decode step): the compiled product over the
-        # cores (llmtune/native), else einsum, which streams W's rows once, about twice OpenBLAS's
-        # sgemv_t when W is not in cache
-        if not native.f32_linear(out.reshape(1, -1), a.reshape(1, -1), b):
+    if _weight_product(a, b, ta, tb):
+        # a few rows times a weight matrix (a KV-cached decode step, a short prompt): the compiled
+        # product over the cores (llmtune/native); one row without it: einsum, which streams W's
+        # rows once, about twice OpenBLAS's sgemv_t when W is not in cache
+        rows = _native_rows(out, a)
+        if rows is not None and native.f32_linear(*rows, b):
+            return out
+        if a.size == a.shape[-1]:
             np.einsum("nk,k->n", b, a.reshape(-1), out=out.reshape(-1))
-        return out
+            return out
     if ta:
         a = np.swapaxes(a, -1, -2)
     if tb:
@@ -187,10 +197,10 @@ def k_matmul(out, a, b, ta, tb):
 
 
 def _bind_matmul(out, a, b, ta, tb):
-    """A replayed one-row product as one pre-bound compiled call (graph/planner.py Replay)."""
-    if _one_row(a, b, ta, tb) and a.flags.c_contiguous and out.flags.c_contiguous:
-        return native.bind_f32_linear(out.reshape(1, -1), a.reshape(1, -1), b)
-    return None
+    """A replayed product of a few rows with a weight as one pre-bound compiled call
+    (graph/planner.py Replay)."""
+    rows = _native_rows(out, a) if _weight_product(a, b, ta, tb) else None
+    return native.bind_f32_linear(*rows, b) if rows is not None else None
 
 
 k_matmul.bind = _bind_matmul
