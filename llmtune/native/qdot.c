@@ -277,6 +277,52 @@ static float dot_q4_1(const uint8_t *w, const void *vy, int nb) {
 #endif
 }
 
+/* Two weight rows against one activation row at once (the activation loads shared, two
+ * independent accumulator chains); each row's operations and their order are those of the one-row
+ * kernel above, so each result is bit for bit the same. AVX2 only. */
+#if LT_AVX2
+static void dot2_q4_1(const uint8_t *w0, const uint8_t *w1, const void *vy, int nb, float *s0, float *s1) {
+    const block_q8_1 *y = vy;
+    const float *yd = (const float *)(y + nb), *ys = yd + nb;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float summs0 = 0, summs1 = 0;
+    for (int i = 0; i < nb; i++, w0 += 20, w1 += 20) {
+        const __m128 dm0 = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)w0));
+        const __m128 dm1 = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)w1));
+        summs0 += _mm_cvtss_f32(_mm_movehdup_ps(dm0)) * ys[i];
+        summs1 += _mm_cvtss_f32(_mm_movehdup_ps(dm1)) * ys[i];
+        const __m256 dy = _mm256_set1_ps(yd[i]);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(dm0), dy),
+                               mul_sum_us8_pairs_float(bytes_from_nibbles_32(w0 + 4), qy), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(dm1), dy),
+                               mul_sum_us8_pairs_float(bytes_from_nibbles_32(w1 + 4), qy), acc1);
+    }
+    *s0 = hsum_float_8(acc0) + summs0;
+    *s1 = hsum_float_8(acc1) + summs1;
+}
+
+static void dot2_q8_0(const uint8_t *w0, const uint8_t *w1, const void *vy, int nb, float *s0, float *s1) {
+    const block_q8_0 *y = vy;
+    const float *yd = (const float *)(y + nb);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, w0 += 34, w1 += 34) {
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w0) * yd[i]),
+                               mul_sum_i8_pairs_float(_mm256_loadu_si256((const __m256i *)(w0 + 2)), qy), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w1) * yd[i]),
+                               mul_sum_i8_pairs_float(_mm256_loadu_si256((const __m256i *)(w1 + 2)), qy), acc1);
+    }
+    *s0 = hsum_float_8(acc0);
+    *s1 = hsum_float_8(acc1);
+}
+#define DOT2_Q4_1 dot2_q4_1
+#define DOT2_Q8_0 dot2_q8_0
+#else
+#define DOT2_Q4_1 NULL
+#define DOT2_Q8_0 NULL
+#endif
+
 /* Q5_0 / Q5_1: the fifth bit of value j is bit j of qh. */
 static float dot_q5(const uint8_t *w, const void *vy, int nb, int has_min) {
     const int bsz = has_min ? 24 : 22, hoff = has_min ? 4 : 2;
@@ -427,13 +473,16 @@ static float dot_f32(const float *w, const float *x, int64_t n) {
 
 /* ------------------------------------------------------------------ types */
 typedef float (*dot_fn)(const uint8_t *, const void *, int);
+typedef void (*dot2_fn)(const uint8_t *, const uint8_t *, const void *, int, float *, float *);
 enum { ACT_Q8_0 = 0, ACT_Q8_1 = 1, ACT_Q8_K = 2 };
 
-typedef struct { const char *name; int block, act; dot_fn dot; } qtype_t;
+typedef struct { const char *name; int block, act; dot_fn dot; dot2_fn dot2; } qtype_t;
 static const qtype_t QTYPES[] = {  /* index = the type code lt_qlinear takes (native/kernels.py TYPE_CODES) */
-    {"Q8_0", QK, ACT_Q8_0, dot_q8_0}, {"Q4_0", QK, ACT_Q8_0, dot_q4_0}, {"Q4_1", QK, ACT_Q8_1, dot_q4_1},
-    {"Q5_0", QK, ACT_Q8_0, dot_q5_0}, {"Q5_1", QK, ACT_Q8_1, dot_q5_1}, {"Q4_K", QK_K, ACT_Q8_K, dot_q4_k},
-    {"Q5_K", QK_K, ACT_Q8_K, dot_q5_k}, {"Q6_K", QK_K, ACT_Q8_K, dot_q6_k},
+    {"Q8_0", QK, ACT_Q8_0, dot_q8_0, DOT2_Q8_0}, {"Q4_0", QK, ACT_Q8_0, dot_q4_0, NULL},
+    {"Q4_1", QK, ACT_Q8_1, dot_q4_1, DOT2_Q4_1},
+    {"Q5_0", QK, ACT_Q8_0, dot_q5_0, NULL}, {"Q5_1", QK, ACT_Q8_1, dot_q5_1, NULL},
+    {"Q4_K", QK_K, ACT_Q8_K, dot_q4_k, NULL}, {"Q5_K", QK_K, ACT_Q8_K, dot_q5_k, NULL},
+    {"Q6_K", QK_K, ACT_Q8_K, dot_q6_k, NULL},
 };
 #define N_QTYPES ((int)(sizeof(QTYPES) / sizeof(QTYPES[0])))
 
@@ -615,6 +664,7 @@ static void pool_run(task_fn fn, void *arg, int64_t n_chunks, int nth) {
 
 typedef struct {
     dot_fn dot;
+    dot2_fn dot2;  /* two rows at once, where the type has it */
     const uint8_t *w;
     int64_t w_stride, n_out, nb;
     const uint8_t *xq;
@@ -628,7 +678,16 @@ typedef struct {
 static void q_task(void *p, int64_t chunk) {
     const job_t *j = p;
     const int64_t r0 = chunk * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->n_out ? r0 + CHUNK_ROWS : j->n_out;
-    for (int64_t r = r0; r < r1; r++) {
+    int64_t r = r0;
+    if (j->dot2)
+        for (; r + 1 < r1; r += 2) {
+            const uint8_t *w0 = j->w + r * j->w_stride;
+            for (int64_t i = 0; i < j->m; i++) {
+                float *o = j->out + i * j->out_stride + r;
+                j->dot2(w0, w0 + j->w_stride, j->xq + i * j->xq_stride, (int)j->nb, o, o + 1);
+            }
+        }
+    for (; r < r1; r++) {
         const uint8_t *wr = j->w + r * j->w_stride;
         for (int64_t i = 0; i < j->m; i++)
             j->out[i * j->out_stride + r] = j->dot(wr, j->xq + i * j->xq_stride, (int)j->nb);
@@ -663,7 +722,7 @@ int lt_qlinear(int type, const uint8_t *w, int64_t w_stride, int64_t n_out, int6
         act_cap = xq_stride * m;
     }
     for (int64_t i = 0; i < m; i++) lt_quantize_act(qt->act, x + i * n_in, n_in, act_buf + i * xq_stride);
-    job_t job = {qt->dot, w, w_stride, n_out, n_in / qt->block, act_buf, xq_stride, m, out, out_stride, NULL, n_in};
+    job_t job = {qt->dot, qt->dot2, w, w_stride, n_out, n_in / qt->block, act_buf, xq_stride, m, out, out_stride, NULL, n_in};
     pool_run(q_task, &job, (n_out + CHUNK_ROWS - 1) / CHUNK_ROWS, nth);
     return 0;
 }
@@ -671,7 +730,7 @@ int lt_qlinear(int type, const uint8_t *w, int64_t w_stride, int64_t n_out, int6
 /* out[i, r] = W[r] . x[i] for float32 W rows of w_stride bytes (ggml_vec_dot_f32). */
 int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
                   const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
-    job_t job = {NULL, (const uint8_t *)w, w_stride, n_out, 0, NULL, 0, m, out, out_stride, x, n_in};
+    job_t job = {NULL, NULL, (const uint8_t *)w, w_stride, n_out, 0, NULL, 0, m, out, out_stride, x, n_in};
     pool_run(f32_task, &job, (n_out + CHUNK_ROWS - 1) / CHUNK_ROWS, nth);
     return 0;
 }
