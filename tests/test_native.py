@@ -260,3 +260,19 @@ def test_a_failed_build_is_a_reason_not_an_error(fresh, monkeypatch):
     assert not kernels.available()
     assert kernels.reason().startswith(build.compiler()) and "qdot.c" in kernels.reason()
     assert not list((fresh / "cache").iterdir())  # the failed attempts left nothing behind
+
+
+@needs_library
+def test_rms_norm_matches_numpy():
+    """The decode step's rms_norm (a replayed program binds it): numpy's kernel within a few float32
+    ulps (ggml sums the squares in double, numpy's einsum in float32)."""
+    from llmtune.backends.cpu import k_rms_norm
+
+    x = _activations(3, 576, np.random.default_rng(6))
+    out = np.empty_like(x)
+    call = kernels.bind_rms_norm(out, x, 1e-5)
+    call()
+    want = k_rms_norm(np.empty_like(x), x, 1e-5)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-30)  # a few ulps: the squares summed in double
+    assert kernels.bind_rms_norm(out, x.astype(np.float64), 1e-5) is None
+    assert kernels.bind_rms_norm(np.empty((20, 576), np.float32), np.ones((20, 576), np.float32), 1e-5) is None

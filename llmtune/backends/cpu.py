@@ -276,6 +276,9 @@ def k_rms_norm(out, x, eps):
     return np.divide(x, ms, out=out)
 
 
+k_rms_norm.bind = native.bind_rms_norm  # a replayed decode step: one compiled call per norm
+
+
 def k_rms_norm_back(out, x, g, eps):
     # y = x r, r = 1/sqrt(mean(x^2)+eps);  dx = r (g - y mean(g y))
     n = x.shape[-1]

@@ -46,6 +46,8 @@ def _load():
                 lib.lt_quantize_act.restype = None
                 lib.lt_act_row_bytes.argtypes = [_INT, _I64]
                 lib.lt_act_row_bytes.restype = _I64
+                lib.lt_rms_norm.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _PTR]
+                lib.lt_rms_norm.restype = None
             except build.BuildError as e:
                 lib, reason = None, str(e)
         threads = os.environ.get("LLMTUNE_NATIVE_THREADS", "")
@@ -135,6 +137,17 @@ def f32_linear(out2: np.ndarray, x2: np.ndarray, w: np.ndarray) -> bool:
     lib.lt_f32_linear(_addr(w), w.strides[0], w.shape[0], w.shape[1], _addr(x2), x2.shape[0], _addr(out2),
                       out2.strides[0] // 4, _state["threads"])
     return True
+
+
+def bind_rms_norm(out: np.ndarray, x: np.ndarray, eps: float):
+    """out = x / sqrt(mean(x^2, last axis) + eps) for a few float32 rows, as a call with no
+    arguments (see bind_qlinear; the squares summed in double, as ggml sums them); None when the
+    kernel does not take the case."""
+    lib = _load()
+    if (lib is None or x.dtype != np.float32 or out.dtype != np.float32 or not x.flags.c_contiguous
+            or not out.flags.c_contiguous or x.shape != out.shape or x.size > MAX_ROWS * x.shape[-1]):
+        return None
+    return _bound(lib.lt_rms_norm, (_addr(x), x.size // x.shape[-1], x.shape[-1], float(eps), _addr(out)), (out, x))
 
 
 def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:

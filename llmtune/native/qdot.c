@@ -735,5 +735,16 @@ int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
     return 0;
 }
 
+/* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) for rows of n floats (ggml_compute_forward_rms_norm_f32:
+ * the squares summed in double; the division as llmtune's numpy kernel writes it). */
+void lt_rms_norm(const float *x, int64_t rows, int64_t n, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++, x += n, out += n) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+        const float d = sqrtf((float)(sum / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++) out[i] = x[i] / d;
+    }
+}
+
 /* This file's AVX2 path is compiled in (1) or the portable one (0). */
 int lt_simd(void) { return LT_AVX2; }
