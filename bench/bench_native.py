@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import timeit
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -75,12 +75,7 @@ def _numba_kernels():
 
 def _median_us(fn, reps):
     fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e6
+    return float(np.median(timeit.repeat(fn, number=1, repeat=reps))) * 1e6
 
 
 def main():
