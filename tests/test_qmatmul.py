@@ -146,14 +146,14 @@ def test_decoded_copies_give_the_stored_products(qtype):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((96, 256)).astype(np.float32)
     raw = np.ascontiguousarray(quantize(w, QT[qtype])).view(np.uint8).reshape(96, -1)
-    x = rng.standard_normal((5, 256)).astype(np.float32)
-    stored = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype)
+    x = rng.standard_normal((24, 256)).astype(np.float32)  # more rows than the compiled product takes
+    stored = qm.qlinear(np.empty((24, 96), np.float32), x, raw, qtype)
     cache = qm.FloatCopies(96 * 256 * 4)
-    cached = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype, copies=cache)
-    again = qm.qlinear(np.empty((5, 96), np.float32), x, raw, qtype, copies=cache)
+    cached = qm.qlinear(np.empty((24, 96), np.float32), x, raw, qtype, copies=cache)
+    again = qm.qlinear(np.empty((24, 96), np.float32), x, raw, qtype, copies=cache)
     assert cache.used == 96 * 256 * 4 and len(cache.arrays) == 1
     small = raw[:48]  # another matrix: the budget is spent, so it takes the stored path
-    qm.qlinear(np.empty((5, 48), np.float32), x, small, qtype, copies=cache)
+    qm.qlinear(np.empty((24, 48), np.float32), x, small, qtype, copies=cache)
     assert len(cache.arrays) == 1
     np.testing.assert_allclose(cached, stored, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(again, cached)

@@ -74,11 +74,12 @@ def test_cycle_finder_finds_cycles():
 
 def test_top_level_folders_are_one_concern_each():
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
-    assert folders == ["arch", "backends", "convert", "eval", "gguf", "graph", "model", "quant", "tokenizer", "train", "ui"]
+    assert folders == ["arch", "backends", "convert", "eval", "gguf", "graph", "model", "native", "quant", "tokenizer",
+                       "train", "ui"]
     # the engine knows no model, the library no terminal
     graph = import_graph()
     for name, edges in graph.items():
-        if name.startswith(("llmtune.graph", "llmtune.backends")):
+        if name.startswith(("llmtune.graph", "llmtune.backends", "llmtune.native")):
             assert not any(e.startswith(("llmtune.arch", "llmtune.model", "llmtune.train")) for e in edges), name
         if name.startswith(("llmtune.train", "llmtune.eval", "llmtune.convert", "llmtune.model", "llmtune.arch")):
             assert not any(e.startswith("llmtune.ui") or e == "llmtune.cli" for e in edges), name

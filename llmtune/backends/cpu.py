@@ -12,6 +12,7 @@ import numpy as np
 
 from llmtune.backends.base import Backend, kernel_table
 from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
+from llmtune.native import kernels as native
 from llmtune.quant import matmul as qmatmul
 from llmtune.resources import process_rss
 
@@ -168,12 +169,28 @@ def k_softcap_back(out, y, g, cap):
     return out
 
 
+def _weight_product(a, b, ta, tb) -> bool:
+    return tb and not ta and b.ndim == 2 and b.flags.c_contiguous and a.dtype == b.dtype
+
+
+def _native_rows(out, a):
+    """(out, a) as [rows, features] views for the compiled product, or None (a copy would be made)."""
+    if a.flags.c_contiguous and out.flags.c_contiguous:
+        return out.reshape(-1, out.shape[-1]), a.reshape(-1, a.shape[-1])
+    return None
+
+
 def k_matmul(out, a, b, ta, tb):
-    if tb and not ta and b.ndim == 2 and a.size == a.shape[-1] and b.flags.c_contiguous and a.dtype == b.dtype:
-        # one row times a weight matrix (a KV-cached decode step): einsum streams W's rows once,
-        # about twice OpenBLAS's sgemv_t when W is not in cache
-        np.einsum("nk,k->n", b, a.reshape(-1), out=out.reshape(-1))
-        return out
+    if _weight_product(a, b, ta, tb):
+        # a few rows times a weight matrix (a KV-cached decode step, a short prompt): the compiled
+        # product over the cores (llmtune/native); one row without it: einsum, which streams W's
+        # rows once, about twice OpenBLAS's sgemv_t when W is not in cache
+        rows = _native_rows(out, a)
+        if rows is not None and native.f32_linear(*rows, b):
+            return out
+        if a.size == a.shape[-1]:
+            np.einsum("nk,k->n", b, a.reshape(-1), out=out.reshape(-1))
+            return out
     if ta:
         a = np.swapaxes(a, -1, -2)
     if tb:
@@ -187,10 +204,28 @@ def _raw(w):
     return w.raw if type(w) is qmatmul.WithCopies else w
 
 
+def _bind_matmul(out, a, b, ta, tb):
+    """A replayed product of a few rows with a weight as one pre-bound compiled call
+    (graph/planner.py Replay)."""
+    rows = _native_rows(out, a) if _weight_product(a, b, ta, tb) else None
+    return native.bind_f32_linear(*rows, b) if rows is not None else None
+
+
+k_matmul.bind = _bind_matmul
+
+
 def k_qlinear(out, x, w, qtype, round_x):
     if type(w) is qmatmul.WithCopies:
         return qmatmul.qlinear(out, x, w.raw, qtype, round_x, w.copies)
     return qmatmul.qlinear(out, x, w, qtype, round_x)
+
+
+def _bind_qlinear(out, x, w, qtype, round_x):
+    """A replayed few-row product over stored blocks as one pre-bound compiled call (or None)."""
+    return qmatmul.bind_qlinear(out, x, _raw(w), qtype, round_x)
+
+
+k_qlinear.bind = _bind_qlinear
 
 
 def k_qlinear_back(out, g, w, qtype):
@@ -254,6 +289,9 @@ def k_rms_norm(out, x, eps):
     ms += eps
     np.sqrt(ms, out=ms)
     return np.divide(x, ms, out=out)
+
+
+k_rms_norm.bind = native.bind_rms_norm  # a replayed decode step: one compiled call per norm
 
 
 def k_rms_norm_back(out, x, g, eps):

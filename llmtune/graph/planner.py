@@ -274,7 +274,9 @@ class Replay:
     """A Program re-run on the same input buffers every time (the caller writes each run's values
     into the arrays of `feed`): after one ordinary run every value is a fixed buffer (the planned
     arena views, the bound parameters, the input buffers), so the pure view steps are dropped and
-    every kernel, and every accumulate sink's add or copy, is one pre-bound call. That removes most
+    every kernel, and every accumulate sink's add or copy, is one pre-bound call (or the call the
+    kernel's `bind(out, *args, **attrs)` returns, e.g. a compiled product with its addresses
+    converted once, backends/cpu.py). That removes most
     of the Python work per kernel (argument lists, dict look-ups); kernels still run in order.
 
     Used only when the check holds: every kernel returned its planned `out` (or, for cache_write,
@@ -306,7 +308,9 @@ class Replay:
                 continue
             if not (val is out or (op == "cache_write" and val is args[0])):
                 fixed = False
-            calls.append(functools.partial(kernel, out, *args, **attrs))
+            bind = getattr(kernel, "bind", None)  # a kernel may offer a faster call for fixed buffers
+            call = bind(out, *args, **attrs) if bind is not None else None
+            calls.append(call or functools.partial(kernel, out, *args, **attrs))
             if sink is not None:
                 calls.append(functools.partial(sink_call, sink, val))
         self.outputs = prog.finish(vals)

@@ -27,6 +27,10 @@ weight block gives the same number up to float summation order. The one exceptio
 term of Q4_1/Q5_1: ggml multiplies the weight's min by the stored s = fp16(d sum q) where the
 dequantized activations sum to fp16(d) sum q; the difference, per activation block, is added
 as a small extra product with the weights' mins, so that term is reproduced too.
+
+Up to native.MAX_ROWS activation rows (a decode step, a short prompt) go to the compiled block
+product of llmtune/native when it is built: the same integers, multiplied as ggml multiplies them,
+with no float copy of the weight; this module's numpy path is its reference and fallback.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import threading
 
 import numpy as np
 
+from llmtune.native import kernels as native
 from llmtune.quant.types import ACT_BLOCK, QTYPES, QType, qtype_of, row_bytes  # noqa: F401 - the registry, re-exported
 
 F32 = np.float32
@@ -338,6 +343,8 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
     qt = qtype_of(qtype)
     n_out, n_in = out.shape[-1], x.shape[-1]
     x2, o2 = x.reshape(-1, n_in), out.reshape(-1, n_out)
+    if round_x and native.qlinear(o2, x2, raw, qtype):  # a few rows: the compiled block product, no float copy
+        return out
     corr = None
     if round_x:
         xr, corr = round_activations(x2, qt.act)
@@ -367,6 +374,15 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
         if corr is not None and qt.has_min:
             o2[:, r0:r1] += (corr @ block_mins(raw[r0:r1], qtype).T).astype(x.dtype, copy=False)
     return out
+
+
+def bind_qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x: bool = True):
+    """qlinear(out, x, raw, qtype, round_x) as a call with no arguments, for buffers that stay
+    where they are (a replayed program, graph/planner.py Replay): the compiled product with its
+    arguments converted once, or None where qlinear would not use it."""
+    if not (round_x and x.flags.c_contiguous and out.flags.c_contiguous):
+        return None
+    return native.bind_qlinear(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), raw, qtype)
 
 
 def qlinear_back(out: np.ndarray, g: np.ndarray, raw: np.ndarray, qtype: str) -> np.ndarray:

@@ -1,0 +1,162 @@
+"""The compiled CPU kernels of qdot.c, loaded with ctypes: products of a few activation rows with
+a matrix in its ggml block type (Q4_0 ... Q6_K, activations rounded to the vec_dot type as ggml
+rounds them) or in float32, the output rows split over the machine's cores.
+
+Optional: the library is built at first use (native/build.py). When it cannot be (no compiler, a
+failed build) or `LLMTUNE_NATIVE=0` is set, `available()` is False and every entry returns False,
+so the caller runs its numpy path. `LLMTUNE_NATIVE_THREADS` sets the thread count (default: the
+cores this process may use).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+
+import numpy as np
+
+from llmtune.backends.threads import n_cores
+from llmtune.native import build
+
+# ggml type -> index in qdot.c's QTYPES; activation type -> its code
+TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+ACT_CODES = {"q8_0": 0, "q8_1": 1, "q8_K": 2}
+MAX_ROWS = 16  # activation rows a native product takes: a decode step, a short prompt; more go to BLAS
+
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_lock = threading.Lock()
+_state: dict = {}  # "lib" (the CDLL or None), "reason" (why not), "threads"
+
+
+def _load():
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        lib, reason = None, None
+        if os.environ.get("LLMTUNE_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
+            reason = "disabled by LLMTUNE_NATIVE=0"
+        else:
+            try:
+                lib = build.load("qdot")
+                lib.lt_qlinear.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
+                lib.lt_f32_linear.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
+                lib.lt_quantize_act.argtypes = [_INT, _PTR, _I64, _PTR]
+                lib.lt_quantize_act.restype = None
+                lib.lt_act_row_bytes.argtypes = [_INT, _I64]
+                lib.lt_act_row_bytes.restype = _I64
+                lib.lt_rms_norm.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _PTR]
+                lib.lt_rms_norm.restype = None
+            except build.BuildError as e:
+                lib, reason = None, str(e)
+        threads = os.environ.get("LLMTUNE_NATIVE_THREADS", "")
+        _state.update(lib=lib, reason=reason, threads=int(threads) if threads.isdigit() and int(threads) > 0 else n_cores())
+        return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def reason() -> str | None:
+    """Why the compiled kernels are not in use (None when they are)."""
+    _load()
+    return _state["reason"]
+
+
+def reset() -> None:
+    """Forget the loaded state: the next call looks at LLMTUNE_NATIVE / the compiler again."""
+    with _lock:
+        _state.clear()
+
+
+def simd() -> bool:
+    """Whether the library was built with its AVX2 paths."""
+    lib = _load()
+    return bool(lib is not None and lib.lt_simd())
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _rows_ok(out2: np.ndarray, x2: np.ndarray) -> bool:
+    return (x2.shape[0] <= MAX_ROWS and x2.dtype == np.float32 and out2.dtype == np.float32
+            and x2.flags.c_contiguous and out2.strides[-1] == 4)
+
+
+def qlinear(out2: np.ndarray, x2: np.ndarray, raw: np.ndarray, qtype: str) -> bool:
+    """out2[m, n_out] = x2[m, n_in] @ W^T for W as `qtype` block bytes raw [n_out, row bytes], x2
+    rounded to the type's vec_dot type first (as quant/matmul.py qlinear with round_x). False
+    (nothing written) when the compiled kernel does not take this case."""
+    lib = _load()
+    code = TYPE_CODES.get(qtype)
+    if lib is None or code is None or not _rows_ok(out2, x2) or raw.dtype != np.uint8 or raw.strides[-1] != 1:
+        return False
+    rc = lib.lt_qlinear(code, _addr(raw), raw.strides[0], out2.shape[1], x2.shape[1], _addr(x2), x2.shape[0],
+                        _addr(out2), out2.strides[0] // 4, _state["threads"])
+    return rc == 0
+
+
+def bind_qlinear(out2: np.ndarray, x2: np.ndarray, raw: np.ndarray, qtype: str):
+    """qlinear(out2, x2, raw, qtype) as a call with no arguments (the addresses converted once),
+    for a replayed program whose buffers stay where they are; None when the kernel does not take
+    the case. The call keeps the arrays alive."""
+    lib = _load()
+    code = TYPE_CODES.get(qtype)
+    if lib is None or code is None or not _rows_ok(out2, x2) or raw.dtype != np.uint8 or raw.strides[-1] != 1:
+        return None
+    args = (code, _addr(raw), raw.strides[0], out2.shape[1], x2.shape[1], _addr(x2), x2.shape[0], _addr(out2),
+            out2.strides[0] // 4, _state["threads"])
+    return _bound(lib.lt_qlinear, args, (out2, x2, raw))
+
+
+def bind_f32_linear(out2: np.ndarray, x2: np.ndarray, w: np.ndarray):
+    """f32_linear as a call with no arguments (see bind_qlinear)."""
+    lib = _load()
+    if lib is None or not _rows_ok(out2, x2) or w.dtype != np.float32 or w.strides[-1] != 4:
+        return None
+    args = (_addr(w), w.strides[0], w.shape[0], w.shape[1], _addr(x2), x2.shape[0], _addr(out2),
+            out2.strides[0] // 4, _state["threads"])
+    return _bound(lib.lt_f32_linear, args, (out2, x2, w))
+
+
+def _bound(fn, args, keep):
+    call = functools.partial(fn, *args)
+    call.keep = keep  # the arrays whose addresses it holds
+    return call
+
+
+def f32_linear(out2: np.ndarray, x2: np.ndarray, w: np.ndarray) -> bool:
+    """out2[m, n_out] = x2[m, n_in] @ w^T for float32 w [n_out, n_in] (ggml_vec_dot_f32 per
+    output). False when the compiled kernel does not take this case."""
+    lib = _load()
+    if lib is None or not _rows_ok(out2, x2) or w.dtype != np.float32 or w.strides[-1] != 4:
+        return False
+    lib.lt_f32_linear(_addr(w), w.strides[0], w.shape[0], w.shape[1], _addr(x2), x2.shape[0], _addr(out2),
+                      out2.strides[0] // 4, _state["threads"])
+    return True
+
+
+def bind_rms_norm(out: np.ndarray, x: np.ndarray, eps: float):
+    """out = x / sqrt(mean(x^2, last axis) + eps) for a few float32 rows, as a call with no
+    arguments (see bind_qlinear; the squares summed in double, as ggml sums them); None when the
+    kernel does not take the case."""
+    lib = _load()
+    if (lib is None or x.dtype != np.float32 or out.dtype != np.float32 or not x.flags.c_contiguous
+            or not out.flags.c_contiguous or x.shape != out.shape or x.size > MAX_ROWS * x.shape[-1]):
+        return None
+    return _bound(lib.lt_rms_norm, (_addr(x), x.size // x.shape[-1], x.shape[-1], float(eps), _addr(out)), (out, x))
+
+
+def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:
+    """One row x [n] as ggml's `act` blocks (q8_0 / q8_1 / q8_K), the bytes qdot.c multiplies."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the compiled kernels are not available: {_state['reason']}")
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    code = ACT_CODES[act]
+    out = np.zeros(lib.lt_act_row_bytes(code, x.size), np.uint8)
+    lib.lt_quantize_act(code, _addr(x), x.size, _addr(out))
+    return out

@@ -1,0 +1,750 @@
+/* Products of a few activation rows with a matrix kept in its ggml block type, as ggml's CPU
+ * matmul computes them (ggml-cpu.c ggml_compute_forward_mul_mat with vec_dot): each activation
+ * row is quantized to the weight type's vec_dot_type (q8_0, q8_1, q8_K), then every output is an
+ * exact integer dot product per block times the two scales.
+ *
+ * The block layouts are ggml's (ggml-common.h). The activation quantizers are those of x86 builds
+ * (ggml-cpu/arch/x86/quants.c quantize_row_q8_0 / q8_1; quantize_row_q8_K_ref), which is how
+ * llmtune's numpy path (quant/matmul.py round_activations) rounds too, so both paths see the
+ * same integers. Where AVX2 is available the dot products follow ggml's AVX2 kernels
+ * (ggml_vec_dot_q4_0_q8_0 & co.: per-block int32 pair sums, one fused multiply-add per block into
+ * eight float lanes); elsewhere the portable loops of ggml-cpu/quants.c (*_generic).
+ *
+ * Output rows are split in chunks of CHUNK_ROWS over the calling thread and a small pool of
+ * workers that claim chunks as they come (pool_run: spin briefly, then sleep on a condition
+ * variable; recreated after fork).
+ *
+ * Built by llmtune/native/build.py at first use; every entry point is tested against the numpy
+ * path in tests/test_native.py.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LT_AVX2 1
+#else
+#define LT_AVX2 0
+#endif
+
+#define QK 32
+#define QK_K 256
+
+/* ------------------------------------------------------------------ fp16 (ggml-impl.h) */
+static inline float fp32_from_bits(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
+static inline uint32_t fp32_to_bits(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
+
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & UINT32_C(0x80000000);
+    const uint32_t two_w = w + w;
+    const uint32_t exp_offset = UINT32_C(0xE0) << 23;
+    const float exp_scale = 0x1.0p-112f;
+    const float normalized_value = fp32_from_bits((two_w >> 4) + exp_offset) * exp_scale;
+    const uint32_t magic_mask = UINT32_C(126) << 23;
+    const float magic_bias = 0.5f;
+    const float denormalized_value = fp32_from_bits((two_w >> 17) | magic_mask) - magic_bias;
+    const uint32_t denormalized_cutoff = UINT32_C(1) << 27;
+    const uint32_t result = sign | (two_w < denormalized_cutoff ? fp32_to_bits(denormalized_value)
+                                                                 : fp32_to_bits(normalized_value));
+    return fp32_from_bits(result);
+}
+#endif
+
+static inline uint16_t f32_to_f16(float f) {  /* round to nearest even, as ggml's and numpy's casts */
+    const float scale_to_inf = 0x1.0p+112f;
+    const float scale_to_zero = 0x1.0p-110f;
+    float base = (fabsf(f) * scale_to_inf) * scale_to_zero;
+    const uint32_t w = fp32_to_bits(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & UINT32_C(0x80000000);
+    uint32_t bias = shl1_w & UINT32_C(0xFF000000);
+    if (bias < UINT32_C(0x71000000)) bias = UINT32_C(0x71000000);
+    base = fp32_from_bits((bias >> 1) + UINT32_C(0x07800000)) + base;
+    const uint32_t bits = fp32_to_bits(base);
+    const uint32_t exp_bits = (bits >> 13) & UINT32_C(0x00007C00);
+    const uint32_t mantissa_bits = bits & UINT32_C(0x00000FFF);
+    const uint32_t nonsign = exp_bits + mantissa_bits;
+    return (uint16_t)((sign >> 16) | (shl1_w > UINT32_C(0xFF000000) ? UINT16_C(0x7E00) : nonsign));
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline float h2f(const uint8_t *p) { return f16_to_f32(rd16(p)); }
+
+/* ggml's nearest_int: round half to even for |x| < 2^22 */
+static inline int nearest_int(float fval) {
+    float val = fval + 12582912.f;
+    int i; memcpy(&i, &val, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* ------------------------------------------------------------------ activation blocks */
+typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;             /* 34 bytes */
+typedef struct { uint16_t d, s; int8_t qs[QK]; } block_q8_1;          /* 36 bytes */
+typedef struct { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; } block_q8_K;  /* 292 bytes */
+
+/* quantize_row_q8_0 / q8_1 (x86): d = amax / 127 stored as fp16, q = round(x * (127 / amax)),
+ * for q8_1 also s = fp16(d * sum q) with d unrounded. */
+static void quantize_q8_01(const float *x, int64_t n, uint8_t *out, int with_sum) {
+    const int64_t nb = n / QK;
+    const size_t bsz = with_sum ? sizeof(block_q8_1) : sizeof(block_q8_0);
+    for (int64_t i = 0; i < nb; i++, x += QK) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.f;
+        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
+        int8_t *qs;
+        uint8_t *blk = out + i * bsz;
+        int sum = 0;
+        if (with_sum) {
+            block_q8_1 *y = (block_q8_1 *)blk;
+            qs = y->qs;
+            y->d = f32_to_f16(d);
+        } else {
+            block_q8_0 *y = (block_q8_0 *)blk;
+            qs = y->qs;
+            y->d = f32_to_f16(d);
+        }
+        for (int j = 0; j < QK; j++) {
+            const int q = (int)nearbyintf(x[j] * id);
+            qs[j] = (int8_t)q;
+            sum += q;
+        }
+        if (with_sum) ((block_q8_1 *)blk)->s = f32_to_f16(d * (float)sum);
+    }
+}
+
+/* quantize_row_q8_K_ref */
+static void quantize_q8_K(const float *x, int64_t n, block_q8_K *y) {
+    const int64_t nb = n / QK_K;
+    for (int64_t i = 0; i < nb; i++, x += QK_K) {
+        float max = 0, amax = 0;
+        for (int j = 0; j < QK_K; ++j) {
+            const float ax = fabsf(x[j]);
+            if (ax > amax) { amax = ax; max = x[j]; }
+        }
+        if (!amax) {
+            memset(&y[i], 0, sizeof(block_q8_K));
+            continue;
+        }
+        const float iscale = -127.f / max;
+        for (int j = 0; j < QK_K; ++j) {
+            const int v = nearest_int(iscale * x[j]);
+            y[i].qs[j] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int j = 0; j < QK_K / 16; ++j) {
+            int sum = 0;
+            for (int ii = 0; ii < 16; ++ii) sum += y[i].qs[j * 16 + ii];
+            y[i].bsums[j] = (int16_t)sum;
+        }
+        y[i].d = 1 / iscale;
+    }
+}
+
+/* ------------------------------------------------------------------ AVX2 helpers (x86/quants.c) */
+#if LT_AVX2
+static inline float hsum_float_8(const __m256 x) {
+    __m128 res = _mm256_extractf128_ps(x, 1);
+    res = _mm_add_ps(res, _mm256_castps256_ps128(x));
+    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+    res = _mm_add_ss(res, _mm_movehdup_ps(res));
+    return _mm_cvtss_f32(res);
+}
+
+static inline __m256i bytes_from_nibbles_32(const uint8_t *rsi) {
+    const __m128i tmp = _mm_loadu_si128((const __m128i *)rsi);
+    const __m256i bytes = _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
+    return _mm256_and_si256(_mm256_set1_epi8(0xF), bytes);
+}
+
+static inline __m256i bytes_from_bits_32(const uint8_t *x) {  /* 32 bits -> 32 bytes of 0x00 / 0xFF */
+    uint32_t x32;
+    memcpy(&x32, x, 4);
+    const __m256i shuf_mask = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                0x0101010101010101, 0x0000000000000000);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x32), shuf_mask);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+static inline __m256 mul_sum_us8_pairs_float(const __m256i ax, const __m256i sy) {
+#if defined(__AVXVNNI__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sy));
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy));
+#else
+    const __m256i dot = _mm256_maddubs_epi16(ax, sy);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), dot));
+#endif
+}
+
+static inline __m256 mul_sum_i8_pairs_float(const __m256i x, const __m256i y) {
+    return mul_sum_us8_pairs_float(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+}
+#endif
+
+/* ------------------------------------------------------------------ dot products, one row each
+ * w: one weight row of nb blocks; y: the quantized activation row. */
+static float dot_q8_0(const uint8_t *w, const void *vy, int nb) {
+    const block_q8_0 *y = vy;
+#if LT_AVX2
+    const float *yd = (const float *)(y + nb);
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, w += 34) {
+        const __m256 d = _mm256_set1_ps(h2f(w) * yd[i]);
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc);
+    }
+    return hsum_float_8(acc);
+#else
+    float sumf = 0;
+    for (int i = 0; i < nb; i++, w += 34) {
+        const int8_t *qx = (const int8_t *)(w + 2);
+        int sumi = 0;
+        for (int j = 0; j < QK; j++) sumi += qx[j] * y[i].qs[j];
+        sumf += sumi * (h2f(w) * f16_to_f32(y[i].d));
+    }
+    return sumf;
+#endif
+}
+
+static float dot_q4_0(const uint8_t *w, const void *vy, int nb) {
+    const block_q8_0 *y = vy;
+#if LT_AVX2
+    const float *yd = (const float *)(y + nb);
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i off = _mm256_set1_epi8(8);
+    for (int i = 0; i < nb; i++, w += 18) {
+        const __m256 d = _mm256_set1_ps(h2f(w) * yd[i]);
+        const __m256i qx = _mm256_sub_epi8(bytes_from_nibbles_32(w + 2), off);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc);
+    }
+    return hsum_float_8(acc);
+#else
+    float sumf = 0;
+    for (int i = 0; i < nb; i++, w += 18) {
+        const uint8_t *qs = w + 2;
+        int sumi0 = 0, sumi1 = 0;
+        for (int j = 0; j < QK / 2; ++j) {
+            sumi0 += ((qs[j] & 0x0F) - 8) * y[i].qs[j];
+            sumi1 += ((qs[j] >> 4) - 8) * y[i].qs[j + QK / 2];
+        }
+        sumf += (sumi0 + sumi1) * h2f(w) * f16_to_f32(y[i].d);
+    }
+    return sumf;
+#endif
+}
+
+static float dot_q4_1(const uint8_t *w, const void *vy, int nb) {
+    const block_q8_1 *y = vy;
+#if LT_AVX2
+    const float *yd = (const float *)(y + nb), *ys = yd + nb;  /* the scales as floats (act_scales) */
+    __m256 acc = _mm256_setzero_ps();
+    float summs = 0;
+    for (int i = 0; i < nb; i++, w += 20) {
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)w));  /* d, m of the block */
+        summs += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * ys[i];
+        const __m256 d0d1 = _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_set1_ps(yd[i]));
+        const __m256i qx = bytes_from_nibbles_32(w + 4);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc = _mm256_fmadd_ps(d0d1, mul_sum_us8_pairs_float(qx, qy), acc);
+    }
+    return hsum_float_8(acc) + summs;
+#else
+    float sumf = 0;
+    for (int i = 0; i < nb; i++, w += 20) {
+        const uint8_t *qs = w + 4;
+        int sumi0 = 0, sumi1 = 0;
+        for (int j = 0; j < QK / 2; ++j) {
+            sumi0 += (qs[j] & 0x0F) * y[i].qs[j];
+            sumi1 += (qs[j] >> 4) * y[i].qs[j + QK / 2];
+        }
+        sumf += (h2f(w) * f16_to_f32(y[i].d)) * (sumi0 + sumi1) + h2f(w + 2) * f16_to_f32(y[i].s);
+    }
+    return sumf;
+#endif
+}
+
+/* Two weight rows against one activation row at once (the activation loads shared, two
+ * independent accumulator chains); each row's operations and their order are those of the one-row
+ * kernel above, so each result is bit for bit the same. AVX2 only. */
+#if LT_AVX2
+static void dot2_q4_1(const uint8_t *w0, const uint8_t *w1, const void *vy, int nb, float *s0, float *s1) {
+    const block_q8_1 *y = vy;
+    const float *yd = (const float *)(y + nb), *ys = yd + nb;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float summs0 = 0, summs1 = 0;
+    for (int i = 0; i < nb; i++, w0 += 20, w1 += 20) {
+        const __m128 dm0 = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)w0));
+        const __m128 dm1 = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int32_t *)w1));
+        summs0 += _mm_cvtss_f32(_mm_movehdup_ps(dm0)) * ys[i];
+        summs1 += _mm_cvtss_f32(_mm_movehdup_ps(dm1)) * ys[i];
+        const __m256 dy = _mm256_set1_ps(yd[i]);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(dm0), dy),
+                               mul_sum_us8_pairs_float(bytes_from_nibbles_32(w0 + 4), qy), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_broadcastss_ps(dm1), dy),
+                               mul_sum_us8_pairs_float(bytes_from_nibbles_32(w1 + 4), qy), acc1);
+    }
+    *s0 = hsum_float_8(acc0) + summs0;
+    *s1 = hsum_float_8(acc1) + summs1;
+}
+
+static void dot2_q8_0(const uint8_t *w0, const uint8_t *w1, const void *vy, int nb, float *s0, float *s1) {
+    const block_q8_0 *y = vy;
+    const float *yd = (const float *)(y + nb);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, w0 += 34, w1 += 34) {
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)y[i].qs);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w0) * yd[i]),
+                               mul_sum_i8_pairs_float(_mm256_loadu_si256((const __m256i *)(w0 + 2)), qy), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w1) * yd[i]),
+                               mul_sum_i8_pairs_float(_mm256_loadu_si256((const __m256i *)(w1 + 2)), qy), acc1);
+    }
+    *s0 = hsum_float_8(acc0);
+    *s1 = hsum_float_8(acc1);
+}
+#define DOT2_Q4_1 dot2_q4_1
+#define DOT2_Q8_0 dot2_q8_0
+#else
+#define DOT2_Q4_1 NULL
+#define DOT2_Q8_0 NULL
+#endif
+
+/* Q5_0 / Q5_1: the fifth bit of value j is bit j of qh. */
+static float dot_q5(const uint8_t *w, const void *vy, int nb, int has_min) {
+    const int bsz = has_min ? 24 : 22, hoff = has_min ? 4 : 2;
+    float summs = 0;
+#if LT_AVX2
+    const float *yd = (const float *)((const uint8_t *)vy + nb * (has_min ? sizeof(block_q8_1) : sizeof(block_q8_0)));
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < nb; i++, w += bsz) {
+        const int8_t *ys = has_min ? ((const block_q8_1 *)vy)[i].qs : ((const block_q8_0 *)vy)[i].qs;
+        const __m256 d = _mm256_set1_ps(h2f(w) * yd[i]);
+        __m256i qx = bytes_from_nibbles_32(w + hoff + 4);
+        __m256i bxhi = bytes_from_bits_32(w + hoff);
+        const __m256i qy = _mm256_loadu_si256((const __m256i *)ys);
+        if (has_min) {  /* ggml_vec_dot_q5_1_q8_1: q | 16 where the bit is set, unsigned */
+            summs += h2f(w + 2) * yd[nb + i];
+            bxhi = _mm256_and_si256(bxhi, _mm256_set1_epi8(0x10));
+            qx = _mm256_or_si256(qx, bxhi);
+            acc = _mm256_fmadd_ps(d, mul_sum_us8_pairs_float(qx, qy), acc);
+        } else {        /* ggml_vec_dot_q5_0_q8_0: (q | 16) - 16 = q - 16 where the bit is clear */
+            bxhi = _mm256_andnot_si256(bxhi, _mm256_set1_epi8((char)0xF0));
+            qx = _mm256_or_si256(qx, bxhi);
+            acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs_float(qx, qy), acc);
+        }
+    }
+    return hsum_float_8(acc) + summs;
+#else
+    float sumf = 0;
+    for (int i = 0; i < nb; i++, w += bsz) {
+        const int8_t *ys = has_min ? ((const block_q8_1 *)vy)[i].qs : ((const block_q8_0 *)vy)[i].qs;
+        const float dy = f16_to_f32(has_min ? ((const block_q8_1 *)vy)[i].d : ((const block_q8_0 *)vy)[i].d);
+        uint32_t qh;
+        memcpy(&qh, w + hoff, 4);
+        const uint8_t *qs = w + hoff + 4;
+        const int off = has_min ? 0 : 16;
+        int sumi0 = 0, sumi1 = 0;
+        for (int j = 0; j < QK / 2; ++j) {
+            const int xh0 = ((qh >> j) & 1) << 4, xh1 = ((qh >> (j + 16)) & 1) << 4;
+            sumi0 += (((qs[j] & 0x0F) | xh0) - off) * ys[j];
+            sumi1 += (((qs[j] >> 4) | xh1) - off) * ys[j + QK / 2];
+        }
+        sumf += (h2f(w) * dy) * (sumi0 + sumi1);
+        if (has_min) summs += h2f(w + 2) * f16_to_f32(((const block_q8_1 *)vy)[i].s);
+    }
+    return sumf + summs;
+#endif
+}
+
+static float dot_q5_0(const uint8_t *w, const void *vy, int nb) { return dot_q5(w, vy, nb, 0); }
+static float dot_q5_1(const uint8_t *w, const void *vy, int nb) { return dot_q5(w, vy, nb, 1); }
+
+/* K-quants: ggml-cpu/quants.c ggml_vec_dot_q{4,5,6}_K_q8_K_generic (eight int32 lanes per
+ * super-block, scaled into eight float sums). */
+static void k_scales_mins(const uint8_t *sc12, uint8_t scales[8], uint8_t mins[8]) {
+    for (int j = 0; j < 4; j++) {
+        scales[j] = sc12[j] & 63;
+        mins[j] = sc12[j + 4] & 63;
+        scales[j + 4] = (sc12[j + 8] & 0xF) | ((sc12[j] >> 6) << 4);
+        mins[j + 4] = (sc12[j + 8] >> 4) | ((sc12[j + 4] >> 6) << 4);
+    }
+}
+
+static float dot_q45_k(const uint8_t *w, const void *vy, int nb, int five) {
+    const block_q8_K *y = vy;
+    const int bsz = five ? 176 : 144;
+    float sums[8] = {0}, sumf = 0;
+    for (int i = 0; i < nb; i++, w += bsz) {
+        const uint8_t *q4 = w + (five ? 48 : 16), *hm = w + 16;
+        int8_t a[QK_K];
+        uint8_t m = 1;
+        for (int j = 0; j < QK_K / 64; ++j, q4 += 32) {
+            for (int l = 0; l < 32; ++l) a[64 * j + l] = (int8_t)((q4[l] & 0xF) + (five && (hm[l] & m) ? 16 : 0));
+            m <<= 1;
+            for (int l = 0; l < 32; ++l) a[64 * j + 32 + l] = (int8_t)((q4[l] >> 4) + (five && (hm[l] & m) ? 16 : 0));
+            m <<= 1;
+        }
+        uint8_t scales[8], mins[8];
+        k_scales_mins(w + 4, scales, mins);
+        int sumi = 0;
+        for (int j = 0; j < QK_K / 16; ++j) sumi += y[i].bsums[j] * mins[j / 2];
+        int32_t aux32[8] = {0};
+        for (int j = 0; j < QK_K / 32; ++j) {
+            const int32_t scale = scales[j];
+            for (int k = 0; k < 4; ++k)
+                for (int l = 0; l < 8; ++l) aux32[l] += scale * (y[i].qs[32 * j + 8 * k + l] * a[32 * j + 8 * k + l]);
+        }
+        const float d = h2f(w) * y[i].d;
+        for (int l = 0; l < 8; ++l) sums[l] += d * aux32[l];
+        const float dmin = h2f(w + 2) * y[i].d;
+        sumf -= dmin * sumi;
+    }
+    for (int l = 0; l < 8; ++l) sumf += sums[l];
+    return sumf;
+}
+
+static float dot_q4_k(const uint8_t *w, const void *vy, int nb) { return dot_q45_k(w, vy, nb, 0); }
+static float dot_q5_k(const uint8_t *w, const void *vy, int nb) { return dot_q45_k(w, vy, nb, 1); }
+
+static float dot_q6_k(const uint8_t *w, const void *vy, int nb) {
+    const block_q8_K *y = vy;
+    float sums[8] = {0}, sumf = 0;
+    for (int i = 0; i < nb; i++, w += 210) {
+        const uint8_t *q4 = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        int8_t a[QK_K];
+        for (int j = 0; j < QK_K; j += 128, q4 += 64, qh += 32) {
+            for (int l = 0; l < 32; ++l) {
+                a[j + l + 0] = (int8_t)((q4[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                a[j + l + 32] = (int8_t)((q4[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                a[j + l + 64] = (int8_t)((q4[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                a[j + l + 96] = (int8_t)((q4[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            }
+        }
+        int32_t aux32[8] = {0};
+        for (int j = 0; j < QK_K / 16; ++j) {
+            const int scale = sc[j];
+            for (int k = 0; k < 2; ++k)
+                for (int l = 0; l < 8; ++l) aux32[l] += scale * (y[i].qs[16 * j + 8 * k + l] * a[16 * j + 8 * k + l]);
+        }
+        const float d = h2f(w + 208) * y[i].d;
+        for (int l = 0; l < 8; ++l) sums[l] += d * aux32[l];
+    }
+    for (int l = 0; l < 8; ++l) sumf += sums[l];
+    return sumf;
+}
+
+/* f32 weights (vec_dot_type F32): ggml_vec_dot_f32, four vector accumulators */
+static float dot_f32(const float *w, const float *x, int64_t n) {
+    int64_t i = 0;
+    float sumf = 0;
+#if LT_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (; i + 32 <= n; i += 32) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 16), _mm256_loadu_ps(x + i + 16), s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 24), _mm256_loadu_ps(x + i + 24), s3);
+    }
+    sumf = hsum_float_8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+#else
+    float s[8] = {0};
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) s[l] += w[i + l] * x[i + l];
+    for (int l = 0; l < 8; l++) sumf += s[l];
+#endif
+    for (; i < n; i++) sumf += w[i] * x[i];
+    return sumf;
+}
+
+/* ------------------------------------------------------------------ types */
+typedef float (*dot_fn)(const uint8_t *, const void *, int);
+typedef void (*dot2_fn)(const uint8_t *, const uint8_t *, const void *, int, float *, float *);
+enum { ACT_Q8_0 = 0, ACT_Q8_1 = 1, ACT_Q8_K = 2 };
+
+typedef struct { const char *name; int block, act; dot_fn dot; dot2_fn dot2; } qtype_t;
+static const qtype_t QTYPES[] = {  /* index = the type code lt_qlinear takes (native/kernels.py TYPE_CODES) */
+    {"Q8_0", QK, ACT_Q8_0, dot_q8_0, DOT2_Q8_0}, {"Q4_0", QK, ACT_Q8_0, dot_q4_0, NULL},
+    {"Q4_1", QK, ACT_Q8_1, dot_q4_1, DOT2_Q4_1},
+    {"Q5_0", QK, ACT_Q8_0, dot_q5_0, NULL}, {"Q5_1", QK, ACT_Q8_1, dot_q5_1, NULL},
+    {"Q4_K", QK_K, ACT_Q8_K, dot_q4_k, NULL}, {"Q5_K", QK_K, ACT_Q8_K, dot_q5_k, NULL},
+    {"Q6_K", QK_K, ACT_Q8_K, dot_q6_k, NULL},
+};
+#define N_QTYPES ((int)(sizeof(QTYPES) / sizeof(QTYPES[0])))
+
+static int64_t act_row_bytes(int act, int64_t n) {
+    switch (act) {  /* q8_0 / q8_1 blocks, then their d (and s) as floats (act_scales) */
+        case ACT_Q8_0: return n / QK * (int64_t)(sizeof(block_q8_0) + 4);
+        case ACT_Q8_1: return n / QK * (int64_t)(sizeof(block_q8_1) + 8);
+        default: return n / QK_K * (int64_t)sizeof(block_q8_K);
+    }
+}
+
+/* The fp16 scales of a q8_0 / q8_1 row also as floats after its blocks (the same values, converted
+ * once instead of once per weight row): d[nb], then for q8_1 s[nb]. */
+static void act_scales(uint8_t *row, int64_t nb, int with_sum) {
+    float *f = (float *)(row + nb * (with_sum ? sizeof(block_q8_1) : sizeof(block_q8_0)));
+    for (int64_t i = 0; i < nb; i++) {
+        if (with_sum) {
+            const block_q8_1 *b = (const block_q8_1 *)row + i;
+            f[i] = f16_to_f32(b->d);
+            f[nb + i] = f16_to_f32(b->s);
+        } else {
+            f[i] = f16_to_f32(((const block_q8_0 *)row)[i].d);
+        }
+    }
+}
+
+/* One activation row quantized to `act` (0: q8_0, 1: q8_1, 2: q8_K); n a multiple of the block.
+ * `out` holds lt_act_row_bytes(act, n) bytes: the ggml blocks first. */
+void lt_quantize_act(int act, const float *x, int64_t n, uint8_t *out) {
+    if (act == ACT_Q8_K) {
+        quantize_q8_K(x, n, (block_q8_K *)out);
+    } else {
+        quantize_q8_01(x, n, out, act == ACT_Q8_1);
+        act_scales(out, n / QK, act == ACT_Q8_1);
+    }
+}
+
+int64_t lt_act_row_bytes(int act, int64_t n) { return act_row_bytes(act, n); }
+
+/* ------------------------------------------------------------------ thread pool
+ * A job is n_chunks calls fn(arg, chunk); the calling thread and the workers claim chunks from one
+ * atomic ticket (job generation << 40 | n_chunks << 20 | next chunk), so on a busy machine a worker
+ * that is not scheduled takes nothing and the caller does the rest: the caller waits only for
+ * chunks a worker has claimed. Workers spin LT_SPIN_NS for the next job, then sleep. */
+#define LT_MAX_THREADS 64
+#define LT_SPIN_NS 200000
+#define LT_MAX_CHUNKS ((1 << 20) - 1)
+
+typedef void (*task_fn)(void *arg, int64_t chunk);
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int n_workers, sleepers;
+    atomic_uint gen;          /* bumped when a job is published */
+    atomic_uint_fast64_t ticket;
+    atomic_int busy;          /* workers inside a job */
+    atomic_uintptr_t fn, arg; /* the job (read by workers that may come late: see claim) */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0};
+static pthread_mutex_t pool_start = PTHREAD_MUTEX_INITIALIZER;  /* one job on the pool at a time */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* The next chunk of job `gen`, or -1 when it has none left (or is no longer the current job). */
+static int64_t claim(unsigned gen) {
+    uint_fast64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    for (;;) {
+        const uint_fast64_t next = t & LT_MAX_CHUNKS, total = (t >> 20) & LT_MAX_CHUNKS;
+        if ((unsigned)((t >> 40) & 0xFFFFFF) != (gen & 0xFFFFFF) || next >= total) return -1;
+        if (atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire))
+            return (int64_t)next;
+    }
+}
+
+static void run_chunks(unsigned gen, task_fn fn, void *arg) {
+    for (int64_t c; (c = claim(gen)) >= 0;) fn(arg, c);
+}
+
+static void *worker_main(void *p) {
+    (void)p;
+    unsigned seen = 0;
+    for (;;) {
+        int64_t t0 = 0;
+        int spins = 0;
+        while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen) {
+            if (++spins % 256 == 0) {
+                const int64_t t = now_ns();
+                if (!t0) t0 = t;
+                else if (t - t0 > LT_SPIN_NS) {
+                    pthread_mutex_lock(&pool.mu);
+                    pool.sleepers++;
+                    while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen)
+                        pthread_cond_wait(&pool.cv, &pool.mu);
+                    pool.sleepers--;
+                    pthread_mutex_unlock(&pool.mu);
+                    break;
+                }
+            }
+            cpu_relax();
+        }
+        atomic_fetch_add_explicit(&pool.busy, 1, memory_order_acq_rel);
+        /* a late worker may read the next job's fn/arg with this gen: claim() then finds the
+         * ticket of another generation (or none left) and nothing runs */
+        seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
+        const task_fn fn = (task_fn)atomic_load_explicit(&pool.fn, memory_order_acquire);
+        void *arg = (void *)atomic_load_explicit(&pool.arg, memory_order_acquire);
+        run_chunks(seen, fn, arg);
+        atomic_fetch_sub_explicit(&pool.busy, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {  /* the child has no workers: start afresh */
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.cv, NULL);
+    pthread_mutex_init(&pool_start, NULL);
+    pool.n_workers = pool.sleepers = 0;
+    atomic_store(&pool.busy, 0);
+}
+
+static int pool_grow(int n_workers) {
+    static int atfork_done = 0;
+    if (!atfork_done) { pthread_atfork(NULL, NULL, pool_after_fork); atfork_done = 1; }
+    while (pool.n_workers < n_workers) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&th, &attr, worker_main, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc) break;
+        pool.n_workers++;
+    }
+    return pool.n_workers;
+}
+
+/* fn(arg, c) for every chunk c < n_chunks, over the calling thread and nth - 1 workers */
+static void pool_run(task_fn fn, void *arg, int64_t n_chunks, int nth) {
+    if (nth > LT_MAX_THREADS) nth = LT_MAX_THREADS;
+    if (nth <= 1 || n_chunks <= 1 || n_chunks > LT_MAX_CHUNKS || pthread_mutex_trylock(&pool_start) != 0) {
+        for (int64_t c = 0; c < n_chunks; c++) fn(arg, c);  /* alone (or another caller has the pool) */
+        return;
+    }
+    if (pool_grow(nth - 1) == 0) {
+        pthread_mutex_unlock(&pool_start);
+        for (int64_t c = 0; c < n_chunks; c++) fn(arg, c);
+        return;
+    }
+    const unsigned gen = atomic_load_explicit(&pool.gen, memory_order_relaxed) + 1;
+    atomic_store_explicit(&pool.fn, (uintptr_t)fn, memory_order_release);
+    atomic_store_explicit(&pool.arg, (uintptr_t)arg, memory_order_release);
+    atomic_store_explicit(&pool.ticket, ((uint_fast64_t)(gen & 0xFFFFFF) << 40) | ((uint_fast64_t)n_chunks << 20),
+                          memory_order_release);
+    pthread_mutex_lock(&pool.mu);
+    atomic_store_explicit(&pool.gen, gen, memory_order_release);
+    if (pool.sleepers) pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    run_chunks(gen, fn, arg);
+    int spins = 0;
+    while (atomic_load_explicit(&pool.busy, memory_order_acquire) > 0) {  /* chunks a worker still runs */
+        if (++spins % 1024 == 0) sched_yield();
+        cpu_relax();
+    }
+    pthread_mutex_unlock(&pool_start);
+}
+
+/* ------------------------------------------------------------------ products */
+#define CHUNK_ROWS 16
+
+typedef struct {
+    dot_fn dot;
+    dot2_fn dot2;  /* two rows at once, where the type has it */
+    const uint8_t *w;
+    int64_t w_stride, n_out, nb;
+    const uint8_t *xq;
+    int64_t xq_stride, m;
+    float *out;
+    int64_t out_stride;
+    const float *xf;  /* f32 weights: the activations as they are */
+    int64_t n_in;
+} job_t;
+
+static void q_task(void *p, int64_t chunk) {
+    const job_t *j = p;
+    const int64_t r0 = chunk * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->n_out ? r0 + CHUNK_ROWS : j->n_out;
+    int64_t r = r0;
+    if (j->dot2)
+        for (; r + 1 < r1; r += 2) {
+            const uint8_t *w0 = j->w + r * j->w_stride;
+            for (int64_t i = 0; i < j->m; i++) {
+                float *o = j->out + i * j->out_stride + r;
+                j->dot2(w0, w0 + j->w_stride, j->xq + i * j->xq_stride, (int)j->nb, o, o + 1);
+            }
+        }
+    for (; r < r1; r++) {
+        const uint8_t *wr = j->w + r * j->w_stride;
+        for (int64_t i = 0; i < j->m; i++)
+            j->out[i * j->out_stride + r] = j->dot(wr, j->xq + i * j->xq_stride, (int)j->nb);
+    }
+}
+
+static void f32_task(void *p, int64_t chunk) {
+    const job_t *j = p;
+    const int64_t r0 = chunk * CHUNK_ROWS, r1 = r0 + CHUNK_ROWS < j->n_out ? r0 + CHUNK_ROWS : j->n_out;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *wr = (const float *)(j->w + r * j->w_stride);
+        for (int64_t i = 0; i < j->m; i++)
+            j->out[i * j->out_stride + r] = dot_f32(wr, j->xf + i * j->n_in, j->n_in);
+    }
+}
+
+static __thread uint8_t *act_buf = NULL;
+static __thread int64_t act_cap = 0;
+
+/* out[i, r] = W[r] . x[i] for i < m, r < n_out: W in ggml type `type` (QTYPES index), rows of
+ * w_stride bytes; x float32 [m, n_in] contiguous, quantized here as ggml quantizes it. Returns 0,
+ * or -1 for a bad type or width, -2 when out of memory. */
+int lt_qlinear(int type, const uint8_t *w, int64_t w_stride, int64_t n_out, int64_t n_in,
+               const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
+    if (type < 0 || type >= N_QTYPES || n_in % QTYPES[type].block) return -1;
+    const qtype_t *qt = &QTYPES[type];
+    const int64_t xq_stride = act_row_bytes(qt->act, n_in);
+    if (act_cap < xq_stride * m) {
+        uint8_t *buf = realloc(act_buf, (size_t)(xq_stride * m));
+        if (!buf) return -2;
+        act_buf = buf;
+        act_cap = xq_stride * m;
+    }
+    for (int64_t i = 0; i < m; i++) lt_quantize_act(qt->act, x + i * n_in, n_in, act_buf + i * xq_stride);
+    job_t job = {qt->dot, qt->dot2, w, w_stride, n_out, n_in / qt->block, act_buf, xq_stride, m, out, out_stride, NULL, n_in};
+    pool_run(q_task, &job, (n_out + CHUNK_ROWS - 1) / CHUNK_ROWS, nth);
+    return 0;
+}
+
+/* out[i, r] = W[r] . x[i] for float32 W rows of w_stride bytes (ggml_vec_dot_f32). */
+int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
+                  const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
+    job_t job = {NULL, NULL, (const uint8_t *)w, w_stride, n_out, 0, NULL, 0, m, out, out_stride, x, n_in};
+    pool_run(f32_task, &job, (n_out + CHUNK_ROWS - 1) / CHUNK_ROWS, nth);
+    return 0;
+}
+
+/* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) for rows of n floats (ggml_compute_forward_rms_norm_f32:
+ * the squares summed in double; the division as llmtune's numpy kernel writes it). */
+void lt_rms_norm(const float *x, int64_t rows, int64_t n, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++, x += n, out += n) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+        const float d = sqrtf((float)(sum / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++) out[i] = x[i] / d;
+    }
+}
+
+/* This file's AVX2 path is compiled in (1) or the portable one (0). */
+int lt_simd(void) { return LT_AVX2; }

@@ -1,0 +1,278 @@
+"""The compiled CPU kernels (llmtune/native) against the numpy path they stand in for, and the
+fallback when they cannot be built. Every test that needs the library skips when this machine
+cannot build it (no compiler)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from llmtune.native import build, kernels
+from llmtune.quant import blocks
+from llmtune.quant import matmul as qmatmul
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+QTYPES = tuple(kernels.TYPE_CODES)
+BIT_EXACT = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")  # whose AVX2 path is ggml's AVX2 vec_dot, op for op
+
+needs_library = pytest.mark.skipif(not kernels.available(), reason=f"no compiled kernels: {kernels.reason()}")
+
+
+@pytest.fixture()
+def fresh(monkeypatch, tmp_path):
+    """The library state forgotten before and after, the cache in tmp_path."""
+    monkeypatch.setenv("LLMTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    kernels.reset()
+    yield tmp_path
+    kernels.reset()
+
+
+def _activations(m: int, n: int, rng) -> np.ndarray:
+    """Rows of different scales with an outlier and an all-zero block, as real activations."""
+    x = rng.standard_normal((m, n)) * np.exp(rng.standard_normal((m, 1)))
+    x[:, 3] *= 30.0
+    x[0, :256] = 0.0
+    return x.astype(np.float32)
+
+
+def _matrix(qtype: str, n_out: int, n_in: int, rng) -> np.ndarray:
+    w = 0.05 * rng.standard_normal((n_out, n_in)) + 0.01 * (np.arange(n_in) % 5)  # offsets: the mins matter
+    return np.ascontiguousarray(blocks.quantize(w.astype(np.float32), QT[qtype])).view(np.uint8).reshape(n_out, -1)
+
+
+def _numpy_qlinear(x, raw, qtype, monkeypatch):
+    with monkeypatch.context() as mp:
+        mp.setattr(qmatmul.native, "qlinear", lambda *a: False)
+        return qmatmul.qlinear(np.empty((x.shape[0], raw.shape[0]), np.float32), x, raw, qtype)
+
+
+def _bound(x, raw, qtype):
+    """|x| @ |W|^T: the scale of the float rounding in a product."""
+    wd = qmatmul.dequantize_rows(raw, qtype, np.empty((raw.shape[0], x.shape[1]), np.float32))
+    return np.abs(x).astype(np.float64) @ np.abs(wd).T.astype(np.float64)
+
+
+def _check_products(monkeypatch, rng, rows=(1, 3, kernels.MAX_ROWS)):
+    for qtype in QTYPES:
+        raw = _matrix(qtype, 200, 512, rng)
+        for m in rows:
+            x = _activations(m, 512, rng)
+            out = np.full((m, 200), np.nan, np.float32)
+            assert kernels.qlinear(out, x, raw, qtype), qtype
+            ref = _numpy_qlinear(x, raw, qtype, monkeypatch)
+            err = np.abs(out.astype(np.float64) - ref) / _bound(x, raw, qtype)
+            assert err.max() < 1e-6, (qtype, m, err.max())  # float summation order only
+
+
+# ------------------------------------------------------------------------------ against numpy and ggml
+@needs_library
+def test_products_match_the_numpy_path(monkeypatch):
+    """Every type, 1 to MAX_ROWS activation rows, the rows split over threads: the numpy path's
+    numbers to float summation order (relative to |x| |W|: below 1e-6, where a wrong scale or
+    level shows at 1e-2)."""
+    _check_products(monkeypatch, np.random.default_rng(0))
+
+
+@needs_library
+def test_products_match_ggml_kernels():
+    """ggml's own products (tests/data/qmatmul, recorded from its CPU vec_dot): bit for bit for
+    the 32-value block types where the AVX2 path runs (the same operations in the same order),
+    to float summation order for the K-quants and the portable path."""
+    rec = np.load(DATA_DIR / "qmatmul" / "ggml-products.npz")
+    x = np.ascontiguousarray(rec["x"])
+    for qtype in QTYPES:
+        raw, theirs = rec[f"{qtype}.raw"], rec[f"{qtype}.out"]
+        ours = np.empty_like(theirs)
+        assert kernels.qlinear(ours, x, raw, qtype)
+        if kernels.simd() and qtype in BIT_EXACT:
+            np.testing.assert_array_equal(ours, theirs, err_msg=qtype)
+        else:
+            assert np.abs(ours - theirs).max() <= 2e-6 * np.abs(theirs).max(), qtype
+
+
+@needs_library
+@pytest.mark.parametrize("act", ["q8_0", "q8_1", "q8_K"])
+def test_activation_blocks_are_the_numpy_rounding(act):
+    """The activation blocks the kernels multiply decode to numpy's rounded activations exactly
+    (quant/matmul.py round_activations), and q8_1's s to its correction; the float copies of the
+    scales after the blocks are their fp16 values."""
+    x = _activations(1, 1024, np.random.default_rng(1))
+    want, corr = qmatmul.round_activations(x, act)
+    b = kernels.quantize_activations(x[0], act)
+    if act == "q8_K":
+        blk = b.reshape(-1, 4 + 256 + 32)
+        d = blk[:, :4].copy().view(np.float32)
+        q = blk[:, 4:260].view(np.int8).astype(np.float32)
+        np.testing.assert_array_equal((q * d).reshape(-1), want[0])
+        bsums = blk[:, 260:].copy().view(np.int16)
+        np.testing.assert_array_equal(bsums, q.reshape(-1, 16, 16).sum(axis=-1))
+        return
+    size, nb = (36 if act == "q8_1" else 34), x.shape[1] // 32
+    blk = b[: nb * size].reshape(nb, size)
+    scales = b[nb * size:].view(np.float32).reshape(-1, nb)  # d (and s) again, as float32
+    np.testing.assert_array_equal(scales[0], blk[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32))
+    d = blk[:, 0:2].copy().view(np.float16).astype(np.float32)
+    q = blk[:, size - 32:].view(np.int8).astype(np.float32)
+    np.testing.assert_array_equal((q * d).reshape(-1), want[0])
+    if act == "q8_1":
+        s = blk[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+        np.testing.assert_array_equal(s - d[:, 0] * q.sum(axis=1), corr[0])
+        np.testing.assert_array_equal(scales[1], s)
+
+
+@needs_library
+def test_f32_products_match_einsum():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((300, 576)).astype(np.float32)
+    for m in (1, 4):
+        x = _activations(m, 576, rng)
+        out = np.empty((m, 300), np.float32)
+        assert kernels.f32_linear(out, x, w)
+        bound = np.abs(x).astype(np.float64) @ np.abs(w).T
+        assert (np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)) / bound).max() < 1e-6
+
+
+@needs_library
+def test_threads_change_no_bit(monkeypatch):
+    """Each output row is one thread's dot product: the thread count moves no result."""
+    rng = np.random.default_rng(3)
+    raw, x = _matrix("Q4_1", 1000, 576, rng), _activations(2, 576, rng)
+    results = []
+    for threads in (1, 2, 3):
+        monkeypatch.setitem(kernels._state, "threads", threads)
+        out = np.empty((2, 1000), np.float32)
+        assert kernels.qlinear(out, x, raw, "Q4_1")
+        results.append(out)
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+
+
+@needs_library
+def test_concurrent_callers_and_a_forked_child():
+    """Two Python threads calling at once (one runs on the pool, the other alone) and a child
+    forked after the pool started (its workers are recreated) all finish with the right rows."""
+    rng = np.random.default_rng(4)
+    raw, x = _matrix("Q8_0", 512, 256, rng), _activations(1, 256, rng)
+    want = np.empty((1, 512), np.float32)
+    kernels.qlinear(want, x, raw, "Q8_0")
+    outs = [np.empty((1, 512), np.float32) for _ in range(2)]
+
+    def work(o):
+        for _ in range(200):
+            kernels.qlinear(o, x, raw, "Q8_0")
+
+    threads = [threading.Thread(target=work, args=(o,)) for o in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    for o in outs:
+        np.testing.assert_array_equal(o, want)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        child = pool.apply_async(_child_product, (raw, x)).get(timeout=60)
+    np.testing.assert_array_equal(child, want)
+
+
+def _child_product(raw, x):
+    out = np.empty((1, raw.shape[0]), np.float32)
+    assert kernels.qlinear(out, x, raw, "Q8_0")
+    return out
+
+
+def test_portable_build_matches_numpy(fresh, monkeypatch):
+    """The source built without -march=native (no AVX2, no F16C: the portable loops and the
+    software fp16 conversions) gives the numpy path's numbers too."""
+    try:
+        build.compiler()
+    except build.BuildError as e:
+        pytest.skip(str(e))
+    monkeypatch.setattr(build, "NATIVE_FLAGS", [])
+    monkeypatch.setattr(build, "FLAGS", build.FLAGS + ["-march=x86-64"] if _is_x86() else build.FLAGS)
+    if not kernels.available():
+        pytest.skip(kernels.reason())
+    assert not kernels.simd()
+    _check_products(monkeypatch, np.random.default_rng(5), rows=(1, 3))
+    b = kernels.quantize_activations(np.float32([1e-6, 65504.0, -3.0, 0.5] * 8), "q8_1")
+    assert b.view(np.uint8)[:2].view(np.float16)[0] == np.float16(65504.0 / 127)
+
+
+def _is_x86() -> bool:
+    import platform
+
+    return platform.machine() in ("x86_64", "AMD64", "i686")
+
+
+# ------------------------------------------------------------------------------ the cache and the fallback
+def test_library_is_cached_per_source_and_written_whole(fresh):
+    try:
+        first = build.build("qdot")
+    except build.BuildError as e:
+        pytest.skip(str(e))
+    assert first.parent == fresh / "cache" and build.build("qdot") == first
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary file left
+    ident = build._compiler_identity(build.compiler())
+    assert build.library_key(b"int x;", ident, build.FLAGS) != build.library_key(b"int y;", ident, build.FLAGS)
+    assert build.library_key(b"int x;", ident, build.FLAGS) != build.library_key(b"int x;", ident + "2", build.FLAGS)
+
+
+def test_no_compiler_falls_back_to_numpy(fresh, monkeypatch, stories_path):
+    """A machine without a C compiler: the kernels say why, every entry declines, and a quantized
+    model generates on the numpy path the tokens it generates with the kernels."""
+    import llmtune
+    from llmtune.eval.sampling import SamplerConfig
+
+    q8 = llmtune.export(stories_path, fresh / "q8.gguf", "q8_0").out_path
+    greedy = SamplerConfig(temp=0.0)
+    native = llmtune.generate(q8, "Once upon a time", n_predict=32, sampler=greedy)
+    monkeypatch.setenv("CC", str(fresh / "no-such-cc"))
+    kernels.reset()
+    assert not kernels.available()
+    assert "no C compiler" in kernels.reason()
+    out = np.empty((1, 64), np.float32)
+    assert not kernels.qlinear(out, np.ones((1, 32), np.float32), np.zeros((64, 34), np.uint8), "Q8_0")
+    assert not kernels.f32_linear(out, np.ones((1, 32), np.float32), np.ones((64, 32), np.float32))
+    res = llmtune.generate(q8, "Once upon a time", n_predict=32, sampler=greedy)
+    assert res.tokens == native.tokens  # (stories260K has no near ties the two roundings split)
+
+
+def test_disabled_by_the_environment(fresh, monkeypatch):
+    monkeypatch.setenv("LLMTUNE_NATIVE", "0")
+    assert not kernels.available() and "LLMTUNE_NATIVE=0" in kernels.reason()
+    assert not (fresh / "cache").exists()  # nothing was built
+
+
+def test_a_failed_build_is_a_reason_not_an_error(fresh, monkeypatch):
+    try:
+        build.compiler()
+    except build.BuildError as e:
+        pytest.skip(str(e))
+    src = fresh / "src"
+    src.mkdir()
+    (src / "qdot.c").write_text("this is not C\n")
+    monkeypatch.setattr(build, "HERE", src)
+    assert not kernels.available()
+    assert kernels.reason().startswith(build.compiler()) and "qdot.c" in kernels.reason()
+    assert not list((fresh / "cache").iterdir())  # the failed attempts left nothing behind
+
+
+@needs_library
+def test_rms_norm_matches_numpy():
+    """The decode step's rms_norm (a replayed program binds it): numpy's kernel within a few float32
+    ulps (ggml sums the squares in double, numpy's einsum in float32)."""
+    from llmtune.backends.cpu import k_rms_norm
+
+    x = _activations(3, 576, np.random.default_rng(6))
+    out = np.empty_like(x)
+    call = kernels.bind_rms_norm(out, x, 1e-5)
+    call()
+    want = k_rms_norm(np.empty_like(x), x, 1e-5)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-30)  # a few ulps: the squares summed in double
+    assert kernels.bind_rms_norm(out, x.astype(np.float64), 1e-5) is None
+    assert kernels.bind_rms_norm(np.empty((20, 576), np.float32), np.ones((20, 576), np.float32), 1e-5) is None
