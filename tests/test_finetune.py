@@ -402,3 +402,43 @@ def test_memory_estimate_holds(model_15m, wiki100k_path, tmp_path, settings):
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert abs(got["estimate"] / got["peak_rss"] - 1) < 0.15, json.dumps(got)
+
+
+# ------------------------------------------------------------------------------ --grad-clip
+def _torch_clip(g: np.ndarray, max_norm: float) -> tuple[float, np.ndarray]:
+    """torch.nn.utils.clip_grad_norm_ on one tensor, written out (float64): the total L2 norm, and
+    the gradient times min(1, max_norm / (norm + 1e-6))."""
+    norm = float(np.sqrt(np.sum(np.asarray(g, np.float64) ** 2)))
+    return norm, g * min(1.0, max_norm / (norm + 1e-6))
+
+
+def test_grad_clip_scales_as_torch(stories_path):
+    from llmtune.backends.cpu import CPUBackend
+    from llmtune.model.loaded import load_model
+
+    model = load_model(stories_path)
+    tr = Trainer(model, CPUBackend(), n_ctx=16, n_batch=16, n_ubatch=16, trainable=model.select(None), grad_clip=0.5)
+    g = np.random.default_rng(3).standard_normal(tr.n_trainable).astype(np.float32) * 1e-3
+    for max_norm in (0.5, 1e9):  # clipped, and a norm under the limit (untouched)
+        tr.grad_clip = max_norm
+        tr.flat_g[...] = g
+        norm = tr.clip_gradients()
+        want_norm, want = _torch_clip(g, max_norm)
+        assert norm == pytest.approx(want_norm, rel=1e-6)
+        np.testing.assert_allclose(tr.flat_g, want, rtol=1e-6, atol=0)
+    assert np.array_equal(tr.flat_g, g)  # under the limit: the very same bits
+
+
+def test_grad_clip_in_a_run_logs_the_norm_and_changes_only_clipped_steps(stories_path, small_text, tmp_path):
+    """Every step's norm (before clipping) is in --metrics; a limit above every norm gives the
+    unclipped run's bytes, a low one another model."""
+    runs = {}
+    for name, clip in (("off", None), ("high", 1e9), ("low", 0.05)):
+        out, metrics = tmp_path / f"{name}.gguf", tmp_path / f"{name}.jsonl"
+        llmtune.finetune(stories_path, small_text, out, ctx=64, epochs=1, lr=1e-3, metrics=str(metrics), grad_clip=clip)
+        steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["type"] == "train_step"]
+        runs[name] = (out.read_bytes(), [r["grad_norm"] for r in steps])
+    assert all(n > 0 for n in runs["off"][1]) and runs["off"] == runs["high"]
+    assert runs["low"][0] != runs["off"][0] and runs["low"][1][0] == runs["off"][1][0] > 0.05
+    with pytest.raises(LlmtuneError, match="^--grad-clip: must be >= 0"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "x.gguf", ctx=64, epochs=1, grad_clip=-1.0)

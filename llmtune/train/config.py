@@ -35,6 +35,11 @@ class FinetuneConfig:
     warmup: int = setting(0, "Linear warmup over this many optimizer steps.", metavar="N")
     wd: float = setting(0.0, "Decoupled weight decay.", metavar="X")
     optimizer: str = setting("adamw", "adamw or sgd.", metavar="NAME")
+    grad_clip: float = setting(0.0, "Clip the gradient's global L2 norm over every trained value to this "
+                                    "(torch.nn.utils.clip_grad_norm_; after accumulation and the data-parallel "
+                                    "all-reduce, before the update). Off by default, as llama.cpp's finetune, so "
+                                    "existing recipes keep their results; HF Trainer uses 1.0. "
+                                    "The norm before clipping is logged every step.", metavar="X", unset="off")
     val_split: float = setting(0.05, "Fraction of windows (the last ones) held out for validation.", metavar="X")
     params: Optional[str] = setting(None, "Regex over GGUF tensor names choosing what trains, e.g. 'attn_(q|v)'.",
                                     metavar="REGEX", unset="all")
@@ -114,6 +119,8 @@ class FinetuneConfig:
             raise LlmtuneError(f"--epochs: must be at least 1, got {c.epochs}")
         if not 0 <= c.val_split < 1:
             raise LlmtuneError(f"--val-split: must be in [0, 1), got {c.val_split}")
+        if not c.grad_clip >= 0:
+            raise LlmtuneError(f"--grad-clip: must be >= 0 (0: off), got {c.grad_clip}")
         if c.wd < 0:
             raise LlmtuneError(f"--wd: must be >= 0, got {c.wd}")
         if c.precision not in ("f32", "tf32", "bf16"):

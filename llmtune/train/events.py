@@ -83,6 +83,7 @@ class Step(Event):
     accuracy: float
     lr: float
     tokens_per_s: float
+    grad_norm: float = float("nan")  # the step's global gradient norm before --grad-clip
 
 
 @dataclass(frozen=True)

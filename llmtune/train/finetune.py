@@ -104,7 +104,8 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     trainer = Trainer(model, get_backend(cfg.backend, precision=cfg.precision), n_ctx=cfg.ctx, n_batch=cfg.batch,
                       n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer, wd=cfg.wd,
                       lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
-                      workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack)
+                      workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack,
+                      grad_clip=cfg.grad_clip)
     trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
     memory = preflight.checked_memory(trainer, model_path)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)

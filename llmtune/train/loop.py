@@ -136,7 +136,8 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
         elapsed = time.perf_counter() - t0
         step = ev.Step(epoch=run.epoch + 1, step=s + 1, steps=run.steps_per_epoch, global_step=run.step, loss=loss,
                        running_loss=run.stats.loss, accuracy=run.stats.accuracy, lr=lr,
-                       tokens_per_s=(s + 1 - first) * run.cfg.batch / elapsed if elapsed > 0 else 0.0)
+                       tokens_per_s=(s + 1 - first) * run.cfg.batch / elapsed if elapsed > 0 else 0.0,
+                       grad_norm=run.trainer.grad_norm)
         run.epoch_step = s + 1
         # elapsed_s: the run's training seconds so far, across epochs and resumes
         run.log.write({"type": "train_step", **step.as_record(), "elapsed_s": run.elapsed()})

@@ -70,7 +70,7 @@ class Trainer:
     def __init__(self, model: Model, backend, *, n_ctx: int, n_batch: int, n_ubatch: int,
                  trainable: list[str], optimizer: str = "adamw", wd: float = 0.0, workers: int | None = None,
                  lora_dropout: float = 0.0, seed: int = 0, comm: Communicator | None = None,
-                 grad_checkpoint: bool = False, packed: bool = False):
+                 grad_checkpoint: bool = False, packed: bool = False, grad_clip: float = 0.0):
         """trainable: names in model.tensors() (base weights, or a LoRA adapter's A/B keys: the
         base then stays frozen). workers: micro-batches computed at once (cpu: by default one per
         core when a step has several, each with single-threaded BLAS). The result does not depend
@@ -97,6 +97,8 @@ class Trainer:
             self.model = model = dataclasses.replace(model, weights={**model.weights, **dense})
         self.lora_dropout, self.seed, self.steps_done = float(lora_dropout), seed, 0
         self.grad_checkpoint, self.packed = bool(grad_checkpoint), bool(packed)
+        self.grad_clip = float(grad_clip)  # > 0: the step's gradient is clipped to this global L2 norm
+        self.grad_norm = math.nan  # the last step's global gradient norm, before clipping
         self.max_loss = math.inf  # a step's mean loss above it stops training (Diverged)
         self._requested_workers = workers
         # data-parallel ranks (backends/dist.py; default: this process's world): rank r takes the
@@ -320,9 +322,25 @@ class Trainer:
         self._check_step(loss)  # before the update: a bad step leaves the weights as they were
         for (loss_v, correct), c in zip(results, counts):
             stats.add(loss_v, correct, int(c))
+        self.grad_norm = self.clip_gradients()
         self.optimizer.step(self.flat_w, self.flat_g, lr)
         self.steps_done += 1
         return loss
+
+    def clip_gradients(self) -> float:
+        """The global L2 norm of the step's gradient (accumulated over the micro-batches and, under
+        data parallel, all-reduced: every rank sees the same) before clipping; with grad_clip > 0
+        the gradient is then scaled as torch.nn.utils.clip_grad_norm_ scales it, by
+        grad_clip / (norm + 1e-6) when that is below 1."""
+        g = self.flat_g
+        if self.n_trainable == 0:
+            return 0.0
+        norm = math.sqrt(float(self.backend.to_numpy(g.dot(g))))
+        if self.grad_clip > 0:
+            coef = self.grad_clip / (norm + 1e-6)
+            if coef < 1.0:
+                g *= g.dtype.type(coef)
+        return norm
 
     def _reduce_step(self, results: list) -> list:
         """The step's all-reduce: flat_g summed over the ranks (one collective over the flat buffer),
