@@ -103,12 +103,17 @@ def export(model_path: str | os.PathLike, out_path: str | os.PathLike, type: str
     return write_converted(gf, out, xt, merged, inputs=[model_path, *lora], progress=progress)
 
 
+def export_plans(gf: GGUFFile, xt: ExportType) -> dict[str, TensorPlan]:
+    """The type every tensor of `gf` gets as `xt` (llama-quantize's per-tensor policy, quant/plan.py)."""
+    return plan_types(xt, {n: (t.shape, t.type) for n, t in gf.tensors.items()}, ModelFacts.from_metadata(gf.metadata))
+
+
 def write_converted(gf: GGUFFile, out: Path, xt: ExportType, changed: Callable[[str], np.ndarray | None] | None,
                     inputs: list, progress: Progress | None = None) -> ExportSummary:
     """`gf` written to `out` with its weights stored as `xt`; `changed(name)`: a tensor's new
     float32 values (merged adapters, finetuned weights), or None to convert the stored ones."""
     start = time.perf_counter()
-    plans = plan_types(xt, {n: (t.shape, t.type) for n, t in gf.tensors.items()}, ModelFacts.from_metadata(gf.metadata))
+    plans = export_plans(gf, xt)
     ordered = [plans[name] for name in gf.tensors]  # keep the input file's tensor order
     summary = ExportSummary(Path(gf.path), out, xt.name, int(xt.ftype))
     write_gguf(out, gf.arch, _export_metadata(gf, xt), _converted(gf, ordered, summary, progress, changed),

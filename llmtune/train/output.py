@@ -35,12 +35,16 @@ def output_types(model: Model, trained: list[str], out_type: Optional[str]) -> d
     """The type each trained tensor is written in (the policy above)."""
     if out_type is None:
         return {name: QT.F32 for name in trained}
-    from llmtune.quant.plan import ModelFacts, export_type, plan_types
-
-    gf = model.gguf
-    plans = plan_types(export_type(out_type), {n: (t.shape, t.type) for n, t in gf.tensors.items()},
-                       ModelFacts.from_metadata(gf.metadata))
+    plans = _plans(model, out_type)
     return {name: plans[name].dst_type for name in trained}
+
+
+def _plans(model: Model, out_type: str) -> dict:
+    """--out-type's plan: every tensor's type as `llmtune export --type out_type` would write it."""
+    from llmtune.convert.export import export_plans
+    from llmtune.quant.plan import export_type
+
+    return export_plans(model.gguf, export_type(out_type))
 
 
 def output_bytes(model: Model, trained: list[str], out_type: Optional[str]) -> int:
@@ -50,10 +54,7 @@ def output_bytes(model: Model, trained: list[str], out_type: Optional[str]) -> i
     gf = model.gguf
     if out_type is None:  # the input file, its trained tensors grown to F32
         return gf.file_size + sum(gf.tensors[n].n_elements * 4 - gf.tensors[n].n_bytes for n in trained)
-    from llmtune.quant.plan import ModelFacts, export_type, plan_types
-
-    plans = plan_types(export_type(out_type), {n: (t.shape, t.type) for n, t in gf.tensors.items()},
-                       ModelFacts.from_metadata(gf.metadata))
+    plans = _plans(model, out_type)
     tensor_bytes = sum(t.n_bytes for t in gf.tensors.values())
     return gf.file_size - tensor_bytes + sum(quants.nbytes(p.shape, p.dst_type) for p in plans.values())
 
