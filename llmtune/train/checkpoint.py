@@ -6,7 +6,10 @@ pickled), next to the output as `<output>.ckpt-<step>.npz` (out/demo.gguf.ckpt-0
 
   weights         float32 [n]   the trainer's flat trainable buffer: the trained tensors (full
                                 finetune) or the LoRA A/B tensors, concatenated in meta.trainable order
-  adam_m, adam_v  float32 [n]   AdamW's moments, same layout (absent with sgd)
+  adam_m, adam_v  float32 [n]   AdamW's moments, same layout (--optimizer adamw)
+  adam8_m, adam8_v  uint8 [n]   adamw8bit's moments: dynamic-map indices (quant/dynamic8.py), same layout
+  adam8_absmax_m, adam8_absmax_v  float32 [blocks]  their per-block scales (blocks of 2048, per tensor)
+                                (no optimizer arrays with sgd)
   order           int64 [n_train]  the current epoch's window order (its RNG: numpy
                                 default_rng([seed, epoch]); dropout masks come from (seed, step))
   meta            uint8         UTF-8 JSON: format, version, the position (step = optimizer steps

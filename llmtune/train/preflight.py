@@ -81,7 +81,7 @@ def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dat
     """Room for the output and the checkpoints (the kept ones plus the one being written) before
     the first step."""
     n = trainer.n_trainable
-    per_checkpoint = n * 4 * (3 if trainer.optimizer.m is not None else 1) + dataset.n_train * 8 + (1 << 16)
+    per_checkpoint = n * 4 + trainer.optimizer.state_bytes + dataset.n_train * 8 + (1 << 16)
     out_bytes = n * 4 + (1 << 20) if trainer.model.adapters else output_bytes(trainer.model, trainer.trainable, cfg.out_type)
     keep = (cfg.keep_checkpoints or 1) + 1
     check_disk_space(out.parent, out_bytes + keep * per_checkpoint,
