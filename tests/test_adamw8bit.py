@@ -132,7 +132,8 @@ def test_adamw8bit_step_matches_reference(name, dtype, rel, wd):  # noqa: F811
     scales equal, the codes equal but where float32 rounding lands on a midpoint (then one apart)."""
     be = backend_for(name, dtype)
     sizes = [3000, 17, 4096, 600]
-    opt = Optimizer("adamw8bit", be, sum(sizes), wd=wd, sizes=sizes)
+    opt = Optimizer("adamw8bit", be, sum(sizes), wd=wd, tensors=[(f"t{i}", k) for i, k in enumerate(sizes)],
+                    min_8bit_size=0)
     starts = dynamic8.block_starts(sizes)
     n = int(starts[-1])
     w = be.asarray(rng.standard_normal(n).astype(dtype))
@@ -164,7 +165,8 @@ def test_adamw8bit_cuda_equals_cpu(name):  # noqa: F811
     sizes = [5000, 33, 2048]
     be, cpu = backend_for(name), backend_for("cpu")
     n = sum(sizes)
-    opts = [Optimizer("adamw8bit", b, n, wd=0.05, sizes=sizes) for b in (be, cpu)]
+    opts = [Optimizer("adamw8bit", b, n, wd=0.05, tensors=[(f"t{i}", k) for i, k in enumerate(sizes)], min_8bit_size=0)
+            for b in (be, cpu)]
     w0 = rng.standard_normal(n).astype(np.float32)
     ws = [b.asarray(w0.copy()) for b in (be, cpu)]
     for _ in range(3):
@@ -185,17 +187,44 @@ def test_adamw8bit_cuda_equals_cpu(name):  # noqa: F811
         assert np.all(np.abs(got - want) <= 2 * np.spacing(np.maximum(np.abs(before), np.abs(want))))
 
 
+TENSORS = [("token_embd.weight", 5000), ("blk.0.attn_norm.weight", 17), ("blk.0.ffn_up.weight", 4096 * 3),
+           ("blk.0.ffn_down.weight", 4100), ("output_norm.weight", 600)]
+
+
 def test_state_bytes_are_two_per_value_plus_scales():
+    """The 8-bit tensors: 2 bytes per value, a float32 per block and moment, the block tables; the
+    float32 exceptions (the embedding, tensors under 4096 values): 8 bytes per value."""
     from llmtune.backends.cpu import CPUBackend
 
-    sizes = [4096 * 3, 100]
-    n = sum(sizes)
-    opt8, opt32 = (Optimizer(k, CPUBackend(), n, sizes=sizes) for k in ("adamw8bit", "adamw"))
-    blocks = 6 + 1  # 2048 values each, and the small tensor its own
-    assert opt8.state_bytes == 2 * n + 2 * 4 * blocks + 8 * (blocks + 1) + 2 * 256 * 4
+    n = sum(k for _, k in TENSORS)
+    opt8, opt32 = (Optimizer(k, CPUBackend(), n, tensors=TENSORS) for k in ("adamw8bit", "adamw"))
+    n8, blocks = 4096 * 3 + 4100, 6 + 3  # ffn_up, ffn_down: one run of 8-bit tensors, blocks per tensor
+    assert opt8.m.shape == (n8,) and opt8.absmax_m.shape == (blocks,) and opt8.m32.shape == (n - n8,)
+    assert opt8.state_bytes == 2 * n8 + 2 * 4 * blocks + 8 * (blocks + 1) + 2 * 256 * 4 + 8 * (n - n8)
     assert opt32.state_bytes == 8 * n
     with pytest.raises(LlmtuneError, match="--optimizer: unknown optimizer 'adam4bit'"):
         Optimizer("adam4bit", CPUBackend(), n)
+
+
+def test_float32_exceptions_step_as_adamw(name):  # noqa: F811
+    """The embedding and the small tensors of an adamw8bit buffer get exactly adamw's update; the
+    8-bit tensors exactly what an all-8-bit optimizer over them alone gives."""
+    be = backend_for(name)
+    n = sum(k for _, k in TENSORS)
+    mixed, plain = Optimizer("adamw8bit", be, n, wd=0.1, tensors=TENSORS), Optimizer("adamw", be, n, wd=0.1)
+    eight = Optimizer("adamw8bit", be, 4096 * 3 + 4100, wd=0.1, tensors=TENSORS[2:4])
+    w0 = rng.standard_normal(n).astype(np.float32)
+    ws = [be.asarray(w0.copy()) for _ in range(3)]
+    lo, hi = 5017, 5017 + 4096 * 3 + 4100
+    for _ in range(3):
+        g = rng.standard_normal(n).astype(np.float32)
+        mixed.step(ws[0], be.asarray(g), 0.01)
+        plain.step(ws[1], be.asarray(g), 0.01)
+        eight.step(ws[2][lo:hi], be.asarray(g[lo:hi]), 0.01)
+    got, f32, e8 = (be.to_numpy(w) for w in ws)
+    np.testing.assert_array_equal(np.r_[got[:lo], got[hi:]], np.r_[f32[:lo], f32[hi:]])
+    np.testing.assert_array_equal(got[lo:hi], e8[lo:hi])
+    assert not np.array_equal(got[lo:hi], f32[lo:hi])
 
 
 # ------------------------------------------------------------------------------ training

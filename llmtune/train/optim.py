@@ -47,15 +47,25 @@ class LRSchedule:
 
 
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep float32 moments
+
+
+def keeps_f32_state(name: str, size: int, min_8bit_size: int = MIN_8BIT_SIZE) -> bool:
+    """adamw8bit's float32 exceptions, as bitsandbytes: tensors under min_8bit_size values (norms,
+    biases), and the token embedding, whose rows of rare tokens see zero gradients for many steps
+    (bitsandbytes.nn.StableEmbedding registers 32-bit optimizer state for it; its layer norm is not
+    added here, since it would change the model's architecture)."""
+    return size < min_8bit_size or name.startswith("token_embd.")
 
 
 class Optimizer:
     """AdamW (ggml_opt_step_adamw), AdamW with block-wise 8-bit moments (bitsandbytes.optim.AdamW8bit,
-    quant/dynamic8.py) or SGD over the trainer's flat parameter/gradient buffers. `sizes`: the
-    tensors laid end to end in the buffer (default: one); 8-bit blocks never span two of them."""
+    quant/dynamic8.py) or SGD over the trainer's flat parameter/gradient buffers. `tensors`: the
+    (name, size) laid end to end in the buffer (default: one unnamed tensor of n); with adamw8bit,
+    blocks never span two of them and keeps_f32_state ones keep float32 moments."""
 
     def __init__(self, kind: str, backend, n: int, *, wd: float = 0.0, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-8, sizes=None):
+                 beta2: float = 0.999, eps: float = 1e-8, tensors=None, min_8bit_size: int = MIN_8BIT_SIZE):
         kind = kind.lower()
         if kind not in OPTIMIZERS:
             raise LlmtuneError(f"--optimizer: unknown optimizer {kind!r} (choose {', '.join(OPTIMIZERS)})")
@@ -66,14 +76,40 @@ class Optimizer:
         if kind == "adamw":
             self.m, self.v = backend.zeros((n,)), backend.zeros((n,))
         elif kind == "adamw8bit":
-            starts = dynamic8.block_starts([n] if sizes is None else sizes)
-            if starts[-1] != n:
-                raise ValueError(f"tensor sizes sum to {starts[-1]}, not the buffer's {n}")
-            # all-zero blocks: code index 0 with absmax 0 dequantizes to 0 (bitsandbytes' zero init)
-            self.m, self.v = backend.zeros((n,), np.uint8), backend.zeros((n,), np.uint8)
-            self.absmax_m, self.absmax_v = backend.zeros((starts.size - 1,)), backend.zeros((starts.size - 1,))
-            self.starts = backend.asarray(starts)
-            self.code_m, self.code_v = (backend.asarray(dynamic8.dynamic_map(s).astype(backend.dtype)) for s in (True, False))
+            self._init_8bit(n, [("", n)] if tensors is None else tensors, min_8bit_size)
+
+    def _init_8bit(self, n: int, tensors, min_8bit_size: int) -> None:
+        """Runs of consecutive tensors with the same state kind: ("8bit", buffer range, state range,
+        block range, block starts within the run) or ("f32", buffer range, state range)."""
+        be = self.backend
+        self.runs, offset, n8, n32, n_blocks = [], 0, 0, 0, 0
+        for name, size in tensors:
+            kind = "f32" if keeps_f32_state(name, size, min_8bit_size) else "8bit"
+            if self.runs and self.runs[-1][0] == kind:
+                self.runs[-1][1].append(size)
+            else:
+                self.runs.append((kind, [size]))
+            offset += size
+        if offset != n:
+            raise ValueError(f"tensor sizes sum to {offset}, not the buffer's {n}")
+        runs, offset = [], 0
+        for kind, sizes in self.runs:
+            size = sum(sizes)
+            if kind == "f32":
+                runs.append(("f32", slice(offset, offset + size), slice(n32, n32 + size)))
+                n32 += size
+            else:
+                starts = dynamic8.block_starts(sizes)
+                blocks = slice(n_blocks, n_blocks + starts.size - 1)
+                runs.append(("8bit", slice(offset, offset + size), slice(n8, n8 + size), blocks, be.asarray(starts)))
+                n8, n_blocks = n8 + size, n_blocks + starts.size - 1
+            offset += size
+        self.runs = runs
+        # all-zero blocks: code index 0 with absmax 0 dequantizes to 0 (bitsandbytes' zero init)
+        self.m, self.v = be.zeros((n8,), np.uint8), be.zeros((n8,), np.uint8)
+        self.absmax_m, self.absmax_v = be.zeros((n_blocks,)), be.zeros((n_blocks,))
+        self.m32, self.v32 = be.zeros((n32,)), be.zeros((n32,))
+        self.code_m, self.code_v = (be.asarray(dynamic8.dynamic_map(s).astype(be.dtype)) for s in (True, False))
 
     def _state(self) -> dict:
         """The optimizer's state buffers by checkpoint array name (see train/checkpoint.py)."""
@@ -81,14 +117,16 @@ class Optimizer:
             return {"adam_m": self.m, "adam_v": self.v}
         if self.kind == "adamw8bit":
             return {"adam8_m": self.m, "adam8_v": self.v, "adam8_absmax_m": self.absmax_m,
-                    "adam8_absmax_v": self.absmax_v}
+                    "adam8_absmax_v": self.absmax_v, "adam8_f32_m": self.m32, "adam8_f32_v": self.v32}
         return {}
 
     @property
     def state_bytes(self) -> int:
-        """Device bytes of the state: 8 per value (adamw), 2 per value plus one float per block of
-        each moment and the block table (adamw8bit), 0 (sgd)."""
-        extra = self.starts.nbytes + self.code_m.nbytes + self.code_v.nbytes if self.kind == "adamw8bit" else 0
+        """Device bytes of the state: 8 per value (adamw); adamw8bit: 2 per value plus one float per
+        block of each moment and the block tables, 8 per value of its float32 exceptions; 0 (sgd)."""
+        extra = 0
+        if self.kind == "adamw8bit":
+            extra = self.code_m.nbytes + self.code_v.nbytes + sum(r[4].nbytes for r in self.runs if r[0] == "8bit")
         return sum(b.nbytes for b in self._state().values()) + extra
 
     def state_arrays(self) -> dict:
@@ -113,7 +151,13 @@ class Optimizer:
         if self.kind == "adamw":
             self.backend.adamw_step(w, g, self.m, self.v, **hp)
         elif self.kind == "adamw8bit":
-            self.backend.adamw8bit_step(w, g, self.m, self.v, self.absmax_m, self.absmax_v, self.starts,
-                                        self.code_m, self.code_v, **hp)
+            for run in self.runs:
+                kind, sl, st = run[:3]
+                if kind == "f32":
+                    self.backend.adamw_step(w[sl], g[sl], self.m32[st], self.v32[st], **hp)
+                else:
+                    b = run[3]
+                    self.backend.adamw8bit_step(w[sl], g[sl], self.m[st], self.v[st], self.absmax_m[b],
+                                                self.absmax_v[b], run[4], self.code_m, self.code_v, **hp)
         else:
             self.backend.sgd_step(w, g, lr=lr, wd=self.wd)

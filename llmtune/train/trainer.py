@@ -112,7 +112,7 @@ class Trainer:
         try:
             self._init_buffers()
             self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd,
-                                       sizes=[self.tensors[n].size for n in self.trainable])
+                                       tensors=[(n, self.tensors[n].size) for n in self.trainable])
             # worker 0 accumulates into flat_g, the others into buffers of their own, summed per step
             self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
         except MemoryError:
