@@ -239,12 +239,12 @@ def text(tmp_path_factory, wiki100k_path):
     return path
 
 
-SETTINGS = dict(ctx=16, batch=32, epochs=2, lr=1e-3, seed=3, val_split=0.0)
+SETTINGS = dict(ctx=16, batch=32, epochs=1, lr=1e-3, seed=3, val_split=0.0)
 
 
 def test_training_tracks_f32_adamw(stories_path, text, tmp_path):
-    """A full finetune of stories260K (~110 steps at lr 1e-4): adamw8bit's loss, averaged over
-    windows of 20 steps, stays within 1% of float32 AdamW's (same data and order), and both learn.
+    """A full finetune of stories260K (~56 steps at lr 1e-4): adamw8bit's loss, averaged over
+    windows of 10 steps, stays within 1% of float32 AdamW's (same data and order), and both learn.
     (At lr 1e-3, where this tiny model memorizes the text, the 8-bit run falls behind: BENCHMARKS.)"""
     losses, memory = {}, {}
     for kind in ("adamw", "adamw8bit"):
@@ -256,7 +256,7 @@ def test_training_tracks_f32_adamw(stories_path, text, tmp_path):
         memory[kind] = res.memory
     a, b = losses["adamw"], losses["adamw8bit"]
     assert a.size == b.size > 50
-    wa, wb = (np.array([x[i : i + 20].mean() for i in range(0, x.size, 20)]) for x in (a, b))
+    wa, wb = (np.array([x[i : i + 10].mean() for i in range(0, x.size, 10)]) for x in (a, b))
     assert np.max(np.abs(wb - wa) / wa) < 0.01, (wa, wb)
     assert not np.array_equal(a, b) and wb[-1] < wb[0] - 1.0
     # the printed estimate: 2 bytes per 8-bit value, 8 per value of the float32 exceptions (here
@@ -269,7 +269,7 @@ def test_resume_is_byte_identical_and_the_checkpoint_holds_8bit_state(stories_pa
     ref = tmp_path / "ref.gguf"
     llmtune.finetune(stories_path, text, ref, optimizer="adamw8bit", **SETTINGS)
     out = tmp_path / "run.gguf"
-    llmtune.finetune(stories_path, text, out, optimizer="adamw8bit", checkpoint_every=20, keep_checkpoints=100,
+    llmtune.finetune(stories_path, text, out, optimizer="adamw8bit", checkpoint_every=10, keep_checkpoints=100,
                      **SETTINGS)
     assert _sha(out) == _sha(ref)
     found = ckpts.checkpoints_of(out)
@@ -293,9 +293,8 @@ def test_resume_is_byte_identical_and_the_checkpoint_holds_8bit_state(stories_pa
 def test_an_adamw_checkpoint_still_resumes(stories_path, text, tmp_path):
     """Checkpoints of --optimizer adamw keep their float32 adam_m / adam_v arrays (older files load)."""
     ref, out = tmp_path / "ref.gguf", tmp_path / "run.gguf"
-    settings = {**SETTINGS, "epochs": 1}
-    llmtune.finetune(stories_path, text, ref, **settings)
-    llmtune.finetune(stories_path, text, out, checkpoint_every=20, keep_checkpoints=100, **settings)
+    llmtune.finetune(stories_path, text, ref, **SETTINGS)
+    llmtune.finetune(stories_path, text, out, checkpoint_every=20, keep_checkpoints=100, **SETTINGS)
     (_, first), *rest = ckpts.checkpoints_of(out)
     z = np.load(first)
     assert z["adam_m"].dtype == np.float32 and "adam8_m" not in z.files
