@@ -1,0 +1,136 @@
+"""--optimizer adamw8bit against float32 AdamW (issue 25 part 5): loss curves, memory, what fits.
+
+    python bench/bench_adam8.py curves [--model 15m|PATH] [--steps 30] [--ctx 128] [--lr 1e-4,1e-3]
+    python bench/bench_adam8.py fits   [--config configs/llama-1b.toml] [--vocab 128256] [--gib 24]
+
+curves: a full finetune of the model (15m: the 15M shape, configs/llama-15m.toml, random weights as
+bench/bench_train.py makes it; or a GGUF path such as SmolLM2-135M-Instruct.f32.gguf) on the same
+slice of data/wikitext-100k.txt, one --ctx sequence per step, no shuffling, once with each
+optimizer, each run in a fresh process: per-step loss, finetune's printed memory estimate and the
+process's peak RSS (VmHWM).
+
+fits: the state finetune's estimate counts for a full finetune of a config's shape (trained
+weights + gradients + optimizer state, float32; activations come on top and depend on --ctx and
+--grad-checkpoint), from the real Optimizer objects' state_bytes (their buffers are np.zeros,
+which the OS does not back until written, so this allocates nothing of note).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = REPO / "data" / "wikitext-100k.txt"
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def _worker(model: str, text: str, ctx: int, lr: float, optimizer: str) -> dict:
+    """One finetune in this fresh process: per-step losses, the estimate, peak RSS."""
+    import llmtune
+    from llmtune.resources import peak_rss
+
+    losses = []
+    with tempfile.TemporaryDirectory() as tmp:
+        res = llmtune.finetune(model, text, Path(tmp) / "out.gguf", ctx=ctx, epochs=1, lr=lr, val_split=0.0,
+                               shuffle=False, optimizer=optimizer,
+                               callback=lambda e: losses.append(e.loss) if e.kind == "step" else None)
+    return {"losses": losses, "memory_mib": {k: v / 2**20 for k, v in res.memory.items()},
+            "peak_rss_mib": peak_rss() / 2**20}
+
+
+def run(model: Path, text: Path, ctx: int, lr: float, optimizer: str) -> dict:
+    code = (f"import sys, json; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_adam8 as b; "
+            f"print(json.dumps(b._worker({str(model)!r}, {str(text)!r}, {ctx}, {lr}, {optimizer!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def curves(args) -> None:
+    from bench_memory import text_for
+    from bench_train import model_15m
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = model_15m(tmp) if args.model == "15m" else Path(args.model)
+        text = text_for(tmp, model, args.ctx, args.steps)
+        for lr in map(float, args.lr.split(",")):
+            res = {kind: run(model, text, args.ctx, lr, kind) for kind in ("adamw", "adamw8bit")}
+            a, b = (np.array(res[k]["losses"]) for k in ("adamw", "adamw8bit"))
+            n = min(a.size, b.size)
+            w = max(1, n // 6)
+            print(f"\n{model.name} ctx {args.ctx} lr {lr:g}: {n} steps")
+            print("steps      " + " ".join(f"{i + 1:>3}-{min(i + w, n):<3}" for i in range(0, n, w)))
+            for k, x in (("adamw", a), ("adamw8bit", b)):
+                print(f"{k:<10} " + " ".join(f"{x[i:i + w].mean():7.3f}" for i in range(0, n, w)))
+            rel = np.abs(b[:n] - a[:n]) / a[:n]
+            print(f"per-step |8bit - f32| / f32: median {np.median(rel):.4f}, max {rel.max():.4f}; "
+                  f"last {w} steps mean {a[n - w:n].mean():.4f} vs {b[n - w:n].mean():.4f}")
+            for k in ("adamw", "adamw8bit"):
+                m = res[k]["memory_mib"]
+                print(f"{k:<10} estimate {sum(m.values()):8.1f} MiB (optimizer {m['optimizer']:.1f}, gradients "
+                      f"{m['gradients']:.1f}, activations {m['activations']:.1f}); peak RSS {res[k]['peak_rss_mib']:.1f} MiB")
+
+
+def shape_tensors(config: Path, n_vocab: int) -> list[tuple[str, int]]:
+    """(name, size) of a llama config's tensors in GGUF naming (the trainer's order does not matter
+    for the state's size, only which tensors keep float32 moments)."""
+    from llmtune.tomlfile import read_toml
+
+    hp = read_toml(config)["model"]
+    e, f, layers = hp["n_embd"], hp["n_ff"], hp["n_layer"]
+    kv = e // hp["n_head"] * hp.get("n_head_kv", hp["n_head"])
+    out = [("token_embd.weight", n_vocab * e), ("output_norm.weight", e)]
+    if not hp.get("tied_output", False):
+        out.append(("output.weight", n_vocab * e))
+    for i in range(layers):
+        out += [(f"blk.{i}.{k}", s) for k, s in (("attn_norm.weight", e), ("attn_q.weight", e * e),
+                                                 ("attn_k.weight", e * kv), ("attn_v.weight", e * kv),
+                                                 ("attn_output.weight", e * e), ("ffn_norm.weight", e),
+                                                 ("ffn_gate.weight", e * f), ("ffn_up.weight", e * f),
+                                                 ("ffn_down.weight", f * e))]
+    return out
+
+
+def fits(args) -> None:
+    from llmtune.backends.cpu import CPUBackend
+    from llmtune.train.optim import Optimizer
+
+    tensors = shape_tensors(Path(args.config), args.vocab)
+    n = sum(s for _, s in tensors)
+    print(f"{args.config}: {n / 1e9:.3f}B trained values (vocabulary {args.vocab}); float32 weights + gradients "
+          f"{2 * 4 * n / 2**30:.2f} GiB")
+    for kind in ("adamw", "adamw8bit"):
+        opt = Optimizer(kind, CPUBackend(), n, tensors=tensors)
+        total = 2 * 4 * n + opt.state_bytes
+        print(f"  {kind:<10} optimizer state {opt.state_bytes / 2**30:6.2f} GiB ({opt.state_bytes / n:.2f} B/value); "
+              f"weights + gradients + state {total / 2**30:6.2f} GiB; {args.gib - total / 2**30:+.2f} GiB left of "
+              f"{args.gib} GiB for activations")
+        del opt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["curves", "fits"])
+    ap.add_argument("--model", default="15m")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--lr", default="1e-4,1e-3")
+    ap.add_argument("--config", default=str(REPO / "configs" / "llama-1b.toml"))
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--gib", type=float, default=24.0)
+    args = ap.parse_args()
+    curves(args) if args.what == "curves" else fits(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
