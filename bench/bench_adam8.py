@@ -1,7 +1,7 @@
 """--optimizer adamw8bit against float32 AdamW (issue 25 part 5): loss curves, memory, what fits.
 
     python bench/bench_adam8.py curves [--model 15m|PATH] [--steps 30] [--ctx 128] [--lr 1e-4,1e-3]
-    python bench/bench_adam8.py fits   [--config configs/llama-1b.toml] [--vocab 128256] [--gib 24]
+    python bench/bench_adam8.py fits   [--config configs/llama-1b.toml] [--vocab 128256] [--gib 24] [--activations-gib 4]
 
 curves: a full finetune of the model (15m: the 15M shape, configs/llama-15m.toml, random weights as
 bench/bench_train.py makes it; or a GGUF path such as SmolLM2-135M-Instruct.f32.gguf) on the same
@@ -80,13 +80,13 @@ def curves(args) -> None:
                       f"{m['gradients']:.1f}, activations {m['activations']:.1f}); peak RSS {res[k]['peak_rss_mib']:.1f} MiB")
 
 
-def shape_tensors(config: Path, n_vocab: int) -> list[tuple[str, int]]:
-    """(name, size) of a llama config's tensors in GGUF naming (the trainer's order does not matter
-    for the state's size, only which tensors keep float32 moments)."""
+def shape_tensors(config: Path, n_vocab: int, n_layer: int | None = None) -> list[tuple[str, int]]:
+    """(name, size) of a llama config's tensors in GGUF naming (n_layer: instead of the config's);
+    the trainer's order does not change the state's size, only which tensors keep float32 moments."""
     from llmtune.tomlfile import read_toml
 
     hp = read_toml(config)["model"]
-    e, f, layers = hp["n_embd"], hp["n_ff"], hp["n_layer"]
+    e, f, layers = hp["n_embd"], hp["n_ff"], n_layer or hp["n_layer"]
     kv = e // hp["n_head"] * hp.get("n_head_kv", hp["n_head"])
     out = [("token_embd.weight", n_vocab * e), ("output_norm.weight", e)]
     if not hp.get("tied_output", False):
@@ -100,21 +100,33 @@ def shape_tensors(config: Path, n_vocab: int) -> list[tuple[str, int]]:
     return out
 
 
-def fits(args) -> None:
+def resident_gib(tensors, kind: str) -> tuple[float, float]:
+    """(optimizer state, weights + gradients + state) in GiB for a full finetune of these tensors."""
     from llmtune.backends.cpu import CPUBackend
     from llmtune.train.optim import Optimizer
 
+    n = sum(s for _, s in tensors)
+    state = Optimizer(kind, CPUBackend(), n, tensors=tensors).state_bytes
+    return state / 2**30, (2 * 4 * n + state) / 2**30
+
+
+def fits(args) -> None:
     tensors = shape_tensors(Path(args.config), args.vocab)
     n = sum(s for _, s in tensors)
-    print(f"{args.config}: {n / 1e9:.3f}B trained values (vocabulary {args.vocab}); float32 weights + gradients "
-          f"{2 * 4 * n / 2**30:.2f} GiB")
+    print(f"{Path(args.config).name}: {n / 1e9:.3f}B trained values (vocabulary {args.vocab}); float32 weights + "
+          f"gradients {2 * 4 * n / 2**30:.2f} GiB")
     for kind in ("adamw", "adamw8bit"):
-        opt = Optimizer(kind, CPUBackend(), n, tensors=tensors)
-        total = 2 * 4 * n + opt.state_bytes
-        print(f"  {kind:<10} optimizer state {opt.state_bytes / 2**30:6.2f} GiB ({opt.state_bytes / n:.2f} B/value); "
-              f"weights + gradients + state {total / 2**30:6.2f} GiB; {args.gib - total / 2**30:+.2f} GiB left of "
-              f"{args.gib} GiB for activations")
-        del opt
+        state, total = resident_gib(tensors, kind)
+        print(f"  {kind:<10} optimizer state {state:6.2f} GiB ({state * 2**30 / n:.2f} B/value); weights + gradients + "
+              f"state {total:6.2f} GiB; {args.gib - total:+.2f} GiB left of {args.gib:g} GiB for activations")
+    # the deepest stack of the config's blocks whose weights + gradients + state + activations fit
+    for kind in ("adamw", "adamw8bit"):
+        layers = 1
+        while resident_gib(shape_tensors(Path(args.config), args.vocab, layers + 1), kind)[1] + args.activations_gib <= args.gib:
+            layers += 1
+        n_l = sum(s for _, s in shape_tensors(Path(args.config), args.vocab, layers))
+        print(f"  {kind:<10} deepest that fits with {args.activations_gib:g} GiB of activations: {layers} blocks "
+              f"({n_l / 1e9:.2f}B values)")
 
 
 def main() -> int:
@@ -127,6 +139,7 @@ def main() -> int:
     ap.add_argument("--config", default=str(REPO / "configs" / "llama-1b.toml"))
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--gib", type=float, default=24.0)
+    ap.add_argument("--activations-gib", type=float, default=4.0)
     args = ap.parse_args()
     curves(args) if args.what == "curves" else fits(args)
     return 0
