@@ -85,8 +85,9 @@ def test_dynamic_map_is_bitsandbytes(signed):
 
 
 def test_block_starts_never_span_two_tensors():
-    starts = dynamic8.block_starts([5000, 10, 2048, 0, 4096])
+    starts = dynamic8.block_starts([5000, 10, 2048, 0, 4096], block=2048)
     assert starts.tolist() == [0, 2048, 4096, 5000, 5010, 7058, 9106, 11154]
+    assert dynamic8.block_starts([600, 3]).tolist() == [0, 256, 512, 600, 603]  # BLOCK = 256
     assert dynamic8.block_starts([]).tolist() == [0]
 
 
@@ -198,7 +199,7 @@ def test_state_bytes_are_two_per_value_plus_scales():
 
     n = sum(k for _, k in TENSORS)
     opt8, opt32 = (Optimizer(k, CPUBackend(), n, tensors=TENSORS) for k in ("adamw8bit", "adamw"))
-    n8, blocks = 4096 * 3 + 4100, 6 + 3  # ffn_up, ffn_down: one run of 8-bit tensors, blocks per tensor
+    n8, blocks = 4096 * 3 + 4100, 48 + 17  # ffn_up, ffn_down: one run of 8-bit tensors, blocks per tensor
     assert opt8.m.shape == (n8,) and opt8.absmax_m.shape == (blocks,) and opt8.m32.shape == (n - n8,)
     assert opt8.state_bytes == 2 * n8 + 2 * 4 * blocks + 8 * (blocks + 1) + 2 * 256 * 4 + 8 * (n - n8)
     assert opt32.state_bytes == 8 * n

@@ -15,7 +15,10 @@ import functools
 
 import numpy as np
 
-BLOCK = 2048  # values per absmax: bitsandbytes' BLOCKSIZE_2STATE up to 0.44 (the paper's block size)
+# values per absmax: bitsandbytes' BLOCKSIZE_2STATE today (csrc/ops.cu; the paper and bitsandbytes up to
+# 0.44 used 2048, which lets one large gradient in a block zero the second moments of the others:
+# BENCHMARKS.md, "8-bit AdamW", measures both)
+BLOCK = 256
 _DECADES = 7  # max_exponent_bits
 
 

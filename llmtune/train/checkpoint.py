@@ -9,7 +9,7 @@ pickled), next to the output as `<output>.ckpt-<step>.npz` (out/demo.gguf.ckpt-0
   adam_m, adam_v  float32 [n]   AdamW's moments, same layout (--optimizer adamw)
   adam8_m, adam8_v  uint8 [n8]  adamw8bit's moments of its 8-bit tensors: dynamic-map indices
                                 (quant/dynamic8.py), in buffer order
-  adam8_absmax_m, adam8_absmax_v  float32 [blocks]  their per-block scales (blocks of 2048, per tensor)
+  adam8_absmax_m, adam8_absmax_v  float32 [blocks]  their per-block scales (blocks of 256, per tensor)
   adam8_f32_m, adam8_f32_v  float32 [n - n8]  the moments of its float32 exceptions (train/optim.py
                                 keeps_f32_state: the token embedding, tensors under 4096 values)
                                 (no optimizer arrays with sgd)

@@ -19,7 +19,7 @@ extern "C" __global__ void sgd_step(real* __restrict__ w, const real* __restrict
 }
 
 // bitsandbytes' AdamW8bit (kOptimizerStatic8bit2StateBlockwise): one thread block per quantization
-// block of at most ADAM8_BLOCK values (starts[b]..starts[b+1]), ADAM8_PER_THREAD values per thread.
+// block of at most ADAM8_PER_THREAD x blockDim values (quant/dynamic8.py BLOCK) (starts[b]..starts[b+1]), ADAM8_PER_THREAD values per thread.
 // The moments are bytes indexing the dynamic maps code_m (signed) / code_v (unsigned) scaled by the
 // block's absmax; each is dequantized, updated as adamw_step, and requantized to the entry nearest
 // value / new absmax (binary search over the 255 midpoints; ties to the lower entry), the first
