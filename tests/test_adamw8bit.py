@@ -246,7 +246,7 @@ SETTINGS = dict(ctx=16, batch=32, epochs=1, lr=1e-3, seed=3, val_split=0.0)
 def test_training_tracks_f32_adamw(stories_path, text, tmp_path):
     """A full finetune of stories260K (~56 steps at lr 1e-4): adamw8bit's loss, averaged over
     windows of 10 steps, stays within 1% of float32 AdamW's (same data and order), and both learn.
-    (At lr 1e-3, where this tiny model memorizes the text, the 8-bit run falls behind: BENCHMARKS.)"""
+    (At lr 1e-3, where this tiny model memorizes the text, the 8-bit run falls behind.)"""
     losses, memory = {}, {}
     for kind in ("adamw", "adamw8bit"):
         seen = []
