@@ -18,8 +18,6 @@ which the OS does not back until written, so this allocates nothing of note).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -46,12 +44,9 @@ def _worker(model: str, text: str, ctx: int, lr: float, optimizer: str) -> dict:
 
 
 def run(model: Path, text: Path, ctx: int, lr: float, optimizer: str) -> dict:
-    code = (f"import sys, json; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_adam8 as b; "
-            f"print(json.dumps(b._worker({str(model)!r}, {str(text)!r}, {ctx}, {lr}, {optimizer!r})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(out.stderr[-2000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from bench_memory import fresh_process
+
+    return fresh_process("bench_adam8", f"_worker({str(model)!r}, {str(text)!r}, {ctx}, {lr}, {optimizer!r})")
 
 
 def curves(args) -> None:
