@@ -782,7 +782,7 @@ def _adamw_range(w, g, m, v, start, stop, *, lr, beta1, beta2, eps, wd, t):
         ws -= tt
 
 
-_ADAM8_CHUNK = 16  # quantization blocks per pass of the 8-bit AdamW update (32K values: in L2)
+_ADAM8_CHUNK = 128  # quantization blocks per pass of the 8-bit AdamW update (32K values: in L2)
 
 
 def _adamw8bit_range(w, g, m, v, absmax_m, absmax_v, starts, code_m, code_v, start, stop, *, lr, beta1, beta2,

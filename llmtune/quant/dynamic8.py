@@ -45,6 +45,36 @@ def midpoints(code: np.ndarray) -> np.ndarray:
     return (code[:-1] + code[1:]) * code.dtype.type(0.5)
 
 
+_BUCKET_SHIFT = 15  # float32 bits >> 15: sign, exponent and 8 mantissa bits (2^17 buckets)
+
+
+@functools.lru_cache(maxsize=None)
+def _bucket_table(signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(table, midpoints + inf) for quantizing float32 without a binary search: table[bits >> 15]
+    is the number of midpoints below the smallest float of that bucket; no bucket holds more than
+    one midpoint (checked), so the entry is table[k] + (midpoint[table[k]] < x)."""
+    mid = midpoints(dynamic_map(signed))
+    bits = np.arange(1 << (32 - _BUCKET_SHIFT), dtype=np.uint64) << _BUCKET_SHIFT
+    ends = [b.astype(np.uint32).view(np.float32) for b in (bits, bits | ((1 << _BUCKET_SHIFT) - 1))]
+    lo, hi = np.fmin(*ends), np.fmax(*ends)
+    finite = np.isfinite(lo) & np.isfinite(hi)
+    table = np.where(finite, np.searchsorted(mid, lo, side="left"), 0)
+    assert np.all(np.searchsorted(mid, hi[finite], side="left") <= table[finite] + 1)
+    return table.astype(np.int32), np.append(mid, np.float32(np.inf))
+
+
+def nearest(x: np.ndarray, code: np.ndarray, signed: bool) -> np.ndarray:
+    """The number of midpoints of `code` (dynamic_map(signed), in x's float type) below each x:
+    the index of its nearest entry, ties to the lower one (np.searchsorted(midpoints, x) exactly;
+    float32 through the bucket table)."""
+    if x.dtype != np.float32:
+        return np.searchsorted(midpoints(code), x, side="left")
+    table, mid = _bucket_table(signed)
+    q = table[x.view(np.uint32) >> _BUCKET_SHIFT]
+    q += mid[q] < x
+    return q
+
+
 def block_starts(sizes, block: int = BLOCK) -> np.ndarray:
     """int64 [n_blocks + 1]: where each block starts in a flat buffer of tensors of these sizes
     laid end to end (every tensor starts a block, as bitsandbytes keeps one state per tensor), then
@@ -69,10 +99,9 @@ def quantize(x: np.ndarray, starts: np.ndarray, code: np.ndarray, keep_sign: boo
     has the other sign (a small negative rounding to +0) moves one entry towards its own sign, as
     bitsandbytes' kOptimizerStatic8bit2StateBlockwise does for the first moment."""
     absmax = block_absmax(x, starts)
-    scale = np.repeat(absmax, np.diff(starts))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scaled = np.where(scale > 0, x / np.where(scale > 0, scale, 1), 0).astype(x.dtype, copy=False)
-    q = np.searchsorted(midpoints(code.astype(x.dtype)), scaled, side="left")
+    # an all-zero block divides by 1 (its values stay 0); a plain division, as the CUDA kernel's
+    scaled = x / np.repeat(np.where(absmax > 0, absmax, absmax.dtype.type(1)), np.diff(starts))
+    q = nearest(scaled, code.astype(x.dtype), signed=bool(code[0] < 0))
     if keep_sign:
         flip = (code[q] < 0) != (scaled < 0)
         q[flip] += np.where(scaled[flip] > 0, 1, -1)
