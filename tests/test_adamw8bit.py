@@ -84,6 +84,19 @@ def test_dynamic_map_is_bitsandbytes(signed):
     assert code[code > 0].min() == pytest.approx(5.5e-7 if signed else 3.25e-7, rel=1e-5)
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_float32_table_lookup_is_the_binary_search(signed):
+    """dynamic8.nearest's bucket table gives np.searchsorted(midpoints, x)'s index for float32:
+    values over 1e-9..1, every midpoint, the floats either side of it, +-0 and +-1."""
+    code = dynamic8.dynamic_map(signed)
+    mid = dynamic8.midpoints(code)
+    x = (rng.standard_normal(200_000) * 10.0 ** rng.uniform(-9, 0, 200_000)).clip(-1, 1).astype(np.float32)
+    x = np.concatenate([x, mid, np.nextafter(mid, np.float32(2)), np.nextafter(mid, np.float32(-2)),
+                        np.float32([0.0, -0.0, 1.0, -1.0])])
+    x = x if signed else np.abs(x)
+    np.testing.assert_array_equal(dynamic8.nearest(x, code, signed), np.searchsorted(mid, x, side="left"))
+
+
 def test_block_starts_never_span_two_tensors():
     starts = dynamic8.block_starts([5000, 10, 2048, 0, 4096], block=2048)
     assert starts.tolist() == [0, 2048, 4096, 5000, 5010, 7058, 9106, 11154]
