@@ -103,7 +103,7 @@ def quantize(x: np.ndarray, starts: np.ndarray, code: np.ndarray, keep_sign: boo
     scaled = x / np.repeat(np.where(absmax > 0, absmax, absmax.dtype.type(1)), np.diff(starts))
     q = nearest(scaled, code.astype(x.dtype), signed=bool(code[0] < 0))
     if keep_sign:
-        flip = (code[q] < 0) != (scaled < 0)
+        flip = (q < int(np.searchsorted(code, 0))) != (scaled < 0)  # entries below 0's index are negative
         q[flip] += np.where(scaled[flip] > 0, 1, -1)
     return q.astype(np.uint8), absmax
 
