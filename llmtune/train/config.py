@@ -30,9 +30,17 @@ class FinetuneConfig:
                                           "memory for speed, never the result.", metavar="N", unset="batch")
     epochs: int = setting(2, "Passes over the training windows.", metavar="N")
     lr: float = setting(1e-5, "Learning rate.", metavar="X")
-    lr_min: float = setting(0.0, "Decay the learning rate (halving steadily) down to this value.", metavar="X", unset="off")
-    decay_epochs: float = setting(0.0, "Epochs over which --lr decays to --lr-min.", metavar="X", unset="all")
-    warmup: int = setting(0, "Linear warmup over this many optimizer steps.", metavar="N")
+    lr_min: float = setting(0.0, "The learning rate's floor: halflife halves down to it; linear and cosine decay to it "
+                                 "instead of 0 (after warmup the rate stays above it).", metavar="X", unset="off")
+    decay_epochs: float = setting(0.0, "Epochs over which --lr decays to --lr-min (halflife).", metavar="X", unset="all")
+    lr_schedule: Optional[str] = setting(None, "constant, linear, cosine or halflife. linear and cosine are transformers' "
+                                               "get_linear/cosine_schedule_with_warmup step for step, over all --epochs "
+                                               "x steps-per-epoch optimizer steps; halflife is llama.cpp's (halving "
+                                               "steadily to --lr-min over --decay-epochs). The default keeps what llmtune "
+                                               "and llama.cpp's finetune always did, so existing recipes keep their "
+                                               "results.", metavar="NAME", unset="constant; halflife with --lr-min")
+    warmup: int = setting(0, "Linear warmup over this many optimizer steps (linear, cosine: lr x step/N from step 0, "
+                             "as transformers; constant, halflife: lr x (step+1)/N, as before).", metavar="N")
     wd: float = setting(0.0, "Decoupled weight decay.", metavar="X")
     optimizer: str = setting("adamw", "adamw or sgd.", metavar="NAME")
     grad_clip: float = setting(0.0, "Clip the gradient's global L2 norm over every trained value to this "
@@ -127,6 +135,7 @@ class FinetuneConfig:
             raise LlmtuneError(f"--precision: unknown precision {c.precision!r} (choose f32, tf32 or bf16)")
         if c.warmup < 0:
             raise LlmtuneError(f"--warmup: must be >= 0, got {c.warmup}")
+        _check_schedule(c)
         if c.checkpoint_every < 0:
             raise LlmtuneError(f"--checkpoint-every: must be >= 0 (0: at epoch ends only), got {c.checkpoint_every}")
         if c.keep_checkpoints is not None and c.keep_checkpoints < 1:
@@ -166,6 +175,23 @@ class FinetuneConfig:
         elif c.lora_init is not None and c.lora_targets is not None:
             raise LlmtuneError("--lora-targets: --lora-init's adapter fixes the adapted matrices")
         return c
+
+
+def _check_schedule(c: FinetuneConfig) -> None:
+    """--lr-schedule's default (constant, or llama.cpp's halflife when --lr-min is set: what runs
+    did before it existed) and the flags each schedule takes."""
+    from llmtune.train.optim import SCHEDULES
+
+    if c.lr_schedule is None:
+        c.lr_schedule = "halflife" if c.lr_min > 0 else "constant"
+    if c.lr_schedule not in SCHEDULES:
+        raise LlmtuneError(f"--lr-schedule: unknown schedule {c.lr_schedule!r} (choose {', '.join(SCHEDULES)})")
+    if c.lr_schedule == "halflife" and not c.lr_min > 0:
+        raise LlmtuneError("--lr-schedule halflife: needs --lr-min (the rate it halves down to)")
+    if c.lr_schedule == "constant" and c.lr_min > 0:
+        raise LlmtuneError("--lr-min: the constant schedule does not decay (choose --lr-schedule halflife, linear or cosine)")
+    if c.decay_epochs and c.lr_schedule in ("linear", "cosine"):
+        raise LlmtuneError(f"--decay-epochs: only --lr-schedule halflife uses it ({c.lr_schedule} spans every step of --epochs)")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}

@@ -109,7 +109,9 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
     memory = preflight.checked_memory(trainer, model_path)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
-    schedule = LRSchedule(cfg.lr, cfg.lr_min, cfg.decay_epochs, cfg.epochs, cfg.warmup)
+    # linear / cosine span every step of the run: epochs x steps per epoch (a resume checks the latter)
+    schedule = LRSchedule(cfg.lr, cfg.lr_min, cfg.decay_epochs, cfg.epochs, cfg.warmup, cfg.lr_schedule,
+                          total_steps=cfg.epochs * steps_per_epoch)
     result = FinetuneResult(out_path, cfg, n_tokens=n_tokens, n_train_windows=dataset.n_train,
                             n_val_windows=dataset.n_val, memory=memory)
     run = Run(cfg, dataset, trainer, schedule, steps_per_epoch, result, inputs=inputs, run_id=uuid.uuid4().hex,
