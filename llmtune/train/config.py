@@ -34,7 +34,7 @@ class FinetuneConfig:
                                  "instead of 0 (after warmup the rate stays above it).", metavar="X", unset="off")
     decay_epochs: float = setting(0.0, "Epochs over which --lr decays to --lr-min (halflife).", metavar="X", unset="all")
     lr_schedule: Optional[str] = setting(None, "constant, linear, cosine or halflife. linear and cosine are transformers' "
-                                               "get_linear/cosine_schedule_with_warmup step for step, over all --epochs "
+                                               "get_linear_schedule_with_warmup and get_cosine_schedule_with_warmup step for step, over all --epochs "
                                                "x steps-per-epoch optimizer steps; halflife is llama.cpp's (halving "
                                                "steadily to --lr-min over --decay-epochs). The default keeps what llmtune "
                                                "and llama.cpp's finetune always did, so existing recipes keep their "
