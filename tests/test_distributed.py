@@ -196,6 +196,24 @@ def test_grad_clip_two_ranks_equal_one_process(tmp_path, stories_path, small_tex
     assert_same_weights(tmp_path / "one.gguf", tmp_path / "two.gguf", rtol=1e-5)
 
 
+@needs_mpi
+def test_early_stop_two_ranks_equal_one_process(tmp_path, stories_path, small_text):
+    """Every rank sees the same validation losses (split across them, gathered), so all stop at
+    the same step and -o holds the same best weights as one process's run."""
+    sel = ["--eval-every", "4", "--early-stop", "1", "--min-delta", "0.05", "--save-best", "--lr", "3e-3"]
+    run = [*RUN[:-2], *sel]  # RUN ends with --lr 1e-3
+    args = [sys.executable, "-m", "llmtune", "finetune", stories_path, small_text, "-o", tmp_path / "two.gguf", *run,
+            "--metrics", tmp_path / "two.jsonl"]
+    code, out, err, _ = mpirun(args, args)
+    assert code == 0, out + err
+    one = single_process(stories_path, small_text, tmp_path / "one.gguf", lr=3e-3, eval_every=4, early_stop=1,
+                         min_delta=0.05, save_best=True, metrics=str(tmp_path / "one.jsonl"))
+    assert 0 < one.best_step < one.stopped_at < 28
+    (a,), (b,) = records(tmp_path / "one.jsonl", "selected"), records(tmp_path / "two.jsonl", "selected")
+    assert b["value"] == pytest.approx(a.pop("value"), rel=1e-6) and {**b, "value": None} == {**a, "value": None}
+    assert_same_weights(tmp_path / "one.gguf", tmp_path / "two.gguf", rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------ MPI: failures
 @needs_mpi
 def test_a_killed_rank_ends_the_run(tmp_path, stories_path, small_text):
