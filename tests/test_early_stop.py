@@ -136,3 +136,18 @@ def test_no_validation_windows_to_select_on(stories_path, rising, tmp_path):
         llmtune.finetune(stories_path, rising, tmp_path / "o.gguf", **{**RUN, "val_split": 0.0}, early_stop=2)
     with pytest.raises(LlmtuneError, match="^--eval-every: there are no validation windows"):
         llmtune.finetune(stories_path, rising, tmp_path / "o.gguf", **{**RUN, "val_split": 0.0})
+
+
+def test_save_best_writes_the_best_adapter(stories_path, rising, tmp_path):
+    """LoRA: -o is the adapter of the best pass (its A/B equal the checkpoint written at that step)."""
+    import gguf
+
+    out = tmp_path / "a.gguf"
+    res = llmtune.finetune(stories_path, rising, out, lora_rank=2, early_stop=2, save_best=True, checkpoint_every=3,
+                           keep_checkpoints=100, **{**RUN, "lr": 3e-2})
+    assert 0 < res.best_step < res.stopped_at
+    with np.load(out.with_name(f"a.gguf.ckpt-{res.best_step:06d}.npz")) as z:
+        flat, names = z["weights"], json.loads(z["meta"].tobytes())["trainable"]
+    tensors = {t.name: np.asarray(t.data, np.float32).reshape(-1) for t in gguf.GGUFReader(out).tensors}
+    written = np.concatenate([tensors[name] for name in names])  # in the trainer's (checkpoint's) order
+    assert np.array_equal(written, flat)
