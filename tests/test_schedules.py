@@ -112,3 +112,33 @@ def test_a_run_follows_cosine_and_a_resume_continues_it(stories_path, tmp_path, 
                      resume=resumed.with_name("resumed.gguf.ckpt-000004.npz"))
     assert _lrs(tmp_path / "resumed.jsonl") == lrs[4:]
     assert resumed.read_bytes() == whole.read_bytes()
+
+
+def test_a_checkpoint_from_before_these_settings_resumes(stories_path, tmp_path, wiki100k_path):
+    """A checkpoint written before --lr-schedule, --eval-every, ... existed (its config and settings
+    hash without them, as the earlier llmtune wrote them) resumes, and writes the same bytes."""
+    import hashlib
+
+    import numpy as np
+
+    from llmtune.train.checkpoint import write_checkpoint
+    from llmtune.train.config import RUN_ONLY
+
+    new = ("lr_schedule", "eval_every", "early_stop", "min_delta", "select_metric", "save_best")
+    data = tmp_path / "d.txt"
+    data.write_text(wiki100k_path.read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    run = dict(ctx=64, batch=256, epochs=1, lr=1e-3, lr_min=1e-4)  # the half-life decay of earlier runs
+    whole = tmp_path / "whole.gguf"
+    llmtune.finetune(stories_path, data, whole, checkpoint_every=3, keep_checkpoints=10, **run)
+    with np.load(whole.with_name("whole.gguf.ckpt-000003.npz")) as z:
+        arrays = {k: z[k] for k in z.files if k != "meta"}
+        meta = json.loads(z["meta"].tobytes())
+    for key in new:
+        del meta["config"][key]
+    shaping = {k: v for k, v in meta["config"].items() if k not in RUN_ONLY}
+    meta["fingerprint"]["settings"] = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
+    del meta["selection"], meta["format"], meta["version"]
+    old = tmp_path / "old.gguf"
+    write_checkpoint(old.with_name("old.gguf.ckpt-000003.npz"), arrays, meta)
+    llmtune.finetune(stories_path, data, old, resume=old.with_name("old.gguf.ckpt-000003.npz"))
+    assert old.read_bytes() == whole.read_bytes()

@@ -81,11 +81,14 @@ def file_sha256(path) -> str:
     return h.hexdigest()
 
 
-def settings_sha256(config) -> str:
-    """Hash of the settings that shape the trained weights (not backend, metrics or checkpointing)."""
+def settings_sha256(config, names=None) -> str:
+    """Hash of the settings that shape the trained weights (not backend, metrics or checkpointing);
+    `names`: only these (a checkpoint's own settings: one written before a setting existed hashes
+    without it, and that setting's default keeps what runs did before it)."""
     from llmtune.train.config import RUN_ONLY
 
-    shaping = {k: v for k, v in dataclasses.asdict(config).items() if k not in RUN_ONLY}
+    shaping = {k: v for k, v in dataclasses.asdict(config).items()
+               if k not in RUN_ONLY and (names is None or k in names)}
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
 
 
@@ -227,7 +230,7 @@ def restore(run, ckpt: Checkpoint) -> None:
     meta, where = ckpt.meta, f"--resume {ckpt.path}"
     names = {"model": f"the model {run.inputs['model']}", "data": f"the data {run.inputs['data']}",
              "lora_init": f"--lora-init {run.inputs.get('lora_init')}", "settings": "the run's settings"}
-    check_fingerprint(ckpt, run_fingerprint(run), names)
+    check_fingerprint(ckpt, {**run_fingerprint(run), "settings": settings_sha256(run.cfg, meta["config"])}, names)
     if meta["trainable"] != run.trainer.trainable or meta["steps_per_epoch"] != run.steps_per_epoch:
         raise LlmtuneError(f"{where}: the checkpoint trains other tensors or steps than this run")
     order = ckpt.arrays["order"]
