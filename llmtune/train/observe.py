@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -37,11 +37,15 @@ def observe_hooks(cfg: FinetuneConfig) -> list[Hook]:
     return hooks
 
 
-def need(module: str, flag: str, extra: str) -> None:
-    """One line naming the pip command when an optional library is not installed."""
-    if importlib.util.find_spec(module) is None:
-        raise LlmtuneError(f"{flag}: needs {module}, which is not installed (pip install {module}, or "
-                           f"pip install -e \".[{extra}]\" in llmtune's folder)")
+def need(module: str, flag: str, extra: str):
+    """The optional library, imported now (before training, so the first epoch's tokens/s does not
+    pay for it); one line naming the pip command when it is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        raise LlmtuneError(f"{flag}: needs {package}, which is not installed (pip install {package}, or "
+                           f"pip install -e \".[{extra}]\" in llmtune's folder)") from None
 
 
 def scalars(record: dict) -> list[tuple[str, float]]:
@@ -80,7 +84,7 @@ class TensorBoardHook(_Writer):
     flag = "--tensorboard"
 
     def __init__(self, folder):
-        need("tensorboardX", self.flag, "tensorboard")
+        self.library = need("tensorboardX", self.flag, "tensorboard")
         super().__init__(folder)
         self.writer = None
 
@@ -89,12 +93,9 @@ class TensorBoardHook(_Writer):
         if step is None or not self._live(run):
             return
         try:
-            if self.writer is None:
-                from tensorboardX import SummaryWriter
-
-                # a new run's first record is at step 0 or 1; a resumed run's after its checkpoint
-                self.writer = SummaryWriter(str(self.path), purge_step=step if step > 1 else None,
-                                            flush_secs=TB_FLUSH_S)
+            if self.writer is None:  # a new run's first record is at step 0 or 1; a resumed run's after its checkpoint
+                self.writer = self.library.SummaryWriter(str(self.path), purge_step=step if step > 1 else None,
+                                                         flush_secs=TB_FLUSH_S)
             for tag, value in scalars(record):
                 self.writer.add_scalar(tag, value, step)
         except OSError as exc:
@@ -153,7 +154,7 @@ class PlotHook(_Writer):
     flag = "--plot"
 
     def __init__(self, path):
-        need("matplotlib", self.flag, "plot")
+        need("matplotlib.backends.backend_agg", self.flag, "plot")
         super().__init__(path)
         self.curves: Optional[Curves] = None
         self.drawn, self.last_draw = 0, time.perf_counter()
@@ -196,7 +197,7 @@ class PlotHook(_Writer):
 
 def plot_metrics(metrics, out) -> Curves:
     """`llmtune plot`: a --metrics file's curves drawn into `out` (the --plot picture)."""
-    need("matplotlib", "llmtune plot", "plot")
+    need("matplotlib.backends.backend_agg", "llmtune plot", "plot")
     curves = Curves.of(read_metrics(metrics))
     draw_curves(curves, Path(out), title=Path(metrics).name)
     return curves
@@ -236,8 +237,9 @@ def draw_curves(curves: Curves, path: Path, title: str = "") -> Path:
 def _loss_lines(ax, curves: Curves) -> list:
     """Each step's loss (faint), its moving mean over about a 40th of the run, the validation passes."""
     steps, loss = np.asarray(curves.steps, dtype=float), np.asarray(curves.loss, dtype=float)
-    handles = ax.plot(steps, loss, color="C0", alpha=0.3, lw=0.8, label="train loss (step)")
     window = max(1, len(steps) // 40)
+    faint = dict(alpha=0.3, lw=0.8) if window > 1 else dict(lw=1.4)  # the mean, when drawn, is the curve to read
+    handles = ax.plot(steps, loss, color="C0", label="train loss (step)", **faint)
     if window > 1:
         handles += ax.plot(steps[window - 1:], _moving_mean(loss, window), color="C0", lw=1.6,
                            label=f"train loss (mean of {window} steps)")

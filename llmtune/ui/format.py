@@ -61,5 +61,5 @@ def sparkline(values, width: int = 40) -> str:
     means = [sum(part) / len(part) for part in (finite[i * len(finite) // n:(i + 1) * len(finite) // n] for i in range(n))]
     lo, hi = min(means), max(means)
     if hi - lo <= 1e-12 * max(1.0, abs(hi)):
-        return SPARKS[len(SPARKS) // 2] * n
+        return SPARKS[(len(SPARKS) - 1) // 2] * n
     return "".join(SPARKS[round((m - lo) / (hi - lo) * (len(SPARKS) - 1))] for m in means)
