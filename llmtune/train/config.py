@@ -56,11 +56,11 @@ class FinetuneConfig:
     tensorboard: Optional[str] = setting(None, "Write TensorBoard event files into this folder: every --metrics value "
                                                "per step (loss, accuracy, lr, gradient norm, tokens/s, validation and "
                                                "benchmark scores); watch with `tensorboard --logdir DIR`. Needs "
-                                               "tensorboardX (pip install -e \".[tensorboard]\").",
+                                               "tensorboardX (pip install tensorboardX; the extra \"tensorboard\").",
                                          metavar="DIR", path=True)
     plot: Optional[str] = setting(None, "Draw the train and validation loss and the learning rate against steps into "
                                         "this PNG, redrawn after each validation pass, every minute, and at the end. "
-                                        "Needs matplotlib (pip install -e \".[plot]\").", metavar="FILE", path=True)
+                                        "Needs matplotlib (pip install matplotlib; the extra \"plot\").", metavar="FILE", path=True)
     out_type: Optional[str] = setting(None, "A full finetune of a quantized or f16 model writes its trained tensors as "
                                             "F32, which keeps every update (re-encoding them in the input's type "
                                             "rounds most updates away); with this, the whole model is written as "
