@@ -60,8 +60,11 @@ def observed(stories_path, small_text, tmp_path_factory):
     pytest.importorskip("tensorboardX")
     folder = tmp_path_factory.mktemp("observed")
     paths = {"out": folder / "o.gguf", "metrics": folder / "m.jsonl", "plot": folder / "curve.png", "tb": folder / "tb"}
+    warnings = []
     llmtune.finetune(stories_path, small_text, paths["out"], metrics=str(paths["metrics"]), plot=str(paths["plot"]),
-                     tensorboard=str(paths["tb"]), **SETTINGS)
+                     tensorboard=str(paths["tb"]), callback=lambda e: e.kind == "warning" and warnings.append(e.message),
+                     **SETTINGS)
+    assert not warnings
     return paths
 
 
@@ -169,3 +172,32 @@ def test_finetune_summary_ends_with_the_loss_sparkline(stories_path, small_text,
     last = out.strip().splitlines()[-1]
     assert last.startswith("loss ") and "(steps 1-" in last
     assert 1 <= sum(c in "▁▂▃▄▅▆▇█" for c in last) <= 40
+
+
+def _fake_run(warnings, tmp_path):
+    """What PlotHook reads of a run: rank, --metrics file, output name, warn."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(trainer=SimpleNamespace(comm=SimpleNamespace(is_root=True)),
+                           log=SimpleNamespace(fh=None, path=None), result=SimpleNamespace(output=tmp_path / "o.gguf"),
+                           warn=warnings.append)
+
+
+def test_plot_is_redrawn_at_validation_and_every_minute_and_a_failure_only_warns(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    warnings, png = [], tmp_path / "p.png"
+    run, hook = _fake_run(warnings, tmp_path), observe.PlotHook(png)
+    step = lambda i: {"type": "train_step", "epoch": 1, "global_step": i, "loss": 3.0 - i / 10, "lr": 1e-3}  # noqa: E731
+    for i in range(1, 4):
+        hook.on_record(run, step(i))
+    assert not png.exists()  # steps alone: not before a minute has passed
+    hook.on_record(run, {"type": "validation", "epoch": 1, "global_step": 3, "loss": 2.9})
+    first = png.stat().st_mtime_ns
+    monkeypatch.setattr(observe.time, "perf_counter", lambda: hook.last_draw + observe.REDRAW_S + 1)
+    hook.on_record(run, step(4))  # a minute later: redrawn with step 4
+    assert png.stat().st_mtime_ns >= first and hook.drawn == 5
+    png.unlink()
+    png.mkdir()  # the picture can no longer be written: one warning, then the hook is quiet
+    hook.on_record(run, {"type": "validation", "epoch": 1, "global_step": 4, "loss": 2.8})
+    hook.on_stop(run, "done")
+    assert len(warnings) == 1 and warnings[0].startswith(f"--plot {png}: cannot write") and "goes on" in warnings[0]

@@ -69,8 +69,8 @@ class _Writer(Hook):
 
     def _fail(self, run: Run, exc: Exception) -> None:
         self.failed = True
-        run.warn(f"{self.flag} {self.path}: cannot write ({getattr(exc, 'strerror', None) or exc}); "
-                 f"training goes on without it")
+        why = str(exc) if isinstance(exc, LlmtuneError) else f"{self.path}: cannot write ({getattr(exc, 'strerror', None) or exc})"
+        run.warn(f"{self.flag} {why}; training goes on without it")
 
     def _live(self, run: Run) -> bool:
         return not self.failed and run.trainer.comm.is_root
@@ -98,7 +98,7 @@ class TensorBoardHook(_Writer):
                                                          flush_secs=TB_FLUSH_S)
             for tag, value in scalars(record):
                 self.writer.add_scalar(tag, value, step)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - an observer never costs the run (it warns and stops)
             self._fail(run, exc)
 
     def on_stop(self, run: Run, reason: str) -> None:
@@ -191,7 +191,7 @@ class PlotHook(_Writer):
         try:
             draw_curves(self.curves, self.path, title=Path(run.result.output).name)
             self.drawn = len(self.curves)
-        except (LlmtuneError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - an observer never costs the run (it warns and stops)
             self._fail(run, exc)
 
 
