@@ -128,6 +128,17 @@ def test_llmtune_plot_refuses_a_bad_file_in_one_line(monkeypatch, capsys, tmp_pa
         code, out, err = run_cli(monkeypatch, capsys, "plot", path, "-o", tmp_path / "x.png")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "x.png").exists()
+    code, _, err = run_cli(monkeypatch, capsys, "plot", not_json, "-o", not_json)
+    assert code == 2 and "refusing to overwrite the input file" in err
+
+
+def test_llmtune_plot_reads_a_running_finetunes_file(observed, monkeypatch, capsys, tmp_path):
+    """The record being written (its last line without its newline yet) is left out."""
+    lines = observed["metrics"].read_text().splitlines(keepends=True)
+    running = tmp_path / "running.jsonl"
+    running.write_text("".join(lines[:5]) + lines[5][:20])
+    code, out, err = run_cli(monkeypatch, capsys, "plot", running, "-o", tmp_path / "r.png")
+    assert code == 0 and "wrote" in out and "5 steps" in out, err
 
 
 def test_a_resumed_run_continues_its_curves(stories_path, small_text, tmp_path, monkeypatch):

@@ -74,7 +74,8 @@ class MetricsLog:
 
 def read_metrics(path) -> list[dict]:
     """The records of a --metrics file, in order; a file that is missing, not JSON lines, or holds
-    no train_step record is one line naming it (and the line)."""
+    no train_step record is one line naming it (and the line). A last line without its newline
+    that does not parse is a record being written by a running finetune, and is left out."""
     try:
         with open(path, encoding="utf-8") as fh:
             lines = fh.readlines()
@@ -87,6 +88,8 @@ def read_metrics(path) -> list[dict]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
+            if n == len(lines) and not line.endswith("\n"):
+                break
             raise LlmtuneError(f"{path}:{n}: not a JSON record ({exc.msg}); is it a --metrics file?") from None
         if not isinstance(record, dict) or not isinstance(record.get("type"), str):
             raise LlmtuneError(f"{path}:{n}: a record without a \"type\"; is it a --metrics file?")
