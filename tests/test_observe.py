@@ -123,7 +123,10 @@ def test_llmtune_plot_refuses_a_bad_file_in_one_line(monkeypatch, capsys, tmp_pa
     not_json, no_steps = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"
     not_json.write_text('{"type": "train_step", "global_step": 1, "loss": 2.0}\nnot json\n')
     no_steps.write_text('{"type": "validation", "global_step": 1, "loss": 2.0}\n')
+    no_position = tmp_path / "no-step.jsonl"
+    no_position.write_text('{"type": "train_step", "loss": 2.0}\n')
     for path, message in ((not_json, f"{not_json}:2: not a JSON record"), (no_steps, "no train_step record"),
+                          (no_position, f"{no_position}:1: a train_step record without an integer \"global_step\""),
                           (tmp_path / "missing.jsonl", "cannot read")):
         code, out, err = run_cli(monkeypatch, capsys, "plot", path, "-o", tmp_path / "x.png")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

@@ -93,6 +93,8 @@ def read_metrics(path) -> list[dict]:
             raise LlmtuneError(f"{path}:{n}: not a JSON record ({exc.msg}); is it a --metrics file?") from None
         if not isinstance(record, dict) or not isinstance(record.get("type"), str):
             raise LlmtuneError(f"{path}:{n}: a record without a \"type\"; is it a --metrics file?")
+        if record["type"] in ("train_step", "validation") and not isinstance(record.get("global_step"), int):
+            raise LlmtuneError(f"{path}:{n}: a {record['type']} record without an integer \"global_step\"")
         records.append(record)
     if not any(r["type"] == "train_step" for r in records):
         raise LlmtuneError(f"{path}: no train_step record; is it a finetune --metrics file?")

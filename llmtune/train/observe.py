@@ -105,7 +105,7 @@ class TensorBoardHook(_Writer):
         if self.writer is not None:
             try:
                 self.writer.close()
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - as above
                 self._fail(run, exc)
             self.writer = None
 
