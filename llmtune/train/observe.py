@@ -69,7 +69,8 @@ class _Writer(Hook):
 
     def _fail(self, run: Run, exc: Exception) -> None:
         self.failed = True
-        why = str(exc) if isinstance(exc, LlmtuneError) else f"{self.path}: cannot write ({getattr(exc, 'strerror', None) or exc})"
+        why = (str(exc) if isinstance(exc, LlmtuneError)
+               else f"{self.path}: cannot write ({getattr(exc, 'strerror', None) or exc})")
         run.warn(f"{self.flag} {why}; training goes on without it")
 
     def _live(self, run: Run) -> bool:

@@ -58,7 +58,8 @@ def sparkline(values, width: int = 40) -> str:
     n = min(width, len(finite))
     if n == 0:
         return ""
-    means = [sum(part) / len(part) for part in (finite[i * len(finite) // n:(i + 1) * len(finite) // n] for i in range(n))]
+    parts = (finite[i * len(finite) // n:(i + 1) * len(finite) // n] for i in range(n))
+    means = [sum(part) / len(part) for part in parts]
     lo, hi = min(means), max(means)
     if hi - lo <= 1e-12 * max(1.0, abs(hi)):
         return SPARKS[(len(SPARKS) - 1) // 2] * n
