@@ -23,6 +23,7 @@ from llmtune.train.loop import Hook, Run, train
 from llmtune.train.metrics import MetricsLog
 from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
+from llmtune.train.selection import Selection
 from llmtune.train.output import write_output
 from llmtune.train.signals import StopRequest, signal_name
 from llmtune.train.trainer import Diverged, Trainer
@@ -103,19 +104,22 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
                                       cfg.train_on_prompt, cfg.pack)
     steps_per_epoch = preflight.steps_per_epoch(dataset, cfg, data_path)
+    preflight.check_selection(dataset, cfg)
     trainer = Trainer(model, get_backend(cfg.backend, precision=cfg.precision), n_ctx=cfg.ctx, n_batch=cfg.batch,
                       n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer, wd=cfg.wd,
                       lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
                       workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack,
                       grad_clip=cfg.grad_clip)
     trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
-    memory = preflight.checked_memory(trainer, model_path)
+    memory = preflight.checked_memory(trainer, model_path, best_copy=cfg.save_best)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
-    schedule = LRSchedule(cfg.lr, cfg.lr_min, cfg.decay_epochs, cfg.epochs, cfg.warmup)
+    # linear / cosine span every step of the run: epochs x steps per epoch (a resume checks the latter)
+    schedule = LRSchedule(cfg.lr, cfg.lr_min, cfg.decay_epochs, cfg.epochs, cfg.warmup, cfg.lr_schedule,
+                          total_steps=cfg.epochs * steps_per_epoch)
     result = FinetuneResult(out_path, cfg, n_tokens=n_tokens, n_train_windows=dataset.n_train,
                             n_val_windows=dataset.n_val, memory=memory)
     run = Run(cfg, dataset, trainer, schedule, steps_per_epoch, result, inputs=inputs, run_id=uuid.uuid4().hex,
-              hooks=run_hooks, emit=emit)
+              hooks=run_hooks, emit=emit, selection=Selection.of(cfg))
     if ckpt is not None:
         ckpts.restore(run, ckpt)
     return run

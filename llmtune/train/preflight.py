@@ -76,11 +76,25 @@ def steps_per_epoch(dataset: WindowDataset, cfg: FinetuneConfig, data_path) -> i
     return steps
 
 
-def checked_memory(trainer: Trainer, model_path) -> dict[str, int]:
+def check_selection(dataset: WindowDataset, cfg: FinetuneConfig) -> None:
+    """--eval-every, --early-stop and --save-best need something to evaluate."""
+    if cfg.early_stop or cfg.save_best:
+        if cfg.select_metric.startswith("val_") and not dataset.n_val:
+            flag = "--early-stop" if cfg.early_stop else "--save-best"
+            raise LlmtuneError(f"{flag}: there are no validation windows to follow {cfg.select_metric} on "
+                               f"(raise --val-split, or --select-metric benchmark with --eval-benchmark)")
+    if cfg.eval_every and not dataset.n_val and cfg.eval_benchmark is None:
+        raise LlmtuneError("--eval-every: there are no validation windows (raise --val-split) and no --eval-benchmark")
+
+
+def checked_memory(trainer: Trainer, model_path, best_copy: bool = False) -> dict[str, int]:
     """The bytes the run needs, by kind; refused up front when more than is available. Where the
     backend can measure its process ("runtime"), it is what the process holds already besides the
-    trained weights (interpreter, libraries, tokenizer, data), measured, not guessed."""
+    trained weights (interpreter, libraries, tokenizer, data), measured, not guessed. best_copy:
+    --save-best's copy of the trained values."""
     memory = trainer.memory_bytes()
+    if best_copy:
+        memory["best weights"] = trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize
     need, avail = sum(memory.values()), available_memory(trainer.backend)
     if avail is not None and need > avail:
         raise LlmtuneError(
@@ -98,7 +112,8 @@ def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dat
     """Room for the output and the checkpoints (the kept ones plus the one being written) before
     the first step."""
     n = trainer.n_trainable
-    per_checkpoint = n * 4 * (3 if trainer.optimizer.m is not None else 1) + dataset.n_train * 8 + (1 << 16)
+    copies = (3 if trainer.optimizer.m is not None else 1) + (1 if cfg.save_best else 0)  # weights, moments, best
+    per_checkpoint = n * 4 * copies + dataset.n_train * 8 + (1 << 16)
     out_bytes = n * 4 + (1 << 20) if trainer.model.adapters else output_bytes(trainer.model, trainer.trainable, cfg.out_type)
     keep = (cfg.keep_checkpoints or 1) + 1
     check_disk_space(out.parent, out_bytes + keep * per_checkpoint,

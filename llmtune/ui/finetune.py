@@ -38,6 +38,7 @@ class FinetuneReporter:
         self.tasks = {}
         self.epochs = []
         self.bench = None  # --eval-benchmark's score before training ("benchmark" event)
+        self.selected = None  # --early-stop / --save-best's best pass ("selected" event)
         self.losses = []  # (global step, loss) of every step this process ran: the summary's sparkline
 
     def __enter__(self):
@@ -115,6 +116,32 @@ class FinetuneReporter:
             line = fields[0] + "".join(f"\n  {f}" for f in fields[1:])
         console.print(line, highlight=False, soft_wrap=True)
 
+    def _on_validation(self, e: ev.Validation):
+        if e.epoch_end:  # the epoch's line reports it
+            return
+        v = e.evaluation
+        fields = [f"step {v.global_step} (epoch {v.epoch}):",
+                  f"val loss {plus_minus(v.val_loss, v.val_loss_err)}, acc {plus_minus(v.val_accuracy, v.val_accuracy_err)}"]
+        if not math.isnan(v.bench_accuracy):
+            fields.append(f"| {self._bench_name()} acc {percent(v.bench_accuracy, v.bench_accuracy_err)}")
+        if e.improved:
+            fields.append("(best so far)")
+        self._print_fields(self.err, fields)
+
+    def _on_selected(self, e: ev.Selected):
+        self.selected = e
+
+    def _selected_line(self) -> str:
+        e = self.selected
+        if not e.step:
+            line = f"best: no validation pass scored {e.metric}"
+        else:
+            line = f"best: step {e.step} (epoch {e.epoch}), {e.metric} {e.value:.4f}"
+            line += "; -o holds its weights (--save-best)" if e.saved else ""
+        if e.stopped_at:
+            line += f"; stopped early at step {e.stopped_at} ({e.patience} validation passes without improvement)"
+        return line
+
     def _on_benchmark(self, e: ev.Benchmark):
         self.bench = e
         self.err.print(f"--eval-benchmark ({e.benchmark}, {e.n_tasks} tasks) before training: "
@@ -161,13 +188,15 @@ class FinetuneReporter:
         natural = self.out.measure(table, options=self.out.options.update_width(10_000)).maximum
         if not self.out.is_terminal or natural <= self.out.width:
             self.out.print(table)
-            return
-        self.out.print("finetune summary", highlight=False)
-        if self.bench is not None:
-            self.out.print(f"before: {self._bench_name()} acc {percent(self.bench.accuracy, self.bench.accuracy_err)}",
-                           highlight=False)
-        for info in self.epochs:
-            self._print_fields(self.out, self._epoch_fields(info, timing=True))
+        else:
+            self.out.print("finetune summary", highlight=False)
+            if self.bench is not None:
+                self.out.print(f"before: {self._bench_name()} acc {percent(self.bench.accuracy, self.bench.accuracy_err)}",
+                               highlight=False)
+            for info in self.epochs:
+                self._print_fields(self.out, self._epoch_fields(info, timing=True))
+        if self.selected is not None:
+            self.out.print(self._selected_line(), highlight=False, soft_wrap=True)
 
     def _summary(self) -> Table:
         table = Table(title="finetune summary")
