@@ -85,6 +85,11 @@ class Backend:
         """The block a token-by-token decode runs in (host thread settings)."""
         return nullcontext()
 
+    def compile_steps(self, steps: list, names: list) -> Optional[Callable]:
+        """One call running a replay's consecutive compiled steps (the kernels' `encode`), or None
+        where this backend compiles none (its kernels then run one Python call each)."""
+        return None
+
     def step_tuner(self, n_workers: int) -> Callable:
         """A factory of blocks that one repeated step (a training step's micro-batches) runs in."""
         return nullcontext

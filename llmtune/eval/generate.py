@@ -121,7 +121,7 @@ class Generator:
             if be.replays:  # the buffers are the graph's inputs themselves: replay
                 replay = self._replays.get(prog)
                 if replay is None:
-                    replay = self._replays[prog] = Replay(prog, {"tokens": tok, "pos": pos})
+                    replay = self._replays[prog] = Replay(prog, {"tokens": tok, "pos": pos}, compiled=True)
                 return replay.run()[0]
         else:
             tok = np.asarray(tokens, dtype=np.int32).reshape(1, n)

@@ -48,6 +48,8 @@ def _load():
                 lib.lt_act_row_bytes.restype = _I64
                 lib.lt_rms_norm.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _PTR]
                 lib.lt_rms_norm.restype = None
+                lib.lt_run.argtypes = [_PTR, _I64, _INT]
+                lib.lt_run.restype = _I64
             except build.BuildError as e:
                 lib, reason = None, str(e)
         threads = os.environ.get("LLMTUNE_NATIVE_THREADS", "")
@@ -57,6 +59,17 @@ def _load():
 
 def available() -> bool:
     return _load() is not None
+
+
+def library():
+    """The loaded library (ctypes), or None where it is not available."""
+    return _load()
+
+
+def threads() -> int:
+    """The threads a product is split over (LLMTUNE_NATIVE_THREADS, else the usable cores)."""
+    _load()
+    return _state["threads"]
 
 
 def reason() -> str | None:
