@@ -276,3 +276,128 @@ def test_rms_norm_matches_numpy():
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-30)  # a few ulps: the squares summed in double
     assert kernels.bind_rms_norm(out, x.astype(np.float64), 1e-5) is None
     assert kernels.bind_rms_norm(np.empty((20, 576), np.float32), np.ones((20, 576), np.float32), 1e-5) is None
+
+
+# ------------------------------------------------------------------------------ compiled programs (lt_run)
+def _compiled(step):
+    from llmtune.native import program
+
+    assert step is not None
+    call = program.compile_steps([step])
+    assert call is not None
+    return call
+
+
+def _both(kernel, encode, shape, *args, **attrs):
+    """The numpy kernel's result and the compiled step's, each into its own buffer."""
+    want = kernel(np.full(shape, np.nan, np.float32), *args, **attrs)
+    got = np.full(shape, np.nan, np.float32)
+    _compiled(encode(got, *args, **attrs))()
+    return np.asarray(want), got
+
+
+@needs_library
+def test_compiled_elementwise_ops_are_numpy_bit_for_bit():
+    """add, mul (a gain over the rows), scale, rope (norm and neox, inverse, a partial rotation, freq
+    factors), the embedding row gathers: the same operations in the same order as backends/cpu.py,
+    so the same bits."""
+    from llmtune.backends import cpu
+    from llmtune.native import program
+
+    rng = np.random.default_rng(7)
+    a, b = (rng.standard_normal((3, 576)).astype(np.float32) for _ in range(2))
+    gain = rng.standard_normal(576).astype(np.float32)
+    for kern, enc, y in ((cpu.k_add, program.add, b), (cpu.k_mul, program.mul, b), (cpu.k_mul, program.mul, gain)):
+        np.testing.assert_array_equal(*_both(kern, enc, a.shape, a, y))
+    np.testing.assert_array_equal(*_both(cpu.k_scale, program.scale, a.shape, a, 0.37))
+    x = rng.standard_normal((1, 2, 9, 64)).astype(np.float32)
+    pos = np.array([5, 131], np.int32)
+    factors = (1.0 + rng.random(32)).astype(np.float32)
+    for mode, inverse, n_rot, ff in (("norm", False, 64, None), ("neox", False, 64, None), ("norm", True, 64, None),
+                                     ("neox", False, 32, None), ("norm", False, 64, factors)):
+        attrs = dict(n_rot=n_rot, base=100000.0, freq_scale=0.5, mode=mode, inverse=inverse)
+        np.testing.assert_array_equal(*_both(cpu.k_rope, program.rope, x.shape, x, pos, ff, **attrs))
+    ids = np.array([[3, 0, 99]], np.int32)
+    table = rng.standard_normal((100, 64)).astype(np.float32)
+    np.testing.assert_array_equal(*_both(cpu.k_get_rows, program.get_rows, (1, 3, 64), table, ids))
+    for qtype in program.QGET_TYPES:
+        raw = _matrix(qtype, 100, 64, rng)
+        np.testing.assert_array_equal(*_both(cpu.k_qget_rows, program.qget_rows, (1, 3, 64), raw, ids, qtype))
+
+
+@needs_library
+def test_compiled_attention_ops_match_numpy():
+    """The decode step's attention, cache write and activations: cache_write exactly; the softmax
+    (its pairwise sum numpy's, exp the C library's) and swiglu within a few float32 ulps (5e-7);
+    the small matmuls to float summation order (relative to |a| |b|: below 1e-6); rms_norm within 1e-6."""
+    from llmtune.backends import cpu
+    from llmtune.native import program
+
+    rng = np.random.default_rng(8)
+    cache = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
+    x, pos = rng.standard_normal((1, 2, 3, 64)).astype(np.float32), np.array([7, 200], np.int32)
+    want = cpu.k_cache_write(None, cache.copy(), x, pos)
+    got = cache.copy()
+    _compiled(program.cache_write(None, got, x, pos))()
+    np.testing.assert_array_equal(got, want)
+    for n_kv, window in ((64, 0), (192, 0), (192, 50)):
+        s = (4 * rng.standard_normal((1, 3, 6, n_kv))).astype(np.float32)
+        w, g = _both(cpu.k_softmax_causal, program.softmax_causal, s.shape, s, pos, scale=0.125, n_q=2, n_past=0,
+                     window=window)
+        np.testing.assert_allclose(g, w, rtol=5e-7, atol=1e-37)
+        assert (g[w == 0] == 0).all()  # masked keys exactly zero
+    gate, up = (rng.standard_normal((1, 1536)).astype(np.float32) * 4 for _ in range(2))
+    np.testing.assert_allclose(*_both(cpu.k_swiglu, program.swiglu, gate.shape, gate, up)[::-1], rtol=5e-7)
+    q = rng.standard_normal((1, 3, 3, 64)).astype(np.float32)
+    keys = cache[:, :, :64]  # a view of the cache, as the graph slices it
+    p = rng.random((1, 3, 3, 64)).astype(np.float32)
+    p[..., 40:] = 0.0  # masked positions
+    for lhs, rhs, tb in ((q, keys, True), (p, keys, False)):
+        w, g = _both(cpu.k_matmul, program.matmul, (1, 3, 3, 64), lhs, rhs, ta=False, tb=tb)
+        bound = np.abs(lhs).astype(np.float64) @ np.abs(np.swapaxes(rhs, -1, -2) if tb else rhs)
+        assert (np.abs(g - w.astype(np.float64)) / bound).max() < 1e-6
+    xs = _activations(2, 576, rng)
+    np.testing.assert_allclose(*_both(cpu.k_rms_norm, program.rms_norm, xs.shape, xs, 1e-5)[::-1], rtol=1e-6)
+
+
+@needs_library
+def test_compiled_steps_decline_and_fail_in_one_line():
+    """Encoders decline what the compiled ops do not take (float64, a broadcast they do not know),
+    and a position past the cache is an IndexError naming the op, not a write out of bounds."""
+    from llmtune.native import program
+
+    a64 = np.ones((2, 8))
+    assert program.add(np.empty_like(a64), a64, a64) is None
+    assert program.add(np.empty((2, 8), np.float32), np.ones((2, 8), np.float32), np.ones((2, 1), np.float32)) is None
+    cache, x = np.zeros((1, 1, 16, 4), np.float32), np.ones((1, 1, 1, 4), np.float32)
+    call = program.compile_steps([program.cache_write(None, cache, x, np.array([16], np.int32))], ["cache_write"])
+    with pytest.raises(IndexError, match="cache_write"):
+        call()
+    assert not cache.any()
+
+
+@needs_library
+def test_decode_step_is_one_compiled_call(stories_path):
+    """stories260K's decode step: one compiled call per token after the recording run, its logits
+    those of the Python-call replay to float rounding and its 32 greedy tokens the same."""
+    from llmtune.eval.generate import Generator
+    from llmtune.model.loaded import load_model
+
+    model = load_model(stories_path)
+    runs = []
+    for compiled in (False, True):
+        gen = Generator(model, n_ctx=64)
+        if not compiled:
+            gen.backend.compile_steps = lambda steps, names: None
+        logits = gen.feed(gen.tokenize_prompt("Once upon a time"))
+        toks, rows = [], []
+        for _ in range(32):
+            toks.append(int(np.argmax(logits)))
+            logits = gen.step(toks[-1])
+            rows.append(logits)
+        (replay,) = gen._replays.values()
+        runs.append((toks, np.array(rows), len(replay.calls)))
+    (py_toks, py_logits, py_calls), (c_toks, c_logits, c_calls) = runs
+    assert c_calls == 1 and py_calls > 50
+    assert c_toks == py_toks
+    assert np.abs(c_logits - py_logits).max() < 1e-4 * np.abs(py_logits).max()
