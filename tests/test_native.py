@@ -401,3 +401,28 @@ def test_decode_step_is_one_compiled_call(stories_path):
     assert c_calls == 1 and py_calls > 50
     assert c_toks == py_toks
     assert np.abs(c_logits - py_logits).max() < 1e-4 * np.abs(py_logits).max()
+
+
+@needs_library
+def test_packed_products_are_the_row_kernels_bit_for_bit():
+    """The AVX-512 VNNI kernels over 8-row packed groups (Q8_0, Q4_1) give every output the per-row
+    kernel's bits (the same lanes, scale products and fma order), tail rows past the last whole
+    group included, for 1 to MAX_ROWS activation rows; so ggml's recorded products too."""
+    rng = np.random.default_rng(9)
+    if kernels.pack(_matrix("Q8_0", 8, 32, rng), "Q8_0") is None:
+        pytest.skip("this build has no packed kernels (no AVX-512 VNNI)")
+    for qtype in ("Q8_0", "Q4_1"):
+        for n_out, n_in, m in ((203, 576, 3), (64, 1536, kernels.MAX_ROWS), (8, 32, 1)):
+            raw, x = _matrix(qtype, n_out, n_in, rng), _activations(m, n_in, rng)
+            packed = kernels.pack(raw, qtype)
+            assert packed.nbytes == n_out // 8 * 8 * raw.shape[1] and packed.ctypes.data % 64 == 0
+            want, got = np.empty((m, n_out), np.float32), np.full((m, n_out), np.nan, np.float32)
+            assert kernels.qlinear(want, x, raw, qtype) and kernels.qlinear_packed(got, x, packed, raw, qtype)
+            np.testing.assert_array_equal(got, want, err_msg=f"{qtype} {n_out}x{n_in} m={m}")
+    rec = np.load(DATA_DIR / "qmatmul" / "ggml-products.npz")
+    x = np.ascontiguousarray(rec["x"])
+    for qtype in ("Q8_0", "Q4_1"):  # the 5 recorded rows twice: one packed group and 2 tail rows
+        raw, theirs = np.tile(rec[f"{qtype}.raw"], (2, 1)), np.tile(rec[f"{qtype}.out"], (1, 2))
+        ours = np.empty_like(theirs)
+        assert kernels.qlinear_packed(ours, x, kernels.pack(raw, qtype), raw, qtype)
+        np.testing.assert_array_equal(ours, theirs, err_msg=qtype)

@@ -764,7 +764,8 @@ def _attach_encoders():
     for op in ("add", "mul", "scale", "rms_norm", "swiglu", "matmul", "rope", "cache_write", "softmax_causal",
                "get_rows"):
         KERNELS[op].encode = getattr(native_program, op)
-    k_qlinear.encode = lambda out, x, w, qtype, round_x: native_program.qlinear(out, x, _raw(w), qtype, round_x)
+    k_qlinear.encode = lambda out, x, w, qtype, round_x: native_program.qlinear(
+        out, x, _raw(w), qtype, round_x, w.packed(qtype) if type(w) is qmatmul.WithCopies else None)
     k_qget_rows.encode = lambda out, w, ids, qtype: native_program.qget_rows(out, _raw(w), ids, qtype)
 
 

@@ -90,15 +90,16 @@ def swiglu(out, gate, up):
     return _step("swiglu", (gate, up, out), (out.size,))
 
 
-def qlinear(out, x, w, qtype, round_x):
+def qlinear(out, x, w, qtype, round_x, packed=None):
+    """packed: the matrix's kernels.pack copy (read for its whole row groups), or None."""
     if not round_x or qtype not in kernels.TYPE_CODES or not _f32(out, x) or not isinstance(w, np.ndarray):
         return None
     x2, o2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
     if x2.shape[0] > kernels.MAX_ROWS or w.dtype != np.uint8 or w.ndim != 2 or w.strides[-1] != 1 \
             or w.shape[0] != o2.shape[1]:
         return None
-    return _step("qlinear", (x, w, out), (kernels.TYPE_CODES[qtype], w.strides[0], o2.shape[1], x2.shape[1],
-                                          x2.shape[0], o2.shape[1]))
+    return _step("qlinear", (x, w, out, packed), (kernels.TYPE_CODES[qtype], w.strides[0], o2.shape[1], x2.shape[1],
+                                                  x2.shape[0], o2.shape[1]))
 
 
 def _strides4(a: np.ndarray, shape4) -> tuple | None:

@@ -727,6 +727,200 @@ int lt_qlinear(int type, const uint8_t *w, int64_t w_stride, int64_t n_out, int6
     return 0;
 }
 
+/* ------------------------------------------------------------------ packed Q8_0 / Q4_1 (AVX-512 VNNI)
+ * A matrix repacked once (lt_pack) in groups of 8 rows, block by block: the 8 rows' fp16 scales
+ * (and Q4_1's mins) side by side, then the 8 rows' quants (as llama.cpp's repack.cpp interleaves
+ * Q4_0 for its GEMV). Two rows fill one 512-bit register: one vpdpbusd gives both rows' eight
+ * int32 pair sums of a block, and one fused multiply-add accumulates both rows' eight float lanes.
+ * Each float lane is the lane of ggml's AVX2 vec_dot (the same integers, the same scale product,
+ * one fma per block in block order, the same final hsum and min term), so every output is the
+ * per-row kernel's, bit for bit; only the loads and the integer work are shared. Q8_0's signed
+ * quants go through vpdpbusd as x + 128 (unsigned), less 128 * (sum of the four y), exact. */
+#define PACK_ROWS 8
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && LT_AVX2
+#define LT_PACK 1
+#else
+#define LT_PACK 0
+#endif
+
+static int64_t pack_block_bytes(int type) { return type == 0 ? 16 + 8 * 32 : type == 2 ? 32 + 8 * 16 : 0; }
+
+/* Bytes of the packed copy of the n_rows / 8 whole groups (0: the type has no packed kernel here). */
+int64_t lt_pack_bytes(int type, int64_t n_rows, int64_t n_in) {
+    if (!LT_PACK || !pack_block_bytes(type) || n_in % QK) return 0;
+    return n_rows / PACK_ROWS * (n_in / QK) * pack_block_bytes(type);
+}
+
+void lt_pack(int type, const uint8_t *w, int64_t w_stride, int64_t n_rows, int64_t n_in, uint8_t *out) {
+    const int64_t nb = n_in / QK, gb = pack_block_bytes(type), bsz = type == 0 ? 34 : 20;
+    for (int64_t g = 0; g < n_rows / PACK_ROWS; g++)
+        for (int64_t i = 0; i < nb; i++) {
+            uint8_t *o = out + (g * nb + i) * gb;
+            for (int r = 0; r < PACK_ROWS; r++) {
+                const uint8_t *b = w + (g * PACK_ROWS + r) * w_stride + i * bsz;
+                if (type == 0) {
+                    memcpy(o + 2 * r, b, 2);
+                    memcpy(o + 16 + 32 * r, b + 2, 32);
+                } else {
+                    memcpy(o + 2 * r, b, 2);
+                    memcpy(o + 16 + 2 * r, b + 2, 2);
+                    memcpy(o + 32 + 16 * r, b + 4, 16);
+                }
+            }
+        }
+}
+
+#if LT_PACK
+/* the activation row as the packed kernels read it: per block the quants (Q4_1: 0-15 twice, then
+ * 16-31 twice, to face two rows' low and high nibbles), Q8_0's 128 * four-value sums */
+static void prep_act(int type, const uint8_t *xq, int64_t nb, int8_t *yq, int32_t *ycorr) {
+    for (int64_t i = 0; i < nb; i++) {
+        const int8_t *q = type == 0 ? ((const block_q8_0 *)xq)[i].qs : ((const block_q8_1 *)xq)[i].qs;
+        if (type == 0) {
+            memcpy(yq + 32 * i, q, 32);
+            for (int j = 0; j < 8; j++) ycorr[8 * i + j] = 128 * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
+        } else {
+            memcpy(yq + 64 * i, q, 16);
+            memcpy(yq + 64 * i + 16, q, 16);
+            memcpy(yq + 64 * i + 32, q + 16, 16);
+            memcpy(yq + 64 * i + 48, q + 16, 16);
+        }
+    }
+}
+
+static void group_q8_0(const uint8_t *g, int64_t nb, const int8_t *yq, const float *yd, const int32_t *ycorr, float *out) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i two = _mm512_set1_epi32(2);
+    for (int64_t i = 0; i < nb; i++, g += 16 + 8 * 32) {
+        const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(yd[i]));
+        const __m512 sc2 = _mm512_castps256_ps512(sc);
+        const __m512i y = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(yq + 32 * i)));
+        const __m512i corr = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(ycorr + 8 * i)));
+        __m512i idx = lo;
+        for (int p = 0; p < 4; p++, idx = _mm512_add_epi32(idx, two)) {
+            const __m512i x = _mm512_xor_si512(_mm512_loadu_si512((const void *)(g + 16 + 64 * p)), flip);
+            const __m512i d = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, y), corr);
+            acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, sc2), _mm512_cvtepi32_ps(d), acc[p]);
+        }
+    }
+    for (int p = 0; p < 4; p++) {
+        out[2 * p] = hsum_float_8(_mm512_castps512_ps256(acc[p]));
+        out[2 * p + 1] = hsum_float_8(_mm512_extractf32x8_ps(acc[p], 1));
+    }
+}
+
+static void group_q4_1(const uint8_t *g, int64_t nb, const int8_t *yq, const float *yd, const float *ys, float *out) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 summs = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m512i base = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i two = _mm512_set1_epi32(2);
+    for (int64_t i = 0; i < nb; i++, g += 32 + 8 * 16) {
+        const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(yd[i]));
+        summs = _mm256_add_ps(summs, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),
+                                                   _mm256_set1_ps(ys[i])));
+        const __m512 sc2 = _mm512_castps256_ps512(sc);
+        const __m512i y = _mm512_loadu_si512((const void *)(yq + 64 * i));
+        __m512i idx = base;
+        for (int p = 0; p < 4; p++, idx = _mm512_add_epi32(idx, two)) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(g + 32 + 32 * p));
+            const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, m4)),
+                                                 _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), 1);
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x, y);
+            acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, sc2), _mm512_cvtepi32_ps(d), acc[p]);
+        }
+    }
+    float mins[8];
+    _mm256_storeu_ps(mins, summs);
+    const __m512i rows = _mm512_set_epi32(15, 14, 13, 12, 7, 6, 5, 4, 11, 10, 9, 8, 3, 2, 1, 0);
+    for (int p = 0; p < 4; p++) {  /* lanes 0-3 and 8-11 are row 2p's, 4-7 and 12-15 row 2p + 1's */
+        const __m512 v = _mm512_permutexvar_ps(rows, acc[p]);
+        out[2 * p] = hsum_float_8(_mm512_castps512_ps256(v)) + mins[2 * p];
+        out[2 * p + 1] = hsum_float_8(_mm512_extractf32x8_ps(v, 1)) + mins[2 * p + 1];
+    }
+}
+
+typedef struct {
+    int type;
+    const uint8_t *packed;
+    int64_t nb, n_groups, m;
+    const int8_t *yq;
+    const int32_t *ycorr;
+    const uint8_t *xq;  /* the quantized rows, their scales as floats after each row's blocks */
+    int64_t yq_stride, xq_stride, scales_at;
+    float *out;
+    int64_t out_stride;
+} pjob_t;
+
+#define PACK_CHUNK 2  /* groups per claimed chunk: 16 rows */
+
+static void p_task(void *p, int64_t chunk) {
+    const pjob_t *j = p;
+    const int64_t g0 = chunk * PACK_CHUNK, g1 = g0 + PACK_CHUNK < j->n_groups ? g0 + PACK_CHUNK : j->n_groups;
+    const int64_t gb = pack_block_bytes(j->type) * j->nb;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t i = 0; i < j->m; i++) {
+            float *o = j->out + i * j->out_stride + g * PACK_ROWS;
+            const float *yd = (const float *)(j->xq + i * j->xq_stride + j->scales_at);
+            if (j->type == 0)
+                group_q8_0(j->packed + g * gb, j->nb, j->yq + i * j->yq_stride, yd, j->ycorr + i * j->nb * 8, o);
+            else
+                group_q4_1(j->packed + g * gb, j->nb, j->yq + i * j->yq_stride, yd, yd + j->nb, o);
+        }
+}
+
+static __thread uint8_t *prep_buf = NULL;
+static __thread int64_t prep_cap = 0;
+#endif
+
+/* lt_qlinear with the whole groups of 8 rows read from `packed` (lt_pack's copy of w), the rest
+ * of the rows from w. Returns as lt_qlinear; -1 also where this build has no packed kernel. */
+int lt_qlinear_packed(int type, const uint8_t *packed, const uint8_t *w, int64_t w_stride, int64_t n_out, int64_t n_in,
+                      const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
+#if LT_PACK
+    if ((type != 0 && type != 2) || n_in % QK) return -1;
+    const qtype_t *qt = &QTYPES[type];
+    const int64_t nb = n_in / QK, xq_stride = act_row_bytes(qt->act, n_in);
+    const int64_t yq_stride = nb * (type == 0 ? 32 : 64), corr_bytes = type == 0 ? nb * 32 : 0;
+    const int64_t need = m * (xq_stride + yq_stride + corr_bytes) + 64;
+    if (act_cap < xq_stride * m) {
+        uint8_t *buf = realloc(act_buf, (size_t)(xq_stride * m));
+        if (!buf) return -2;
+        act_buf = buf;
+        act_cap = xq_stride * m;
+    }
+    if (prep_cap < need) {
+        uint8_t *buf = realloc(prep_buf, (size_t)need);
+        if (!buf) return -2;
+        prep_buf = buf;
+        prep_cap = need;
+    }
+    int8_t *yq = (int8_t *)prep_buf;
+    int32_t *ycorr = (int32_t *)(prep_buf + m * yq_stride);
+    for (int64_t i = 0; i < m; i++) {
+        uint8_t *xq = act_buf + i * xq_stride;
+        lt_quantize_act(qt->act, x + i * n_in, n_in, xq);
+        prep_act(type, xq, nb, yq + i * yq_stride, ycorr + i * nb * 8);
+    }
+    /* the scales as floats follow each activation row's blocks (act_scales): d[nb], then s[nb] */
+    const int64_t blk = type == 0 ? (int64_t)sizeof(block_q8_0) : (int64_t)sizeof(block_q8_1);
+    pjob_t job = {type, packed, nb, n_out / PACK_ROWS, m, yq, ycorr, act_buf, yq_stride, xq_stride, nb * blk,
+                  out, out_stride};
+    pool_run(p_task, &job, (job.n_groups + PACK_CHUNK - 1) / PACK_CHUNK, nth);
+    const int64_t done = job.n_groups * PACK_ROWS;
+    for (int64_t r = done; r < n_out; r++)
+        for (int64_t i = 0; i < m; i++)
+            out[i * out_stride + r] = qt->dot(w + r * w_stride, act_buf + i * xq_stride, (int)nb);
+    return 0;
+#else
+    (void)type; (void)packed; (void)w; (void)w_stride; (void)n_out; (void)n_in; (void)x; (void)m; (void)out;
+    (void)out_stride; (void)nth;
+    return -1;
+#endif
+}
+
 /* out[i, r] = W[r] . x[i] for float32 W rows of w_stride bytes (ggml_vec_dot_f32). */
 int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
                   const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
@@ -967,8 +1161,11 @@ int64_t lt_run(const lt_step *steps, int64_t n_steps, int nth) {
                 break;
             }
             case OP_RMS_NORM: lt_rms_norm(s->p[0], s->n[0], s->n[1], (float)s->f[0], s->p[2]); break;
-            case OP_QLINEAR:
-                if (lt_qlinear((int)s->n[0], s->p[1], s->n[1], s->n[2], s->n[3], s->p[0], s->n[4], s->p[2], s->n[5], nth))
+            case OP_QLINEAR:  /* p[3]: the packed copy, where there is one */
+                if (s->p[3] ? lt_qlinear_packed((int)s->n[0], s->p[3], s->p[1], s->n[1], s->n[2], s->n[3], s->p[0],
+                                                s->n[4], s->p[2], s->n[5], nth)
+                            : lt_qlinear((int)s->n[0], s->p[1], s->n[1], s->n[2], s->n[3], s->p[0], s->n[4], s->p[2],
+                                         s->n[5], nth))
                     return k;
                 break;
             case OP_F32_LINEAR: lt_f32_linear(s->p[1], s->n[1], s->n[2], s->n[3], s->p[0], s->n[4], s->p[2], s->n[5], nth); break;
