@@ -328,8 +328,8 @@ def test_compiled_elementwise_ops_are_numpy_bit_for_bit():
 @needs_library
 def test_compiled_attention_ops_match_numpy():
     """The decode step's attention, cache write and activations: cache_write exactly; the softmax
-    (its pairwise sum numpy's, exp the C library's) and swiglu within a few float32 ulps (5e-7);
-    the small matmuls to float summation order (relative to |a| |b|: below 1e-6); rms_norm within 1e-6."""
+    (its pairwise sum numpy's; exp the C library's, or where AVX-512 is built a polynomial within
+    ~1 ulp) and swiglu within 1e-6 relative (a few float32 ulps); the small matmuls to float summation order (relative to |a| |b|: below 1e-6); rms_norm within 1e-6."""
     from llmtune.backends import cpu
     from llmtune.native import program
 
@@ -344,10 +344,10 @@ def test_compiled_attention_ops_match_numpy():
         s = (4 * rng.standard_normal((1, 3, 6, n_kv))).astype(np.float32)
         w, g = _both(cpu.k_softmax_causal, program.softmax_causal, s.shape, s, pos, scale=0.125, n_q=2, n_past=0,
                      window=window)
-        np.testing.assert_allclose(g, w, rtol=5e-7, atol=1e-37)
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-37)
         assert (g[w == 0] == 0).all()  # masked keys exactly zero
     gate, up = (rng.standard_normal((1, 1536)).astype(np.float32) * 4 for _ in range(2))
-    np.testing.assert_allclose(*_both(cpu.k_swiglu, program.swiglu, gate.shape, gate, up)[::-1], rtol=5e-7)
+    np.testing.assert_allclose(*_both(cpu.k_swiglu, program.swiglu, gate.shape, gate, up)[::-1], rtol=1e-6)
     q = rng.standard_normal((1, 3, 3, 64)).astype(np.float32)
     keys = cache[:, :, :64]  # a view of the cache, as the graph slices it
     p = rng.random((1, 3, 3, 64)).astype(np.float32)

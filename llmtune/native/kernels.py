@@ -50,6 +50,8 @@ def _load():
                 lib.lt_rms_norm.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _PTR]
                 lib.lt_rms_norm.restype = None
                 lib.lt_run.argtypes = [_PTR, _I64, _INT]
+                lib.lt_profile.argtypes = [_INT, _PTR]
+                lib.lt_profile.restype = None
                 lib.lt_pack_bytes.argtypes = [_INT, _I64, _I64]
                 lib.lt_pack_bytes.restype = _I64
                 lib.lt_pack.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR]
@@ -116,6 +118,17 @@ def qlinear(out2: np.ndarray, x2: np.ndarray, raw: np.ndarray, qtype: str) -> bo
     rc = lib.lt_qlinear(code, _addr(raw), raw.strides[0], out2.shape[1], x2.shape[1], _addr(x2), x2.shape[0],
                         _addr(out2), out2.strides[0] // 4, _state["threads"])
     return rc == 0
+
+
+def profile(on: bool) -> dict:
+    """The compiled programs' per-op timers (qdot.c lt_profile): {op code: (seconds, calls)} so far;
+    on=True clears them and keeps them running, False stops them."""
+    lib = _load()
+    if lib is None:
+        return {}
+    buf = np.zeros(32, np.int64)
+    lib.lt_profile(int(on), _addr(buf))
+    return {code: (buf[code] / 1e9, int(buf[16 + code])) for code in range(16) if buf[16 + code]}
 
 
 def pack(raw: np.ndarray, qtype: str) -> np.ndarray | None:

@@ -993,6 +993,65 @@ static float dot_strided8(const float *a, const float *b, int64_t n) {  /* 8 par
     return r;
 }
 
+/* exp of 16 floats (AVX-512): x = n ln2 + r, |r| <= ln2/2 (ln2 in two parts, Cody-Waite), exp(r)
+ * = 1 + r + r^2 P(r) with Cephes expf's minimax P, scaled by 2^n; within ~1 ulp of the correctly
+ * rounded value (libm's expf on the portable path). Overflow to inf, underflow to 0, NaN kept. */
+#if defined(__AVX512F__)
+#define LT_VEXP 1
+static inline __m512 exp16(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.72283935546875f), lo = _mm512_set1_ps(-103.97208f);
+    const __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512 e = _mm512_scalef_ps(y, n);
+    e = _mm512_mask_mov_ps(e, over, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_mov_ps(e, under, _mm512_setzero_ps());
+}
+#else
+#define LT_VEXP 0
+#endif
+
+/* out[i] = exp(x[i] - sub) (in place allowed) */
+static void exp_sub(const float *x, float sub, float *out, int64_t n) {
+    int64_t i = 0;
+#if LT_VEXP
+    const __m512 s = _mm512_set1_ps(sub);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s)));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(out + i, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s)));
+        return;
+    }
+#endif
+    for (; i < n; i++) out[i] = expf(x[i] - sub);
+}
+
+/* silu(g) u as numpy's kernel: (1 / (1 + exp(-g))) g, times u */
+static void swiglu(const float *g, const float *u, float *o, int64_t n) {
+    int64_t i = 0;
+#if LT_VEXP
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(sg, gv), _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float sg = 1.0f / (1.0f + expf(-g[i]));
+        o[i] = (sg * g[i]) * u[i];
+    }
+}
+
 static void op_rope(const lt_step *s) {
     const float *x = s->p[0];
     const int32_t *pos = s->p[1];
@@ -1095,7 +1154,7 @@ static void op_softmax_causal(const lt_step *s) {
                 o[k] = xr[k] * scale + (visible ? 0.f : -INFINITY);
                 mx = fmaxf(mx, o[k]);
             }
-            for (int64_t k = 0; k < n_kv; k++) o[k] = expf(o[k] - mx);
+            exp_sub(o, mx, o, n_kv);
             const float sum = pairwise_sum(o, n_kv);
             for (int64_t k = 0; k < n_kv; k++) o[k] /= sum;
         }
@@ -1135,11 +1194,42 @@ static int op_qget_rows(const lt_step *s) {
     return 0;
 }
 
+static int prof_on = 0;
+static int64_t prof_ns[16], prof_calls[16];
+
+/* Per-op timers of lt_run (off by default): on != 0 switches them on and clears them; `out` (if
+ * not NULL) receives the nanoseconds and calls per op code so far, 16 of each. */
+void lt_profile(int on, int64_t *out) {
+    if (out) {
+        memcpy(out, prof_ns, sizeof(prof_ns));
+        memcpy(out + 16, prof_calls, sizeof(prof_calls));
+    }
+    if (on) {
+        memset(prof_ns, 0, sizeof(prof_ns));
+        memset(prof_calls, 0, sizeof(prof_calls));
+    }
+    prof_on = on;
+}
+
+static int64_t run_step(const lt_step *s, int nth);
+
 /* Runs steps[0 .. n_steps) in order. Returns -1 when every step ran, else the index of the step
  * that failed (a position or row id out of range, a bad type). */
 int64_t lt_run(const lt_step *steps, int64_t n_steps, int nth) {
     for (int64_t k = 0; k < n_steps; k++) {
-        const lt_step *s = &steps[k];
+        const int64_t t0 = prof_on ? now_ns() : 0;
+        if (run_step(&steps[k], nth)) return k;
+        if (prof_on && steps[k].op >= 0 && steps[k].op < 16) {
+            prof_ns[steps[k].op] += now_ns() - t0;
+            prof_calls[steps[k].op]++;
+        }
+    }
+    return -1;
+}
+
+/* One step; nonzero when it failed. */
+static int64_t run_step(const lt_step *s, int nth) {
+    {
         switch (s->op) {
             case OP_ADD: case OP_MUL: {
                 const float *a = s->p[0], *b = s->p[1];
@@ -1166,20 +1256,15 @@ int64_t lt_run(const lt_step *steps, int64_t n_steps, int nth) {
                                                 s->n[4], s->p[2], s->n[5], nth)
                             : lt_qlinear((int)s->n[0], s->p[1], s->n[1], s->n[2], s->n[3], s->p[0], s->n[4], s->p[2],
                                          s->n[5], nth))
-                    return k;
+                    return 1;
                 break;
             case OP_F32_LINEAR: lt_f32_linear(s->p[1], s->n[1], s->n[2], s->n[3], s->p[0], s->n[4], s->p[2], s->n[5], nth); break;
             case OP_ROPE: op_rope(s); break;
-            case OP_CACHE_WRITE: if (op_cache_write(s)) return k; break;
+            case OP_CACHE_WRITE: if (op_cache_write(s)) return 1; break;
             case OP_MATMUL: op_matmul(s); break;
             case OP_SOFTMAX_CAUSAL: op_softmax_causal(s); break;
             case OP_SWIGLU: {
-                const float *g = s->p[0], *u = s->p[1];
-                float *o = s->p[2];
-                for (int64_t i = 0; i < s->n[0]; i++) {
-                    const float sg = 1.0f / (1.0f + expf(-g[i]));
-                    o[i] = (sg * g[i]) * u[i];
-                }
+                swiglu(s->p[0], s->p[1], s->p[2], s->n[0]);
                 break;
             }
             case OP_GET_ROWS: {
@@ -1187,16 +1272,16 @@ int64_t lt_run(const lt_step *steps, int64_t n_steps, int nth) {
                 const int32_t *ids = s->p[1];
                 float *o = s->p[2];
                 for (int64_t r = 0; r < s->n[0]; r++) {
-                    if (ids[r] < 0 || ids[r] >= s->n[3]) return k;
+                    if (ids[r] < 0 || ids[r] >= s->n[3]) return 1;
                     memcpy(o + r * s->n[1], w + ids[r] * s->n[2], (size_t)s->n[1] * 4);
                 }
                 break;
             }
-            case OP_QGET_ROWS: if (op_qget_rows(s)) return k; break;
-            default: return k;
+            case OP_QGET_ROWS: if (op_qget_rows(s)) return 1; break;
+            default: return 1;
         }
     }
-    return -1;
+    return 0;
 }
 
 int64_t lt_step_size(void) { return (int64_t)sizeof(lt_step); }
