@@ -388,7 +388,7 @@ def test_decode_step_is_one_compiled_call(stories_path):
     for compiled in (False, True):
         gen = Generator(model, n_ctx=64)
         if not compiled:
-            gen.backend.compile_steps = lambda steps, names: None
+            gen.backend.compile_steps = lambda steps, names, private: None
         logits = gen.feed(gen.tokenize_prompt("Once upon a time"))
         toks, rows = [], []
         for _ in range(32):
@@ -426,3 +426,47 @@ def test_packed_products_are_the_row_kernels_bit_for_bit():
         ours = np.empty_like(theirs)
         assert kernels.qlinear_packed(ours, x, kernels.pack(raw, qtype), raw, qtype)
         np.testing.assert_array_equal(ours, theirs, err_msg=qtype)
+
+
+@needs_library
+def test_scores_only_a_causal_softmax_reads_are_computed_for_visible_keys():
+    """q k^T fused with the causal softmax that alone reads it (program._fuse): the masked scores
+    are not computed (left as they were), the probabilities are the unfused program's exactly."""
+    from llmtune.native import program
+
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((1, 3, 4, 64)).astype(np.float32)
+    keys = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
+    pos = np.array([37, 200], np.int32)
+    probs = []
+    for private in ([False, False], [True, False]):
+        scores, p = np.full((1, 3, 4, 256), np.nan, np.float32), np.empty((1, 3, 4, 256), np.float32)
+        steps = [program.matmul(scores, q, keys, False, True),
+                 program.softmax_causal(p, scores, pos, scale=0.125, n_q=2, n_past=0, window=0)]
+        program.compile_steps(steps, ["matmul", "softmax_causal"], private)()
+        probs.append(p)
+        visible = np.arange(256)[None, :] <= pos[np.arange(4) % 2][:, None]
+        assert np.isnan(scores[..., ~visible]).all() == private[0] and not np.isnan(scores[..., visible]).any()
+    np.testing.assert_array_equal(probs[1], probs[0])
+
+
+@needs_library
+def test_one_compiled_decode_program_for_the_whole_cache(stories_path, monkeypatch):
+    """With the compiled attention a decode step attends over the whole cache (one program past
+    every 64-position bucket), and its greedy tokens are the bucketed numpy path's."""
+    from llmtune.eval.generate import Generator
+    from llmtune.eval.sampling import Sampler, SamplerConfig
+    from llmtune.model.loaded import load_model
+
+    model = load_model(stories_path)
+    results = []
+    for native_on in ("1", "0"):
+        monkeypatch.setenv("LLMTUNE_NATIVE", native_on)
+        kernels.reset()
+        gen = Generator(model, n_ctx=160)
+        res = gen.generate(gen.tokenize_prompt("Once upon a time"), 100, Sampler(SamplerConfig(temp=0.0)))
+        decode_keys = {key for key in gen._programs._programs if key[0] == 1}
+        assert decode_keys == ({(1, 160)} if native_on == "1" else {(1, 64), (1, 128)})
+        results.append(res.tokens)
+    kernels.reset()
+    assert results[0] == results[1] and len(results[0]) == 100

@@ -822,9 +822,12 @@ class CPUBackend(Backend):
         and tiny attention matmuls, where OpenBLAS threads only spin against each other."""
         return blas_threads(1)
 
-    def compile_steps(self, steps, names):
+    def compile_steps(self, steps, names, private):
         """A replayed decode step's compiled kernels as one call (native/program.py)."""
-        return native_program.compile_steps(steps, names)
+        return native_program.compile_steps(steps, names, private)
+
+    def compiles_steps(self):
+        return native.available()
 
     def step_tuner(self, n_workers):
         """One micro-batch at a time: OpenBLAS's thread count chosen by timing (threads.BlasTuner)."""

@@ -316,13 +316,13 @@ class Replay:
             call = bind(out, *args, **attrs) if bind is not None else None
             encode = getattr(kernel, "encode", None)  # ... or its step of a compiled program
             step = encode(out, *args, **attrs) if self.compiled and encode is not None and sink is None else None
-            calls.append((call or functools.partial(kernel, out, *args, **attrs), step, op))
+            calls.append((call or functools.partial(kernel, out, *args, **attrs), step, op, nid, ins))
             if sink is not None:
-                calls.append((functools.partial(sink_call, sink, val), None, "accumulate"))
+                calls.append((functools.partial(sink_call, sink, val), None, "accumulate", None, ()))
         self.outputs = prog.finish(vals)
         self.fixed = fixed
         if fixed:
-            self.calls = _compiled_runs(prog.backend, calls)
+            self.calls = _compiled_runs(prog.backend, calls, _reader_counts(prog))
         else:  # the ordinary path from now on (the same result, the Python work included)
             self.calls = [functools.partial(self._run_plain)]
         return self.outputs
@@ -331,14 +331,30 @@ class Replay:
         self.outputs = self.prog.run(assign=self.assign, **self.feed)
 
 
-def _compiled_runs(backend, calls) -> list:
+def _reader_counts(prog: Program) -> dict[int, int]:
+    """Node id -> how many nodes read its value (an output counts as one more)."""
+    counts: dict[int, int] = {}
+    for n in prog.order:
+        for inp in n.inputs:
+            counts[inp.id] = counts.get(inp.id, 0) + 1
+    for n in prog.outputs:
+        counts[n.id] = counts.get(n.id, 0) + 1
+    return counts
+
+
+def _compiled_runs(backend, calls, readers) -> list:
     """The calls of a replay with each run of consecutive compiled steps as one call
-    (backend.compile_steps; its Python calls where the backend compiles none)."""
+    (backend.compile_steps; its Python calls where the backend compiles none). With each run goes
+    which steps' values only the next step reads (the backend may fuse the two)."""
     out, run = [], []
 
     def flush():
-        group = backend.compile_steps([s for _, s, _ in run], [op for _, _, op in run]) if len(run) > 1 else None
-        out.extend([group] if group is not None else [c for c, _, _ in run])
+        group = None
+        if len(run) > 1:
+            private = [readers.get(nid, 0) == 1 and k + 1 < len(run) and nid in run[k + 1][4]
+                       for k, (_, _, _, nid, _) in enumerate(run)]
+            group = backend.compile_steps([e[1] for e in run], [e[2] for e in run], private)
+        out.extend([group] if group is not None else [e[0] for e in run])
         run.clear()
 
     for entry in calls:

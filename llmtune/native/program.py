@@ -191,13 +191,33 @@ def qget_rows(out, w, ids, qtype):
 
 
 # ------------------------------------------------------------------------------ running them
-def compile_steps(steps: list, names: list | None = None):
+def _fuse(steps: list, private: list) -> list:
+    """Attention scores read only by their causal softmax (private: the softmax alone reads them)
+    are computed for the visible keys only: the scores product is told the softmax's positions.
+    The softmax never reads a masked score, so the result is the same."""
+    steps = list(steps)
+    for k in range(len(steps) - 1):
+        a, b = steps[k], steps[k + 1]
+        if (private[k] and a.op == OPS["matmul"] and b.op == OPS["softmax_causal"] and b.p[0] == a.p[2]
+                and b.p[1] is not None and a.n[8] == 1 and a.n[11] == 1 and a.n[2] == b.n[1]):
+            fused = Step.from_buffer_copy(a)
+            fused.p[3] = b.p[1]
+            fused.n[14], fused.n[15] = b.n[3], b.n[5]  # n_q, window
+            fused.keep = a.keep + b.keep
+            steps[k] = fused
+    return steps
+
+
+def compile_steps(steps: list, names: list | None = None, private: list | None = None):
     """One call with no arguments running `steps` (encoded above) in order on the pool's threads;
-    None without the compiled library. A step that fails (a position past the cache, a row id
-    outside the matrix) raises IndexError naming it."""
+    None without the compiled library. private[k]: step k's value is read by step k + 1 alone
+    (_fuse). A step that fails (a position past the cache, a row id outside the matrix) raises
+    IndexError naming it."""
     lib = kernels.library()
     if lib is None or not steps:
         return None
+    if private is not None:
+        steps = _fuse(steps, private)
     arr = (Step * len(steps))(*steps)
     keep = [s.keep for s in steps]
     run, n, threads = lib.lt_run, len(steps), kernels.threads()

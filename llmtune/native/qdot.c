@@ -1111,8 +1111,15 @@ static void op_matmul(const lt_step *s) {
             const float *A = a + i0 * sa0 + i1 * sa1, *Bm = b + i0 * sb0 + i1 * sb1;
             float *O = out + (i0 * B1 + i1) * M * N;
             if (sak == 1 && sbk == 1) {  /* rows against rows (q k^T) */
-                for (int64_t i = 0; i < M; i++)
-                    for (int64_t j = 0; j < N; j++) O[i * N + j] = dot_strided8(A + i * sam, Bm + j * sbn, K);
+                for (int64_t i = 0; i < M; i++) {
+                    int64_t j0 = 0, j1 = N;
+                    if (s->p[3]) {  /* scores only a causal softmax reads: its visible keys only */
+                        const int64_t qp = ((const int32_t *)s->p[3])[i % s->n[14]];
+                        j1 = qp + 1 < N ? qp + 1 : N;
+                        if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) j0 = qp - s->n[15] + 1;
+                    }
+                    for (int64_t j = j0; j < j1; j++) O[i * N + j] = dot_strided8(A + i * sam, Bm + j * sbn, K);
+                }
             } else if (sbn == 1) {  /* rows of b scaled and summed (p v) */
                 for (int64_t i = 0; i < M; i++) {
                     float *o = O + i * N;
@@ -1148,13 +1155,18 @@ static void op_softmax_causal(const lt_step *s) {
             const float *xr = x + (l * rows + r) * n_kv;
             float *o = out + (l * rows + r) * n_kv;
             const int64_t qp = pos ? pos[r % n_q] : n_past + r % n_q;
+            /* visible keys k0 <= k < k1; the masked ones are exactly 0 (not read: exp(-inf) for any
+             * finite score) */
+            const int64_t k1 = qp + 1 < n_kv ? (qp + 1 > 0 ? qp + 1 : 0) : n_kv;
+            const int64_t k0 = window > 0 && qp - window + 1 > 0 ? (qp - window + 1 < k1 ? qp - window + 1 : k1) : 0;
             float mx = -INFINITY;
-            for (int64_t k = 0; k < n_kv; k++) {
-                const int visible = k <= qp && (window <= 0 || qp - k < window);
-                o[k] = xr[k] * scale + (visible ? 0.f : -INFINITY);
+            for (int64_t k = k0; k < k1; k++) {
+                o[k] = xr[k] * scale + 0.f;
                 mx = fmaxf(mx, o[k]);
             }
-            exp_sub(o, mx, o, n_kv);
+            exp_sub(o + k0, mx, o + k0, k1 - k0);
+            for (int64_t k = 0; k < k0; k++) o[k] = 0.f;
+            for (int64_t k = k1; k < n_kv; k++) o[k] = 0.f;
             const float sum = pairwise_sum(o, n_kv);
             for (int64_t k = 0; k < n_kv; k++) o[k] /= sum;
         }
