@@ -217,6 +217,13 @@ k_matmul.bind = _bind_matmul
 
 def k_qlinear(out, x, w, qtype, round_x):
     if type(w) is qmatmul.WithCopies:
+        if round_x and x.size <= native.MAX_ROWS * x.shape[-1] and x.flags.c_contiguous and out.flags.c_contiguous:
+            # a few rows (a prompt, a decode step): the packed product where there is one, the
+            # weight packed at its first product (as llama.cpp repacks at load)
+            packed = w.packed(qtype)
+            if packed is not None and native.qlinear_packed(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]),
+                                                            packed, w.raw, qtype):
+                return out
         return qmatmul.qlinear(out, x, w.raw, qtype, round_x, w.copies)
     return qmatmul.qlinear(out, x, w, qtype, round_x)
 
