@@ -430,8 +430,9 @@ def test_packed_products_are_the_row_kernels_bit_for_bit():
 
 @needs_library
 def test_scores_only_a_causal_softmax_reads_are_computed_for_visible_keys():
-    """q k^T fused with the causal softmax that alone reads it (program._fuse): the masked scores
-    are not computed (left as they were), the probabilities are the unfused program's exactly."""
+    """q k^T, the causal softmax and p v, each the only reader of the one before (program._fuse):
+    the masked scores are not computed and the masked probabilities not written (left as they
+    were), and the attention output is the unfused program's exactly."""
     from llmtune.native import program
 
     rng = np.random.default_rng(10)
@@ -439,15 +440,21 @@ def test_scores_only_a_causal_softmax_reads_are_computed_for_visible_keys():
     keys = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
     pos = np.array([37, 200], np.int32)
     probs = []
-    for private in ([False, False], [True, False]):
-        scores, p = np.full((1, 3, 4, 256), np.nan, np.float32), np.empty((1, 3, 4, 256), np.float32)
+    values = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
+    visible = np.arange(256)[None, :] <= pos[np.arange(4) % 2][:, None]
+    outs = []
+    for sole in ([-1, -1, -1], [1, 2, -1]):  # unfused; scores read by the softmax alone, probabilities by p v alone
+        scores, p = np.full((1, 3, 4, 256), np.nan, np.float32), np.full((1, 3, 4, 256), np.nan, np.float32)
+        o = np.empty((1, 3, 4, 64), np.float32)
         steps = [program.matmul(scores, q, keys, False, True),
-                 program.softmax_causal(p, scores, pos, scale=0.125, n_q=2, n_past=0, window=0)]
-        program.compile_steps(steps, ["matmul", "softmax_causal"], private)()
-        probs.append(p)
-        visible = np.arange(256)[None, :] <= pos[np.arange(4) % 2][:, None]
-        assert np.isnan(scores[..., ~visible]).all() == private[0] and not np.isnan(scores[..., visible]).any()
-    np.testing.assert_array_equal(probs[1], probs[0])
+                 program.softmax_causal(p, scores, pos, scale=0.125, n_q=2, n_past=0, window=0),
+                 program.matmul(o, p, values, False, False)]
+        program.compile_steps(steps, ["matmul", "softmax_causal", "matmul"], sole)()
+        outs.append(o)
+        fused = sole[0] >= 0
+        assert np.isnan(scores[..., ~visible]).all() == fused and not np.isnan(scores[..., visible]).any()
+        assert np.isnan(p[..., ~visible]).all() == fused and not np.isnan(p[..., visible]).any()
+    np.testing.assert_array_equal(outs[1], outs[0])
 
 
 @needs_library

@@ -85,10 +85,10 @@ class Backend:
         """The block a token-by-token decode runs in (host thread settings)."""
         return nullcontext()
 
-    def compile_steps(self, steps: list, names: list, private: list) -> Optional[Callable]:
+    def compile_steps(self, steps: list, names: list, sole: list) -> Optional[Callable]:
         """One call running a replay's consecutive compiled steps (the kernels' `encode`), or None
-        where this backend compiles none (its kernels then run one Python call each). private[k]:
-        step k's value is read by step k + 1 alone (the two may be fused)."""
+        where this backend compiles none (its kernels then run one Python call each). sole[k]: the
+        index of the one step that reads step k's value (-1: none, several, or outside the run)."""
         return None
 
     def compiles_steps(self) -> bool:

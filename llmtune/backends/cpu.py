@@ -829,9 +829,9 @@ class CPUBackend(Backend):
         and tiny attention matmuls, where OpenBLAS threads only spin against each other."""
         return blas_threads(1)
 
-    def compile_steps(self, steps, names, private):
+    def compile_steps(self, steps, names, sole):
         """A replayed decode step's compiled kernels as one call (native/program.py)."""
-        return native_program.compile_steps(steps, names, private)
+        return native_program.compile_steps(steps, names, sole)
 
     def compiles_steps(self):
         return native.available()

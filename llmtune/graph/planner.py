@@ -344,16 +344,20 @@ def _reader_counts(prog: Program) -> dict[int, int]:
 
 def _compiled_runs(backend, calls, readers) -> list:
     """The calls of a replay with each run of consecutive compiled steps as one call
-    (backend.compile_steps; its Python calls where the backend compiles none). With each run goes
-    which steps' values only the next step reads (the backend may fuse the two)."""
+    (backend.compile_steps; its Python calls where the backend compiles none). With each run goes,
+    for each step, the one later step of the run that reads its value (the backend may fuse them)."""
     out, run = [], []
 
     def flush():
         group = None
         if len(run) > 1:
-            private = [readers.get(nid, 0) == 1 and k + 1 < len(run) and nid in run[k + 1][4]
-                       for k, (_, _, _, nid, _) in enumerate(run)]
-            group = backend.compile_steps([e[1] for e in run], [e[2] for e in run], private)
+            at = {e[3]: k for k, e in enumerate(run)}
+            sole = [-1] * len(run)  # the index of the one step reading each step's value, else -1
+            for j, e in enumerate(run):
+                for i in set(e[4]):
+                    if i in at and readers.get(i, 0) == 1:
+                        sole[at[i]] = j
+            group = backend.compile_steps([e[1] for e in run], [e[2] for e in run], sole)
         out.extend([group] if group is not None else [e[0] for e in run])
         run.clear()
 

@@ -191,33 +191,49 @@ def qget_rows(out, w, ids, qtype):
 
 
 # ------------------------------------------------------------------------------ running them
-def _fuse(steps: list, private: list) -> list:
-    """Attention scores read only by their causal softmax (private: the softmax alone reads them)
-    are computed for the visible keys only: the scores product is told the softmax's positions.
-    The softmax never reads a masked score, so the result is the same."""
+def _causal(step, softmax):
+    """`step` (a matmul) told the positions of `softmax` (softmax_causal): its visible keys only."""
+    fused = Step.from_buffer_copy(step)
+    fused.p[3] = softmax.p[1]
+    fused.n[14], fused.n[15] = softmax.n[3], softmax.n[5]  # n_q, window
+    fused.keep = step.keep + softmax.keep
+    return fused
+
+
+def _fuse(steps: list, sole: list) -> list:
+    """Attention over the visible keys only. Scores that only their causal softmax reads are
+    computed for the visible keys (the softmax never reads a masked one); probabilities that only
+    a p v product reads are summed over the visible keys (the masked ones are exactly 0) and not
+    written as zeros first. The results are the same."""
     steps = list(steps)
-    for k in range(len(steps) - 1):
-        a, b = steps[k], steps[k + 1]
-        if (private[k] and a.op == OPS["matmul"] and b.op == OPS["softmax_causal"] and b.p[0] == a.p[2]
-                and b.p[1] is not None and a.n[8] == 1 and a.n[11] == 1 and a.n[2] == b.n[1]):
-            fused = Step.from_buffer_copy(a)
-            fused.p[3] = b.p[1]
-            fused.n[14], fused.n[15] = b.n[3], b.n[5]  # n_q, window
-            fused.keep = a.keep + b.keep
-            steps[k] = fused
+    mm, sm = OPS["matmul"], OPS["softmax_causal"]
+    for k, s in enumerate(steps):
+        j = sole[k]
+        if s.op != sm or s.p[1] is None:
+            continue
+        if k > 0 and sole[k - 1] == k and steps[k - 1].op == mm and s.p[0] == steps[k - 1].p[2] \
+                and steps[k - 1].n[8] == 1 and steps[k - 1].n[11] == 1 and steps[k - 1].n[2] == s.n[1]:
+            steps[k - 1] = _causal(steps[k - 1], s)  # q k^T: rows against rows
+        if j > k and steps[j].op == mm and steps[j].p[0] == s.p[2] and steps[j].n[12] == 1 \
+                and steps[j].n[2] == s.n[1] and steps[j].n[4] == s.n[2]:
+            steps[j] = _causal(steps[j], s)  # p v: rows of v scaled and summed
+            quiet = Step.from_buffer_copy(s)
+            quiet.n[6] = 1  # the masked probabilities are not written
+            quiet.keep = s.keep
+            steps[k] = quiet
     return steps
 
 
-def compile_steps(steps: list, names: list | None = None, private: list | None = None):
+def compile_steps(steps: list, names: list | None = None, sole: list | None = None):
     """One call with no arguments running `steps` (encoded above) in order on the pool's threads;
-    None without the compiled library. private[k]: step k's value is read by step k + 1 alone
-    (_fuse). A step that fails (a position past the cache, a row id outside the matrix) raises
+    None without the compiled library. sole[k]: the index of the one step reading step k's value,
+    or -1 (_fuse). A step that fails (a position past the cache, a row id outside the matrix) raises
     IndexError naming it."""
     lib = kernels.library()
     if lib is None or not steps:
         return None
-    if private is not None:
-        steps = _fuse(steps, private)
+    if sole is not None:
+        steps = _fuse(steps, sole)
     arr = (Step * len(steps))(*steps)
     keep = [s.keep for s in steps]
     run, n, threads = lib.lt_run, len(steps), kernels.threads()

@@ -1123,8 +1123,14 @@ static void op_matmul(const lt_step *s) {
             } else if (sbn == 1) {  /* rows of b scaled and summed (p v) */
                 for (int64_t i = 0; i < M; i++) {
                     float *o = O + i * N;
+                    int64_t k0 = 0, k1 = K;
+                    if (s->p[3]) {  /* probabilities of a causal softmax: its visible keys only */
+                        const int64_t qp = ((const int32_t *)s->p[3])[i % s->n[14]];
+                        k1 = qp + 1 < K ? (qp + 1 > 0 ? qp + 1 : 0) : K;
+                        if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) k0 = qp - s->n[15] + 1 < k1 ? qp - s->n[15] + 1 : k1;
+                    }
                     for (int64_t j = 0; j < N; j++) o[j] = 0.f;
-                    for (int64_t k = 0; k < K; k++) {
+                    for (int64_t k = k0; k < k1; k++) {
                         const float av = A[i * sam + k * sak];
                         if (av == 0.f) continue;  /* a masked probability: adds nothing */
                         const float *br = Bm + k * sbk;
@@ -1142,8 +1148,9 @@ static void op_matmul(const lt_step *s) {
         }
 }
 
-/* softmax(scale x + causal mask) per row, numpy's order: scaled, masked (-inf), max subtracted,
- * exp, divided by the pairwise sum */
+/* softmax(scale x + causal mask) per row, numpy's order over the visible keys: scaled, max
+ * subtracted, exp, divided by numpy's pairwise sum of them (numpy sums the masked zeros too: the
+ * same value, grouped differently past 8 keys) */
 static void op_softmax_causal(const lt_step *s) {
     const float *x = s->p[0];
     const int32_t *pos = s->p[1];
@@ -1165,10 +1172,12 @@ static void op_softmax_causal(const lt_step *s) {
                 mx = fmaxf(mx, o[k]);
             }
             exp_sub(o + k0, mx, o + k0, k1 - k0);
-            for (int64_t k = 0; k < k0; k++) o[k] = 0.f;
-            for (int64_t k = k1; k < n_kv; k++) o[k] = 0.f;
-            const float sum = pairwise_sum(o, n_kv);
-            for (int64_t k = 0; k < n_kv; k++) o[k] /= sum;
+            if (!s->n[6]) {  /* (n[6]: the one reader sums the visible keys only) */
+                for (int64_t k = 0; k < k0; k++) o[k] = 0.f;
+                for (int64_t k = k1; k < n_kv; k++) o[k] = 0.f;
+            }
+            const float sum = pairwise_sum(o + k0, k1 - k0);
+            for (int64_t k = k0; k < k1; k++) o[k] /= sum;
         }
 }
 
