@@ -199,6 +199,9 @@ def test_portable_build_matches_numpy(fresh, monkeypatch):
         pytest.skip(kernels.reason())
     assert not kernels.simd()
     _check_products(monkeypatch, np.random.default_rng(5), rows=(1, 3))
+    assert kernels.pack(_matrix("Q8_0", 8, 32, np.random.default_rng(5)), "Q8_0") is None  # no packed kernel
+    test_compiled_elementwise_ops_are_numpy_bit_for_bit()  # the compiled programs' portable ops (libm's exp)
+    test_compiled_attention_ops_match_numpy()
     b = kernels.quantize_activations(np.float32([1e-6, 65504.0, -3.0, 0.5] * 8), "q8_1")
     assert b.view(np.uint8)[:2].view(np.float16)[0] == np.float16(65504.0 / 127)
 
