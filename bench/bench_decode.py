@@ -114,6 +114,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--fallback", action="store_true", help="also llmtune with LLMTUNE_NATIVE=0")
+    ap.add_argument("--threads", type=lambda v: [int(t) for t in v.split(",")], default=[1, 2],
+                    help="llama.cpp's thread counts, e.g. 1,2")
     args = ap.parse_args()
     if args.profile:
         for model in args.models:
@@ -123,17 +125,22 @@ def main() -> int:
     rows = []
     for model in args.models:
         runs: dict[str, list] = {}
+        def record(key, res):
+            runs.setdefault(key, []).append(res)
+            print(f"  {model.name} {key}: {res['tok_s']:.1f} tok/s, first token {res['ttft']:.2f} s "
+                  f"(load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+
         for _ in range(args.rounds):
             if args.bin:
-                for t in (1, 2):
-                    runs.setdefault(f"llama -t {t}", []).append(llama(args.bin, model, args.n, t))
-            runs.setdefault("llmtune", []).append(ours(model, args.n))
+                for t in args.threads:
+                    record(f"llama -t {t}", llama(args.bin, model, args.n, t))
+            record("llmtune", ours(model, args.n))
             if args.fallback:
-                runs.setdefault("fallback", []).append(ours(model, args.n, {"LLMTUNE_NATIVE": "0"}))
+                record("fallback", ours(model, args.n, {"LLMTUNE_NATIVE": "0"}))
         med = {k: {f: statistics.median(r[f] for r in v) for f in ("tok_s", "ttft", "prompt_s")} for k, v in runs.items()}
         same = None
         if args.bin:
-            same = runs["llmtune"][0]["text"] == runs["llama -t 1"][0]["text"]
+            same = runs["llmtune"][0]["text"] == runs[f"llama -t {args.threads[0]}"][0]["text"]
         rows.append((model.name, med, same, runs))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     print("| model | llama.cpp -t 1 | llama.cpp -t 2 | llmtune | / -t 2 | / -t 1 | time to first token: llama.cpp -t 2 "
@@ -150,11 +157,8 @@ def main() -> int:
             f = med["fallback"]
             cells.append(f"{f['tok_s']:.1f} tok/s (first token {f['ttft']:.2f} s)")
         print("| " + " | ".join(cells) + " |")
-        for k, v in runs.items():
-            print(f"  {name} {k}: " + ", ".join(f"{r['tok_s']:.1f}" for r in v) + " tok/s; first token "
-                  + ", ".join(f"{r['ttft']:.2f}" for r in v) + " s", file=sys.stderr)
         if same is False:
-            a, b = runs["llmtune"][0]["text"], runs["llama -t 1"][0]["text"]
+            a, b = runs["llmtune"][0]["text"], runs[f"llama -t {args.threads[0]}"][0]["text"]
             k = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
             print(f"  {name}: texts part at byte {k}: llmtune {a[max(0, k - 40):k + 40]!r} / llama.cpp "
                   f"{b[max(0, k - 40):k + 40]!r}", file=sys.stderr)
