@@ -12,6 +12,7 @@ import numpy as np
 
 from llmtune.backends.base import Backend, kernel_table
 from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
+from llmtune.graph.ops import rope_inv_freq
 from llmtune.native import kernels as native
 from llmtune.native import program as native_program
 from llmtune.quant import matmul as qmatmul
@@ -351,14 +352,6 @@ def k_layer_norm_back(out, x, g, eps):
     out -= mg
     out *= r
     return out
-
-
-def rope_inv_freq(n_rot, base, freq_factors=None) -> np.ndarray:
-    """The float64 angle per position of each pair, base^(-2i/n_rot) (/ freq_factors[i]: ggml_rope_cache_init)."""
-    inv_freq = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-    if freq_factors is not None:
-        inv_freq = inv_freq / np.asarray(freq_factors).reshape(-1)[: n_rot // 2].astype(np.float64)
-    return inv_freq
 
 
 class _RopeCache:

@@ -16,6 +16,7 @@ import ctypes
 
 import numpy as np
 
+from llmtune.graph.ops import rope_inv_freq
 from llmtune.native import kernels
 
 OPS = {"add": 0, "mul": 1, "rms_norm": 2, "qlinear": 3, "f32_linear": 4, "rope": 5, "cache_write": 6,
@@ -149,8 +150,6 @@ def matmul(out, a, b, ta, tb):
 
 
 def rope(out, x, pos, freq_factors=None, *, n_rot, base, freq_scale, mode, inverse):
-    from llmtune.backends.cpu import rope_inv_freq
-
     if not _f32(out, x) or x.ndim != 4 or out.shape != x.shape or not _i32(pos) or pos.size != x.shape[1] \
             or n_rot % 2 or n_rot > min(MAX_ROPE, x.shape[-1]) or mode not in ("norm", "neox"):
         return None
