@@ -12,7 +12,9 @@ import numpy as np
 
 from llmtune.backends.base import Backend, kernel_table
 from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
+from llmtune.graph.ops import rope_inv_freq
 from llmtune.native import kernels as native
+from llmtune.native import program as native_program
 from llmtune.quant import matmul as qmatmul
 from llmtune.resources import process_rss
 
@@ -216,6 +218,13 @@ k_matmul.bind = _bind_matmul
 
 def k_qlinear(out, x, w, qtype, round_x):
     if type(w) is qmatmul.WithCopies:
+        if round_x and x.size <= native.MAX_ROWS * x.shape[-1] and x.flags.c_contiguous and out.flags.c_contiguous:
+            # a few rows (a prompt, a decode step): the packed product where there is one, the
+            # weight packed at its first product (as llama.cpp repacks at load)
+            packed = w.packed(qtype)
+            if packed is not None and native.qlinear_packed(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]),
+                                                            packed, w.raw, qtype):
+                return out
         return qmatmul.qlinear(out, x, w.raw, qtype, round_x, w.copies)
     return qmatmul.qlinear(out, x, w, qtype, round_x)
 
@@ -359,9 +368,7 @@ class _RopeCache:
         key = (pos.tobytes(), n_rot, base, freq_scale, np.dtype(dtype).str, None if ff is None else ff.tobytes())
         tab = self._tables.get(key)
         if tab is None:
-            inv_freq = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-            if ff is not None:  # ggml_rope_cache_init: theta / freq_factors[i]
-                inv_freq = inv_freq / ff.astype(np.float64)
+            inv_freq = rope_inv_freq(n_rot, base, ff)
             theta = freq_scale * pos.astype(np.float64)[:, None] * inv_freq[None, :]
             cos, sin = np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
             # interleaved for norm-mode rope of whole heads (_rope_pairs): cos of each pair twice,
@@ -751,6 +758,20 @@ def k_count_correct(out, logits, targets):
 KERNELS = kernel_table(sys.modules[__name__], "k_")
 
 
+def _attach_encoders():
+    """Each kernel's step of a compiled program (native/program.py), which a replayed decode step
+    runs as one call (graph/planner.py Replay); stored matrices unwrapped to their bytes."""
+    for op in ("add", "mul", "scale", "rms_norm", "swiglu", "matmul", "rope", "cache_write", "softmax_causal",
+               "get_rows"):
+        KERNELS[op].encode = getattr(native_program, op)
+    k_qlinear.encode = lambda out, x, w, qtype, round_x: native_program.qlinear(
+        out, x, _raw(w), qtype, round_x, w.packed(qtype) if type(w) is qmatmul.WithCopies else None)
+    k_qget_rows.encode = lambda out, w, ids, qtype: native_program.qget_rows(out, _raw(w), ids, qtype)
+
+
+_attach_encoders()
+
+
 _ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2
 
 
@@ -800,6 +821,13 @@ class CPUBackend(Backend):
         """BLAS single-threaded while decoding: a step's products are matrix-vector ones (einsum)
         and tiny attention matmuls, where OpenBLAS threads only spin against each other."""
         return blas_threads(1)
+
+    def compile_steps(self, steps, names, sole):
+        """A replayed decode step's compiled kernels as one call (native/program.py)."""
+        return native_program.compile_steps(steps, names, sole)
+
+    def compiles_steps(self):
+        return native.available()
 
     def step_tuner(self, n_workers):
         """One micro-batch at a time: OpenBLAS's thread count chosen by timing (threads.BlasTuner)."""

@@ -403,6 +403,15 @@ _register("layer_norm_back", None)
 
 
 # --------------------------------------------------------------------------- rope
+def rope_inv_freq(n_rot: int, base: float, freq_factors=None) -> np.ndarray:
+    """rope's float64 angle per position of each pair, base^(-2i/n_rot) / freq_factors[i]
+    (ggml_rope_cache_init): the one formula every rope kernel's tables come from."""
+    inv_freq = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors).reshape(-1)[: n_rot // 2].astype(np.float64)
+    return inv_freq
+
+
 def rope(x: Node, pos: Node, n_rot: int, base: float = 10000.0, freq_scale: float = 1.0,
          mode: str = "norm", inverse: bool = False, freq_factors: Optional[Node] = None) -> Node:
     """Rotary embedding of x[B, T, H, d] at integer positions pos[T] (ggml_rope_ext, no YaRN).

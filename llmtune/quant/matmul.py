@@ -329,10 +329,19 @@ class WithCopies:
     """A stored matrix's block bytes as an evaluation binds them on the cpu: `raw`, and the
     FloatCopies its products may keep a float32 copy in."""
 
-    __slots__ = ("raw", "copies")
+    __slots__ = ("raw", "copies", "_packed")
 
     def __init__(self, raw: np.ndarray, copies: FloatCopies):
         self.raw, self.copies = raw, copies
+
+    def packed(self, qtype: str):
+        """The matrix repacked for the compiled AVX-512 product (native.pack), made at first use
+        and kept while the weight is bound; None where there is no packed kernel."""
+        try:
+            return self._packed
+        except AttributeError:
+            self._packed = native.pack(self.raw, qtype)
+            return self._packed
 
 
 def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x: bool = True,
