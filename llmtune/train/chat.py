@@ -315,6 +315,9 @@ def build_dataset(model, data_path, ctx: int, val_split: float, fmt: str = "auto
     from llmtune.train.data import WindowDataset, tokenize_documents
 
     records = read_records(data_path, fmt)
+    if records.format == "preference":
+        raise LlmtuneError(f"{data_path}: preference pairs (prompt, chosen, rejected): train them with "
+                           f"--method dpo, orpo or simpo")
     if records.format in ("plain", "text"):
         if train_on_prompt:
             raise LlmtuneError("--train-on-prompt: only prompt/completion and chat data (chat, sharegpt, alpaca) "

@@ -137,7 +137,7 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
         step = ev.Step(epoch=run.epoch + 1, step=s + 1, steps=run.steps_per_epoch, global_step=run.step, loss=loss,
                        running_loss=run.stats.loss, accuracy=run.stats.accuracy, lr=lr,
                        tokens_per_s=(s + 1 - first) * run.cfg.batch / elapsed if elapsed > 0 else 0.0,
-                       grad_norm=run.trainer.grad_norm)
+                       grad_norm=run.trainer.grad_norm, metrics=dict(run.trainer.step_metrics))
         run.epoch_step = s + 1
         # elapsed_s: the run's training seconds so far, across epochs and resumes
         run.log.write({"type": "train_step", **step.as_record(), "elapsed_s": run.elapsed()})
@@ -196,5 +196,7 @@ def _validate(run: Run, result: ev.EpochResult) -> None:
     run.trainer.evaluate(x, y, val, *segments)
     result.val_loss, result.val_loss_err, result.val_accuracy, result.val_accuracy_err = (
         val.loss, val.loss_err, val.accuracy, val.accuracy_err)
+    result.val_metrics = dict(run.trainer.eval_metrics)
     run.log.write({"type": "validation", "epoch": result.epoch, "global_step": run.step, "loss": val.loss,
-                   "loss_err": val.loss_err, "accuracy": val.accuracy, "accuracy_err": val.accuracy_err})
+                   "loss_err": val.loss_err, "accuracy": val.accuracy, "accuracy_err": val.accuracy_err,
+                   **result.val_metrics})
