@@ -89,7 +89,8 @@ class Step(Event):
 
     def as_record(self) -> dict:
         record = asdict(self)
-        return {**record, **record.pop("metrics")}
+        metrics = record.pop("metrics")
+        return {**record, **metrics}
 
 
 @dataclass(frozen=True)
