@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-RANK, ALPHA, BATCH, LR, SEED = 4, 8.0, 4, 5e-3, 7
+RANK, ALPHA, BATCH, LR, SEED = 4, 8.0, 4, 1e-3, 7
 BETA = {"dpo": 0.1, "orpo": 0.1, "simpo": 2.0}
 GAMMA = 0.5
 HF_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -184,12 +184,12 @@ def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path) ->
         if method == "orpo":
             from trl.experimental.orpo import ORPOConfig, ORPOTrainer as Trainer
 
-            args = ORPOConfig(max_length=512, max_prompt_length=256, **common)
+            args = ORPOConfig(max_length=512, **common)
         else:
             from trl.experimental.cpo import CPOConfig, CPOTrainer as Trainer
 
             args = CPOConfig(loss_type="simpo", cpo_alpha=0.0, simpo_gamma=GAMMA, max_length=512,
-                             max_prompt_length=256, **common)
+                             **common)
         Trainer.tokenize_row = tokenize_row
         trainer = Trainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer)
 
