@@ -266,7 +266,7 @@ def preference_record(record: dict, where: str) -> tuple:
     for key in ("chosen", "rejected"):
         if not isinstance(record[key], list):
             raise LlmtuneError(f"{where}: \"{key}\" must be a list of assistant messages when the prompt is one")
-        msgs = _messages(record, key, where, ("role", "content"), roles)
+        msgs = _messages(record, key, where, ("role", "content"), roles, need_assistant=False)
         if any(m["role"] != "assistant" for m in msgs):
             raise LlmtuneError(f"{where}: \"{key}\" must hold assistant messages only")
         answers.append(msgs)
