@@ -302,6 +302,7 @@ class PreferenceTrainer(Trainer):
         if self.comm.size > 1:
             raise LlmtuneError(f"--method {objective.method}: preference tuning runs in one process (no data parallel)")
         self._forward = ProgramCache(self._make_eval_program)
+        self._forward_tuner = backend.step_tuner(1)  # OpenBLAS threads by timing, per forward pass
 
     def _build_train_program(self, grad_views: dict) -> Program:
         _, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable, packed=True)
@@ -326,7 +327,8 @@ class PreferenceTrainer(Trainer):
         k, out = self.seqs_per_ubatch, []
         for s in range(0, len(inputs), k):
             x, y = inputs[s : s + k], targets[s : s + k]
-            (nll,) = self._forward.get(len(x)).run(**self._feed(x, y, segments=layout.parts[s : s + k]))
+            with self._forward_tuner():
+                (nll,) = self._forward.get(len(x)).run(**self._feed(x, y, segments=layout.parts[s : s + k]))
             out.append(np.asarray(self.backend.to_numpy(nll), dtype=np.float64).reshape(len(x), -1))
         return np.concatenate(out)
 
@@ -341,13 +343,14 @@ class PreferenceTrainer(Trainer):
         lp, (loss, d_c, d_r, nll_w, metrics) = self._score(inputs, targets, layout)
         weights = self.objective.token_weights(lp, d_c, d_r, nll_w, targets, layout.parts)
         bufs = self._train_inputs[0]
-        for j, s in enumerate(range(0, len(inputs), k)):
-            feed = self._feed(inputs[s : s + k], targets[s : s + k], segments=layout.parts[s : s + k])
-            feed["token_weights"] = be.asarray(weights[s : s + k].reshape(-1).astype(be.dtype))
-            for name, value in feed.items():
-                if bufs[name] is not value:
-                    bufs[name][...] = value
-            self._run_train(0, assign=j == 0)
+        with self._blas_tuner():
+            for j, s in enumerate(range(0, len(inputs), k)):
+                feed = self._feed(inputs[s : s + k], targets[s : s + k], segments=layout.parts[s : s + k])
+                feed["token_weights"] = be.asarray(weights[s : s + k].reshape(-1).astype(be.dtype))
+                for name, value in feed.items():
+                    if bufs[name] is not value:
+                        bufs[name][...] = value
+                self._run_train(0, assign=j == 0)
         self._check_step(loss)
         stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
         self.step_metrics = metrics
