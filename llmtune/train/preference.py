@@ -32,7 +32,7 @@ import numpy as np
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
-from llmtune.graph.planner import Program, ProgramCache
+from llmtune.graph.planner import Program
 from llmtune.train.data import TrainValSplit
 from llmtune.train.trainer import RunningStats, Trainer
 
@@ -301,7 +301,9 @@ class PreferenceTrainer(Trainer):
         super().__init__(model, backend, packed=True, workers=1, **kw)
         if self.comm.size > 1:
             raise LlmtuneError(f"--method {objective.method}: preference tuning runs in one process (no data parallel)")
-        self._forward = ProgramCache(self._make_eval_program)
+        # one forward program of a micro-batch's windows (a short last chunk is padded to it), made
+        # now so that the memory estimate counts its arena
+        self._forward = self._make_eval_program(self.seqs_per_ubatch)
         self._forward_tuner = backend.step_tuner(1)  # OpenBLAS threads by timing, per forward pass
 
     def _build_train_program(self, grad_views: dict) -> Program:
@@ -322,14 +324,23 @@ class PreferenceTrainer(Trainer):
 
         return pair_inputs(self.model.hp, parts.parts if isinstance(parts, PairLayout) else parts)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """The trainer's parts plus the arena of the forward pass that scores the pairs."""
+        return {**super().memory_bytes(), "forward pass": self._forward.memory.planned_bytes}
+
     def token_nll(self, inputs: np.ndarray, targets: np.ndarray, layout: PairLayout) -> np.ndarray:
-        """Every token's NLL under the current weights [n, n_ctx] (forward passes of n_ubatch tokens)."""
+        """Every token's NLL under the current weights [n, n_ctx] (forward passes of n_ubatch
+        tokens; a short last chunk padded with windows of padding)."""
         k, out = self.seqs_per_ubatch, []
         for s in range(0, len(inputs), k):
-            x, y = inputs[s : s + k], targets[s : s + k]
+            x, y, parts = inputs[s : s + k], targets[s : s + k], layout.parts[s : s + k]
+            n = len(x)
+            if n < k:
+                pad = ((0, k - n), (0, 0))
+                x, y, parts = np.pad(x, pad), np.pad(y, pad, constant_values=-1), np.pad(parts, pad, constant_values=PAD)
             with self._forward_tuner():
-                (nll,) = self._forward.get(len(x)).run(**self._feed(x, y, segments=layout.parts[s : s + k]))
-            out.append(np.asarray(self.backend.to_numpy(nll), dtype=np.float64).reshape(len(x), -1))
+                (nll,) = self._forward.run(**self._feed(x, y, segments=parts))
+            out.append(np.asarray(self.backend.to_numpy(nll), dtype=np.float64).reshape(k, -1)[:n])
         return np.concatenate(out)
 
     def _score(self, inputs, targets, layout):
