@@ -362,6 +362,8 @@ def data_info(ds, seqs_per_epoch: int) -> dict:
     """What finetune's start report says about the data: its format, the tokens that carry loss
     in an epoch (windows or examples not filling a last batch wait for the next epoch) and, for
     examples, how they fill the windows (examples per window, the padding left)."""
+    if hasattr(ds, "info"):  # a dataset that reports itself (train/preference.py's pairs)
+        return ds.info(seqs_per_epoch)
     if not isinstance(ds, (ExampleDataset, PackedDataset)):
         return {"format": "text", "loss_tokens_per_epoch": seqs_per_epoch * ds.n_ctx}
     examples = ds.source if isinstance(ds, PackedDataset) else ds

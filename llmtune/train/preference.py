@@ -161,6 +161,14 @@ class PairDataset(TrainValSplit):
         indices = list(indices)
         return 1.0 - sum(self.pairs[i].slots for i in indices) / max(len(indices) * self.n_ctx, 1)
 
+    def info(self, seqs_per_epoch: int) -> dict:
+        """What the start report says about the pairs (train/chat.py data_info's keys)."""
+        train = self.loss_tokens(range(self.n_train))
+        return {"format": "preference", "examples": len(self.pairs), "dropped": self.n_dropped, "truncated": 0,
+                "conversational": self.template is not None, "loss_tokens": train,
+                "loss_tokens_per_epoch": int(round(train * seqs_per_epoch / max(self.n_train, 1))),
+                "padding": self.padding(range(self.n_train))}
+
 
 def build_pairs(model, data_path, ctx: int, val_split: float, fmt: str = "auto", chat_template=None,
                 method: str = "dpo") -> tuple[PairDataset, int]:

@@ -189,6 +189,11 @@ def data_line(data: dict) -> str:
     per_epoch = f"{data['loss_tokens_per_epoch']:,} tokens carry loss per epoch"
     if data["format"] == "text":
         return f"data: text, every token of each window carries loss; {per_epoch}"
+    if data["format"] == "preference":
+        dropped = f"; {data['dropped']} dropped (longer than --ctx)" if data["dropped"] else ""
+        return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} preference "
+                f"pairs, one per window (prompt once, then chosen and rejected; {data['padding']:.0%} padding)"
+                f"{dropped}; {per_epoch} (the completions' tokens)")
     notes = []
     if data["truncated"]:
         notes.append(f"{data['truncated']} truncated to --ctx")
