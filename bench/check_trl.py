@@ -9,7 +9,8 @@ is of the training and not of two tokenizers), the same LoRA init (llmtune's ini
 copied into PEFT's lora_A / lora_B) and the same optimizer (AdamW, constant lr, no clipping, no
 weight decay, batches in file order):
 
-- llmtune: `finetune --method M --lora-rank 4 --lora-alpha 8 --no-shuffle --val-split 0`;
+- llmtune: `finetune --method M --lora-rank 4 --lora-alpha 8 --no-shuffle --val-split 0` (M+b: the
+           adapter with B != 0 written to a file and given as --lora-init);
 - TRL:     DPOTrainer (loss_type sigmoid, the PEFT model's disabled adapter as reference),
            experimental ORPOTrainer, experimental CPOTrainer(loss_type="simpo", cpo_alpha=0), each
            with trainer.train(), train_sampling_strategy="sequential"; the loss and metrics of every step are read
@@ -63,7 +64,21 @@ def pairs_file(tmp: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------ llmtune
-def run_llmtune(model_path: Path, data: Path, method: str, steps: int, tmp: Path) -> dict:
+def initial_adapter(model_path: Path, nonzero_b: bool):
+    """llmtune's init_adapter (PEFT's init: B = 0); nonzero_b: B ~ N(0, 0.02^2) too, so the first
+    step's gradients reach every A as well (ORPO and SimPO have no reference to keep at the base)."""
+    from llmtune.model.adapter import init_adapter
+    from llmtune.model.loaded import load_model
+
+    adapter = init_adapter(load_model(model_path), RANK, ALPHA, None, SEED)
+    if nonzero_b:
+        rng = np.random.default_rng(SEED)
+        for pair in adapter.pairs.values():
+            pair.b[...] = rng.normal(0.0, 0.02, pair.b.shape).astype(np.float32)
+    return adapter
+
+
+def run_llmtune(model_path: Path, data: Path, method: str, steps: int, tmp: Path, init: Path | None = None) -> dict:
     from llmtune.train.finetune import finetune
     from llmtune.train.loop import Hook
 
@@ -78,7 +93,8 @@ def run_llmtune(model_path: Path, data: Path, method: str, steps: int, tmp: Path
     metrics = tmp / f"{method}.metrics.jsonl"
     epochs = steps // 2  # 8 pairs, 4 per step
     finetune(model_path, data, tmp / f"{method}.gguf", method=method, beta=BETA[method],
-             **({"gamma": GAMMA} if method == "simpo" else {}), lora_rank=RANK, lora_alpha=ALPHA, ctx=64,
+             **({"gamma": GAMMA} if method == "simpo" else {}),
+             **({"lora_init": str(init)} if init else {"lora_rank": RANK, "lora_alpha": ALPHA}), ctx=64,
              batch=64 * BATCH, epochs=epochs, lr=LR, val_split=0.0, shuffle=False, seed=SEED, metrics=str(metrics),
              hooks=lambda cfg, model: [FirstGradients()])
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -87,17 +103,15 @@ def run_llmtune(model_path: Path, data: Path, method: str, steps: int, tmp: Path
 
 
 # ------------------------------------------------------------------------------ TRL
-def peft_model(model_path: Path):
-    """transformers' model of the GGUF with llmtune's initial adapter (init_adapter, same seed)."""
+def peft_model(model_path: Path, adapter):
+    """transformers' model of the GGUF with llmtune's initial adapter's A / B copied into PEFT's."""
     from check_transformers import PATCHES, Patch, load_hf
     from peft import LoraConfig, get_peft_model
 
     import torch
-    from llmtune.model.adapter import init_adapter
     from llmtune.model.loaded import load_model
 
     ours = load_model(model_path)
-    adapter = init_adapter(ours, RANK, ALPHA, None, SEED)
     hf = load_hf(model_path, PATCHES.get(ours.hp.arch, Patch()))
     # the GGUF loader marks the model quantized; its weights are float32 (dequantized) and train
     hf.hf_quantizer, hf.is_quantized = None, False
@@ -145,13 +159,13 @@ def hf_tokenizer(model_path: Path):
                                    bos_token=bos, eos_token=eos, pad_token=eos)
 
 
-def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path) -> dict:
+def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path, adapter) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
 
     torch.manual_seed(0)
-    model, names = peft_model(model_path)
+    model, names = peft_model(model_path, adapter)
     pairs = token_pairs(model_path, data)
     tokenizer = hf_tokenizer(model_path)
     rows = [{"prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(len(pairs))]
@@ -242,7 +256,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / "tests" / "data" / "stories260K.gguf")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--methods", nargs="*", default=["dpo", "orpo", "simpo"])
+    ap.add_argument("--methods", nargs="*", default=["dpo", "orpo", "simpo", "orpo+b", "simpo+b"],
+                    help="METHOD+b: the adapter starts with B != 0 as well (its A gradients are then not 0)")
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
     a = ap.parse_args()
     print("| method | first loss llmtune | first loss TRL | rel | worst metric (rel, of n) | "
@@ -252,13 +267,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         data = pairs_file(tmp)
-        for method in a.methods:
-            ours = run_llmtune(a.model, data, method, a.steps, tmp)
-            theirs = run_trl(a.model, data, method, a.steps, tmp)
-            raw[method] = {"llmtune": ours, "trl": theirs}
+        for name in a.methods:
+            method, nonzero_b = name.removesuffix("+b"), name.endswith("+b")
+            adapter, init = initial_adapter(a.model, nonzero_b), None
+            if nonzero_b:
+                from llmtune.model.adapter import write_adapter
+
+                init = write_adapter(tmp / f"init-{method}.gguf", adapter)
+            ours = run_llmtune(a.model, data, method, a.steps, tmp, init)
+            theirs = run_trl(a.model, data, method, a.steps, tmp, adapter)
+            raw[name] = {"llmtune": ours, "trl": theirs}
             c = compare(method, ours, theirs)
             l0, m, g, cv = c["loss0"], c["metric"], c["grad"], c["curve"]
-            print(f"| {method} | {l0[0]:.8f} | {l0[1]:.8f} | {l0[2]:.1e} | {m[0]} {m[1]:.1e} ({m[2]}) | "
+            print(f"| {name} | {l0[0]:.8f} | {l0[1]:.8f} | {l0[2]:.1e} | {m[0]} {m[1]:.1e} ({m[2]}) | "
                   f"{g[0]} {g[1]:.1e} ({g[2]}) | {cv[0]}, {cv[1]:.1e}, {cv[2]:.6f} / {cv[3]:.6f} |", flush=True)
     if a.json:
         a.json.write_text(json.dumps(raw, indent=1, default=float))
