@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.train.data import TrainValSplit
+from llmtune.train.data import TrainValSplit, held_out
 from llmtune.train.records import FORMATS, Records, read_records  # noqa: F401 - the data-reading half
 
 
@@ -189,11 +189,7 @@ class ExampleDataset(TrainValSplit):
             raise LlmtuneError(f"{source}: no example has a loss-carrying token within --ctx {n_ctx} "
                                f"({truncated} truncated, {dropped} dropped): raise --ctx")
         n = len(kept)
-        n_val = int(round(n * val_split)) if val_split > 0 else 0
-        if val_split > 0 and n_val == 0 and n >= 2:
-            n_val = 1
-        if n - n_val < 1:
-            raise LlmtuneError(f"{source}: only {n} example(s): too few for a validation split")
+        n_val = held_out(n, val_split, source, "example(s)")
         return cls(kept, n_ctx, int(pad_id), n - n_val, n_val, truncated, dropped, fmt)
 
     @property

@@ -33,7 +33,7 @@ from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import Program
-from llmtune.train.data import TrainValSplit
+from llmtune.train.data import TrainValSplit, held_out
 from llmtune.train.trainer import RunningStats, Trainer
 
 METHODS = ("sft", "dpo", "orpo", "simpo")
@@ -125,11 +125,7 @@ class PairDataset(TrainValSplit):
             raise LlmtuneError(f"{source}: no pair fits in --ctx {n_ctx} (prompt + chosen + rejected, less one token): "
                                f"raise --ctx")
         n = len(kept)
-        n_val = int(round(n * val_split)) if val_split > 0 else 0
-        if val_split > 0 and n_val == 0 and n >= 2:
-            n_val = 1
-        if n - n_val < 1:
-            raise LlmtuneError(f"{source}: only {n} pair(s): too few for a validation split")
+        n_val = held_out(n, val_split, source, "pair(s)")
         return cls(kept, n_ctx, int(pad_id), n - n_val, n_val, len(pairs) - n)
 
     @property
