@@ -252,3 +252,20 @@ def test_resume_is_byte_identical(stories_path, tmp_path, method, kind):
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected") + (("nll_loss", "log_odds_ratio") if method == "orpo" else ()):
         assert key in step and key in val
+
+
+def test_dpo_continues_an_sft_adapter_whose_model_is_the_reference(stories_path, tmp_path):
+    """--lora-init: DPO trains the given adapter on, and its reference is the model with that
+    adapter (the SFT policy), so the first step's loss is ln 2 although B != 0."""
+    import lora_fixture
+    from llmtune.model.adapter import load_adapter
+    from llmtune.model.loaded import load_model
+
+    init = lora_fixture.write_fixture_adapter(stories_path, tmp_path / "sft.gguf")
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    res = _run(stories_path, data, tmp_path / "dpo.gguf", method="dpo", lora_init=str(init))
+    assert res.first_loss == pytest.approx(np.log(2), abs=1e-6)
+    model = load_model(stories_path)
+    before, after = load_adapter(init, model), load_adapter(tmp_path / "dpo.gguf", model)
+    assert before.pairs.keys() == after.pairs.keys()
+    assert any(not np.array_equal(before.pairs[n].b, after.pairs[n].b) for n in before.pairs)
