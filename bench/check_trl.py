@@ -122,9 +122,13 @@ def peft_model(model_path: Path, adapter):
     for gguf_name, pair in adapter.pairs.items():
         _, layer, kind, _ = gguf_name.split(".")
         module = model.base_model.model.model.layers[int(layer)].get_submodule(HF_MODULES[kind])
+        b = pair.b
+        if kind in ("attn_q", "attn_k"):  # GGUF's rope row order (convert_hf_to_gguf permute) back to HF's
+            n_head = ours.hp.n_head if kind == "attn_q" else ours.hp.n_head_kv
+            b = b.reshape(n_head, b.shape[0] // n_head // 2, 2, -1).swapaxes(1, 2).reshape(b.shape)
         with torch.no_grad():
             module.lora_A["default"].weight.copy_(torch.from_numpy(pair.a))
-            module.lora_B["default"].weight.copy_(torch.from_numpy(pair.b))
+            module.lora_B["default"].weight.copy_(torch.from_numpy(np.ascontiguousarray(b)))
         names[f"{gguf_name}.lora_a"] = module.lora_A["default"].weight
         names[f"{gguf_name}.lora_b"] = module.lora_B["default"].weight
     return model, names
