@@ -749,6 +749,30 @@ def k_cross_entropy_back(out, logits, targets, lse, g):
     return out
 
 
+def k_token_nll(out, logits, targets, lse):
+    """lse - logits[target] per row, 0 where the target is negative (masked)."""
+    logits2 = logits.reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    keep = t >= 0
+    o = out.reshape(-1)
+    o[...] = 0.0
+    o[keep] = lse.reshape(-1)[keep] - logits2[np.flatnonzero(keep), t[keep]]
+    return out
+
+
+def k_token_nll_back(out, logits, targets, lse, g):
+    """(softmax - onehot(target)) * g[row], zero on masked rows; `out` may be `logits`."""
+    o2 = out.reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    keep = t >= 0
+    np.subtract(logits.reshape(o2.shape), lse.reshape(-1, 1), out=o2)
+    np.exp(o2, out=o2)
+    o2[np.flatnonzero(keep), t[keep]] -= 1.0
+    o2[~keep] = 0.0
+    o2 *= g.reshape(-1, 1)
+    return out
+
+
 def k_count_correct(out, logits, targets):
     out[...] = np.count_nonzero(logits.argmax(axis=-1) == targets)
     return out

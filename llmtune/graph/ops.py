@@ -603,6 +603,20 @@ def cross_entropy_back(logits: Node, targets: Node, lse: Node, g: Node) -> Node:
     return _node("cross_entropy_back", (logits, targets, lse, g), {}, logits.shape)
 
 
+def token_nll(logits: Node, targets: Node) -> Node:
+    """Per-row negative log-likelihood lse(logits) - logits[target]: logits[N, V], targets[N] -> [N];
+    0 on a row whose target is negative (masked). The per-token form of cross_entropy (torch's
+    cross_entropy(reduction="none"), TRL's selective_log_softmax negated): preference losses
+    (train/preference.py) weigh each token by their own gradient, given as the backward's seed."""
+    assert logits.shape[:-1] == targets.shape
+    return _node("token_nll", (logits, targets, logsumexp(logits)), {}, targets.shape)
+
+
+def token_nll_back(logits: Node, targets: Node, lse: Node, g: Node) -> Node:
+    """(exp(logits - lse) - onehot(targets)) * g[row], 0 on masked rows: token_nll's logits gradient."""
+    return _node("token_nll_back", (logits, targets, lse, g), {}, logits.shape)
+
+
 def count_correct(logits: Node, targets: Node) -> Node:
     """Number of rows whose argmax equals the target (no gradient)."""
     return Node("count_correct", (logits, targets), {}, (), "f32")
@@ -614,3 +628,5 @@ _register("cross_entropy", lambda n, g: (cross_entropy_back(*n.inputs, g), None,
 # In place over the logits when the backward is their last reader (training never reads them later).
 _register("cross_entropy_back", None, inplace=True)
 _register("count_correct", None)
+_register("token_nll", lambda n, g: (token_nll_back(*n.inputs, g), None, None))
+_register("token_nll_back", None, inplace=True)

@@ -190,7 +190,8 @@ def save_checkpoint(run) -> Path | None:
     order = np.zeros(0, np.int64) if run.order is None else np.asarray(run.order, dtype=np.int64)
     path = checkpoint_path(res.output, run.step)
     try:
-        write_checkpoint(path, {**tr.state_arrays(), **run.selection.arrays(tr), "order": order}, meta)
+        write_checkpoint(path, {**tr.state_arrays(), **run.selection.arrays(tr), "order": order, **_reference(run)},
+                         meta)
     except LlmtuneError as exc:
         run.warn(f"{exc}; training goes on" + (f" (the last checkpoint is {run.last_checkpoint})" if run.last_checkpoint else ""))
         return None
@@ -198,6 +199,13 @@ def save_checkpoint(run) -> Path | None:
     remove_checkpoints(run, keep=run.cfg.keep_checkpoints or 1)
     run.emit(CheckpointEvent(str(path), run.step, run.where()))
     return path
+
+
+def _reference(run) -> dict:
+    """DPO's reference log-probabilities (train/preference.py), computed once before the first
+    step: kept, since the weights they came from are gone once training has started."""
+    ref = getattr(run.dataset, "ref", None)
+    return {} if ref is None else {"ref_logps": np.asarray(ref, dtype=np.float64)}
 
 
 def _lineage(run) -> list[Path]:
@@ -241,6 +249,11 @@ def restore(run, ckpt: Checkpoint) -> None:
         run.selection.restore(meta.get("selection"), ckpt.arrays, run.trainer)  # best pass, patience count
     except (LlmtuneError, ValueError) as exc:
         raise LlmtuneError(f"{where}: {exc}") from None
+    if hasattr(run.dataset, "ref") and run.cfg.method == "dpo":
+        ref = ckpt.arrays.get("ref_logps")
+        if ref is None or ref.shape != (len(run.dataset.pairs), 2):
+            raise LlmtuneError(f"{where}: damaged checkpoint (no reference log-probabilities for the data's pairs)")
+        run.dataset.ref = np.asarray(ref, dtype=np.float64)
     run.step, run.epoch, run.epoch_step = meta["step"], meta["epoch"], meta["epoch_step"]
     run.order = order.astype(np.int64) if meta["epoch"] < run.cfg.epochs else None
     st = meta.get("stats") or {}

@@ -117,6 +117,16 @@ class FinetuneConfig:
                                            metavar="TEXT")
     sample_every: int = setting(0, "Print the --sample-prompt continuation every N optimizer steps instead.",
                                 metavar="N", unset="after each epoch")
+    # preference tuning (train/preference.py): {"prompt", "chosen", "rejected"} pairs, TRL's losses
+    method: str = setting("sft", "sft (supervised, next-token loss), or on preference pairs dpo (TRL's DPOTrainer, "
+                                 "sigmoid loss; the reference is the model as training starts), orpo (ORPOTrainer: "
+                                 "SFT loss plus the odds-ratio term) or simpo (CPOTrainer loss_type=simpo).",
+                          metavar="NAME")
+    beta: float = setting(0.1, "DPO / SimPO: the beta of the sigmoid loss; ORPO: lambda, the odds-ratio term's "
+                               "weight (TRL's beta).", metavar="X")
+    label_smoothing: float = setting(0.0, "DPO / SimPO: the chance a pair's labels are flipped (conservative DPO).",
+                                     metavar="X")
+    gamma: float = setting(0.5, "SimPO: the target reward margin (TRL's simpo_gamma).", metavar="X")
     # checkpoints (train/checkpoint.py): every epoch end, and every checkpoint_every steps when > 0
     checkpoint_every: int = setting(0, "Also write a checkpoint every N optimizer steps (one is written at every epoch "
                                        "end, and on Ctrl-C / SIGTERM).", metavar="N", unset="epoch ends only")
@@ -164,6 +174,7 @@ class FinetuneConfig:
             raise LlmtuneError(f"--sample-every: must be >= 0, got {c.sample_every}")
         if c.sample_every and c.sample_prompt is None:
             raise LlmtuneError("--sample-every: needs --sample-prompt")
+        _check_method(c)
         from llmtune.train.chat import FORMATS
 
         if c.format not in FORMATS:
@@ -195,6 +206,27 @@ class FinetuneConfig:
         elif c.lora_init is not None and c.lora_targets is not None:
             raise LlmtuneError("--lora-targets: --lora-init's adapter fixes the adapted matrices")
         return c
+
+
+def _check_method(c: "FinetuneConfig") -> None:
+    """--method and its settings: each flag only with the methods that read it."""
+    from llmtune.train.preference import METHODS
+
+    if c.method not in METHODS:
+        raise LlmtuneError(f"--method: unknown method {c.method!r} (choose {', '.join(METHODS)})")
+    if not c.beta > 0:
+        raise LlmtuneError(f"--beta: must be > 0, got {c.beta}")
+    if not 0 <= c.label_smoothing <= 0.5:
+        raise LlmtuneError(f"--label-smoothing: must be in [0, 0.5], got {c.label_smoothing}")
+    given = {"beta": c.beta != 0.1, "label_smoothing": c.label_smoothing != 0.0, "gamma": c.gamma != 0.5}
+    readers = {"beta": ("dpo", "orpo", "simpo"), "label_smoothing": ("dpo", "simpo"), "gamma": ("simpo",)}
+    for name, on in given.items():
+        if on and c.method not in readers[name]:
+            raise LlmtuneError(f"{flag_name(name)}: only --method {' or '.join(readers[name])} uses it")
+    if c.method != "sft":
+        for name in ("pack", "train_on_prompt"):
+            if getattr(c, name):
+                raise LlmtuneError(f"{flag_name(name)}: not with --method {c.method} (one pair per window)")
 
 
 def _check_schedule(c: FinetuneConfig) -> None:

@@ -26,6 +26,7 @@ class EpochResult:
     seconds: float = 0.0
     bench_accuracy: float = float("nan")  # --eval-benchmark: accuracy with the weights at the epoch's end
     bench_accuracy_err: float = float("nan")
+    val_metrics: dict = field(default_factory=dict)  # --method dpo|orpo|simpo: TRL's metrics of the validation pass
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Evaluation:
     val_accuracy_err: float = float("nan")
     bench_accuracy: float = float("nan")
     bench_accuracy_err: float = float("nan")
+    val_metrics: dict = field(default_factory=dict)  # --method dpo|orpo|simpo: TRL's metrics of the pass
 
 
 @dataclass
@@ -102,6 +104,12 @@ class Step(Event):
     lr: float
     tokens_per_s: float
     grad_norm: float = float("nan")  # the step's global gradient norm before --grad-clip
+    metrics: dict = field(default_factory=dict)  # --method dpo|orpo|simpo: TRL's metrics (rewards/..., logps/...)
+
+    def as_record(self) -> dict:
+        record = asdict(self)
+        metrics = record.pop("metrics")
+        return {**record, **metrics}
 
 
 @dataclass(frozen=True)

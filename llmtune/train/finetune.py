@@ -25,6 +25,7 @@ from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
 from llmtune.train.selection import Selection
 from llmtune.train.output import write_output
+from llmtune.train.preference import Objective, PreferenceTrainer, build_pairs
 from llmtune.train.signals import StopRequest, signal_name
 from llmtune.train.trainer import Diverged, Trainer
 
@@ -101,15 +102,15 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     if (past := past_training(model, cfg.ctx)) is not None:
         warn(past)
     # plain text / {"text"}: overlapping windows; prompt-completion / chat: one masked example per window
-    dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
-                                      cfg.train_on_prompt, cfg.pack)
+    if cfg.method == "sft":
+        dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
+                                          cfg.train_on_prompt, cfg.pack)
+    else:  # preference pairs, one per window (train/preference.py)
+        dataset, n_tokens = build_pairs(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
+                                        cfg.method)
     steps_per_epoch = preflight.steps_per_epoch(dataset, cfg, data_path)
     preflight.check_selection(dataset, cfg)
-    trainer = Trainer(model, get_backend(cfg.backend, precision=cfg.precision), n_ctx=cfg.ctx, n_batch=cfg.batch,
-                      n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer, wd=cfg.wd,
-                      lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
-                      workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack,
-                      grad_clip=cfg.grad_clip)
+    trainer = _trainer(model, trainable, cfg, ckpt)
     trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
     memory = preflight.checked_memory(trainer, model_path, best_copy=cfg.save_best)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
@@ -122,7 +123,21 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
               hooks=run_hooks, emit=emit, selection=Selection.of(cfg))
     if ckpt is not None:
         ckpts.restore(run, ckpt)
+    elif cfg.method == "dpo":
+        dataset.ref = trainer.reference_logps(dataset)  # the model as it starts: DPO's reference, kept
     return run
+
+
+def _trainer(model: Model, trainable: list[str], cfg: FinetuneConfig, ckpt) -> Trainer:
+    """The trainer of the run: next-token (sft) or a preference method's."""
+    kw = dict(n_ctx=cfg.ctx, n_batch=cfg.batch, n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer,
+              wd=cfg.wd, lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
+              grad_clip=cfg.grad_clip)
+    backend = get_backend(cfg.backend, precision=cfg.precision)
+    if cfg.method != "sft":
+        objective = Objective(cfg.method, cfg.beta, cfg.label_smoothing, cfg.gamma)
+        return PreferenceTrainer(model, backend, objective=objective, **kw)
+    return Trainer(model, backend, workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack, **kw)
 
 
 def _hooks(cfg: FinetuneConfig, model: Model, hooks: Optional[HookFactory]) -> list[Hook]:

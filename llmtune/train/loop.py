@@ -154,7 +154,7 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
         step = ev.Step(epoch=run.epoch + 1, step=s + 1, steps=run.steps_per_epoch, global_step=run.step, loss=loss,
                        running_loss=run.stats.loss, accuracy=run.stats.accuracy, lr=lr,
                        tokens_per_s=(s + 1 - first) * run.cfg.batch / elapsed if elapsed > 0 else 0.0,
-                       grad_norm=run.trainer.grad_norm)
+                       grad_norm=run.trainer.grad_norm, metrics=dict(run.trainer.step_metrics))
         run.epoch_step = s + 1
         # elapsed_s: the run's training seconds so far, across epochs and resumes
         run.log.write({"type": "train_step", **step.as_record(), "elapsed_s": run.elapsed()})
@@ -205,7 +205,8 @@ def _end_epoch(run: Run) -> ev.EpochResult:
     # a pass --eval-every made at this step (the one --early-stop ended the epoch on) is not redone
     done = run.evaluation if run.evaluation is not None and run.evaluation.global_step == run.step else None
     evaluation = done or _evaluate(run, epoch_end=True)
-    for name in ("val_loss", "val_loss_err", "val_accuracy", "val_accuracy_err", "bench_accuracy", "bench_accuracy_err"):
+    for name in ("val_loss", "val_loss_err", "val_accuracy", "val_accuracy_err", "bench_accuracy", "bench_accuracy_err",
+                 "val_metrics"):
         setattr(result, name, getattr(evaluation, name))
     run.call_hooks("on_eval", result)
     run.result.epochs.append(result)
@@ -250,5 +251,7 @@ def _validate(run: Run, result: ev.Evaluation) -> None:
     run.trainer.evaluate(x, y, val, *segments)
     result.val_loss, result.val_loss_err, result.val_accuracy, result.val_accuracy_err = (
         val.loss, val.loss_err, val.accuracy, val.accuracy_err)
+    result.val_metrics = dict(run.trainer.eval_metrics)
     run.log.write({"type": "validation", "epoch": result.epoch, "global_step": run.step, "loss": val.loss,
-                   "loss_err": val.loss_err, "accuracy": val.accuracy, "accuracy_err": val.accuracy_err})
+                   "loss_err": val.loss_err, "accuracy": val.accuracy, "accuracy_err": val.accuracy_err,
+                   **result.val_metrics})

@@ -100,6 +100,9 @@ class Trainer:
         self.grad_clip = float(grad_clip)  # > 0: the step's gradient is clipped to this global L2 norm
         self.grad_norm = math.nan  # the last step's global gradient norm, before clipping
         self.max_loss = math.inf  # a step's mean loss above it stops training (Diverged)
+        # named metrics of the last step and validation pass beyond loss and accuracy (train/preference.py)
+        self.step_metrics: dict = {}
+        self.eval_metrics: dict = {}
         self._requested_workers = workers
         # data-parallel ranks (backends/dist.py; default: this process's world): rank r takes the
         # step's micro-batches r, r + size, ...; one all-reduce of flat_g per step sums them
@@ -264,11 +267,9 @@ class Trainer:
             "targets": be.asarray(np.ascontiguousarray(targets, dtype=np.int32).reshape(-1)),
         }
         if self.packed:
-            from llmtune.arch.packing import packing_inputs
-
             if segments is None:
                 raise ValueError("a packed trainer's passes need the windows' segments")
-            for name, value in packing_inputs(self.model.hp, segments).items():  # masks in the backend's float type
+            for name, value in self._layout_inputs(segments).items():  # masks in the backend's float type
                 feed[name] = be.asarray(value if value.dtype == np.int32 else value.astype(be.dtype, copy=False))
         if seqs is not None and self._masks:
             from llmtune.model.adapter import dropout_masks
@@ -276,6 +277,12 @@ class Trainer:
             masks = dropout_masks(self._masks, self.lora_dropout, self.seed, self.steps_done, seqs)
             feed.update({n: be.asarray(m.astype(be.dtype, copy=False)) for n, m in masks.items()})
         return feed
+
+    def _layout_inputs(self, segments) -> dict:
+        """Positions and masks of packed windows (a subclass lays its windows out otherwise)."""
+        from llmtune.arch.packing import packing_inputs
+
+        return packing_inputs(self.model.hp, segments)
 
     def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats,
                    segments: np.ndarray | None = None) -> float:

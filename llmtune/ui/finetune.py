@@ -30,7 +30,7 @@ class FinetuneReporter:
         # a bar that gives way first, so the step counter and the numbers keep their place at 80 columns
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(bar_width=None), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f} acc {task.fields[acc]:.3f} lr {task.fields[lr]:.1e} "
+            TextColumn("loss {task.fields[loss]:.4f} acc {task.fields[acc]:.3f} {task.fields[pref]}lr {task.fields[lr]:.1e} "
                        "{task.fields[tps]:,.0f} tok/s"),
             TimeRemainingColumn(), console=err, transient=False, expand=True,
             disable=not err.is_terminal,  # one finished bar per epoch stays
@@ -78,7 +78,7 @@ class FinetuneReporter:
 
     def _task(self, epoch: int, steps: int):
         if epoch not in self.tasks:
-            self.tasks[epoch] = self.progress.add_task(f"epoch {epoch}", total=steps, loss=math.nan, acc=math.nan,
+            self.tasks[epoch] = self.progress.add_task(f"epoch {epoch}", total=steps, loss=math.nan, acc=math.nan, pref="",
                                                        lr=0.0, tps=0.0)
         return self.tasks[epoch]
 
@@ -87,11 +87,12 @@ class FinetuneReporter:
         if self.err.is_terminal:
             task = self._task(e.epoch, e.steps)
             self.progress.update(task, completed=e.step, loss=e.running_loss, acc=e.accuracy, lr=e.lr,
+                                 pref=_preference_words(e.metrics),
                                  tps=e.tokens_per_s)
         elif e.step == 1 or e.step == e.steps or e.step % max(1, e.steps // STEP_LINES) == 0:
             # no bar off a terminal: a line about every tenth of an epoch, so a log shows the run moving
             self.err.print(f"epoch {e.epoch} step {e.step}/{e.steps}: loss {e.running_loss:.4f}, acc {e.accuracy:.3f}, "
-                           f"lr {e.lr:.2e}, {e.tokens_per_s:,.0f} tok/s", highlight=False)
+                           f"{_preference_words(e.metrics)}lr {e.lr:.2e}, {e.tokens_per_s:,.0f} tok/s", highlight=False)
 
     def _on_epoch(self, e: ev.EpochEnd):
         info = e.as_record()
@@ -102,6 +103,8 @@ class FinetuneReporter:
         """An epoch's results as fields that a narrow terminal may break between, never inside."""
         train_loss, train_acc, val_loss, val_acc = (_with_err(info, key) for key in _EPOCH_STATS)
         fields = [f"epoch {info['epoch']}:", f"train loss {train_loss}, acc {train_acc}", f"| val loss {val_loss}, acc {val_acc}"]
+        if info.get("val_metrics"):
+            fields.append(f"| val {_preference_words(info['val_metrics']).rstrip(', ')}")
         if not math.isnan(info.get("bench_accuracy", math.nan)):
             fields.append(f"| {self._bench_name()} acc {percent(info['bench_accuracy'], info['bench_accuracy_err'])}")
         if timing:
@@ -219,6 +222,11 @@ def data_line(data: dict) -> str:
     per_epoch = f"{data['loss_tokens_per_epoch']:,} tokens carry loss per epoch"
     if data["format"] == "text":
         return f"data: text, every token of each window carries loss; {per_epoch}"
+    if data["format"] == "preference":
+        dropped = f"; {data['dropped']} dropped (longer than --ctx)" if data["dropped"] else ""
+        return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} preference "
+                f"pairs, one per window (prompt once, then chosen and rejected; {data['padding']:.0%} padding)"
+                f"{dropped}; {per_epoch} (the completions' tokens)")
     notes = []
     if data["truncated"]:
         notes.append(f"{data['truncated']} truncated to --ctx")
@@ -239,3 +247,15 @@ def loss_line(losses: list) -> str:
     steps, values = [s for s, _ in losses], [v for _, v in losses]
     return (f"loss {sparkline(values)} {values[0]:.4f} -> {values[-1]:.4f} "
             f"(steps {steps[0]}-{steps[-1]})")
+
+
+def _preference_words(metrics: dict) -> str:
+    """A preference step's or validation's TRL metrics in a few words ("" for supervised runs);
+    acc is then rewards/accuracies."""
+    if not metrics:
+        return ""
+    words = f"margin {metrics['rewards/margins']:.3f}, chosen {metrics['rewards/chosen']:.3f}, " \
+            f"rejected {metrics['rewards/rejected']:.3f}, "
+    if "log_odds_ratio" in metrics:
+        words += f"nll {metrics['nll_loss']:.3f}, log odds ratio {metrics['log_odds_ratio']:.3f}, "
+    return words
