@@ -385,17 +385,23 @@ def bind_qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, ro
     return native.bind_qlinear(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), raw, qtype)
 
 
-def qlinear_back(out: np.ndarray, g: np.ndarray, raw: np.ndarray, qtype: str) -> np.ndarray:
+def qlinear_back(out: np.ndarray, g: np.ndarray, raw: np.ndarray, qtype: str,
+                 copies: FloatCopies | None = None) -> np.ndarray:
     """out[..., n_in] = g[..., n_out] @ W: the input gradient of qlinear (straight through the
-    rounding of the activations), W dequantized a row block at a time."""
+    rounding of the activations), W dequantized a row block at a time, or its float32 copy where
+    `copies` keeps one (a training run's frozen base, Trainer)."""
     n_in, n_out = out.shape[-1], g.shape[-1]
     g2, o2 = g.reshape(-1, n_out), out.reshape(-1, n_in)
+    dense = copies.get(raw, qtype, n_in) if copies is not None and out.dtype == F32 else None
     rb = _block_rows(n_out, n_in)
-    w = _scratch(rb * n_in, out.dtype)
+    w = _scratch(rb * n_in, out.dtype) if dense is None else None
     part = None
-    for r0 in range(0, n_out, rb):
+    for r0 in range(0, n_out, rb):  # the same row blocks with or without a copy: the same sums
         r1 = min(n_out, r0 + rb)
-        wb = dequantize_rows(raw[r0:r1], qtype, w[: (r1 - r0) * n_in].reshape(r1 - r0, n_in))
+        if dense is not None:
+            wb = dense[r0:r1]
+        else:
+            wb = dequantize_rows(raw[r0:r1], qtype, w[: (r1 - r0) * n_in].reshape(r1 - r0, n_in))
         if r0 == 0:
             np.matmul(g2[:, r0:r1], wb, out=o2)
         else:

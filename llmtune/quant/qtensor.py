@@ -88,10 +88,24 @@ def shape_only(w) -> np.ndarray:
     return np.broadcast_to(np.float32(0), tuple(w.shape))
 
 
-def evaluation_budget() -> int:
-    """Bytes of float32 copies an evaluation command may keep of its quantized weights (perplexity,
-    eval, generate: the same frozen weights multiplied pass after pass): a quarter of the available
-    memory (0 when unknown). Training keeps none: its memory estimate counts the base in its file
-    type."""
+def float_copy_bytes(tensors) -> int:
+    """Bytes of float32 copies of every quantized matrix among `tensors` (name -> array / QTensor)."""
+    return sum(4 * w.size for w in tensors.values() if isinstance(w, QTensor))
+
+
+def evaluation_budget(tensors) -> int:
+    """Bytes of float32 copies an evaluation command may keep of the quantized matrices among
+    `tensors` (perplexity, eval, generate: the same frozen weights multiplied pass after pass): at
+    most what they take, and a quarter of the available memory (0 when unknown)."""
     avail = available_memory()
-    return avail // 4 if avail else 0
+    return min(float_copy_bytes(tensors), avail // 4) if avail else 0
+
+
+def training_budget(tensors, need: int, available: int | None) -> int:
+    """Bytes of float32 copies a training run may keep of its frozen quantized matrices (QLoRA's
+    base: every forward and backward multiplies them again, and the per-block decode would cost as
+    much as the products): what they take, where that fits in half of what the run leaves free
+    (`need`: its estimate without them); the rest stays as stored. 0 when memory is unknown."""
+    if available is None:
+        return 0
+    return min(float_copy_bytes(tensors), max(0, (available - need) // 2))
