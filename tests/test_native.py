@@ -276,3 +276,22 @@ def test_rms_norm_matches_numpy():
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-30)  # a few ulps: the squares summed in double
     assert kernels.bind_rms_norm(out, x.astype(np.float64), 1e-5) is None
     assert kernels.bind_rms_norm(np.empty((20, 576), np.float32), np.ones((20, 576), np.float32), 1e-5) is None
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_matches_numpy_bit_for_bit(qtype, monkeypatch):
+    """The compiled decoders (dequant.c) against quant/matmul.py's numpy ones, over quantized
+    weights and over random bytes (every fp16 scale: subnormal, infinite, NaN), strided rows."""
+    rng = np.random.default_rng(7)
+    block = qmatmul.qtype_of(qtype).block
+    n_in = 2 * block
+    raws = [_matrix(qtype, 5, n_in, rng), rng.integers(0, 256, (64, qmatmul.row_bytes(qtype, n_in)), dtype=np.uint8)]
+    for raw in raws:
+        with monkeypatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
+            mp.setattr(qmatmul.native, "dequantize_rows", lambda *a: False)
+            want = qmatmul.dequantize_rows(raw, qtype, np.empty((raw.shape[0], n_in), np.float32))
+        got = np.full((raw.shape[0], n_in + 3), np.float32(7.0))[:, :n_in]  # a strided output
+        assert kernels.dequantize_rows(raw, qtype, got)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not kernels.dequantize_rows(raws[0], qtype, np.empty((5, n_in), np.float64))  # declines: numpy runs

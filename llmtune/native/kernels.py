@@ -160,3 +160,33 @@ def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:
     out = np.zeros(lib.lt_act_row_bytes(code, x.size), np.uint8)
     lib.lt_quantize_act(code, _addr(x), x.size, _addr(out))
     return out
+
+
+def _load_dequant():
+    """dequant.c's library (built beside qdot.c's, under the same switch), or None."""
+    if not available():
+        return None
+    with _lock:
+        if "dequant" not in _state:
+            try:
+                lib = build.load("dequant")
+                lib.lt_dequant.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64]
+                lib.lt_dequant.restype = _INT
+            except build.BuildError:
+                lib = None
+            _state["dequant"] = lib
+        return _state["dequant"]
+
+
+def dequantize_rows(raw: np.ndarray, qtype: str, out: np.ndarray) -> bool:
+    """out[r] = row r of raw (`qtype` block bytes [rows, row bytes]) decoded to float32, the numpy
+    decoders' values bit for bit (quant/matmul.py dequantize_rows). False (nothing written) when
+    the compiled kernel does not take this case."""
+    code = TYPE_CODES.get(qtype)
+    if (code is None or out.dtype != np.float32 or out.ndim != 2 or out.strides[-1] != 4 or raw.dtype != np.uint8
+            or raw.ndim != 2 or raw.strides[-1] != 1 or raw.shape[0] != out.shape[0]):
+        return False
+    lib = _load_dequant()
+    if lib is None:
+        return False
+    return lib.lt_dequant(code, _addr(raw), raw.strides[0], out.shape[0], out.shape[1], _addr(out), out.strides[0] // 4) == 0

@@ -185,6 +185,8 @@ def dequantize_rows(raw: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
         tmp = dequantize_rows(raw, qtype, np.empty(out.shape, F32))
         np.copyto(out, tmp)
         return out
+    if native.dequantize_rows(raw, qtype, out):  # the compiled decoders: the same values, ~10x faster
+        return out
     fn = _DEQUANT[qtype]
     step = max(1, _PASS_BYTES // max(1, 4 * n_cols))
     for r0 in range(0, rows, step):
