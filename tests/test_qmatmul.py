@@ -140,6 +140,23 @@ def test_float_copies_follow_the_memory_left(exports, wikitext_ids, monkeypatch)
     assert 0 < tr.memory_bytes()["float copies"] <= dense // 2 + 1
 
 
+def test_evaluation_copies_follow_the_decoder_and_the_model_size(exports, monkeypatch):
+    """An evaluation keeps no float copies where the compiled decoders run (its peak stays near
+    the file's size), else at most the stored size (and a quarter of the free memory)."""
+    from llmtune.native import kernels
+    from llmtune.quant.qtensor import evaluation_budget, float_copy_bytes
+
+    model = load_model(exports["q4_k_m"])
+    stored = sum(w.nbytes for w in model.weights.values() if isinstance(w, QTensor))
+    monkeypatch.setattr(kernels, "dequantize_available", lambda: True)
+    assert evaluation_budget(model.weights) == 0
+    assert CPUBackend().bind(model, float_copies=True).float_copies is None
+    monkeypatch.setattr(kernels, "dequantize_available", lambda: False)
+    assert evaluation_budget(model.weights) == min(stored, float_copy_bytes(model.weights)) == stored > 0
+    monkeypatch.setenv("LLMTUNE_MEMORY_LIMIT", str(stored))
+    assert evaluation_budget(model.weights) == stored // 4
+
+
 def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
     """Trained matrices of a quantized file become float32 master weights, written as F32 (the
     output policy: re-quantizing would round the training away), and --out-type q8_0 stores them
@@ -219,18 +236,20 @@ def test_decoded_copies_give_the_stored_products(qtype):
 
 
 def test_evaluation_keeps_decoded_copies_and_the_numbers(exports, wikitext_ids, monkeypatch):
-    """perplexity on a quantized file decodes each matrix once (not per pass) with the same
-    numbers; with no memory to spare it decodes per product as before."""
+    """perplexity on a quantized file, with a budget for every copy, decodes each matrix once (not
+    per pass) with the same numbers; with none (the default where the compiled decoders run,
+    test_evaluation_copies_follow_*) it decodes per product."""
     from llmtune.quant import matmul as qm
     from llmtune.quant import qtensor
 
+    monkeypatch.setattr(qtensor, "evaluation_budget", qtensor.float_copy_bytes)
     model = load_model(exports["q8_0"])
     decodes = []
     real = qm.dequantize_rows
     monkeypatch.setattr(qm, "dequantize_rows", lambda *a: decodes.append(1) or real(*a))
     cached = perplexity_from_ids(model, wikitext_ids, ctx=64, batch=64, chunks=6, workers=1)
     n_cached = len(decodes)
-    monkeypatch.setattr(qtensor, "available_memory", lambda: 0)
+    monkeypatch.setattr(qtensor, "evaluation_budget", lambda tensors: 0)
     decodes.clear()
     stored = perplexity_from_ids(model, wikitext_ids, ctx=64, batch=64, chunks=6, workers=1)
     n_matrices = sum(isinstance(w, QTensor) for w in model.weights.values())

@@ -178,6 +178,11 @@ def _load_dequant():
         return _state["dequant"]
 
 
+def dequantize_available() -> bool:
+    """Whether the compiled block decoders are in use (dequantize_rows takes the ggml block types)."""
+    return _load_dequant() is not None
+
+
 def dequantize_rows(raw: np.ndarray, qtype: str, out: np.ndarray) -> bool:
     """out[r] = row r of raw (`qtype` block bytes [rows, row bytes]) decoded to float32, the numpy
     decoders' values bit for bit (quant/matmul.py dequantize_rows). False (nothing written) when

@@ -95,10 +95,20 @@ def float_copy_bytes(tensors) -> int:
 
 def evaluation_budget(tensors) -> int:
     """Bytes of float32 copies an evaluation command may keep of the quantized matrices among
-    `tensors` (perplexity, eval, generate: the same frozen weights multiplied pass after pass): at
-    most what they take, and a quarter of the available memory (0 when unknown)."""
+    `tensors` (perplexity, eval, generate: the same frozen weights multiplied pass after pass).
+    A copy saves a product its block decode and costs 4 bytes a weight, 4-8x the stored size, so
+    the budget follows the decoder's speed, the model's size and the free memory: with the compiled
+    decoders (native.dequantize_rows, ~1 GB/s a core) the decode is a few percent of a pass of
+    perplexity's or eval's batch (and a decode step multiplies the blocks directly), so none are
+    kept and the peak stays near llama.cpp's (the file plus activations); with numpy's decoders
+    (~10x slower) up to the stored size again, within a quarter of the available memory."""
+    from llmtune.native import kernels
+
+    if kernels.dequantize_available():
+        return 0
     avail = available_memory()
-    return min(float_copy_bytes(tensors), avail // 4) if avail else 0
+    stored = sum(w.nbytes for w in tensors.values() if isinstance(w, QTensor))
+    return min(float_copy_bytes(tensors), stored, avail // 4) if avail else 0
 
 
 def training_budget(tensors, need: int, available: int | None) -> int:
