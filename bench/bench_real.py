@@ -20,7 +20,7 @@ sides back to back; the table shows medians over the rounds):
   for T in 1, 2 against llmtune in a fresh process (load, prompt, N greedy tokens); its time to
   first token (process start to the first sampled token) and prompt time; on the Q4_1 file and
   the f32 export.
-- ppl: `llmtune perplexity FILE TEXT -c 512 --chunks 8` against `llama-perplexity -c 512 --chunks
+- ppl: `llmtune perplexity FILE TEXT -c 512 --chunks 8` (the Q4_1 file and the f32 export) against `llama-perplexity -c 512 --chunks
   8` at its fastest of -b 512 / 2048 and -t 1 / 2 (picked in the first round), wall clock of the
   whole command (start-up included) and each side's peak RSS (GNU time's maximum resident set).
 
@@ -91,13 +91,16 @@ def llama_decode(bin_dir: Path, model: Path, n: int, ctx: int, threads: int) -> 
     raise RuntimeError(f"llama-completion failed on {model}:\n{(done.stdout + done.stderr)[-2000:]}")
 
 
-def llmtune_decode(model: Path, n: int, ctx: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def llmtune_decode(model: Path, n: int, ctx: int, native: bool = True) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LLMTUNE_NATIVE="1" if native else "0")
     done = subprocess.run([sys.executable, "-c", _LLMTUNE_DECODE, str(model), str(n), str(ctx), PROMPT],
                           capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"llmtune failed on {model}:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    if res["native"] != native:
+        raise RuntimeError(f"llmtune: compiled kernels {'not ' if native else ''}in use ({model})")
+    return res
 
 
 # ------------------------------------------------------------------------------------ perplexity
@@ -311,12 +314,14 @@ def train_rows(label: str, q4: Path, f32: Path, rows: list[str], args, out: list
 def decode_rows(label: str, files: list[tuple[str, Path]], args, out: list) -> None:
     for kind, path in files:
         llama: dict[int, list[float]] = {}
-        ours = []
+        ours, fallback = [], []
         for r in range(args.rounds):
             print(f"{label} decode {kind}, round {r + 1}", flush=True)
             for t in (1, 2):
                 llama.setdefault(t, []).append(llama_decode(args.bin, path, args.n, 512, t))
             ours.append(llmtune_decode(path, args.n, 512))
+            if args.fallback:
+                fallback.append(llmtune_decode(path, args.n, 512, native=False))
         tok = med(r["tok_s"] for r in ours)
         two = med(llama[2])
         out.append((f"{label}: decode, {kind}, greedy {args.n} tokens", f"{tok:.1f} tok/s",
@@ -324,6 +329,10 @@ def decode_rows(label: str, files: list[tuple[str, Path]], args, out: list) -> N
         out.append((f"{label}: time to first token, {kind} (start-up + {PROMPT!r})",
                     f"{med(r['ttft_s'] for r in ours):.2f} s (prompt {med(r['prompt_s'] for r in ours) * 1e3:.0f} ms)",
                     "—", None))
+        if fallback:
+            fb = med(r["tok_s"] for r in fallback)
+            out.append((f"{label}: decode, {kind}, LLMTUNE_NATIVE=0 (no compiled layer)", f"{fb:.1f} tok/s",
+                        f"llama-completion -t 2: {two:.1f}", fb / two))
 
 
 def ppl_rows(label: str, files: list[tuple[str, Path]], args, out: list) -> None:
@@ -366,6 +375,7 @@ def main():
     ap.add_argument("--torch-threads", default="1,2")
     ap.add_argument("-n", type=int, default=128, help="tokens to generate")
     ap.add_argument("--chunks", type=int, default=8, help="perplexity chunks of 512 tokens")
+    ap.add_argument("--fallback", action="store_true", help="decode also with LLMTUNE_NATIVE=0 (numpy only)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--windows", help=argparse.SUPPRESS)
     ap.add_argument("--kind", help=argparse.SUPPRESS)
@@ -400,7 +410,7 @@ def main():
         if "decode" in rows:
             decode_rows(label, files, args, out)
         if "ppl" in rows:
-            ppl_rows(label, files if shape != "smollm2" else files[:1], args, out)
+            ppl_rows(label, files, args, out)
     load1 = os.getloadavg()
     print(f"\nload average {load0[0]:.2f} before, {load1[0]:.2f} after ({os.cpu_count()} cores); {args.rounds} "
           f"rounds, medians; {(time.time() - t0) / 60:.0f} min")
