@@ -94,16 +94,22 @@ static inline void scale_min_k4(int j, const uint8_t *s, int *sc, int *mn) {
     }
 }
 
+/* d * scale and dmin * min (float32 products, as ggml) of sub-blocks 2j and 2j + 1 of a Q4_K / Q5_K block */
+static inline void k_pair(const uint8_t *b, float d, float dmin, int j, float *d0, float *mm0, float *d1, float *mm1) {
+    int sc0, m0, sc1, m1;
+    scale_min_k4(2 * j, b + 4, &sc0, &m0);
+    scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
+    *d0 = d * (float)sc0, *mm0 = dmin * (float)m0;
+    *d1 = d * (float)sc1, *mm1 = dmin * (float)m1;
+}
+
 static void row_q4_k(const uint8_t *b, int64_t nb, float *o) {
     for (int64_t i = 0; i < nb; i++, b += 144, o += 256) {
         const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
         const uint8_t *qs = b + 16;
         for (int j = 0; j < 4; j++) {
-            int sc0, m0, sc1, m1;
-            scale_min_k4(2 * j, b + 4, &sc0, &m0);
-            scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
-            const float d0 = d * (float)sc0, mm0 = dmin * (float)m0;
-            const float d1 = d * (float)sc1, mm1 = dmin * (float)m1;
+            float d0, mm0, d1, mm1;
+            k_pair(b, d, dmin, j, &d0, &mm0, &d1, &mm1);
             float *oj = o + 64 * j;
             for (int l = 0; l < 32; l++) {
                 oj[l] = (float)(qs[32 * j + l] & 15) * d0 - mm0;
@@ -118,11 +124,8 @@ static void row_q5_k(const uint8_t *b, int64_t nb, float *o) {
         const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
         const uint8_t *qh = b + 16, *qs = b + 48;
         for (int j = 0; j < 4; j++) {
-            int sc0, m0, sc1, m1;
-            scale_min_k4(2 * j, b + 4, &sc0, &m0);
-            scale_min_k4(2 * j + 1, b + 4, &sc1, &m1);
-            const float d0 = d * (float)sc0, mm0 = dmin * (float)m0;
-            const float d1 = d * (float)sc1, mm1 = dmin * (float)m1;
+            float d0, mm0, d1, mm1;
+            k_pair(b, d, dmin, j, &d0, &mm0, &d1, &mm1);
             float *oj = o + 64 * j;
             for (int l = 0; l < 32; l++) {
                 const int lo = (qs[32 * j + l] & 15) | (((qh[l] >> (2 * j)) & 1) << 4);
