@@ -16,6 +16,9 @@ sides back to back; the table shows medians over the rounds):
   one untimed step.
 - full: every weight of the f32 export trained (AdamW), ctx 128, against the same model in
   PyTorch (torch.optim.AdamW over every parameter), threads 1 and 2.
+- qlora-ab (not in the default --rows): QLoRA on the Q4_1 file, LoRA on the f32 export and QLoRA
+  without its float copies, three trainers in one process, their steps taking turns (--ab-steps
+  each, medians): the acceptance ratio QLoRA / LoRA-on-f32 with the machine's drift on all alike.
 - decode: `llama-completion -t T -p PROMPT -n N --temp 0 --ignore-eos -no-cnv` (its "eval time")
   for T in 1, 2 against llmtune in a fresh process (load, prompt, N greedy tokens); its time to
   first token (process start to the first sampled token) and prompt time; on the Q4_1 file and
@@ -53,7 +56,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "tests" / "data" / "wikitext-2-raw-test.txt.gz"
 PROMPT = "Once upon a time"
-ROWS = ("qlora", "lora", "full", "decode", "ppl")
+ROWS = ("qlora", "lora", "full", "decode", "ppl", "qlora-ab")
 SHAPES = {  # name -> (config, vocabulary file), random weights
     "qwen2-0.5b": ("configs/qwen2-0.5b.toml", "tests/data/vocab/ggml-vocab-qwen2.gguf.gz"),
     "gemma3-270m": ("configs/gemma3-270m.toml", "tests/data/vocab/ggml-vocab-gemma-4.gguf.gz"),
@@ -214,7 +217,41 @@ def run_torch_train(model_path: str, windows_path: str, kind: str, ctx: int, bat
     return {"step_s": _steps(step, windows, batch, steps), "losses": losses}
 
 
+def run_llmtune_ab(q4_path: str, f32_path: str, windows_path: str, ctx: int, batch: int, steps: int) -> dict:
+    """QLoRA (Q4_1) and LoRA (f32) trainers in one process, their steps taking turns (a busy
+    machine's drift falls on both alike): {"qlora": step seconds, "lora": step seconds}, and
+    QLoRA with its float copies off (the per-product decode) as a third."""
+    from llmtune.backends.cpu import CPUBackend
+    from llmtune.model.adapter import attach, init_adapter
+    from llmtune.model.loaded import load_model
+    from llmtune.train.trainer import RunningStats, Trainer
+
+    windows = dict(np.load(windows_path))
+    trainers = {}
+    for name, path in (("qlora", q4_path), ("lora", f32_path), ("qlora, no float copies", q4_path)):
+        model = load_model(path)
+        adapter = init_adapter(model, LORA_RANK, alpha=LORA_ALPHA, seed=0)
+        tr = Trainer(attach(model, [adapter]), CPUBackend(), n_ctx=ctx, n_batch=ctx * batch, n_ubatch=ctx,
+                     trainable=list(adapter.tensors()))
+        if name.endswith("no float copies") and tr.float_copies is not None:
+            tr.float_copies.budget = 0
+        trainers[name] = tr
+    times: dict[str, list[float]] = {n: [] for n in trainers}
+    for s in range(steps + 1):
+        idx = [(s * batch + i) % len(windows["x"]) for i in range(batch)]
+        for name, tr in trainers.items():
+            t = time.perf_counter()
+            tr.train_step(windows["x"][idx], windows["y"][idx], LR, RunningStats())
+            if s:
+                times[name].append(time.perf_counter() - t)
+    return times
+
+
 def child(args) -> None:
+    if args.child == "ab":
+        q4, f32 = args.model.split(",")
+        print("RESULT " + json.dumps(run_llmtune_ab(q4, f32, args.windows, args.ctx, args.batch, args.steps)), flush=True)
+        return
     if args.child == "llmtune":
         res = run_llmtune_train(args.model, args.windows, args.kind, args.ctx, args.batch, args.steps)
     else:
@@ -311,6 +348,25 @@ def train_rows(label: str, q4: Path, f32: Path, rows: list[str], args, out: list
                     f"PyTorch, {best_t('torch')} threads: {peer:.0f}", full / peer))
 
 
+def ab_row(label: str, q4: Path, f32: Path, args, out: list) -> None:
+    """qlora-ab: QLoRA against LoRA on f32 in one process, steps alternating (run_llmtune_ab)."""
+    windows = chat_windows(str(f32), args.ctx, max(16, args.batch * (args.steps + 1)), args.work)
+    cmd = [sys.executable, __file__, "--child", "ab", "--model", f"{q4},{f32}", "--windows", str(windows),
+           "--ctx", str(args.ctx), "--batch", str(args.batch), "--steps", str(args.ab_steps)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if done.returncode or line is None:
+        raise RuntimeError(f"qlora-ab failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+    times = json.loads(line[len("RESULT "):])
+    print(f"  qlora-ab step seconds: {times}", flush=True)
+    tok = {n: args.ctx * args.batch / med(t) for n, t in times.items()}
+    out.append((f"{label}: QLoRA (Q4_1) vs LoRA (f32), one process, {args.ab_steps} alternating steps",
+                f"{tok['qlora']:.0f} tok/s", f"llmtune LoRA f32: {tok['lora']:.0f}", tok["qlora"] / tok["lora"]))
+    out.append((f"{label}: the same QLoRA without float copies (decode per product)",
+                f"{tok['qlora, no float copies']:.0f} tok/s", f"llmtune LoRA f32: {tok['lora']:.0f}",
+                tok["qlora, no float copies"] / tok["lora"]))
+
+
 def decode_rows(label: str, files: list[tuple[str, Path]], args, out: list) -> None:
     for kind, path in files:
         llama: dict[int, list[float]] = {}
@@ -365,7 +421,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", type=Path, help="llama.cpp build/bin (llama-completion, llama-perplexity)")
     ap.add_argument("--model", help="SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=",".join(ROWS[:5]), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--ab-steps", type=int, default=9, help="qlora-ab: timed steps of each trainer")
     ap.add_argument("--shapes", default="smollm2", help=f"comma-separated, of smollm2, {', '.join(SHAPES)}")
     ap.add_argument("--work", type=Path, default=Path("/tmp/llmtune-bench-real"), help="made files, kept and reused")
     ap.add_argument("--rounds", type=int, default=3)
@@ -405,6 +462,8 @@ def main():
             label, files = "SmolLM2-135M", [("Q4_1", q4), ("f32 export", f32)]
             if {"qlora", "lora", "full"} & set(rows):
                 train_rows(label, q4, f32, rows, args, out)
+            if "qlora-ab" in rows:
+                ab_row(label, q4, f32, args, out)
         else:
             label, files = f"{shape} shape, RANDOM weights", [("Q4_K_M", random_shape(shape, args.work))]
         if "decode" in rows:
