@@ -13,7 +13,7 @@ sides back to back; the table shows medians over the rounds):
   export (lora); the peer for both is transformers' LlamaForCausalLM on the f32 export with
   peft.get_peft_model, torch.set_num_threads 1 and 2 (the better is the peer), the same windows,
   the same masked cross-entropy. Tokens/s: ctx * batch / the median of --steps step times after
-  one untimed step.
+  untimed ones (llmtune: its OpenBLAS thread-count trials and one more; PyTorch: one).
 - full: every weight of the f32 export trained (AdamW), ctx 128, against the same model in
   PyTorch (torch.optim.AdamW over every parameter), threads 1 and 2.
 - qlora-ab (not in the default --rows): QLoRA on the Q4_1 file, LoRA on the f32 export and QLoRA
@@ -151,14 +151,21 @@ def chat_windows(model_path: str, ctx: int, n: int, work: Path) -> Path:
     return out
 
 
-def _steps(step, windows, batch: int, steps: int) -> list[float]:
-    """One untimed step, then `steps` timed ones, each on the next `batch` windows."""
+def llmtune_warmup() -> int:
+    """Untimed llmtune steps: its OpenBLAS thread-count trials (threads.BlasTuner), then one more."""
+    from llmtune.backends.threads import BlasTuner
+
+    return BlasTuner.TRIAL_RUNS + 1
+
+
+def _steps(step, windows, batch: int, steps: int, warmup: int = 1) -> list[float]:
+    """`warmup` untimed steps, then `steps` timed ones, each on the next `batch` windows."""
     times = []
-    for s in range(steps + 1):
+    for s in range(steps + warmup):
         idx = [(s * batch + i) % len(windows["x"]) for i in range(batch)]
         t = time.perf_counter()
         step(windows["x"][idx], windows["y"][idx])
-        if s:
+        if s >= warmup:
             times.append(time.perf_counter() - t)
     return times
 
@@ -179,7 +186,8 @@ def run_llmtune_train(model_path: str, windows_path: str, kind: str, ctx: int, b
         trainable = list(adapter.tensors())
     tr = Trainer(model, CPUBackend(), n_ctx=ctx, n_batch=ctx * batch, n_ubatch=ctx, trainable=trainable)
     losses = []
-    times = _steps(lambda x, y: losses.append(tr.train_step(x, y, LR, RunningStats())), windows, batch, steps)
+    times = _steps(lambda x, y: losses.append(tr.train_step(x, y, LR, RunningStats())), windows, batch, steps,
+                   llmtune_warmup())
     return {"step_s": times, "losses": losses, "memory": tr.memory_bytes()}
 
 
@@ -237,12 +245,13 @@ def run_llmtune_ab(q4_path: str, f32_path: str, windows_path: str, ctx: int, bat
             tr.float_copies.budget = 0
         trainers[name] = tr
     times: dict[str, list[float]] = {n: [] for n in trainers}
-    for s in range(steps + 1):
+    warmup = llmtune_warmup()
+    for s in range(steps + warmup):
         idx = [(s * batch + i) % len(windows["x"]) for i in range(batch)]
         for name, tr in trainers.items():
             t = time.perf_counter()
             tr.train_step(windows["x"][idx], windows["y"][idx], LR, RunningStats())
-            if s:
+            if s >= warmup:
                 times[name].append(time.perf_counter() - t)
     return times
 
@@ -312,7 +321,7 @@ def med(values) -> float:
 
 
 def train_rows(label: str, q4: Path, f32: Path, rows: list[str], args, out: list) -> None:
-    windows = chat_windows(str(f32), args.ctx, max(16, args.batch * (args.steps + 1)), args.work)
+    windows = chat_windows(str(f32), args.ctx, max(16, args.batch * (max(args.steps, args.ab_steps) + 8)), args.work)
     runs: dict[str, list[float]] = {}
     for r in range(args.rounds):
         print(f"{label} training, round {r + 1}", flush=True)
@@ -350,7 +359,7 @@ def train_rows(label: str, q4: Path, f32: Path, rows: list[str], args, out: list
 
 def ab_row(label: str, q4: Path, f32: Path, args, out: list) -> None:
     """qlora-ab: QLoRA against LoRA on f32 in one process, steps alternating (run_llmtune_ab)."""
-    windows = chat_windows(str(f32), args.ctx, max(16, args.batch * (args.steps + 1)), args.work)
+    windows = chat_windows(str(f32), args.ctx, max(16, args.batch * (max(args.steps, args.ab_steps) + 8)), args.work)
     cmd = [sys.executable, __file__, "--child", "ab", "--model", f"{q4},{f32}", "--windows", str(windows),
            "--ctx", str(args.ctx), "--batch", str(args.batch), "--steps", str(args.ab_steps)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
