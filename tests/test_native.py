@@ -295,3 +295,23 @@ def test_dequantize_matches_numpy_bit_for_bit(qtype, monkeypatch):
         assert kernels.dequantize_rows(raw, qtype, got)
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert not kernels.dequantize_rows(raws[0], qtype, np.empty((5, n_in), np.float64))  # declines: numpy runs
+
+
+@needs_library
+@pytest.mark.parametrize("act", ["q8_0", "q8_1"])
+def test_activation_rounding_matches_numpy_bit_for_bit(act):
+    """The compiled q8_0 / q8_1 rounding of activation rows (dequant.c lt_round_q8) against the
+    numpy one: decoded values and Q8_1 corrections, zero blocks, outliers, tiny scales."""
+    rng = np.random.default_rng(3)
+    x = _activations(7, 512, rng)
+    x[1, 32:64] = 1e-30  # fp16(d) underflows
+    x[2] *= 1e4
+    got = kernels.round_q8(x, act == "q8_1")
+    if got is None:
+        pytest.skip("the compiler has no _Float16")
+    want = qmatmul._round_q8_0(x, with_sum=act == "q8_1")
+    np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
+    if act == "q8_1":
+        np.testing.assert_array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+    else:
+        assert got[1] is None and want[1] is None

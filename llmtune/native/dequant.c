@@ -170,3 +170,42 @@ int lt_dequant(int code, const uint8_t *raw, int64_t raw_stride, int64_t rows, i
     for (int64_t r = 0; r < rows; r++) ROWS[code](raw + r * raw_stride, n_cols / BLOCK[code], out + r * out_stride);
     return 0;
 }
+
+/* Activation rows rounded as ggml-cpu's quantize_row_q8_0 / q8_1 (x86) and decoded back, step for
+ * step quant/matmul.py's _round_q8_0: per block of 32, d = amax / 127, q = rint(x * 127 / amax),
+ * x~ = q * fp16(d); with_sum (Q8_1) also the correction fp16(d * sum q) - fp16(d) * sum q per
+ * block into corr [rows, n / 32]. Needs the compiler's _Float16 (its conversions round to nearest
+ * even, as numpy's float16 cast); returns -1 without it (numpy then rounds). */
+int lt_round_q8(const float *x, int64_t rows, int64_t n, int with_sum, float *xr, float *corr) {
+#ifdef __FLT16_MAX__
+    if (n % 32) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < n / 32; b++) {
+            const float *xb = x + r * n + 32 * b;
+            float *ob = xr + r * n + 32 * b;
+            uint32_t amax_bits = 0;  /* the largest magnitude bit pattern, as the numpy path's integer max */
+            for (int l = 0; l < 32; l++) {
+                uint32_t u;
+                memcpy(&u, xb + l, 4);
+                u &= 0x7FFFFFFFu;
+                amax_bits = u > amax_bits ? u : amax_bits;
+            }
+            float amax;
+            memcpy(&amax, &amax_bits, 4);
+            const float d = amax / 127.0f, inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+            const float dh = (float)(_Float16)d;
+            float sq = 0.0f;
+            for (int l = 0; l < 32; l++) {
+                const float q = __builtin_rintf(xb[l] * inv);
+                sq += q;  /* integers below 2^24: exact in any order */
+                ob[l] = q * dh;
+            }
+            if (with_sum) corr[r * (n / 32) + b] = (float)(_Float16)(d * sq) - dh * sq;
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)rows, (void)n, (void)with_sum, (void)xr, (void)corr;
+    return -1;
+#endif
+}

@@ -278,7 +278,7 @@ def round_activations(x: np.ndarray, act: str):
     if act == "bf16":
         return _round_bf16(x), None
     if act in ("q8_0", "q8_1"):
-        return _round_q8_0(x, with_sum=act == "q8_1")
+        return native.round_q8(x, act == "q8_1") or _round_q8_0(x, with_sum=act == "q8_1")
     if act == "q8_K":
         return _round_q8_k(x), None
     raise ValueError(f"unknown activation type {act!r}")
@@ -326,6 +326,15 @@ class FloatCopies:
                     self.used += dense.nbytes
         return dense
 
+    def mins(self, raw: np.ndarray, qtype: str) -> np.ndarray:
+        """block_mins(raw, qtype), kept beside the copy of a matrix that has one (1/32 of its size:
+        a Q4_1 / Q5_1 product's correction reads them every time)."""
+        key = ("mins", raw.__array_interface__["data"][0], raw.shape, raw.strides, qtype)
+        m = self.arrays.get(key)
+        if m is None:
+            m = self.arrays[key] = np.ascontiguousarray(block_mins(raw, qtype).T)
+        return m
+
 
 class WithCopies:
     """A stored matrix's block bytes as an evaluation binds them on the cpu: `raw`, and the
@@ -357,7 +366,7 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
     if dense is not None:
         np.matmul(xr, dense.T, out=o2)
         if corr is not None and qt.has_min:
-            o2 += (corr @ block_mins(raw, qtype).T).astype(x.dtype, copy=False)
+            o2 += (corr @ copies.mins(raw, qtype)).astype(x.dtype, copy=False)
         return out
     rb = _block_rows(n_out, n_in)
     w = _scratch(rb * n_in, x.dtype)
