@@ -16,9 +16,9 @@ from llmtune.quant.qtensor import QTensor
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, stories_path):
-    """stories260K exported to q8_0 and q4_k_m (Q5_0 / Q8_0 / F16 at its 64-wide shape)."""
+    """stories260K exported to q8_0, q4_k_m (Q5_0 / Q8_0 / F16 at its 64-wide shape) and q4_1."""
     out = tmp_path_factory.mktemp("qexports")
-    return {t: llmtune.export(stories_path, out / f"stories-{t}.gguf", t).out_path for t in ("q8_0", "q4_k_m")}
+    return {t: llmtune.export(stories_path, out / f"stories-{t}.gguf", t).out_path for t in ("q8_0", "q4_k_m", "q4_1")}
 
 
 def test_quantized_matrices_stay_views_of_the_file(exports):
@@ -82,7 +82,7 @@ def test_lora_on_a_quantized_base(exports, wikitext_ids):
     assert abs(first - losses[0]) / first < 1e-2
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m", "q4_1"])
 def test_qlora_float_copies_change_no_bit(qtype, exports, wikitext_ids):
     """QLoRA keeps float32 copies of the frozen quantized matrices when they fit (each forward and
     backward then skips the per-block decode) and counts them in the memory estimate; losses and

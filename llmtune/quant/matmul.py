@@ -312,6 +312,7 @@ class FloatCopies:
 
     def __init__(self, budget: int):
         self.budget, self.used, self.arrays = budget, 0, {}
+        self.block_mins: dict = {}  # beside a kept copy: its Q4_1 / Q5_1 block mins (mins)
         self.lock = threading.Lock()
 
     def get(self, raw: np.ndarray, qtype: str, n_in: int) -> np.ndarray | None:
@@ -329,10 +330,10 @@ class FloatCopies:
     def mins(self, raw: np.ndarray, qtype: str) -> np.ndarray:
         """block_mins(raw, qtype), kept beside the copy of a matrix that has one (1/32 of its size:
         a Q4_1 / Q5_1 product's correction reads them every time)."""
-        key = ("mins", raw.__array_interface__["data"][0], raw.shape, raw.strides, qtype)
-        m = self.arrays.get(key)
+        key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, qtype)
+        m = self.block_mins.get(key)
         if m is None:
-            m = self.arrays[key] = np.ascontiguousarray(block_mins(raw, qtype).T)
+            m = self.block_mins[key] = np.ascontiguousarray(block_mins(raw, qtype).T)
         return m
 
 
