@@ -20,7 +20,7 @@ sides back to back; the table shows medians over the rounds):
   without its float copies, three trainers in one process, their steps taking turns (--ab-steps
   each, medians): the acceptance ratio QLoRA / LoRA-on-f32 with the machine's drift on all alike.
 - decode: `llama-completion -t T -p PROMPT -n N --temp 0 --ignore-eos -no-cnv` (its "eval time")
-  for T in 1, 2 against llmtune in a fresh process (load, prompt, N greedy tokens); its time to
+  for T in 1, 2 (the faster is the peer) against llmtune in a fresh process (load, prompt, N greedy tokens); its time to
   first token (process start to the first sampled token) and prompt time; on the Q4_1 file and
   the f32 export.
 - ppl: `llmtune perplexity FILE TEXT -c 512 --chunks 8` (the Q4_1 file and the f32 export) against `llama-perplexity -c 512 --chunks
@@ -388,16 +388,17 @@ def decode_rows(label: str, files: list[tuple[str, Path]], args, out: list) -> N
             if args.fallback:
                 fallback.append(llmtune_decode(path, args.n, 512, native=False))
         tok = med(r["tok_s"] for r in ours)
-        two = med(llama[2])
+        best = max((1, 2), key=lambda t: med(llama[t]))  # the peer at its best thread count
+        two = med(llama[best])
         out.append((f"{label}: decode, {kind}, greedy {args.n} tokens", f"{tok:.1f} tok/s",
-                    f"llama-completion -t 2: {two:.1f} (-t 1: {med(llama[1]):.1f})", tok / two))
+                    f"llama-completion -t {best}: {two:.1f} (-t {3 - best}: {med(llama[3 - best]):.1f})", tok / two))
         out.append((f"{label}: time to first token, {kind} (start-up + {PROMPT!r})",
                     f"{med(r['ttft_s'] for r in ours):.2f} s (prompt {med(r['prompt_s'] for r in ours) * 1e3:.0f} ms)",
                     "—", None))
         if fallback:
             fb = med(r["tok_s"] for r in fallback)
             out.append((f"{label}: decode, {kind}, LLMTUNE_NATIVE=0 (no compiled layer)", f"{fb:.1f} tok/s",
-                        f"llama-completion -t 2: {two:.1f}", fb / two))
+                        f"llama-completion -t {best}: {two:.1f}", fb / two))
 
 
 def ppl_rows(label: str, files: list[tuple[str, Path]], args, out: list) -> None:
