@@ -480,3 +480,42 @@ def test_one_compiled_decode_program_for_the_whole_cache(stories_path, monkeypat
         results.append(res.tokens)
     kernels.reset()
     assert results[0] == results[1] and len(results[0]) == 100
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_matches_numpy_bit_for_bit(qtype, monkeypatch):
+    """The compiled decoders (dequant.c) against quant/matmul.py's numpy ones, over quantized
+    weights and over random bytes (every fp16 scale: subnormal, infinite, NaN), strided rows."""
+    rng = np.random.default_rng(7)
+    block = qmatmul.qtype_of(qtype).block
+    n_in = 2 * block
+    raws = [_matrix(qtype, 5, n_in, rng), rng.integers(0, 256, (64, qmatmul.row_bytes(qtype, n_in)), dtype=np.uint8)]
+    for raw in raws:
+        with monkeypatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
+            mp.setattr(qmatmul.native, "dequantize_rows", lambda *a: False)
+            want = qmatmul.dequantize_rows(raw, qtype, np.empty((raw.shape[0], n_in), np.float32))
+        got = np.full((raw.shape[0], n_in + 3), np.float32(7.0))[:, :n_in]  # a strided output
+        assert kernels.dequantize_rows(raw, qtype, got)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not kernels.dequantize_rows(raws[0], qtype, np.empty((5, n_in), np.float64))  # declines: numpy runs
+
+
+@needs_library
+@pytest.mark.parametrize("act", ["q8_0", "q8_1"])
+def test_activation_rounding_matches_numpy_bit_for_bit(act):
+    """The compiled q8_0 / q8_1 rounding of activation rows (dequant.c lt_round_q8) against the
+    numpy one: decoded values and Q8_1 corrections, zero blocks, outliers, tiny scales."""
+    rng = np.random.default_rng(3)
+    x = _activations(7, 512, rng)
+    x[1, 32:64] = 1e-30  # fp16(d) underflows
+    x[2] *= 1e4
+    got = kernels.round_q8(x, act == "q8_1")
+    if got is None:
+        pytest.skip("the compiler has no _Float16")
+    want = qmatmul._round_q8_0(x, with_sum=act == "q8_1")
+    np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
+    if act == "q8_1":
+        np.testing.assert_array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+    else:
+        assert got[1] is None and want[1] is None

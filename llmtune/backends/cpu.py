@@ -238,7 +238,9 @@ k_qlinear.bind = _bind_qlinear
 
 
 def k_qlinear_back(out, g, w, qtype):
-    return qmatmul.qlinear_back(out, g, _raw(w), qtype)
+    if type(w) is qmatmul.WithCopies:
+        return qmatmul.qlinear_back(out, g, w.raw, qtype, w.copies)
+    return qmatmul.qlinear_back(out, g, w, qtype)
 
 
 def k_qget_rows(out, w, ids, qtype):
@@ -861,18 +863,23 @@ class CPUBackend(Backend):
         return process_rss()
 
     def bind(self, model, *, float_copies=False):
-        """As Backend.bind; float_copies: quantized matrices bound with a FloatCopies (a new one
-        of up to a quarter of the available memory, or the FloatCopies given: models evaluated
-        together share one budget), so their products keep float32 copies."""
+        """As Backend.bind; float_copies: quantized matrices bound with a FloatCopies, so their
+        products (and a training run's input gradients) keep float32 copies: True, a new one with
+        the evaluation budget (qtensor.evaluation_budget, none bound when it is 0); or the
+        FloatCopies given, whatever its budget (models evaluated together share one; a trainer
+        sets its budget once it knows what the rest of the run takes)."""
         from llmtune.quant.qtensor import QTensor, evaluation_budget
 
         bound = super().bind(model)
         if float_copies is False or float_copies is None:
             return bound
-        copies = float_copies if isinstance(float_copies, qmatmul.FloatCopies) else qmatmul.FloatCopies(evaluation_budget())
-        if copies.budget <= 0:
-            return bound
         tensors = model.tensors() if hasattr(model, "tensors") else model
+        if isinstance(float_copies, qmatmul.FloatCopies):
+            copies = float_copies
+        else:
+            copies = qmatmul.FloatCopies(evaluation_budget(tensors))
+            if copies.budget <= 0:
+                return bound
         for name, w in tensors.items():
             if isinstance(w, QTensor):
                 bound[name] = qmatmul.WithCopies(bound[name], copies)

@@ -220,3 +220,55 @@ def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:
     out = np.zeros(lib.lt_act_row_bytes(code, x.size), np.uint8)
     lib.lt_quantize_act(code, _addr(x), x.size, _addr(out))
     return out
+
+
+def _load_dequant():
+    """dequant.c's library (built beside qdot.c's, under the same switch), or None."""
+    if not available():
+        return None
+    with _lock:
+        if "dequant" not in _state:
+            try:
+                lib = build.load("dequant")
+                lib.lt_dequant.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64]
+                lib.lt_dequant.restype = _INT
+                lib.lt_round_q8.argtypes = [_PTR, _I64, _I64, _INT, _PTR, _PTR]
+                lib.lt_round_q8.restype = _INT
+            except build.BuildError:
+                lib = None
+            _state["dequant"] = lib
+        return _state["dequant"]
+
+
+def dequantize_available() -> bool:
+    """Whether the compiled block decoders are in use (dequantize_rows takes the ggml block types)."""
+    return _load_dequant() is not None
+
+
+def dequantize_rows(raw: np.ndarray, qtype: str, out: np.ndarray) -> bool:
+    """out[r] = row r of raw (`qtype` block bytes [rows, row bytes]) decoded to float32, the numpy
+    decoders' values bit for bit (quant/matmul.py dequantize_rows). False (nothing written) when
+    the compiled kernel does not take this case."""
+    code = TYPE_CODES.get(qtype)
+    if (code is None or out.dtype != np.float32 or out.ndim != 2 or out.strides[-1] != 4 or raw.dtype != np.uint8
+            or raw.ndim != 2 or raw.strides[-1] != 1 or raw.shape[0] != out.shape[0]):
+        return False
+    lib = _load_dequant()
+    if lib is None:
+        return False
+    return lib.lt_dequant(code, _addr(raw), raw.strides[0], out.shape[0], out.shape[1], _addr(out), out.strides[0] // 4) == 0
+
+
+def round_q8(x: np.ndarray, with_sum: bool):
+    """x [M, K] float32 rounded to q8_0 / q8_1 blocks and decoded back, with the Q8_1 correction:
+    (x~, corr or None), quant/matmul.py _round_q8_0's values bit for bit; None when the compiled
+    kernel does not take the case."""
+    if x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous or x.shape[1] % 32:
+        return None
+    lib = _load_dequant()
+    if lib is None:
+        return None
+    xr = np.empty_like(x)
+    corr = np.empty((x.shape[0], x.shape[1] // 32), np.float32) if with_sum else None
+    rc = lib.lt_round_q8(_addr(x), x.shape[0], x.shape[1], int(with_sum), _addr(xr), _addr(corr) if with_sum else None)
+    return (xr, corr) if rc == 0 else None

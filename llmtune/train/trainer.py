@@ -19,7 +19,8 @@ from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import ArenaTooLarge, Program, ProgramCache, Replay
 from llmtune.model.loaded import Model
-from llmtune.quant.qtensor import QTensor, shape_only
+from llmtune.quant.matmul import FloatCopies
+from llmtune.quant.qtensor import QTensor, shape_only, training_budget
 from llmtune.resources import available_memory
 from llmtune.train.optim import Optimizer
 
@@ -124,6 +125,7 @@ class Trainer:
         self._train_progs = [self._build_train_program(self._flat_views(g)) for g in self._worker_flat_g]
         # dropout-mask inputs of the training graph (name -> shape), fed per micro-batch
         self._masks = {n: node.shape for n, node in self._train_progs[0].inputs.items() if n.endswith(".dropout")}
+        self._budget_float_copies()
         # compiled eval programs by sequence count, one cache per concurrent worker (grown on demand)
         self._eval_caches: list[ProgramCache] = []
         self._pos = backend.asarray(np.arange(n_ctx, dtype=np.int32))
@@ -149,10 +151,25 @@ class Trainer:
             self.values[name] = view
         self.grads = self._flat_views(self.flat_g)
         frozen = {name: w for name, w in weights.items() if name not in self.values}
-        self.values.update(be.bind(frozen))  # a QTensor's bytes as they are
+        # a QTensor's bytes as they are, with float32 copies kept within a budget set once the
+        # run's other memory is planned (_budget_float_copies; the cpu: other backends keep none)
+        bound = be.bind(frozen, float_copies=FloatCopies(0))
+        self.values.update(bound)
+        self.float_copies, self._frozen = bound.float_copies, frozen
         gguf = getattr(self.model, "gguf", None)
         if self.trainable and gguf is not None:
             gguf.drop_pages()  # the trained tensors now live in flat_w; frozen ones fault back in
+
+    def _budget_float_copies(self) -> None:
+        """The frozen quantized matrices' float32 copies: as many as fit (qtensor.training_budget),
+        made at their first product; those only looked up (a token table) keep none. Float32
+        passes only (the copies are float32)."""
+        if self.float_copies is None or np.dtype(self.backend.dtype) != np.float32:
+            return
+        multiplied = {n.inputs[1].name for n in self._train_progs[0].order if n.op in ("qlinear", "qlinear_back")}
+        need = sum(self.memory_bytes().values())
+        self.float_copies.budget = training_budget({n: w for n, w in self._frozen.items() if n in multiplied},
+                                                   need, available_memory(self.backend))
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
@@ -239,6 +256,8 @@ class Trainer:
         })
         if self._masks:
             memory["dropout masks"] = sum(int(np.prod(s)) for s in self._masks.values()) * itemsize * self.n_workers
+        if self.float_copies is not None and self.float_copies.budget:
+            memory["float copies"] = self.float_copies.budget  # at most: they are made while they fit it
         return memory
 
     def base_types(self) -> dict[str, int]:
