@@ -468,6 +468,21 @@ def test_cross_entropy_ignores_negative_targets(name):
     )
 
 
+def test_token_nll_per_row(name):
+    """token_nll: each row's lse - logit[target] (0 where masked); its backward weighs each row by
+    its own seed value (the preference losses' per-token weights)."""
+    logits, g = 3 * randn(5, 301), np.array([0.5, -1.25, 2.0, 0.0, 0.75])
+    targets = np.array([4, -1, 300, 0, 17], dtype=np.int32)
+    keep = targets >= 0
+    lsm = log_softmax(logits)
+    want = np.where(keep, -lsm[np.arange(5), np.where(keep, targets, 0)], 0.0)
+    grad_ref = (np.exp(lsm) - np.eye(301)[np.where(keep, targets, 0)]) * g[:, None]
+    grad_ref[~keep] = 0
+    check_forward(name, lambda logits, targets, g: [
+        ops.token_nll(logits, targets), ops.token_nll_back(logits, targets, ops.logsumexp(logits), g)],
+        [want, grad_ref], logits=logits, targets=targets, g=g)
+
+
 def test_cross_entropy_and_count_correct(name):
     logits, g = 3 * randn(6, 301), np.array(0.75)
     targets = rng.integers(0, 301, size=6).astype(np.int32)
@@ -604,6 +619,9 @@ GRAD_CASES = {
     "cross_entropy": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)}, {"t": np.array([0, 5, 2, 2])}),
     "cross_entropy_masked": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)},
                              {"t": np.array([0, -1, 2, -1])}),
+    "token_nll_masked": (lambda logits, t: ops.token_nll(logits, t), {"logits": (4, 6)}, {"t": np.array([3, -1, 2, 0])}),
+    "token_nll_inplace": (lambda a, b, t: ops.token_nll(ops.matmul(a, b), t), {"a": (4, 3), "b": (3, 6)},
+                          {"t": np.array([1, 5, -1, 0])}),
     "softmax_causal_pos": (lambda x, pos: ops.softmax_causal(x, 0.7, n_kv=6, n_q=2, window=3, pos=pos), {"x": (2, 4, 6)},
                            {"pos": np.array([3, 5])}),
     # logits computed by an op: the backward overwrites them in place

@@ -180,6 +180,40 @@ def test_lora_two_ranks_equal_one_process(tmp_path, stories_path, small_text):
         assert np.linalg.norm(one[name] - two[name]) <= 1e-6 * np.linalg.norm(one[name]), name
 
 
+@needs_mpi
+def test_grad_clip_two_ranks_equal_one_process(tmp_path, stories_path, small_text):
+    """--grad-clip under mpirun -n 2 clips the all-reduced gradient: the same norm before clipping
+    at every step as one process (each rank alone would see about half of it), and the same model."""
+    clip = ["--grad-clip", "0.05", "--checkpoint-every", "0"]
+    args = [sys.executable, "-m", "llmtune", "finetune", stories_path, small_text, "-o", tmp_path / "two.gguf", *RUN,
+            *clip, "--metrics", tmp_path / "two.jsonl"]
+    code, out, err, _ = mpirun(args, args)
+    assert code == 0, out + err
+    single_process(stories_path, small_text, tmp_path / "one.gguf", grad_clip=0.05, metrics=str(tmp_path / "one.jsonl"))
+    norms = [[r["grad_norm"] for r in records(tmp_path / f"{n}.jsonl", "train_step")] for n in ("one", "two")]
+    assert len(norms[0]) == 28 and min(norms[0]) > 0.05  # every step clipped
+    np.testing.assert_allclose(norms[1], norms[0], rtol=1e-5)
+    assert_same_weights(tmp_path / "one.gguf", tmp_path / "two.gguf", rtol=1e-5)
+
+
+@needs_mpi
+def test_early_stop_two_ranks_equal_one_process(tmp_path, stories_path, small_text):
+    """Every rank sees the same validation losses (split across them, gathered), so all stop at
+    the same step and -o holds the same best weights as one process's run."""
+    sel = ["--eval-every", "4", "--early-stop", "1", "--min-delta", "0.05", "--save-best", "--lr", "3e-3"]
+    run = [*RUN[:-2], *sel]  # RUN ends with --lr 1e-3
+    args = [sys.executable, "-m", "llmtune", "finetune", stories_path, small_text, "-o", tmp_path / "two.gguf", *run,
+            "--metrics", tmp_path / "two.jsonl"]
+    code, out, err, _ = mpirun(args, args)
+    assert code == 0, out + err
+    one = single_process(stories_path, small_text, tmp_path / "one.gguf", lr=3e-3, eval_every=4, early_stop=1,
+                         min_delta=0.05, save_best=True, metrics=str(tmp_path / "one.jsonl"))
+    assert 0 < one.best_step < one.stopped_at < 28
+    (a,), (b,) = records(tmp_path / "one.jsonl", "selected"), records(tmp_path / "two.jsonl", "selected")
+    assert b["value"] == pytest.approx(a.pop("value"), rel=1e-6) and {**b, "value": None} == {**a, "value": None}
+    assert_same_weights(tmp_path / "one.gguf", tmp_path / "two.gguf", rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------ MPI: failures
 @needs_mpi
 def test_a_killed_rank_ends_the_run(tmp_path, stories_path, small_text):

@@ -199,6 +199,9 @@ def test_portable_build_matches_numpy(fresh, monkeypatch):
         pytest.skip(kernels.reason())
     assert not kernels.simd()
     _check_products(monkeypatch, np.random.default_rng(5), rows=(1, 3))
+    assert kernels.pack(_matrix("Q8_0", 8, 32, np.random.default_rng(5)), "Q8_0") is None  # no packed kernel
+    test_compiled_elementwise_ops_are_numpy_bit_for_bit()  # the compiled programs' portable ops (libm's exp)
+    test_compiled_attention_ops_match_numpy()
     b = kernels.quantize_activations(np.float32([1e-6, 65504.0, -3.0, 0.5] * 8), "q8_1")
     assert b.view(np.uint8)[:2].view(np.float16)[0] == np.float16(65504.0 / 127)
 
@@ -276,3 +279,243 @@ def test_rms_norm_matches_numpy():
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-30)  # a few ulps: the squares summed in double
     assert kernels.bind_rms_norm(out, x.astype(np.float64), 1e-5) is None
     assert kernels.bind_rms_norm(np.empty((20, 576), np.float32), np.ones((20, 576), np.float32), 1e-5) is None
+
+
+# ------------------------------------------------------------------------------ compiled programs (lt_run)
+def _compiled(step):
+    from llmtune.native import program
+
+    assert step is not None
+    call = program.compile_steps([step])
+    assert call is not None
+    return call
+
+
+def _both(kernel, encode, shape, *args, **attrs):
+    """The numpy kernel's result and the compiled step's, each into its own buffer."""
+    want = kernel(np.full(shape, np.nan, np.float32), *args, **attrs)
+    got = np.full(shape, np.nan, np.float32)
+    _compiled(encode(got, *args, **attrs))()
+    return np.asarray(want), got
+
+
+@needs_library
+def test_compiled_elementwise_ops_are_numpy_bit_for_bit():
+    """add, mul (a gain over the rows), scale, rope (norm and neox, inverse, a partial rotation, freq
+    factors), the embedding row gathers: the same operations in the same order as backends/cpu.py,
+    so the same bits."""
+    from llmtune.backends import cpu
+    from llmtune.native import program
+
+    rng = np.random.default_rng(7)
+    a, b = (rng.standard_normal((3, 576)).astype(np.float32) for _ in range(2))
+    gain = rng.standard_normal(576).astype(np.float32)
+    for kern, enc, y in ((cpu.k_add, program.add, b), (cpu.k_mul, program.mul, b), (cpu.k_mul, program.mul, gain)):
+        np.testing.assert_array_equal(*_both(kern, enc, a.shape, a, y))
+    np.testing.assert_array_equal(*_both(cpu.k_scale, program.scale, a.shape, a, 0.37))
+    x = rng.standard_normal((1, 2, 9, 64)).astype(np.float32)
+    pos = np.array([5, 131], np.int32)
+    factors = (1.0 + rng.random(32)).astype(np.float32)
+    for mode, inverse, n_rot, ff in (("norm", False, 64, None), ("neox", False, 64, None), ("norm", True, 64, None),
+                                     ("neox", False, 32, None), ("norm", False, 64, factors)):
+        attrs = dict(n_rot=n_rot, base=100000.0, freq_scale=0.5, mode=mode, inverse=inverse)
+        np.testing.assert_array_equal(*_both(cpu.k_rope, program.rope, x.shape, x, pos, ff, **attrs))
+    ids = np.array([[3, 0, 99]], np.int32)
+    table = rng.standard_normal((100, 64)).astype(np.float32)
+    np.testing.assert_array_equal(*_both(cpu.k_get_rows, program.get_rows, (1, 3, 64), table, ids))
+    for qtype in program.QGET_TYPES:
+        raw = _matrix(qtype, 100, 64, rng)
+        np.testing.assert_array_equal(*_both(cpu.k_qget_rows, program.qget_rows, (1, 3, 64), raw, ids, qtype))
+
+
+@needs_library
+def test_compiled_attention_ops_match_numpy():
+    """The decode step's attention, cache write and activations: cache_write exactly; the softmax
+    (its pairwise sum numpy's; exp the C library's, or where AVX-512 is built a polynomial within
+    ~1 ulp) and swiglu within 1e-6 relative (a few float32 ulps); the small matmuls to float summation order (relative to |a| |b|: below 1e-6); rms_norm within 1e-6."""
+    from llmtune.backends import cpu
+    from llmtune.native import program
+
+    rng = np.random.default_rng(8)
+    cache = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
+    x, pos = rng.standard_normal((1, 2, 3, 64)).astype(np.float32), np.array([7, 200], np.int32)
+    want = cpu.k_cache_write(None, cache.copy(), x, pos)
+    got = cache.copy()
+    _compiled(program.cache_write(None, got, x, pos))()
+    np.testing.assert_array_equal(got, want)
+    for n_kv, window in ((64, 0), (192, 0), (192, 50)):
+        s = (4 * rng.standard_normal((1, 3, 6, n_kv))).astype(np.float32)
+        w, g = _both(cpu.k_softmax_causal, program.softmax_causal, s.shape, s, pos, scale=0.125, n_q=2, n_past=0,
+                     window=window)
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-37)
+        assert (g[w == 0] == 0).all()  # masked keys exactly zero
+    gate, up = (rng.standard_normal((1, 1536)).astype(np.float32) * 4 for _ in range(2))
+    np.testing.assert_allclose(*_both(cpu.k_swiglu, program.swiglu, gate.shape, gate, up)[::-1], rtol=1e-6)
+    q = rng.standard_normal((1, 3, 3, 64)).astype(np.float32)
+    keys = cache[:, :, :64]  # a view of the cache, as the graph slices it
+    p = rng.random((1, 3, 3, 64)).astype(np.float32)
+    p[..., 40:] = 0.0  # masked positions
+    for lhs, rhs, tb in ((q, keys, True), (p, keys, False)):
+        w, g = _both(cpu.k_matmul, program.matmul, (1, 3, 3, 64), lhs, rhs, ta=False, tb=tb)
+        bound = np.abs(lhs).astype(np.float64) @ np.abs(np.swapaxes(rhs, -1, -2) if tb else rhs)
+        assert (np.abs(g - w.astype(np.float64)) / bound).max() < 1e-6
+    xs = _activations(2, 576, rng)
+    np.testing.assert_allclose(*_both(cpu.k_rms_norm, program.rms_norm, xs.shape, xs, 1e-5)[::-1], rtol=1e-6)
+
+
+@needs_library
+def test_compiled_steps_decline_and_fail_in_one_line():
+    """Encoders decline what the compiled ops do not take (float64, a broadcast they do not know),
+    and a position past the cache is an IndexError naming the op, not a write out of bounds."""
+    from llmtune.native import program
+
+    a64 = np.ones((2, 8))
+    assert program.add(np.empty_like(a64), a64, a64) is None
+    assert program.add(np.empty((2, 8), np.float32), np.ones((2, 8), np.float32), np.ones((2, 1), np.float32)) is None
+    cache, x = np.zeros((1, 1, 16, 4), np.float32), np.ones((1, 1, 1, 4), np.float32)
+    call = program.compile_steps([program.cache_write(None, cache, x, np.array([16], np.int32))], ["cache_write"])
+    with pytest.raises(IndexError, match="cache_write"):
+        call()
+    assert not cache.any()
+
+
+@needs_library
+def test_decode_step_is_one_compiled_call(stories_path):
+    """stories260K's decode step: one compiled call per token after the recording run, its logits
+    those of the Python-call replay to float rounding and its 32 greedy tokens the same."""
+    from llmtune.eval.generate import Generator
+    from llmtune.model.loaded import load_model
+
+    model = load_model(stories_path)
+    runs = []
+    for compiled in (False, True):
+        gen = Generator(model, n_ctx=64)
+        if not compiled:
+            gen.backend.compile_steps = lambda steps, names, private: None
+        logits = gen.feed(gen.tokenize_prompt("Once upon a time"))
+        toks, rows = [], []
+        for _ in range(32):
+            toks.append(int(np.argmax(logits)))
+            logits = gen.step(toks[-1])
+            rows.append(logits)
+        (replay,) = gen._replays.values()
+        runs.append((toks, np.array(rows), len(replay.calls)))
+    (py_toks, py_logits, py_calls), (c_toks, c_logits, c_calls) = runs
+    assert c_calls == 1 and py_calls > 50
+    assert c_toks == py_toks
+    assert np.abs(c_logits - py_logits).max() < 1e-4 * np.abs(py_logits).max()
+
+
+@needs_library
+def test_packed_products_are_the_row_kernels_bit_for_bit():
+    """The AVX-512 VNNI kernels over 8-row packed groups (Q8_0, Q4_1) give every output the per-row
+    kernel's bits (the same lanes, scale products and fma order), tail rows past the last whole
+    group included, for 1 to MAX_ROWS activation rows; so ggml's recorded products too."""
+    rng = np.random.default_rng(9)
+    if kernels.pack(_matrix("Q8_0", 8, 32, rng), "Q8_0") is None:
+        pytest.skip("this build has no packed kernels (no AVX-512 VNNI)")
+    for qtype in ("Q8_0", "Q4_1"):
+        for n_out, n_in, m in ((203, 576, 3), (64, 1536, kernels.MAX_ROWS), (8, 32, 1)):
+            raw, x = _matrix(qtype, n_out, n_in, rng), _activations(m, n_in, rng)
+            packed = kernels.pack(raw, qtype)
+            assert packed.nbytes == n_out // 8 * 8 * raw.shape[1] and packed.ctypes.data % 64 == 0
+            want, got = np.empty((m, n_out), np.float32), np.full((m, n_out), np.nan, np.float32)
+            assert kernels.qlinear(want, x, raw, qtype) and kernels.qlinear_packed(got, x, packed, raw, qtype)
+            np.testing.assert_array_equal(got, want, err_msg=f"{qtype} {n_out}x{n_in} m={m}")
+    rec = np.load(DATA_DIR / "qmatmul" / "ggml-products.npz")
+    x = np.ascontiguousarray(rec["x"])
+    for qtype in ("Q8_0", "Q4_1"):  # the 5 recorded rows twice: one packed group and 2 tail rows
+        raw, theirs = np.tile(rec[f"{qtype}.raw"], (2, 1)), np.tile(rec[f"{qtype}.out"], (1, 2))
+        ours = np.empty_like(theirs)
+        assert kernels.qlinear_packed(ours, x, kernels.pack(raw, qtype), raw, qtype)
+        np.testing.assert_array_equal(ours, theirs, err_msg=qtype)
+
+
+@needs_library
+def test_scores_only_a_causal_softmax_reads_are_computed_for_visible_keys():
+    """q k^T, the causal softmax and p v, each the only reader of the one before (program._fuse):
+    the masked scores are not computed and the masked probabilities not written (left as they
+    were), and the attention output is the unfused program's exactly."""
+    from llmtune.native import program
+
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((1, 3, 4, 64)).astype(np.float32)
+    keys = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
+    pos = np.array([37, 200], np.int32)
+    probs = []
+    values = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
+    visible = np.arange(256)[None, :] <= pos[np.arange(4) % 2][:, None]
+    outs = []
+    for sole in ([-1, -1, -1], [1, 2, -1]):  # unfused; scores read by the softmax alone, probabilities by p v alone
+        scores, p = np.full((1, 3, 4, 256), np.nan, np.float32), np.full((1, 3, 4, 256), np.nan, np.float32)
+        o = np.empty((1, 3, 4, 64), np.float32)
+        steps = [program.matmul(scores, q, keys, False, True),
+                 program.softmax_causal(p, scores, pos, scale=0.125, n_q=2, n_past=0, window=0),
+                 program.matmul(o, p, values, False, False)]
+        program.compile_steps(steps, ["matmul", "softmax_causal", "matmul"], sole)()
+        outs.append(o)
+        fused = sole[0] >= 0
+        assert np.isnan(scores[..., ~visible]).all() == fused and not np.isnan(scores[..., visible]).any()
+        assert np.isnan(p[..., ~visible]).all() == fused and not np.isnan(p[..., visible]).any()
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
+@needs_library
+def test_one_compiled_decode_program_for_the_whole_cache(stories_path, monkeypatch):
+    """With the compiled attention a decode step attends over the whole cache (one program past
+    every 64-position bucket), and its greedy tokens are the bucketed numpy path's."""
+    from llmtune.eval.generate import Generator
+    from llmtune.eval.sampling import Sampler, SamplerConfig
+    from llmtune.model.loaded import load_model
+
+    model = load_model(stories_path)
+    results = []
+    for native_on in ("1", "0"):
+        monkeypatch.setenv("LLMTUNE_NATIVE", native_on)
+        kernels.reset()
+        gen = Generator(model, n_ctx=160)
+        res = gen.generate(gen.tokenize_prompt("Once upon a time"), 100, Sampler(SamplerConfig(temp=0.0)))
+        decode_keys = {key for key in gen._programs._programs if key[0] == 1}
+        assert decode_keys == ({(1, 160)} if native_on == "1" else {(1, 64), (1, 128)})
+        results.append(res.tokens)
+    kernels.reset()
+    assert results[0] == results[1] and len(results[0]) == 100
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_matches_numpy_bit_for_bit(qtype, monkeypatch):
+    """The compiled decoders (dequant.c) against quant/matmul.py's numpy ones, over quantized
+    weights and over random bytes (every fp16 scale: subnormal, infinite, NaN), strided rows."""
+    rng = np.random.default_rng(7)
+    block = qmatmul.qtype_of(qtype).block
+    n_in = 2 * block
+    raws = [_matrix(qtype, 5, n_in, rng), rng.integers(0, 256, (64, qmatmul.row_bytes(qtype, n_in)), dtype=np.uint8)]
+    for raw in raws:
+        with monkeypatch.context() as mp, np.errstate(invalid="ignore", over="ignore"):
+            mp.setattr(qmatmul.native, "dequantize_rows", lambda *a: False)
+            want = qmatmul.dequantize_rows(raw, qtype, np.empty((raw.shape[0], n_in), np.float32))
+        got = np.full((raw.shape[0], n_in + 3), np.float32(7.0))[:, :n_in]  # a strided output
+        assert kernels.dequantize_rows(raw, qtype, got)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not kernels.dequantize_rows(raws[0], qtype, np.empty((5, n_in), np.float64))  # declines: numpy runs
+
+
+@needs_library
+@pytest.mark.parametrize("act", ["q8_0", "q8_1"])
+def test_activation_rounding_matches_numpy_bit_for_bit(act):
+    """The compiled q8_0 / q8_1 rounding of activation rows (dequant.c lt_round_q8) against the
+    numpy one: decoded values and Q8_1 corrections, zero blocks, outliers, tiny scales."""
+    rng = np.random.default_rng(3)
+    x = _activations(7, 512, rng)
+    x[1, 32:64] = 1e-30  # fp16(d) underflows
+    x[2] *= 1e4
+    got = kernels.round_q8(x, act == "q8_1")
+    if got is None:
+        pytest.skip("the compiler has no _Float16")
+    want = qmatmul._round_q8_0(x, with_sum=act == "q8_1")
+    np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
+    if act == "q8_1":
+        np.testing.assert_array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+    else:
+        assert got[1] is None and want[1] is None

@@ -16,9 +16,9 @@ from llmtune.quant.qtensor import QTensor
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, stories_path):
-    """stories260K exported to q8_0 and q4_k_m (Q5_0 / Q8_0 / F16 at its 64-wide shape)."""
+    """stories260K exported to q8_0, q4_k_m (Q5_0 / Q8_0 / F16 at its 64-wide shape) and q4_1."""
     out = tmp_path_factory.mktemp("qexports")
-    return {t: llmtune.export(stories_path, out / f"stories-{t}.gguf", t).out_path for t in ("q8_0", "q4_k_m")}
+    return {t: llmtune.export(stories_path, out / f"stories-{t}.gguf", t).out_path for t in ("q8_0", "q4_k_m", "q4_1")}
 
 
 def test_quantized_matrices_stay_views_of_the_file(exports):
@@ -65,7 +65,8 @@ def test_lora_on_a_quantized_base(exports, wikitext_ids):
     tr = Trainer(adapted, CPUBackend(), n_ctx=64, n_batch=128, n_ubatch=64, trainable=list(adapter.tensors()))
     for name, w in model.weights.items():
         if isinstance(w, QTensor):
-            assert tr.values[name].dtype == np.uint8 and np.shares_memory(tr.values[name], model.gguf._mm)
+            raw = tr.values[name].raw  # bound with the float copies it may keep (test_qlora_float_copies_*)
+            assert raw.dtype == np.uint8 and np.shares_memory(raw, model.gguf._mm)
     types = tr.base_types()
     stored = sum(w.nbytes for w in model.weights.values() if isinstance(w, QTensor))
     assert types["Q8_0"] + types.get("F16", 0) == stored
@@ -81,6 +82,81 @@ def test_lora_on_a_quantized_base(exports, wikitext_ids):
     assert abs(first - losses[0]) / first < 1e-2
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m", "q4_1"])
+def test_qlora_float_copies_change_no_bit(qtype, exports, wikitext_ids):
+    """QLoRA keeps float32 copies of the frozen quantized matrices when they fit (each forward and
+    backward then skips the per-block decode) and counts them in the memory estimate; losses and
+    gradients are those of the run that decodes every product, bit for bit (the same products
+    over the same row blocks; these matrices fit one block)."""
+    from llmtune.model.adapter import attach, init_adapter
+    from llmtune.quant.qtensor import float_copy_bytes
+    from llmtune.train.trainer import RunningStats, Trainer
+
+    model = load_model(exports[qtype])
+    adapter = init_adapter(model, 4, seed=0)
+    x, y = _windows(wikitext_ids, 2)
+    runs = []
+    for keep in (True, False):
+        tr = Trainer(attach(model, [adapter]), CPUBackend(), n_ctx=64, n_batch=128, n_ubatch=64,
+                     trainable=list(adapter.tensors()), workers=1)
+        dense = float_copy_bytes({n: w for n, w in model.weights.items() if n != "token_embd.weight"})  # only looked up
+        if keep:
+            assert tr.memory_bytes()["float copies"] == tr.float_copies.budget == dense > 0
+        else:
+            tr.float_copies.budget = 0
+            assert "float copies" not in tr.memory_bytes()
+        losses, grads = [], []
+        for _ in range(3):
+            losses.append(tr.train_step(x, y, 1e-2, RunningStats()))
+            grads.append(np.array(tr.flat_g))
+        assert tr.float_copies.used == (dense if keep else 0)
+        runs.append((losses, grads, np.array(tr.flat_w)))
+    (l1, g1, w1), (l0, g0, w0) = runs
+    assert l1 == l0 and len(set(l1)) == 3
+    for a, b in zip(g1, g0):
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(g1[0]).max() > 0
+    np.testing.assert_array_equal(w1, w0)
+
+
+def test_float_copies_follow_the_memory_left(exports, wikitext_ids, monkeypatch):
+    """The copies' budget is what the run leaves free (half of it), none when memory is unknown."""
+    from llmtune.model.adapter import attach, init_adapter
+    from llmtune.quant.qtensor import float_copy_bytes, training_budget
+    from llmtune.train.trainer import Trainer
+
+    model = load_model(exports["q8_0"])
+    dense = float_copy_bytes(model.weights)
+    assert training_budget(model.weights, 1000, None) == 0
+    assert training_budget(model.weights, 1000, 1000 + 2 * dense) == dense
+    assert training_budget(model.weights, 1000, 1000 + dense) == dense // 2
+    adapter = init_adapter(model, 4, seed=0)
+    tr = Trainer(attach(model, [adapter]), CPUBackend(), n_ctx=64, n_batch=64, n_ubatch=64,
+                 trainable=list(adapter.tensors()), workers=1)
+    need = sum(v for k, v in tr.memory_bytes().items() if k != "float copies")
+    monkeypatch.setenv("LLMTUNE_MEMORY_LIMIT", str(need + dense))  # room for half of them
+    tr = Trainer(attach(model, [adapter]), CPUBackend(), n_ctx=64, n_batch=64, n_ubatch=64,
+                 trainable=list(adapter.tensors()), workers=1)
+    assert 0 < tr.memory_bytes()["float copies"] <= dense // 2 + 1
+
+
+def test_evaluation_copies_follow_the_decoder_and_the_model_size(exports, monkeypatch):
+    """An evaluation keeps no float copies where the compiled decoders run (its peak stays near
+    the file's size), else at most the stored size (and a quarter of the free memory)."""
+    from llmtune.native import kernels
+    from llmtune.quant.qtensor import evaluation_budget, float_copy_bytes
+
+    model = load_model(exports["q4_k_m"])
+    stored = sum(w.nbytes for w in model.weights.values() if isinstance(w, QTensor))
+    monkeypatch.setattr(kernels, "dequantize_available", lambda: True)
+    assert evaluation_budget(model.weights) == 0
+    assert CPUBackend().bind(model, float_copies=True).float_copies is None
+    monkeypatch.setattr(kernels, "dequantize_available", lambda: False)
+    assert evaluation_budget(model.weights) == min(stored, float_copy_bytes(model.weights)) == stored > 0
+    monkeypatch.setenv("LLMTUNE_MEMORY_LIMIT", str(stored))
+    assert evaluation_budget(model.weights) == stored // 4
+
+
 def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
     """Trained matrices of a quantized file become float32 master weights, written as F32 (the
     output policy: re-quantizing would round the training away), and --out-type q8_0 stores them
@@ -91,7 +167,7 @@ def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
     trainable = model.select("attn_q")
     tr = Trainer(model, CPUBackend(), n_ctx=64, n_batch=64, n_ubatch=64, trainable=trainable)
     assert all(tr.values[n].dtype == np.float32 for n in trainable)
-    assert tr.values["blk.0.attn_k.weight"].dtype == np.uint8
+    assert tr.values["blk.0.attn_k.weight"].raw.dtype == np.uint8  # with the float copies it may keep
     assert "F32" in tr.base_types() and "Q8_0" in tr.base_types()
     x, y = _windows(np.arange(1, 200, dtype=np.int32) % 500, 1)
     tr.train_step(x, y, 1e-3, RunningStats())
@@ -160,18 +236,20 @@ def test_decoded_copies_give_the_stored_products(qtype):
 
 
 def test_evaluation_keeps_decoded_copies_and_the_numbers(exports, wikitext_ids, monkeypatch):
-    """perplexity on a quantized file decodes each matrix once (not per pass) with the same
-    numbers; with no memory to spare it decodes per product as before."""
+    """perplexity on a quantized file, with a budget for every copy, decodes each matrix once (not
+    per pass) with the same numbers; with none (the default where the compiled decoders run,
+    test_evaluation_copies_follow_*) it decodes per product."""
     from llmtune.quant import matmul as qm
     from llmtune.quant import qtensor
 
+    monkeypatch.setattr(qtensor, "evaluation_budget", qtensor.float_copy_bytes)
     model = load_model(exports["q8_0"])
     decodes = []
     real = qm.dequantize_rows
     monkeypatch.setattr(qm, "dequantize_rows", lambda *a: decodes.append(1) or real(*a))
     cached = perplexity_from_ids(model, wikitext_ids, ctx=64, batch=64, chunks=6, workers=1)
     n_cached = len(decodes)
-    monkeypatch.setattr(qtensor, "available_memory", lambda: 0)
+    monkeypatch.setattr(qtensor, "evaluation_budget", lambda tensors: 0)
     decodes.clear()
     stored = perplexity_from_ids(model, wikitext_ids, ctx=64, batch=64, chunks=6, workers=1)
     n_matrices = sum(isinstance(w, QTensor) for w in model.weights.values())

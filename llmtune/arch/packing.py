@@ -57,6 +57,29 @@ def packing_inputs(hp: HParams, segments: np.ndarray) -> dict[str, np.ndarray]:
     pos = segment_positions(seg)
     i = np.arange(seg.shape[1])
     visible = (seg[:, :, None] == seg[:, None, :]) & (i[None, None, :] <= i[None, :, None])
+    return _feed(hp, pos, visible)
+
+
+def pair_inputs(hp: HParams, parts: np.ndarray) -> dict[str, np.ndarray]:
+    """The run-time inputs of preference pairs laid out one per window (train/preference.py):
+    parts int [n_seq, n_tok] of 0 (the prompt less its last token: the trunk), 1 and 2 (the chosen
+    and rejected branches, each starting with the prompt's last token), 3 (padding). A branch sees
+    the trunk and itself, causally, at the positions it has after the trunk alone; the trunk and
+    the padding see themselves. Each completion's logits are then those of prompt + completion in a
+    window of its own, with the prompt computed once (arch/prefix.py's layout, within a window)."""
+    parts = np.asarray(parts)
+    within = segment_positions(parts)  # parts are non-decreasing along a window
+    branch = (parts == 1) | (parts == 2)
+    trunk_len = (parts == 0).sum(axis=1, keepdims=True)
+    pos = (within + np.where(branch, trunk_len, 0)).astype(np.int32)
+    i = np.arange(parts.shape[1])
+    causal = i[None, None, :] <= i[None, :, None]
+    sees = (parts[:, :, None] == parts[:, None, :]) | (branch[:, :, None] & (parts[:, None, :] == 0))
+    return _feed(hp, pos, causal & sees)
+
+
+def _feed(hp: HParams, pos: np.ndarray, visible: np.ndarray) -> dict[str, np.ndarray]:
+    """Positions and additive masks (and, on sliding-window layers, the keys within the window)."""
     feed = {"pos": pos, "pack_mask": _additive(visible)}
     if hp.has_swa:
         feed["pack_mask_swa"] = _additive(visible & (pos[:, :, None] - pos[:, None, :] < hp.sliding_window))

@@ -85,6 +85,17 @@ class Backend:
         """The block a token-by-token decode runs in (host thread settings)."""
         return nullcontext()
 
+    def compile_steps(self, steps: list, names: list, sole: list) -> Optional[Callable]:
+        """One call running a replay's consecutive compiled steps (the kernels' `encode`), or None
+        where this backend compiles none (its kernels then run one Python call each). sole[k]: the
+        index of the one step that reads step k's value (-1: none, several, or outside the run)."""
+        return None
+
+    def compiles_steps(self) -> bool:
+        """Whether compile_steps compiles (a decode program may then attend over the whole cache:
+        the compiled attention reads only the visible positions)."""
+        return False
+
     def step_tuner(self, n_workers: int) -> Callable:
         """A factory of blocks that one repeated step (a training step's micro-batches) runs in."""
         return nullcontext

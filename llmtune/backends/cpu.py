@@ -12,7 +12,9 @@ import numpy as np
 
 from llmtune.backends.base import Backend, kernel_table
 from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
+from llmtune.graph.ops import rope_inv_freq
 from llmtune.native import kernels as native
+from llmtune.native import program as native_program
 from llmtune.quant import dynamic8
 from llmtune.quant import matmul as qmatmul
 from llmtune.resources import process_rss
@@ -217,6 +219,13 @@ k_matmul.bind = _bind_matmul
 
 def k_qlinear(out, x, w, qtype, round_x):
     if type(w) is qmatmul.WithCopies:
+        if round_x and x.size <= native.MAX_ROWS * x.shape[-1] and x.flags.c_contiguous and out.flags.c_contiguous:
+            # a few rows (a prompt, a decode step): the packed product where there is one, the
+            # weight packed at its first product (as llama.cpp repacks at load)
+            packed = w.packed(qtype)
+            if packed is not None and native.qlinear_packed(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]),
+                                                            packed, w.raw, qtype):
+                return out
         return qmatmul.qlinear(out, x, w.raw, qtype, round_x, w.copies)
     return qmatmul.qlinear(out, x, w, qtype, round_x)
 
@@ -230,7 +239,9 @@ k_qlinear.bind = _bind_qlinear
 
 
 def k_qlinear_back(out, g, w, qtype):
-    return qmatmul.qlinear_back(out, g, _raw(w), qtype)
+    if type(w) is qmatmul.WithCopies:
+        return qmatmul.qlinear_back(out, g, w.raw, qtype, w.copies)
+    return qmatmul.qlinear_back(out, g, w, qtype)
 
 
 def k_qget_rows(out, w, ids, qtype):
@@ -360,9 +371,7 @@ class _RopeCache:
         key = (pos.tobytes(), n_rot, base, freq_scale, np.dtype(dtype).str, None if ff is None else ff.tobytes())
         tab = self._tables.get(key)
         if tab is None:
-            inv_freq = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-            if ff is not None:  # ggml_rope_cache_init: theta / freq_factors[i]
-                inv_freq = inv_freq / ff.astype(np.float64)
+            inv_freq = rope_inv_freq(n_rot, base, ff)
             theta = freq_scale * pos.astype(np.float64)[:, None] * inv_freq[None, :]
             cos, sin = np.cos(theta).astype(dtype), np.sin(theta).astype(dtype)
             # interleaved for norm-mode rope of whole heads (_rope_pairs): cos of each pair twice,
@@ -743,6 +752,30 @@ def k_cross_entropy_back(out, logits, targets, lse, g):
     return out
 
 
+def k_token_nll(out, logits, targets, lse):
+    """lse - logits[target] per row, 0 where the target is negative (masked)."""
+    logits2 = logits.reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    keep = t >= 0
+    o = out.reshape(-1)
+    o[...] = 0.0
+    o[keep] = lse.reshape(-1)[keep] - logits2[np.flatnonzero(keep), t[keep]]
+    return out
+
+
+def k_token_nll_back(out, logits, targets, lse, g):
+    """(softmax - onehot(target)) * g[row], zero on masked rows; `out` may be `logits`."""
+    o2 = out.reshape(-1, logits.shape[-1])
+    t = targets.reshape(-1)
+    keep = t >= 0
+    np.subtract(logits.reshape(o2.shape), lse.reshape(-1, 1), out=o2)
+    np.exp(o2, out=o2)
+    o2[np.flatnonzero(keep), t[keep]] -= 1.0
+    o2[~keep] = 0.0
+    o2 *= g.reshape(-1, 1)
+    return out
+
+
 def k_count_correct(out, logits, targets):
     out[...] = np.count_nonzero(logits.argmax(axis=-1) == targets)
     return out
@@ -750,6 +783,20 @@ def k_count_correct(out, logits, targets):
 
 # op name -> kernel: every k_<op> above (base.kernel_table's convention)
 KERNELS = kernel_table(sys.modules[__name__], "k_")
+
+
+def _attach_encoders():
+    """Each kernel's step of a compiled program (native/program.py), which a replayed decode step
+    runs as one call (graph/planner.py Replay); stored matrices unwrapped to their bytes."""
+    for op in ("add", "mul", "scale", "rms_norm", "swiglu", "matmul", "rope", "cache_write", "softmax_causal",
+               "get_rows"):
+        KERNELS[op].encode = getattr(native_program, op)
+    k_qlinear.encode = lambda out, x, w, qtype, round_x: native_program.qlinear(
+        out, x, _raw(w), qtype, round_x, w.packed(qtype) if type(w) is qmatmul.WithCopies else None)
+    k_qget_rows.encode = lambda out, w, ids, qtype: native_program.qget_rows(out, _raw(w), ids, qtype)
+
+
+_attach_encoders()
 
 
 _ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2
@@ -834,6 +881,13 @@ class CPUBackend(Backend):
         and tiny attention matmuls, where OpenBLAS threads only spin against each other."""
         return blas_threads(1)
 
+    def compile_steps(self, steps, names, sole):
+        """A replayed decode step's compiled kernels as one call (native/program.py)."""
+        return native_program.compile_steps(steps, names, sole)
+
+    def compiles_steps(self):
+        return native.available()
+
     def step_tuner(self, n_workers):
         """One micro-batch at a time: OpenBLAS's thread count chosen by timing (threads.BlasTuner)."""
         return BlasTuner(enabled=n_workers == 1)
@@ -842,18 +896,23 @@ class CPUBackend(Backend):
         return process_rss()
 
     def bind(self, model, *, float_copies=False):
-        """As Backend.bind; float_copies: quantized matrices bound with a FloatCopies (a new one
-        of up to a quarter of the available memory, or the FloatCopies given: models evaluated
-        together share one budget), so their products keep float32 copies."""
+        """As Backend.bind; float_copies: quantized matrices bound with a FloatCopies, so their
+        products (and a training run's input gradients) keep float32 copies: True, a new one with
+        the evaluation budget (qtensor.evaluation_budget, none bound when it is 0); or the
+        FloatCopies given, whatever its budget (models evaluated together share one; a trainer
+        sets its budget once it knows what the rest of the run takes)."""
         from llmtune.quant.qtensor import QTensor, evaluation_budget
 
         bound = super().bind(model)
         if float_copies is False or float_copies is None:
             return bound
-        copies = float_copies if isinstance(float_copies, qmatmul.FloatCopies) else qmatmul.FloatCopies(evaluation_budget())
-        if copies.budget <= 0:
-            return bound
         tensors = model.tensors() if hasattr(model, "tensors") else model
+        if isinstance(float_copies, qmatmul.FloatCopies):
+            copies = float_copies
+        else:
+            copies = qmatmul.FloatCopies(evaluation_budget(tensors))
+            if copies.budget <= 0:
+                return bound
         for name, w in tensors.items():
             if isinstance(w, QTensor):
                 bound[name] = qmatmul.WithCopies(bound[name], copies)

@@ -113,15 +113,18 @@ class Generator:
     def _run(self, tokens: np.ndarray, n_past: int):
         """Logits of the last of `tokens` (evaluated at positions n_past..), as a backend array [1, V]."""
         n = len(tokens)
-        prog = self._programs.get((n, kv_bucket(n_past + n, self.n_ctx)))
         be = self.backend
+        # a compiled decode step attends over the whole cache (it reads only the visible positions):
+        # one program for the whole generation, where buckets would compile and record one per 64
+        n_kv = self.n_ctx if n == 1 and be.replays and be.compiles_steps() else kv_bucket(n_past + n, self.n_ctx)
+        prog = self._programs.get((n, n_kv))
         if n == 1:  # the decode step: reuse the host buffers
             self._tok_buf[0, 0], self._pos_buf[0] = tokens[0], n_past
             tok, pos = self._tok_buf, self._pos_buf
             if be.replays:  # the buffers are the graph's inputs themselves: replay
                 replay = self._replays.get(prog)
                 if replay is None:
-                    replay = self._replays[prog] = Replay(prog, {"tokens": tok, "pos": pos})
+                    replay = self._replays[prog] = Replay(prog, {"tokens": tok, "pos": pos}, compiled=True)
                 return replay.run()[0]
         else:
             tok = np.asarray(tokens, dtype=np.int32).reshape(1, n)

@@ -1,5 +1,5 @@
 """Evaluation during a finetune, as hooks of the training loop (train/loop.py Hook): a greedy
-sample of --sample-prompt, and --eval-benchmark scored before training and after each epoch.
+sample of --sample-prompt, and --eval-benchmark scored before training and at each validation pass.
 llmtune/workflows.py hands them to train/finetune.py, which knows nothing of eval/."""
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class SampleHook(Hook):
 
 class BenchmarkHook(Hook):
     """--eval-benchmark: its tasks read and tokenized once (a bad file fails before training), then
-    scored with the weights as they are: before the first step and after each epoch."""
+    scored with the weights as they are: before the first step and at each validation pass (each
+    epoch end, and every --eval-every steps)."""
 
     def __init__(self, model: Model, path):
         from llmtune.eval.benchmarks import prepare_benchmark
@@ -63,9 +64,9 @@ class BenchmarkHook(Hook):
         run.result.bench_before = res.accuracy
         run.emit(ev.Benchmark(0, res.kind, res.accuracy, res.accuracy_err, res.n_tasks))
 
-    def on_eval(self, run: Run, result: ev.EpochResult) -> None:
-        res = self._score(run, result.epoch)
-        result.bench_accuracy, result.bench_accuracy_err = res.accuracy, res.accuracy_err
+    def on_validation(self, run: Run, evaluation: ev.Evaluation) -> None:
+        res = self._score(run, evaluation.epoch)
+        evaluation.bench_accuracy, evaluation.bench_accuracy_err = res.accuracy, res.accuracy_err
 
     def _score(self, run: Run, epoch: int):
         from llmtune.eval.benchmarks import score_benchmark

@@ -403,6 +403,15 @@ _register("layer_norm_back", None)
 
 
 # --------------------------------------------------------------------------- rope
+def rope_inv_freq(n_rot: int, base: float, freq_factors=None) -> np.ndarray:
+    """rope's float64 angle per position of each pair, base^(-2i/n_rot) / freq_factors[i]
+    (ggml_rope_cache_init): the one formula every rope kernel's tables come from."""
+    inv_freq = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors).reshape(-1)[: n_rot // 2].astype(np.float64)
+    return inv_freq
+
+
 def rope(x: Node, pos: Node, n_rot: int, base: float = 10000.0, freq_scale: float = 1.0,
          mode: str = "norm", inverse: bool = False, freq_factors: Optional[Node] = None) -> Node:
     """Rotary embedding of x[B, T, H, d] at integer positions pos[T] (ggml_rope_ext, no YaRN).
@@ -594,6 +603,20 @@ def cross_entropy_back(logits: Node, targets: Node, lse: Node, g: Node) -> Node:
     return _node("cross_entropy_back", (logits, targets, lse, g), {}, logits.shape)
 
 
+def token_nll(logits: Node, targets: Node) -> Node:
+    """Per-row negative log-likelihood lse(logits) - logits[target]: logits[N, V], targets[N] -> [N];
+    0 on a row whose target is negative (masked). The per-token form of cross_entropy (torch's
+    cross_entropy(reduction="none"), TRL's selective_log_softmax negated): preference losses
+    (train/preference.py) weigh each token by their own gradient, given as the backward's seed."""
+    assert logits.shape[:-1] == targets.shape
+    return _node("token_nll", (logits, targets, logsumexp(logits)), {}, targets.shape)
+
+
+def token_nll_back(logits: Node, targets: Node, lse: Node, g: Node) -> Node:
+    """(exp(logits - lse) - onehot(targets)) * g[row], 0 on masked rows: token_nll's logits gradient."""
+    return _node("token_nll_back", (logits, targets, lse, g), {}, logits.shape)
+
+
 def count_correct(logits: Node, targets: Node) -> Node:
     """Number of rows whose argmax equals the target (no gradient)."""
     return Node("count_correct", (logits, targets), {}, (), "f32")
@@ -605,3 +628,5 @@ _register("cross_entropy", lambda n, g: (cross_entropy_back(*n.inputs, g), None,
 # In place over the logits when the backward is their last reader (training never reads them later).
 _register("cross_entropy_back", None, inplace=True)
 _register("count_correct", None)
+_register("token_nll", lambda n, g: (token_nll_back(*n.inputs, g), None, None))
+_register("token_nll_back", None, inplace=True)

@@ -278,12 +278,16 @@ class Replay:
     kernel's `bind(out, *args, **attrs)` returns, e.g. a compiled product with its addresses
     converted once, backends/cpu.py). That removes most
     of the Python work per kernel (argument lists, dict look-ups); kernels still run in order.
+    compiled=True (a decode step): each run of consecutive kernels that encode themselves as steps
+    of a compiled program (`kernel.encode`, native/program.py) is one backend call
+    (`backend.compile_steps`), no Python between them.
 
     Used only when the check holds: every kernel returned its planned `out` (or, for cache_write,
     the cache itself) on the recording run; otherwise every run is an ordinary `Program.run`."""
 
-    def __init__(self, prog: Program, feed: dict, *, assign: bool = False):
+    def __init__(self, prog: Program, feed: dict, *, assign: bool = False, compiled: bool = False):
         self.prog, self.feed, self.assign = prog, feed, assign
+        self.compiled = compiled  # runs of kernels the backend compiles become one call each (decode)
         self.calls = None
         self.fixed = False  # whether runs after the first replay pre-bound calls
 
@@ -298,7 +302,7 @@ class Replay:
         prog = self.prog
         vals = prog.bind(self.feed)
         sink_call = _copy_into if self.assign else prog.backend.accumulate
-        calls, fixed = [], True
+        calls, fixed = [], True  # calls: (the Python call, the compiled step or None, the op)
         for nid, kernel, out, ins, attrs, sink, op in prog.steps(self.assign):
             args = tuple(vals[j] for j in ins)
             val = vals[nid] = kernel(out, *args, **attrs)
@@ -310,19 +314,61 @@ class Replay:
                 fixed = False
             bind = getattr(kernel, "bind", None)  # a kernel may offer a faster call for fixed buffers
             call = bind(out, *args, **attrs) if bind is not None else None
-            calls.append(call or functools.partial(kernel, out, *args, **attrs))
+            encode = getattr(kernel, "encode", None)  # ... or its step of a compiled program
+            step = encode(out, *args, **attrs) if self.compiled and encode is not None and sink is None else None
+            calls.append((call or functools.partial(kernel, out, *args, **attrs), step, op, nid, ins))
             if sink is not None:
-                calls.append(functools.partial(sink_call, sink, val))
+                calls.append((functools.partial(sink_call, sink, val), None, "accumulate", None, ()))
         self.outputs = prog.finish(vals)
         self.fixed = fixed
         if fixed:
-            self.calls = calls
+            self.calls = _compiled_runs(prog.backend, calls, _reader_counts(prog))
         else:  # the ordinary path from now on (the same result, the Python work included)
             self.calls = [functools.partial(self._run_plain)]
         return self.outputs
 
     def _run_plain(self) -> None:
         self.outputs = self.prog.run(assign=self.assign, **self.feed)
+
+
+def _reader_counts(prog: Program) -> dict[int, int]:
+    """Node id -> how many nodes read its value (an output counts as one more)."""
+    counts: dict[int, int] = {}
+    for n in prog.order:
+        for inp in n.inputs:
+            counts[inp.id] = counts.get(inp.id, 0) + 1
+    for n in prog.outputs:
+        counts[n.id] = counts.get(n.id, 0) + 1
+    return counts
+
+
+def _compiled_runs(backend, calls, readers) -> list:
+    """The calls of a replay with each run of consecutive compiled steps as one call
+    (backend.compile_steps; its Python calls where the backend compiles none). With each run goes,
+    for each step, the one later step of the run that reads its value (the backend may fuse them)."""
+    out, run = [], []
+
+    def flush():
+        group = None
+        if len(run) > 1:
+            at = {e[3]: k for k, e in enumerate(run)}
+            sole = [-1] * len(run)  # the index of the one step reading each step's value, else -1
+            for j, e in enumerate(run):
+                for i in set(e[4]):
+                    if i in at and readers.get(i, 0) == 1:
+                        sole[at[i]] = j
+            group = backend.compile_steps([e[1] for e in run], [e[2] for e in run], sole)
+        out.extend([group] if group is not None else [e[0] for e in run])
+        run.clear()
+
+    for entry in calls:
+        if entry[1] is not None:
+            run.append(entry)
+            continue
+        flush()
+        out.append(entry[0])
+    flush()
+    return out
 
 
 def _copy_into(dst, src) -> None:

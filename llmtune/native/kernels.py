@@ -23,6 +23,7 @@ from llmtune.native import build
 # ggml type -> index in qdot.c's QTYPES; activation type -> its code
 TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 ACT_CODES = {"q8_0": 0, "q8_1": 1, "q8_K": 2}
+QTYPE_BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}  # bytes per block of 32 of the types pack() takes
 MAX_ROWS = 16  # activation rows a native product takes: a decode step, a short prompt; more go to BLAS
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -48,6 +49,15 @@ def _load():
                 lib.lt_act_row_bytes.restype = _I64
                 lib.lt_rms_norm.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _PTR]
                 lib.lt_rms_norm.restype = None
+                lib.lt_run.argtypes = [_PTR, _I64, _INT]
+                lib.lt_profile.argtypes = [_INT, _PTR]
+                lib.lt_profile.restype = None
+                lib.lt_pack_bytes.argtypes = [_INT, _I64, _I64]
+                lib.lt_pack_bytes.restype = _I64
+                lib.lt_pack.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR]
+                lib.lt_pack.restype = None
+                lib.lt_qlinear_packed.argtypes = [_INT, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
+                lib.lt_run.restype = _I64
             except build.BuildError as e:
                 lib, reason = None, str(e)
         threads = os.environ.get("LLMTUNE_NATIVE_THREADS", "")
@@ -57,6 +67,17 @@ def _load():
 
 def available() -> bool:
     return _load() is not None
+
+
+def library():
+    """The loaded library (ctypes), or None where it is not available."""
+    return _load()
+
+
+def threads() -> int:
+    """The threads a product is split over (LLMTUNE_NATIVE_THREADS, else the usable cores)."""
+    _load()
+    return _state["threads"]
 
 
 def reason() -> str | None:
@@ -97,6 +118,45 @@ def qlinear(out2: np.ndarray, x2: np.ndarray, raw: np.ndarray, qtype: str) -> bo
     rc = lib.lt_qlinear(code, _addr(raw), raw.strides[0], out2.shape[1], x2.shape[1], _addr(x2), x2.shape[0],
                         _addr(out2), out2.strides[0] // 4, _state["threads"])
     return rc == 0
+
+
+def profile(on: bool) -> dict:
+    """The compiled programs' per-op timers (qdot.c lt_profile): {op code: (seconds, calls)} so far;
+    on=True clears them and keeps them running, False stops them."""
+    lib = _load()
+    if lib is None:
+        return {}
+    buf = np.zeros(32, np.int64)
+    lib.lt_profile(int(on), _addr(buf))
+    return {code: (buf[code] / 1e9, int(buf[16 + code])) for code in range(16) if buf[16 + code]}
+
+
+def pack(raw: np.ndarray, qtype: str) -> np.ndarray | None:
+    """The whole groups of 8 rows of a Q8_0 / Q4_1 matrix repacked for the AVX-512 VNNI kernel
+    (qdot.c lt_pack: each block's 8 scales side by side, then the 8 rows' quants), 64-byte aligned;
+    None where this build or type has no packed kernel (the products then read raw as it is)."""
+    lib = _load()
+    code = TYPE_CODES.get(qtype)
+    if lib is None or code is None or raw.dtype != np.uint8 or raw.ndim != 2 or raw.strides[-1] != 1:
+        return None
+    n_in = raw.shape[1] // QTYPE_BLOCK_BYTES.get(qtype, raw.shape[1] + 1) * 32
+    nbytes = lib.lt_pack_bytes(code, raw.shape[0], n_in) if n_in else 0
+    if nbytes <= 0:
+        return None
+    buf = np.empty(nbytes + 64, np.uint8)
+    out = buf[-_addr(buf) % 64:][:nbytes]
+    lib.lt_pack(code, _addr(raw), raw.strides[0], raw.shape[0], n_in, _addr(out))
+    return out
+
+
+def qlinear_packed(out2: np.ndarray, x2: np.ndarray, packed: np.ndarray, raw: np.ndarray, qtype: str) -> bool:
+    """qlinear with the packed copy (pack) for the whole row groups; False where not taken."""
+    lib = _load()
+    code = TYPE_CODES.get(qtype)
+    if lib is None or code is None or not _rows_ok(out2, x2) or raw.dtype != np.uint8 or raw.strides[-1] != 1:
+        return False
+    return lib.lt_qlinear_packed(code, _addr(packed), _addr(raw), raw.strides[0], out2.shape[1], x2.shape[1],
+                                 _addr(x2), x2.shape[0], _addr(out2), out2.strides[0] // 4, _state["threads"]) == 0
 
 
 def bind_qlinear(out2: np.ndarray, x2: np.ndarray, raw: np.ndarray, qtype: str):
@@ -160,3 +220,55 @@ def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:
     out = np.zeros(lib.lt_act_row_bytes(code, x.size), np.uint8)
     lib.lt_quantize_act(code, _addr(x), x.size, _addr(out))
     return out
+
+
+def _load_dequant():
+    """dequant.c's library (built beside qdot.c's, under the same switch), or None."""
+    if not available():
+        return None
+    with _lock:
+        if "dequant" not in _state:
+            try:
+                lib = build.load("dequant")
+                lib.lt_dequant.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64]
+                lib.lt_dequant.restype = _INT
+                lib.lt_round_q8.argtypes = [_PTR, _I64, _I64, _INT, _PTR, _PTR]
+                lib.lt_round_q8.restype = _INT
+            except build.BuildError:
+                lib = None
+            _state["dequant"] = lib
+        return _state["dequant"]
+
+
+def dequantize_available() -> bool:
+    """Whether the compiled block decoders are in use (dequantize_rows takes the ggml block types)."""
+    return _load_dequant() is not None
+
+
+def dequantize_rows(raw: np.ndarray, qtype: str, out: np.ndarray) -> bool:
+    """out[r] = row r of raw (`qtype` block bytes [rows, row bytes]) decoded to float32, the numpy
+    decoders' values bit for bit (quant/matmul.py dequantize_rows). False (nothing written) when
+    the compiled kernel does not take this case."""
+    code = TYPE_CODES.get(qtype)
+    if (code is None or out.dtype != np.float32 or out.ndim != 2 or out.strides[-1] != 4 or raw.dtype != np.uint8
+            or raw.ndim != 2 or raw.strides[-1] != 1 or raw.shape[0] != out.shape[0]):
+        return False
+    lib = _load_dequant()
+    if lib is None:
+        return False
+    return lib.lt_dequant(code, _addr(raw), raw.strides[0], out.shape[0], out.shape[1], _addr(out), out.strides[0] // 4) == 0
+
+
+def round_q8(x: np.ndarray, with_sum: bool):
+    """x [M, K] float32 rounded to q8_0 / q8_1 blocks and decoded back, with the Q8_1 correction:
+    (x~, corr or None), quant/matmul.py _round_q8_0's values bit for bit; None when the compiled
+    kernel does not take the case."""
+    if x.dtype != np.float32 or x.ndim != 2 or not x.flags.c_contiguous or x.shape[1] % 32:
+        return None
+    lib = _load_dequant()
+    if lib is None:
+        return None
+    xr = np.empty_like(x)
+    corr = np.empty((x.shape[0], x.shape[1] // 32), np.float32) if with_sum else None
+    rc = lib.lt_round_q8(_addr(x), x.shape[0], x.shape[1], int(with_sum), _addr(xr), _addr(corr) if with_sum else None)
+    return (xr, corr) if rc == 0 else None

@@ -727,6 +727,200 @@ int lt_qlinear(int type, const uint8_t *w, int64_t w_stride, int64_t n_out, int6
     return 0;
 }
 
+/* ------------------------------------------------------------------ packed Q8_0 / Q4_1 (AVX-512 VNNI)
+ * A matrix repacked once (lt_pack) in groups of 8 rows, block by block: the 8 rows' fp16 scales
+ * (and Q4_1's mins) side by side, then the 8 rows' quants (as llama.cpp's repack.cpp interleaves
+ * Q4_0 for its GEMV). Two rows fill one 512-bit register: one vpdpbusd gives both rows' eight
+ * int32 pair sums of a block, and one fused multiply-add accumulates both rows' eight float lanes.
+ * Each float lane is the lane of ggml's AVX2 vec_dot (the same integers, the same scale product,
+ * one fma per block in block order, the same final hsum and min term), so every output is the
+ * per-row kernel's, bit for bit; only the loads and the integer work are shared. Q8_0's signed
+ * quants go through vpdpbusd as x + 128 (unsigned), less 128 * (sum of the four y), exact. */
+#define PACK_ROWS 8
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && LT_AVX2
+#define LT_PACK 1
+#else
+#define LT_PACK 0
+#endif
+
+static int64_t pack_block_bytes(int type) { return type == 0 ? 16 + 8 * 32 : type == 2 ? 32 + 8 * 16 : 0; }
+
+/* Bytes of the packed copy of the n_rows / 8 whole groups (0: the type has no packed kernel here). */
+int64_t lt_pack_bytes(int type, int64_t n_rows, int64_t n_in) {
+    if (!LT_PACK || !pack_block_bytes(type) || n_in % QK) return 0;
+    return n_rows / PACK_ROWS * (n_in / QK) * pack_block_bytes(type);
+}
+
+void lt_pack(int type, const uint8_t *w, int64_t w_stride, int64_t n_rows, int64_t n_in, uint8_t *out) {
+    const int64_t nb = n_in / QK, gb = pack_block_bytes(type), bsz = type == 0 ? 34 : 20;
+    for (int64_t g = 0; g < n_rows / PACK_ROWS; g++)
+        for (int64_t i = 0; i < nb; i++) {
+            uint8_t *o = out + (g * nb + i) * gb;
+            for (int r = 0; r < PACK_ROWS; r++) {
+                const uint8_t *b = w + (g * PACK_ROWS + r) * w_stride + i * bsz;
+                if (type == 0) {
+                    memcpy(o + 2 * r, b, 2);
+                    memcpy(o + 16 + 32 * r, b + 2, 32);
+                } else {
+                    memcpy(o + 2 * r, b, 2);
+                    memcpy(o + 16 + 2 * r, b + 2, 2);
+                    memcpy(o + 32 + 16 * r, b + 4, 16);
+                }
+            }
+        }
+}
+
+#if LT_PACK
+/* the activation row as the packed kernels read it: per block the quants (Q4_1: 0-15 twice, then
+ * 16-31 twice, to face two rows' low and high nibbles), Q8_0's 128 * four-value sums */
+static void prep_act(int type, const uint8_t *xq, int64_t nb, int8_t *yq, int32_t *ycorr) {
+    for (int64_t i = 0; i < nb; i++) {
+        const int8_t *q = type == 0 ? ((const block_q8_0 *)xq)[i].qs : ((const block_q8_1 *)xq)[i].qs;
+        if (type == 0) {
+            memcpy(yq + 32 * i, q, 32);
+            for (int j = 0; j < 8; j++) ycorr[8 * i + j] = 128 * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
+        } else {
+            memcpy(yq + 64 * i, q, 16);
+            memcpy(yq + 64 * i + 16, q, 16);
+            memcpy(yq + 64 * i + 32, q + 16, 16);
+            memcpy(yq + 64 * i + 48, q + 16, 16);
+        }
+    }
+}
+
+static void group_q8_0(const uint8_t *g, int64_t nb, const int8_t *yq, const float *yd, const int32_t *ycorr, float *out) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i two = _mm512_set1_epi32(2);
+    for (int64_t i = 0; i < nb; i++, g += 16 + 8 * 32) {
+        const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(yd[i]));
+        const __m512 sc2 = _mm512_castps256_ps512(sc);
+        const __m512i y = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(yq + 32 * i)));
+        const __m512i corr = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(ycorr + 8 * i)));
+        __m512i idx = lo;
+        for (int p = 0; p < 4; p++, idx = _mm512_add_epi32(idx, two)) {
+            const __m512i x = _mm512_xor_si512(_mm512_loadu_si512((const void *)(g + 16 + 64 * p)), flip);
+            const __m512i d = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, y), corr);
+            acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, sc2), _mm512_cvtepi32_ps(d), acc[p]);
+        }
+    }
+    for (int p = 0; p < 4; p++) {
+        out[2 * p] = hsum_float_8(_mm512_castps512_ps256(acc[p]));
+        out[2 * p + 1] = hsum_float_8(_mm512_extractf32x8_ps(acc[p], 1));
+    }
+}
+
+static void group_q4_1(const uint8_t *g, int64_t nb, const int8_t *yq, const float *yd, const float *ys, float *out) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 summs = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m512i base = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i two = _mm512_set1_epi32(2);
+    for (int64_t i = 0; i < nb; i++, g += 32 + 8 * 16) {
+        const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(yd[i]));
+        summs = _mm256_add_ps(summs, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),
+                                                   _mm256_set1_ps(ys[i])));
+        const __m512 sc2 = _mm512_castps256_ps512(sc);
+        const __m512i y = _mm512_loadu_si512((const void *)(yq + 64 * i));
+        __m512i idx = base;
+        for (int p = 0; p < 4; p++, idx = _mm512_add_epi32(idx, two)) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(g + 32 + 32 * p));
+            const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, m4)),
+                                                 _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), 1);
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x, y);
+            acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, sc2), _mm512_cvtepi32_ps(d), acc[p]);
+        }
+    }
+    float mins[8];
+    _mm256_storeu_ps(mins, summs);
+    const __m512i rows = _mm512_set_epi32(15, 14, 13, 12, 7, 6, 5, 4, 11, 10, 9, 8, 3, 2, 1, 0);
+    for (int p = 0; p < 4; p++) {  /* lanes 0-3 and 8-11 are row 2p's, 4-7 and 12-15 row 2p + 1's */
+        const __m512 v = _mm512_permutexvar_ps(rows, acc[p]);
+        out[2 * p] = hsum_float_8(_mm512_castps512_ps256(v)) + mins[2 * p];
+        out[2 * p + 1] = hsum_float_8(_mm512_extractf32x8_ps(v, 1)) + mins[2 * p + 1];
+    }
+}
+
+typedef struct {
+    int type;
+    const uint8_t *packed;
+    int64_t nb, n_groups, m;
+    const int8_t *yq;
+    const int32_t *ycorr;
+    const uint8_t *xq;  /* the quantized rows, their scales as floats after each row's blocks */
+    int64_t yq_stride, xq_stride, scales_at;
+    float *out;
+    int64_t out_stride;
+} pjob_t;
+
+#define PACK_CHUNK 2  /* groups per claimed chunk: 16 rows */
+
+static void p_task(void *p, int64_t chunk) {
+    const pjob_t *j = p;
+    const int64_t g0 = chunk * PACK_CHUNK, g1 = g0 + PACK_CHUNK < j->n_groups ? g0 + PACK_CHUNK : j->n_groups;
+    const int64_t gb = pack_block_bytes(j->type) * j->nb;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t i = 0; i < j->m; i++) {
+            float *o = j->out + i * j->out_stride + g * PACK_ROWS;
+            const float *yd = (const float *)(j->xq + i * j->xq_stride + j->scales_at);
+            if (j->type == 0)
+                group_q8_0(j->packed + g * gb, j->nb, j->yq + i * j->yq_stride, yd, j->ycorr + i * j->nb * 8, o);
+            else
+                group_q4_1(j->packed + g * gb, j->nb, j->yq + i * j->yq_stride, yd, yd + j->nb, o);
+        }
+}
+
+static __thread uint8_t *prep_buf = NULL;
+static __thread int64_t prep_cap = 0;
+#endif
+
+/* lt_qlinear with the whole groups of 8 rows read from `packed` (lt_pack's copy of w), the rest
+ * of the rows from w. Returns as lt_qlinear; -1 also where this build has no packed kernel. */
+int lt_qlinear_packed(int type, const uint8_t *packed, const uint8_t *w, int64_t w_stride, int64_t n_out, int64_t n_in,
+                      const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
+#if LT_PACK
+    if ((type != 0 && type != 2) || n_in % QK) return -1;
+    const qtype_t *qt = &QTYPES[type];
+    const int64_t nb = n_in / QK, xq_stride = act_row_bytes(qt->act, n_in);
+    const int64_t yq_stride = nb * (type == 0 ? 32 : 64), corr_bytes = type == 0 ? nb * 32 : 0;
+    const int64_t need = m * (xq_stride + yq_stride + corr_bytes) + 64;
+    if (act_cap < xq_stride * m) {
+        uint8_t *buf = realloc(act_buf, (size_t)(xq_stride * m));
+        if (!buf) return -2;
+        act_buf = buf;
+        act_cap = xq_stride * m;
+    }
+    if (prep_cap < need) {
+        uint8_t *buf = realloc(prep_buf, (size_t)need);
+        if (!buf) return -2;
+        prep_buf = buf;
+        prep_cap = need;
+    }
+    int8_t *yq = (int8_t *)prep_buf;
+    int32_t *ycorr = (int32_t *)(prep_buf + m * yq_stride);
+    for (int64_t i = 0; i < m; i++) {
+        uint8_t *xq = act_buf + i * xq_stride;
+        lt_quantize_act(qt->act, x + i * n_in, n_in, xq);
+        prep_act(type, xq, nb, yq + i * yq_stride, ycorr + i * nb * 8);
+    }
+    /* the scales as floats follow each activation row's blocks (act_scales): d[nb], then s[nb] */
+    const int64_t blk = type == 0 ? (int64_t)sizeof(block_q8_0) : (int64_t)sizeof(block_q8_1);
+    pjob_t job = {type, packed, nb, n_out / PACK_ROWS, m, yq, ycorr, act_buf, yq_stride, xq_stride, nb * blk,
+                  out, out_stride};
+    pool_run(p_task, &job, (job.n_groups + PACK_CHUNK - 1) / PACK_CHUNK, nth);
+    const int64_t done = job.n_groups * PACK_ROWS;
+    for (int64_t r = done; r < n_out; r++)
+        for (int64_t i = 0; i < m; i++)
+            out[i * out_stride + r] = qt->dot(w + r * w_stride, act_buf + i * xq_stride, (int)nb);
+    return 0;
+#else
+    (void)type; (void)packed; (void)w; (void)w_stride; (void)n_out; (void)n_in; (void)x; (void)m; (void)out;
+    (void)out_stride; (void)nth;
+    return -1;
+#endif
+}
+
 /* out[i, r] = W[r] . x[i] for float32 W rows of w_stride bytes (ggml_vec_dot_f32). */
 int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
                   const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
@@ -745,6 +939,373 @@ void lt_rms_norm(const float *x, int64_t rows, int64_t n, float eps, float *out)
         for (int64_t i = 0; i < n; i++) out[i] = x[i] / d;
     }
 }
+
+/* ------------------------------------------------------------------ compiled programs
+ * A replayed decode step (graph/planner.py Replay) as one call: lt_run executes a list of steps,
+ * each one graph op on fixed buffers (llmtune/native/program.py encodes them), so the ~600
+ * kernels of a token cost no Python call each. The products run on the pool as lt_qlinear /
+ * lt_f32_linear do; the small ops (norms, rope, attention, activations) on the calling thread.
+ * Each op computes what llmtune's numpy kernel (backends/cpu.py) computes, in the same operation
+ * order where numpy's is known (elementwise ops, rope, the softmax's pairwise sum), so most are
+ * bit for bit numpy's; exp and the attention products' summation order differ by float rounding
+ * (tests/test_native.py states the tolerance). */
+enum { OP_ADD = 0, OP_MUL = 1, OP_RMS_NORM = 2, OP_QLINEAR = 3, OP_F32_LINEAR = 4, OP_ROPE = 5,
+       OP_CACHE_WRITE = 6, OP_MATMUL = 7, OP_SOFTMAX_CAUSAL = 8, OP_SWIGLU = 9, OP_GET_ROWS = 10,
+       OP_QGET_ROWS = 11, OP_SCALE = 12 };
+
+typedef struct {
+    int64_t op;
+    int64_t n[16];
+    void *p[6];
+    double f[2];
+} lt_step;  /* the layout of program.py's Step structure */
+
+/* numpy's pairwise summation of float32 (umath loops: 8 accumulators up to 128 elements, halves
+ * above), so a softmax's denominator is numpy's to the bit */
+static float pairwise_sum(const float *a, int64_t n) {
+    if (n < 8) {
+        float res = 0.f;
+        for (int64_t i = 0; i < n; i++) res += a[i];
+        return res;
+    }
+    if (n <= 128) {
+        float r[8];
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        int64_t i;
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
+}
+
+static float dot_strided8(const float *a, const float *b, int64_t n) {  /* 8 partial sums: vectorizes */
+    float s[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) s[l] += a[i + l] * b[i + l];
+    float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+/* exp of 16 floats (AVX-512): x = n ln2 + r, |r| <= ln2/2 (ln2 in two parts, Cody-Waite), exp(r)
+ * = 1 + r + r^2 P(r) with Cephes expf's minimax P, scaled by 2^n; within ~1 ulp of the correctly
+ * rounded value (libm's expf on the portable path). Overflow to inf, underflow to 0, NaN kept. */
+#if defined(__AVX512F__)
+#define LT_VEXP 1
+static inline __m512 exp16(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.72283935546875f), lo = _mm512_set1_ps(-103.97208f);
+    const __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ), under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512 e = _mm512_scalef_ps(y, n);
+    e = _mm512_mask_mov_ps(e, over, _mm512_set1_ps(INFINITY));
+    return _mm512_mask_mov_ps(e, under, _mm512_setzero_ps());
+}
+#else
+#define LT_VEXP 0
+#endif
+
+/* out[i] = exp(x[i] - sub) (in place allowed) */
+static void exp_sub(const float *x, float sub, float *out, int64_t n) {
+    int64_t i = 0;
+#if LT_VEXP
+    const __m512 s = _mm512_set1_ps(sub);
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s)));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(out + i, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), s)));
+        return;
+    }
+#endif
+    for (; i < n; i++) out[i] = expf(x[i] - sub);
+}
+
+/* silu(g) u as numpy's kernel: (1 / (1 + exp(-g))) g, times u */
+static void swiglu(const float *g, const float *u, float *o, int64_t n) {
+    int64_t i = 0;
+#if LT_VEXP
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(sg, gv), _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float sg = 1.0f / (1.0f + expf(-g[i]));
+        o[i] = (sg * g[i]) * u[i];
+    }
+}
+
+static void op_rope(const lt_step *s) {
+    const float *x = s->p[0];
+    const int32_t *pos = s->p[1];
+    float *out = s->p[2];
+    const double *inv_freq = s->p[3];
+    const int64_t B = s->n[0], T = s->n[1], H = s->n[2], d = s->n[3], n_rot = s->n[4], neox = s->n[5];
+    const int inverse = (int)s->n[6];
+    const double freq_scale = s->f[0];
+    const int64_t half = n_rot / 2;
+    float cs[512], sn[512];  /* n_rot <= 1024 (program.py checks) */
+    for (int64_t t = 0; t < T; t++) {
+        const double p = freq_scale * (double)pos[t];
+        for (int64_t i = 0; i < half; i++) {
+            const double theta = p * inv_freq[i];
+            cs[i] = (float)cos(theta);
+            sn[i] = inverse ? -(float)sin(theta) : (float)sin(theta);
+        }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t off = ((b * T + t) * H + h) * d;
+                const float *xr = x + off;
+                float *o = out + off;
+                for (int64_t i = 0; i < half; i++) {
+                    const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+                    const float x0 = xr[i0], x1 = xr[i1];
+                    o[i0] = x0 * cs[i] - x1 * sn[i];
+                    o[i1] = x1 * cs[i] + x0 * sn[i];
+                }
+                for (int64_t i = n_rot; i < d; i++) o[i] = xr[i];
+            }
+    }
+}
+
+static int op_cache_write(const lt_step *s) {
+    float *cache = s->p[0];
+    const float *x = s->p[1];
+    const int32_t *pos = s->p[2];
+    const int64_t B = s->n[0], H = s->n[1], N = s->n[2], d = s->n[3], T = s->n[4];
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= N) return -1;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++)
+                memcpy(cache + ((b * H + h) * N + pos[t]) * d, x + ((b * T + t) * H + h) * d, (size_t)d * 4);
+    return 0;
+}
+
+/* out[b0, b1, i, j] = sum_k a[b0, b1, i, k] b[b0, b1, k, j] (element strides; out contiguous) */
+static void op_matmul(const lt_step *s) {
+    const float *a = s->p[0], *b = s->p[1];
+    float *out = s->p[2];
+    const int64_t B0 = s->n[0], B1 = s->n[1], M = s->n[2], N = s->n[3], K = s->n[4];
+    const int64_t sa0 = s->n[5], sa1 = s->n[6], sam = s->n[7], sak = s->n[8];
+    const int64_t sb0 = s->n[9], sb1 = s->n[10], sbk = s->n[11], sbn = s->n[12];
+    for (int64_t i0 = 0; i0 < B0; i0++)
+        for (int64_t i1 = 0; i1 < B1; i1++) {
+            const float *A = a + i0 * sa0 + i1 * sa1, *Bm = b + i0 * sb0 + i1 * sb1;
+            float *O = out + (i0 * B1 + i1) * M * N;
+            if (sak == 1 && sbk == 1) {  /* rows against rows (q k^T) */
+                for (int64_t i = 0; i < M; i++) {
+                    int64_t j0 = 0, j1 = N;
+                    if (s->p[3]) {  /* scores only a causal softmax reads: its visible keys only */
+                        const int64_t qp = ((const int32_t *)s->p[3])[i % s->n[14]];
+                        j1 = qp + 1 < N ? qp + 1 : N;
+                        if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) j0 = qp - s->n[15] + 1;
+                    }
+                    for (int64_t j = j0; j < j1; j++) O[i * N + j] = dot_strided8(A + i * sam, Bm + j * sbn, K);
+                }
+            } else if (sbn == 1) {  /* rows of b scaled and summed (p v) */
+                for (int64_t i = 0; i < M; i++) {
+                    float *o = O + i * N;
+                    int64_t k0 = 0, k1 = K;
+                    if (s->p[3]) {  /* probabilities of a causal softmax: its visible keys only */
+                        const int64_t qp = ((const int32_t *)s->p[3])[i % s->n[14]];
+                        k1 = qp + 1 < K ? (qp + 1 > 0 ? qp + 1 : 0) : K;
+                        if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) k0 = qp - s->n[15] + 1 < k1 ? qp - s->n[15] + 1 : k1;
+                    }
+                    for (int64_t j = 0; j < N; j++) o[j] = 0.f;
+                    for (int64_t k = k0; k < k1; k++) {
+                        const float av = A[i * sam + k * sak];
+                        if (av == 0.f) continue;  /* a masked probability: adds nothing */
+                        const float *br = Bm + k * sbk;
+                        for (int64_t j = 0; j < N; j++) o[j] += av * br[j];
+                    }
+                }
+            } else {
+                for (int64_t i = 0; i < M; i++)
+                    for (int64_t j = 0; j < N; j++) {
+                        float acc = 0.f;
+                        for (int64_t k = 0; k < K; k++) acc += A[i * sam + k * sak] * Bm[k * sbk + j * sbn];
+                        O[i * N + j] = acc;
+                    }
+            }
+        }
+}
+
+/* softmax(scale x + causal mask) per row, numpy's order over the visible keys: scaled, max
+ * subtracted, exp, divided by numpy's pairwise sum of them (numpy sums the masked zeros too: the
+ * same value, grouped differently past 8 keys) */
+static void op_softmax_causal(const lt_step *s) {
+    const float *x = s->p[0];
+    const int32_t *pos = s->p[1];
+    float *out = s->p[2];
+    const int64_t lead = s->n[0], rows = s->n[1], n_kv = s->n[2], n_q = s->n[3], n_past = s->n[4], window = s->n[5];
+    const float scale = (float)s->f[0];
+    for (int64_t l = 0; l < lead; l++)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + (l * rows + r) * n_kv;
+            float *o = out + (l * rows + r) * n_kv;
+            const int64_t qp = pos ? pos[r % n_q] : n_past + r % n_q;
+            /* visible keys k0 <= k < k1; the masked ones are exactly 0 (not read: exp(-inf) for any
+             * finite score) */
+            const int64_t k1 = qp + 1 < n_kv ? (qp + 1 > 0 ? qp + 1 : 0) : n_kv;
+            const int64_t k0 = window > 0 && qp - window + 1 > 0 ? (qp - window + 1 < k1 ? qp - window + 1 : k1) : 0;
+            float mx = -INFINITY;
+            for (int64_t k = k0; k < k1; k++) {
+                o[k] = xr[k] * scale + 0.f;
+                mx = fmaxf(mx, o[k]);
+            }
+            exp_sub(o + k0, mx, o + k0, k1 - k0);
+            if (!s->n[6]) {  /* (n[6]: the one reader sums the visible keys only) */
+                for (int64_t k = 0; k < k0; k++) o[k] = 0.f;
+                for (int64_t k = k1; k < n_kv; k++) o[k] = 0.f;
+            }
+            const float sum = pairwise_sum(o + k0, k1 - k0);
+            for (int64_t k = k0; k < k1; k++) o[k] /= sum;
+        }
+}
+
+static int op_qget_rows(const lt_step *s) {
+    const uint8_t *w = s->p[0];
+    const int32_t *ids = s->p[1];
+    float *out = s->p[2];
+    const int64_t n_ids = s->n[0], n = s->n[1], stride = s->n[2], n_rows = s->n[3], type = s->n[4];
+    for (int64_t r = 0; r < n_ids; r++) {
+        if (ids[r] < 0 || ids[r] >= n_rows) return -1;
+        const uint8_t *b = w + ids[r] * stride;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n / QK; i++, o += QK) {
+            if (type == 0) {  /* Q8_0: q d */
+                const float d = h2f(b);
+                for (int j = 0; j < QK; j++) o[j] = (float)((const int8_t *)(b + 2))[j] * d;
+                b += 34;
+            } else if (type == 1) {  /* Q4_0: (q - 8) d */
+                const float d = h2f(b);
+                for (int j = 0; j < QK / 2; j++) {
+                    o[j] = ((float)(b[2 + j] & 15) - 8.f) * d;
+                    o[j + QK / 2] = ((float)(b[2 + j] >> 4) - 8.f) * d;
+                }
+                b += 18;
+            } else {  /* Q4_1: q d + m */
+                const float d = h2f(b), m = h2f(b + 2);
+                for (int j = 0; j < QK / 2; j++) {
+                    o[j] = (float)(b[4 + j] & 15) * d + m;
+                    o[j + QK / 2] = (float)(b[4 + j] >> 4) * d + m;
+                }
+                b += 20;
+            }
+        }
+    }
+    return 0;
+}
+
+static int prof_on = 0;
+static int64_t prof_ns[16], prof_calls[16];
+
+/* Per-op timers of lt_run (off by default): on != 0 switches them on and clears them; `out` (if
+ * not NULL) receives the nanoseconds and calls per op code so far, 16 of each. */
+void lt_profile(int on, int64_t *out) {
+    if (out) {
+        memcpy(out, prof_ns, sizeof(prof_ns));
+        memcpy(out + 16, prof_calls, sizeof(prof_calls));
+    }
+    if (on) {
+        memset(prof_ns, 0, sizeof(prof_ns));
+        memset(prof_calls, 0, sizeof(prof_calls));
+    }
+    prof_on = on;
+}
+
+static int64_t run_step(const lt_step *s, int nth);
+
+/* Runs steps[0 .. n_steps) in order. Returns -1 when every step ran, else the index of the step
+ * that failed (a position or row id out of range, a bad type). */
+int64_t lt_run(const lt_step *steps, int64_t n_steps, int nth) {
+    for (int64_t k = 0; k < n_steps; k++) {
+        const int64_t t0 = prof_on ? now_ns() : 0;
+        if (run_step(&steps[k], nth)) return k;
+        if (prof_on && steps[k].op >= 0 && steps[k].op < 16) {
+            prof_ns[steps[k].op] += now_ns() - t0;
+            prof_calls[steps[k].op]++;
+        }
+    }
+    return -1;
+}
+
+/* One step; nonzero when it failed. */
+static int64_t run_step(const lt_step *s, int nth) {
+    {
+        switch (s->op) {
+            case OP_ADD: case OP_MUL: {
+                const float *a = s->p[0], *b = s->p[1];
+                float *o = s->p[2];
+                /* n[0] elements as rows of n[1]; n[2]: b is one row repeated (else b is as a) */
+                const int64_t n = s->n[0], nr = s->n[1], bcast = s->n[2];
+                for (int64_t i0 = 0; i0 < n; i0 += nr) {
+                    const float *br = bcast ? b : b + i0;
+                    if (s->op == OP_ADD) for (int64_t j = 0; j < nr; j++) o[i0 + j] = a[i0 + j] + br[j];
+                    else for (int64_t j = 0; j < nr; j++) o[i0 + j] = a[i0 + j] * br[j];
+                }
+                break;
+            }
+            case OP_SCALE: {
+                const float *a = s->p[0];
+                float *o = s->p[2];
+                const float f = (float)s->f[0];
+                for (int64_t i = 0; i < s->n[0]; i++) o[i] = a[i] * f;
+                break;
+            }
+            case OP_RMS_NORM: lt_rms_norm(s->p[0], s->n[0], s->n[1], (float)s->f[0], s->p[2]); break;
+            case OP_QLINEAR:  /* p[3]: the packed copy, where there is one */
+                if (s->p[3] ? lt_qlinear_packed((int)s->n[0], s->p[3], s->p[1], s->n[1], s->n[2], s->n[3], s->p[0],
+                                                s->n[4], s->p[2], s->n[5], nth)
+                            : lt_qlinear((int)s->n[0], s->p[1], s->n[1], s->n[2], s->n[3], s->p[0], s->n[4], s->p[2],
+                                         s->n[5], nth))
+                    return 1;
+                break;
+            case OP_F32_LINEAR: lt_f32_linear(s->p[1], s->n[1], s->n[2], s->n[3], s->p[0], s->n[4], s->p[2], s->n[5], nth); break;
+            case OP_ROPE: op_rope(s); break;
+            case OP_CACHE_WRITE: if (op_cache_write(s)) return 1; break;
+            case OP_MATMUL: op_matmul(s); break;
+            case OP_SOFTMAX_CAUSAL: op_softmax_causal(s); break;
+            case OP_SWIGLU: {
+                swiglu(s->p[0], s->p[1], s->p[2], s->n[0]);
+                break;
+            }
+            case OP_GET_ROWS: {
+                const float *w = s->p[0];
+                const int32_t *ids = s->p[1];
+                float *o = s->p[2];
+                for (int64_t r = 0; r < s->n[0]; r++) {
+                    if (ids[r] < 0 || ids[r] >= s->n[3]) return 1;
+                    memcpy(o + r * s->n[1], w + ids[r] * s->n[2], (size_t)s->n[1] * 4);
+                }
+                break;
+            }
+            case OP_QGET_ROWS: if (op_qget_rows(s)) return 1; break;
+            default: return 1;
+        }
+    }
+    return 0;
+}
+
+int64_t lt_step_size(void) { return (int64_t)sizeof(lt_step); }
 
 /* This file's AVX2 path is compiled in (1) or the portable one (0). */
 int lt_simd(void) { return LT_AVX2; }

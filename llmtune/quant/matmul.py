@@ -185,6 +185,8 @@ def dequantize_rows(raw: np.ndarray, qtype: str, out: np.ndarray) -> np.ndarray:
         tmp = dequantize_rows(raw, qtype, np.empty(out.shape, F32))
         np.copyto(out, tmp)
         return out
+    if native.dequantize_rows(raw, qtype, out):  # the compiled decoders: the same values, ~10x faster
+        return out
     fn = _DEQUANT[qtype]
     step = max(1, _PASS_BYTES // max(1, 4 * n_cols))
     for r0 in range(0, rows, step):
@@ -276,7 +278,7 @@ def round_activations(x: np.ndarray, act: str):
     if act == "bf16":
         return _round_bf16(x), None
     if act in ("q8_0", "q8_1"):
-        return _round_q8_0(x, with_sum=act == "q8_1")
+        return native.round_q8(x, act == "q8_1") or _round_q8_0(x, with_sum=act == "q8_1")
     if act == "q8_K":
         return _round_q8_k(x), None
     raise ValueError(f"unknown activation type {act!r}")
@@ -310,6 +312,7 @@ class FloatCopies:
 
     def __init__(self, budget: int):
         self.budget, self.used, self.arrays = budget, 0, {}
+        self.block_mins: dict = {}  # beside a kept copy: its Q4_1 / Q5_1 block mins (mins)
         self.lock = threading.Lock()
 
     def get(self, raw: np.ndarray, qtype: str, n_in: int) -> np.ndarray | None:
@@ -324,15 +327,33 @@ class FloatCopies:
                     self.used += dense.nbytes
         return dense
 
+    def mins(self, raw: np.ndarray, qtype: str) -> np.ndarray:
+        """block_mins(raw, qtype), kept beside the copy of a matrix that has one (1/32 of its size:
+        a Q4_1 / Q5_1 product's correction reads them every time)."""
+        key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, qtype)
+        m = self.block_mins.get(key)
+        if m is None:
+            m = self.block_mins[key] = np.ascontiguousarray(block_mins(raw, qtype).T)
+        return m
+
 
 class WithCopies:
     """A stored matrix's block bytes as an evaluation binds them on the cpu: `raw`, and the
     FloatCopies its products may keep a float32 copy in."""
 
-    __slots__ = ("raw", "copies")
+    __slots__ = ("raw", "copies", "_packed")
 
     def __init__(self, raw: np.ndarray, copies: FloatCopies):
         self.raw, self.copies = raw, copies
+
+    def packed(self, qtype: str):
+        """The matrix repacked for the compiled AVX-512 product (native.pack), made at first use
+        and kept while the weight is bound; None where there is no packed kernel."""
+        try:
+            return self._packed
+        except AttributeError:
+            self._packed = native.pack(self.raw, qtype)
+            return self._packed
 
 
 def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x: bool = True,
@@ -355,7 +376,7 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
     if dense is not None:
         np.matmul(xr, dense.T, out=o2)
         if corr is not None and qt.has_min:
-            o2 += (corr @ block_mins(raw, qtype).T).astype(x.dtype, copy=False)
+            o2 += (corr @ copies.mins(raw, qtype)).astype(x.dtype, copy=False)
         return out
     rb = _block_rows(n_out, n_in)
     w = _scratch(rb * n_in, x.dtype)
@@ -385,17 +406,23 @@ def bind_qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, ro
     return native.bind_qlinear(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]), raw, qtype)
 
 
-def qlinear_back(out: np.ndarray, g: np.ndarray, raw: np.ndarray, qtype: str) -> np.ndarray:
+def qlinear_back(out: np.ndarray, g: np.ndarray, raw: np.ndarray, qtype: str,
+                 copies: FloatCopies | None = None) -> np.ndarray:
     """out[..., n_in] = g[..., n_out] @ W: the input gradient of qlinear (straight through the
-    rounding of the activations), W dequantized a row block at a time."""
+    rounding of the activations), W dequantized a row block at a time, or its float32 copy where
+    `copies` keeps one (a training run's frozen base, Trainer)."""
     n_in, n_out = out.shape[-1], g.shape[-1]
     g2, o2 = g.reshape(-1, n_out), out.reshape(-1, n_in)
+    dense = copies.get(raw, qtype, n_in) if copies is not None and out.dtype == F32 else None
     rb = _block_rows(n_out, n_in)
-    w = _scratch(rb * n_in, out.dtype)
+    w = _scratch(rb * n_in, out.dtype) if dense is None else None
     part = None
-    for r0 in range(0, n_out, rb):
+    for r0 in range(0, n_out, rb):  # the same row blocks with or without a copy: the same sums
         r1 = min(n_out, r0 + rb)
-        wb = dequantize_rows(raw[r0:r1], qtype, w[: (r1 - r0) * n_in].reshape(r1 - r0, n_in))
+        if dense is not None:
+            wb = dense[r0:r1]
+        else:
+            wb = dequantize_rows(raw[r0:r1], qtype, w[: (r1 - r0) * n_in].reshape(r1 - r0, n_in))
         if r0 == 0:
             np.matmul(g2[:, r0:r1], wb, out=o2)
         else:

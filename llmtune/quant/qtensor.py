@@ -88,10 +88,34 @@ def shape_only(w) -> np.ndarray:
     return np.broadcast_to(np.float32(0), tuple(w.shape))
 
 
-def evaluation_budget() -> int:
-    """Bytes of float32 copies an evaluation command may keep of its quantized weights (perplexity,
-    eval, generate: the same frozen weights multiplied pass after pass): a quarter of the available
-    memory (0 when unknown). Training keeps none: its memory estimate counts the base in its file
-    type."""
+def float_copy_bytes(tensors) -> int:
+    """Bytes of float32 copies of every quantized matrix among `tensors` (name -> array / QTensor)."""
+    return sum(4 * w.size for w in tensors.values() if isinstance(w, QTensor))
+
+
+def evaluation_budget(tensors) -> int:
+    """Bytes of float32 copies an evaluation command may keep of the quantized matrices among
+    `tensors` (perplexity, eval, generate: the same frozen weights multiplied pass after pass).
+    A copy saves a product its block decode and costs 4 bytes a weight, 4-8x the stored size, so
+    the budget follows the decoder's speed, the model's size and the free memory: with the compiled
+    decoders (native.dequantize_rows, ~1 GB/s a core) the decode is a few percent of a pass of
+    perplexity's or eval's batch (and a decode step multiplies the blocks directly), so none are
+    kept and the peak stays near llama.cpp's (the file plus activations); with numpy's decoders
+    (~10x slower) up to the stored size again, within a quarter of the available memory."""
+    from llmtune.native import kernels
+
+    if kernels.dequantize_available():
+        return 0
     avail = available_memory()
-    return avail // 4 if avail else 0
+    stored = sum(w.nbytes for w in tensors.values() if isinstance(w, QTensor))
+    return min(float_copy_bytes(tensors), stored, avail // 4) if avail else 0
+
+
+def training_budget(tensors, need: int, available: int | None) -> int:
+    """Bytes of float32 copies a training run may keep of its frozen quantized matrices (QLoRA's
+    base: every forward and backward multiplies them again, and the per-block decode would cost as
+    much as the products): what they take, where that fits in half of what the run leaves free
+    (`need`: its estimate without them); the rest stays as stored. 0 when memory is unknown."""
+    if available is None:
+        return 0
+    return min(float_copy_bytes(tensors), max(0, (available - need) // 2))

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.train.data import TrainValSplit
+from llmtune.train.data import TrainValSplit, held_out
 from llmtune.train.records import FORMATS, Records, read_records  # noqa: F401 - the data-reading half
 
 
@@ -189,11 +189,7 @@ class ExampleDataset(TrainValSplit):
             raise LlmtuneError(f"{source}: no example has a loss-carrying token within --ctx {n_ctx} "
                                f"({truncated} truncated, {dropped} dropped): raise --ctx")
         n = len(kept)
-        n_val = int(round(n * val_split)) if val_split > 0 else 0
-        if val_split > 0 and n_val == 0 and n >= 2:
-            n_val = 1
-        if n - n_val < 1:
-            raise LlmtuneError(f"{source}: only {n} example(s): too few for a validation split")
+        n_val = held_out(n, val_split, source, "example(s)")
         return cls(kept, n_ctx, int(pad_id), n - n_val, n_val, truncated, dropped, fmt)
 
     @property
@@ -315,6 +311,9 @@ def build_dataset(model, data_path, ctx: int, val_split: float, fmt: str = "auto
     from llmtune.train.data import WindowDataset, tokenize_documents
 
     records = read_records(data_path, fmt)
+    if records.format == "preference":
+        raise LlmtuneError(f"{data_path}: preference pairs (prompt, chosen, rejected): train them with "
+                           f"--method dpo, orpo or simpo")
     if records.format in ("plain", "text"):
         if train_on_prompt:
             raise LlmtuneError("--train-on-prompt: only prompt/completion and chat data (chat, sharegpt, alpaca) "
@@ -359,6 +358,8 @@ def data_info(ds, seqs_per_epoch: int) -> dict:
     """What finetune's start report says about the data: its format, the tokens that carry loss
     in an epoch (windows or examples not filling a last batch wait for the next epoch) and, for
     examples, how they fill the windows (examples per window, the padding left)."""
+    if hasattr(ds, "info"):  # a dataset that reports itself (train/preference.py's pairs)
+        return ds.info(seqs_per_epoch)
     if not isinstance(ds, (ExampleDataset, PackedDataset)):
         return {"format": "text", "loss_tokens_per_epoch": seqs_per_epoch * ds.n_ctx}
     examples = ds.source if isinstance(ds, PackedDataset) else ds

@@ -13,6 +13,7 @@ pickled), next to the output as `<output>.ckpt-<step>.npz` (out/demo.gguf.ckpt-0
   adam8_f32_m, adam8_f32_v  float32 [n - n8]  the moments of its float32 exceptions (train/optim.py
                                 keeps_f32_state: the token embedding, tensors under 4096 values)
                                 (no optimizer arrays with sgd)
+  best_weights    float32 [n]   --save-best: the trained buffer at the best validation pass
   order           int64 [n_train]  the current epoch's window order (its RNG: numpy
                                 default_rng([seed, epoch]); dropout masks come from (seed, step))
   meta            uint8         UTF-8 JSON: format, version, the position (step = optimizer steps
@@ -20,7 +21,8 @@ pickled), next to the output as `<output>.ckpt-<step>.npz` (out/demo.gguf.ckpt-0
                                 sha256 fingerprints of the model, data, --lora-init and of the
                                 settings that shape the weights, optimizer step count, trainer
                                 layout (trainable names, workers), the epoch's running loss and
-                                accuracy, finished epochs' results, --metrics lines written, run id
+                                accuracy, finished epochs' results, --metrics lines written, run id,
+                                --early-stop / --save-best's state (best value, step, passes since)
 
 Written atomically: a temp file in the same folder (`<name>.XXXX.tmp`), fsync, rename.
 """
@@ -85,11 +87,14 @@ def file_sha256(path) -> str:
     return h.hexdigest()
 
 
-def settings_sha256(config) -> str:
-    """Hash of the settings that shape the trained weights (not backend, metrics or checkpointing)."""
+def settings_sha256(config, names=None) -> str:
+    """Hash of the settings that shape the trained weights (not backend, metrics or checkpointing);
+    `names`: only these (a checkpoint's own settings: one written before a setting existed hashes
+    without it, and that setting's default keeps what runs did before it)."""
     from llmtune.train.config import RUN_ONLY
 
-    shaping = {k: v for k, v in dataclasses.asdict(config).items() if k not in RUN_ONLY}
+    shaping = {k: v for k, v in dataclasses.asdict(config).items()
+               if k not in RUN_ONLY and (names is None or k in names)}
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
 
 
@@ -186,12 +191,13 @@ def save_checkpoint(run) -> Path | None:
         "rng": {"order": "numpy default_rng([seed, epoch])", "dropout": "(seed, step)", "seed": run.cfg.seed},
         "stats": {"losses": run.stats.losses, "correct": run.stats.correct, "tokens": run.stats.tokens},
         "first_loss": res.first_loss, "epochs": [dataclasses.asdict(e) for e in res.epochs],
-        "metrics_lines": run.log.lines, "elapsed_s": run.elapsed(),
+        "metrics_lines": run.log.lines, "elapsed_s": run.elapsed(), "selection": run.selection.state(),
     }
     order = np.zeros(0, np.int64) if run.order is None else np.asarray(run.order, dtype=np.int64)
     path = checkpoint_path(res.output, run.step)
     try:
-        write_checkpoint(path, {**tr.state_arrays(), "order": order}, meta)
+        write_checkpoint(path, {**tr.state_arrays(), **run.selection.arrays(tr), "order": order, **_reference(run)},
+                         meta)
     except LlmtuneError as exc:
         run.warn(f"{exc}; training goes on" + (f" (the last checkpoint is {run.last_checkpoint})" if run.last_checkpoint else ""))
         return None
@@ -199,6 +205,13 @@ def save_checkpoint(run) -> Path | None:
     remove_checkpoints(run, keep=run.cfg.keep_checkpoints or 1)
     run.emit(CheckpointEvent(str(path), run.step, run.where()))
     return path
+
+
+def _reference(run) -> dict:
+    """DPO's reference log-probabilities (train/preference.py), computed once before the first
+    step: kept, since the weights they came from are gone once training has started."""
+    ref = getattr(run.dataset, "ref", None)
+    return {} if ref is None else {"ref_logps": np.asarray(ref, dtype=np.float64)}
 
 
 def _lineage(run) -> list[Path]:
@@ -231,7 +244,7 @@ def restore(run, ckpt: Checkpoint) -> None:
     meta, where = ckpt.meta, f"--resume {ckpt.path}"
     names = {"model": f"the model {run.inputs['model']}", "data": f"the data {run.inputs['data']}",
              "lora_init": f"--lora-init {run.inputs.get('lora_init')}", "settings": "the run's settings"}
-    check_fingerprint(ckpt, run_fingerprint(run), names)
+    check_fingerprint(ckpt, {**run_fingerprint(run), "settings": settings_sha256(run.cfg, meta["config"])}, names)
     if meta["trainable"] != run.trainer.trainable or meta["steps_per_epoch"] != run.steps_per_epoch:
         raise LlmtuneError(f"{where}: the checkpoint trains other tensors or steps than this run")
     order = ckpt.arrays["order"]
@@ -239,8 +252,14 @@ def restore(run, ckpt: Checkpoint) -> None:
         raise LlmtuneError(f"{where}: damaged checkpoint (its window order does not fit the data)")
     try:
         run.trainer.load_state(ckpt.arrays, meta["step"])
-    except LlmtuneError as exc:
+        run.selection.restore(meta.get("selection"), ckpt.arrays, run.trainer)  # best pass, patience count
+    except (LlmtuneError, ValueError) as exc:
         raise LlmtuneError(f"{where}: {exc}") from None
+    if hasattr(run.dataset, "ref") and run.cfg.method == "dpo":
+        ref = ckpt.arrays.get("ref_logps")
+        if ref is None or ref.shape != (len(run.dataset.pairs), 2):
+            raise LlmtuneError(f"{where}: damaged checkpoint (no reference log-probabilities for the data's pairs)")
+        run.dataset.ref = np.asarray(ref, dtype=np.float64)
     run.step, run.epoch, run.epoch_step = meta["step"], meta["epoch"], meta["epoch_step"]
     run.order = order.astype(np.int64) if meta["epoch"] < run.cfg.epochs else None
     st = meta.get("stats") or {}

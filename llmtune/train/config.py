@@ -30,9 +30,17 @@ class FinetuneConfig:
                                           "memory for speed, never the result.", metavar="N", unset="batch")
     epochs: int = setting(2, "Passes over the training windows.", metavar="N")
     lr: float = setting(1e-5, "Learning rate.", metavar="X")
-    lr_min: float = setting(0.0, "Decay the learning rate (halving steadily) down to this value.", metavar="X", unset="off")
-    decay_epochs: float = setting(0.0, "Epochs over which --lr decays to --lr-min.", metavar="X", unset="all")
-    warmup: int = setting(0, "Linear warmup over this many optimizer steps.", metavar="N")
+    lr_min: float = setting(0.0, "The learning rate's floor: halflife halves down to it; linear and cosine decay to it "
+                                 "instead of 0 (after warmup the rate stays above it).", metavar="X", unset="off")
+    decay_epochs: float = setting(0.0, "Epochs over which --lr decays to --lr-min (halflife).", metavar="X", unset="all")
+    lr_schedule: Optional[str] = setting(None, "constant, linear, cosine or halflife. linear and cosine are transformers' "
+                                               "get_linear_schedule_with_warmup and get_cosine_schedule_with_warmup step for step, over all --epochs "
+                                               "x steps-per-epoch optimizer steps; halflife is llama.cpp's (halving "
+                                               "steadily to --lr-min over --decay-epochs). The default keeps what llmtune "
+                                               "and llama.cpp's finetune always did, so existing recipes keep their "
+                                               "results.", metavar="NAME", unset="constant; halflife with --lr-min")
+    warmup: int = setting(0, "Linear warmup over this many optimizer steps (linear, cosine: lr x step/N from step 0, "
+                             "as transformers; constant, halflife: lr x (step+1)/N, as before).", metavar="N")
     wd: float = setting(0.0, "Decoupled weight decay.", metavar="X")
     optimizer: str = setting("adamw", "adamw, adamw8bit (AdamW with block-wise 8-bit moments, as bitsandbytes' "
                                       "AdamW8bit: 2 bytes of state per trained value instead of 8) or sgd.",
@@ -43,6 +51,17 @@ class FinetuneConfig:
                                     "existing recipes keep their results; HF Trainer uses 1.0. "
                                     "The norm before clipping is logged every step.", metavar="X", unset="off")
     val_split: float = setting(0.05, "Fraction of windows (the last ones) held out for validation.", metavar="X")
+    eval_every: int = setting(0, "Also run the validation pass (and --eval-benchmark) every N optimizer steps.",
+                              metavar="N", unset="at epoch ends only")
+    early_stop: int = setting(0, "Stop training once this many validation passes in a row have not improved "
+                                 "--select-metric by more than --min-delta (transformers' EarlyStoppingCallback).",
+                              metavar="PATIENCE", unset="off")
+    min_delta: float = setting(0.0, "The least change of --select-metric that counts as an improvement.", metavar="X")
+    select_metric: str = setting("val_loss", "What --early-stop and --save-best follow: val_loss (lower is better), "
+                                             "val_accuracy or benchmark (--eval-benchmark's accuracy).", metavar="NAME")
+    save_best: bool = setting(False, "-o receives the weights (LoRA: the adapter) of the best validation pass by "
+                                     "--select-metric, not the last step's (transformers' load_best_model_at_end); the "
+                                     "summary names its step.")
     params: Optional[str] = setting(None, "Regex over GGUF tensor names choosing what trains, e.g. 'attn_(q|v)'.",
                                     metavar="REGEX", unset="all")
     seed: int = setting(42, "Shuffling seed; same seed, same output file.", metavar="N")
@@ -55,6 +74,14 @@ class FinetuneConfig:
                                            "more compute; the same gradients.")
     metrics: Optional[str] = setting(None, "Write one JSON record per step and per validation pass here.",
                                      metavar="FILE", path=True)
+    tensorboard: Optional[str] = setting(None, "Write TensorBoard event files into this folder: every --metrics value "
+                                               "per step (loss, accuracy, lr, gradient norm, tokens/s, validation and "
+                                               "benchmark scores); watch with `tensorboard --logdir DIR`. Needs "
+                                               "tensorboardX (pip install tensorboardX; the extra \"tensorboard\").",
+                                         metavar="DIR", path=True)
+    plot: Optional[str] = setting(None, "Draw the train and validation loss and the learning rate against steps into "
+                                        "this PNG, redrawn after each validation pass, every minute, and at the end. "
+                                        "Needs matplotlib (pip install matplotlib; the extra \"plot\").", metavar="FILE", path=True)
     out_type: Optional[str] = setting(None, "A full finetune of a quantized or f16 model writes its trained tensors as "
                                             "F32, which keeps every update (re-encoding them in the input's type "
                                             "rounds most updates away); with this, the whole model is written as "
@@ -92,6 +119,16 @@ class FinetuneConfig:
                                            metavar="TEXT")
     sample_every: int = setting(0, "Print the --sample-prompt continuation every N optimizer steps instead.",
                                 metavar="N", unset="after each epoch")
+    # preference tuning (train/preference.py): {"prompt", "chosen", "rejected"} pairs, TRL's losses
+    method: str = setting("sft", "sft (supervised, next-token loss), or on preference pairs dpo (TRL's DPOTrainer, "
+                                 "sigmoid loss; the reference is the model as training starts), orpo (ORPOTrainer: "
+                                 "SFT loss plus the odds-ratio term) or simpo (CPOTrainer loss_type=simpo).",
+                          metavar="NAME")
+    beta: float = setting(0.1, "DPO / SimPO: the beta of the sigmoid loss; ORPO: lambda, the odds-ratio term's "
+                               "weight (TRL's beta).", metavar="X")
+    label_smoothing: float = setting(0.0, "DPO / SimPO: the chance a pair's labels are flipped (conservative DPO).",
+                                     metavar="X")
+    gamma: float = setting(0.5, "SimPO: the target reward margin (TRL's simpo_gamma).", metavar="X")
     # checkpoints (train/checkpoint.py): every epoch end, and every checkpoint_every steps when > 0
     checkpoint_every: int = setting(0, "Also write a checkpoint every N optimizer steps (one is written at every epoch "
                                        "end, and on Ctrl-C / SIGTERM).", metavar="N", unset="epoch ends only")
@@ -134,6 +171,8 @@ class FinetuneConfig:
             raise LlmtuneError(f"--precision: unknown precision {c.precision!r} (choose f32, tf32 or bf16)")
         if c.warmup < 0:
             raise LlmtuneError(f"--warmup: must be >= 0, got {c.warmup}")
+        _check_schedule(c)
+        _check_selection(c)
         if c.checkpoint_every < 0:
             raise LlmtuneError(f"--checkpoint-every: must be >= 0 (0: at epoch ends only), got {c.checkpoint_every}")
         if c.keep_checkpoints is not None and c.keep_checkpoints < 1:
@@ -142,6 +181,7 @@ class FinetuneConfig:
             raise LlmtuneError(f"--sample-every: must be >= 0, got {c.sample_every}")
         if c.sample_every and c.sample_prompt is None:
             raise LlmtuneError("--sample-every: needs --sample-prompt")
+        _check_method(c)
         from llmtune.train.chat import FORMATS
 
         if c.format not in FORMATS:
@@ -175,10 +215,67 @@ class FinetuneConfig:
         return c
 
 
+def _check_method(c: "FinetuneConfig") -> None:
+    """--method and its settings: each flag only with the methods that read it."""
+    from llmtune.train.preference import METHODS
+
+    if c.method not in METHODS:
+        raise LlmtuneError(f"--method: unknown method {c.method!r} (choose {', '.join(METHODS)})")
+    if not c.beta > 0:
+        raise LlmtuneError(f"--beta: must be > 0, got {c.beta}")
+    if not 0 <= c.label_smoothing <= 0.5:
+        raise LlmtuneError(f"--label-smoothing: must be in [0, 0.5], got {c.label_smoothing}")
+    given = {"beta": c.beta != 0.1, "label_smoothing": c.label_smoothing != 0.0, "gamma": c.gamma != 0.5}
+    readers = {"beta": ("dpo", "orpo", "simpo"), "label_smoothing": ("dpo", "simpo"), "gamma": ("simpo",)}
+    for name, on in given.items():
+        if on and c.method not in readers[name]:
+            raise LlmtuneError(f"{flag_name(name)}: only --method {' or '.join(readers[name])} uses it")
+    if c.method != "sft":
+        for name in ("pack", "train_on_prompt"):
+            if getattr(c, name):
+                raise LlmtuneError(f"{flag_name(name)}: not with --method {c.method} (one pair per window)")
+
+
+def _check_schedule(c: FinetuneConfig) -> None:
+    """--lr-schedule's default (constant, or llama.cpp's halflife when --lr-min is set: what runs
+    did before it existed) and the flags each schedule takes."""
+    from llmtune.train.optim import SCHEDULES
+
+    if c.lr_schedule is None:
+        c.lr_schedule = "halflife" if c.lr_min > 0 else "constant"
+    if c.lr_schedule not in SCHEDULES:
+        raise LlmtuneError(f"--lr-schedule: unknown schedule {c.lr_schedule!r} (choose {', '.join(SCHEDULES)})")
+    if c.lr_schedule == "halflife" and not c.lr_min > 0:
+        raise LlmtuneError("--lr-schedule halflife: needs --lr-min (the rate it halves down to)")
+    if c.lr_schedule == "constant" and c.lr_min > 0:
+        raise LlmtuneError("--lr-min: the constant schedule does not decay (choose --lr-schedule halflife, linear or cosine)")
+    if c.decay_epochs and c.lr_schedule in ("linear", "cosine"):
+        raise LlmtuneError(f"--decay-epochs: only --lr-schedule halflife uses it ({c.lr_schedule} spans every step of --epochs)")
+
+
+def _check_selection(c: FinetuneConfig) -> None:
+    """--eval-every, --early-stop, --min-delta, --select-metric, --save-best."""
+    from llmtune.train.selection import METRICS
+
+    for name in ("eval_every", "early_stop"):
+        if getattr(c, name) < 0:
+            raise LlmtuneError(f"{flag_name(name)}: must be >= 0 (0: off), got {getattr(c, name)}")
+    if not c.min_delta >= 0:
+        raise LlmtuneError(f"--min-delta: must be >= 0, got {c.min_delta}")
+    if c.select_metric not in METRICS:
+        raise LlmtuneError(f"--select-metric: unknown metric {c.select_metric!r} (choose {', '.join(METRICS)})")
+    if not (c.early_stop or c.save_best):
+        for name, default in (("min_delta", 0.0), ("select_metric", "val_loss")):
+            if getattr(c, name) != default:
+                raise LlmtuneError(f"{flag_name(name)}: needs --early-stop or --save-best")
+    if c.select_metric == "benchmark" and c.eval_benchmark is None:
+        raise LlmtuneError("--select-metric benchmark: needs --eval-benchmark FILE")
+
+
 FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
 # settings that do not change the trained weights: a resumed run may change them
 RUN_ONLY = ("backend", "out_type", "metrics", "checkpoint_every", "keep_checkpoints", "eval_benchmark", "sample_prompt",
-            "sample_every")
+            "sample_every", "tensorboard", "plot")
 
 
 def flag_name(field: str) -> str:

@@ -24,6 +24,17 @@ def tokenize_documents(tokenizer, docs: list[str], jsonl: bool) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def held_out(n: int, val_split: float, source: str, what: str) -> int:
+    """How many of n items (the last ones) validate: the rounded share, at least one when a split is
+    asked for and there are two; at least one must train (one line naming `source` otherwise)."""
+    n_val = int(round(n * val_split)) if val_split > 0 else 0
+    if val_split > 0 and n_val == 0 and n >= 2:
+        n_val = 1
+    if n - n_val < 1:
+        raise LlmtuneError(f"{source}: only {n} {what}: too few for a validation split")
+    return n_val
+
+
 class TrainValSplit:
     """What every finetune dataset shares: items 0..n_train-1 train (in a per-epoch order), the
     n_val after them validate. Subclasses are dataclasses with n_train and n_val fields."""

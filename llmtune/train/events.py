@@ -26,6 +26,23 @@ class EpochResult:
     seconds: float = 0.0
     bench_accuracy: float = float("nan")  # --eval-benchmark: accuracy with the weights at the epoch's end
     bench_accuracy_err: float = float("nan")
+    val_metrics: dict = field(default_factory=dict)  # --method dpo|orpo|simpo: TRL's metrics of the validation pass
+
+
+@dataclass
+class Evaluation:
+    """One validation pass (at an epoch end, or every --eval-every steps) and the scores hooks add
+    to it (--eval-benchmark): what --early-stop and --save-best select on."""
+
+    epoch: int  # 1-based: the epoch in progress
+    global_step: int  # optimizer steps done
+    val_loss: float = float("nan")
+    val_loss_err: float = float("nan")
+    val_accuracy: float = float("nan")
+    val_accuracy_err: float = float("nan")
+    bench_accuracy: float = float("nan")
+    bench_accuracy_err: float = float("nan")
+    val_metrics: dict = field(default_factory=dict)  # --method dpo|orpo|simpo: TRL's metrics of the pass
 
 
 @dataclass
@@ -40,6 +57,9 @@ class FinetuneResult:
     memory: dict = field(default_factory=dict)
     bench_before: float = float("nan")  # --eval-benchmark: accuracy of the model before training
     val_loss_written: float = float("nan")  # a full finetune: the validation loss of the file as written
+    best_step: int = 0  # --save-best / --early-stop: the step of the best validation pass (0: none)
+    best_value: float = float("nan")  # its --select-metric value
+    stopped_at: int = 0  # --early-stop: the step training stopped at (0: it ran every epoch)
 
 
 @dataclass(frozen=True)
@@ -84,6 +104,12 @@ class Step(Event):
     lr: float
     tokens_per_s: float
     grad_norm: float = float("nan")  # the step's global gradient norm before --grad-clip
+    metrics: dict = field(default_factory=dict)  # --method dpo|orpo|simpo: TRL's metrics (rewards/..., logps/...)
+
+    def as_record(self) -> dict:
+        record = asdict(self)
+        metrics = record.pop("metrics")
+        return {**record, **metrics}
 
 
 @dataclass(frozen=True)
@@ -93,6 +119,35 @@ class EpochEnd(Event):
 
     def as_record(self) -> dict:
         return asdict(self.result)
+
+
+@dataclass(frozen=True)
+class Validation(Event):
+    """A validation pass; `improved`: the best by --select-metric so far (--early-stop, --save-best)."""
+
+    kind: ClassVar[str] = "validation"
+    evaluation: Evaluation
+    epoch_end: bool  # at an epoch's end (EpochEnd reports it too), else an --eval-every pass
+    improved: bool
+    best_step: int
+
+    def as_record(self) -> dict:
+        return {**asdict(self.evaluation), "epoch_end": self.epoch_end, "improved": self.improved,
+                "best_step": self.best_step}
+
+
+@dataclass(frozen=True)
+class Selected(Event):
+    """The end of a run with --early-stop or --save-best: the best validation pass and whether -o holds it."""
+
+    kind: ClassVar[str] = "selected"
+    metric: str
+    value: float
+    step: int  # its optimizer step (0: there was none)
+    epoch: int
+    saved: bool  # --save-best: -o receives the weights of that step
+    stopped_at: int  # --early-stop: the step training stopped at (0: it ran every epoch)
+    patience: int
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,11 @@ from llmtune.train.distributed import agree_ranks
 from llmtune.train.events import EpochResult, FinetuneResult  # noqa: F401 - part of this call's interface
 from llmtune.train.loop import Hook, Run, train
 from llmtune.train.metrics import MetricsLog
+from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
+from llmtune.train.selection import Selection
 from llmtune.train.output import write_output
+from llmtune.train.preference import Objective, PreferenceTrainer, build_pairs
 from llmtune.train.signals import StopRequest, signal_name
 from llmtune.train.trainer import Diverged, Trainer
 
@@ -69,7 +72,8 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
     on_signal = lambda signum: emit(ev.Stopping(signal_name(signum), run.step))  # noqa: E731
     keep_lines = ckpt.meta.get("metrics_lines") if ckpt is not None and ckpt.meta["config"].get("metrics") == cfg.metrics else None
     metrics = cfg.metrics if run.trainer.comm.is_root else None  # rank 0 alone writes them
-    with StopRequest(on_signal) as stop, MetricsLog(metrics, run.warn, keep_lines) as run.log:
+    listener = lambda record: run.call_hooks("on_record", record)  # noqa: E731
+    with StopRequest(on_signal) as stop, MetricsLog(metrics, run.warn, keep_lines, listener) as run.log:
         try:
             train(run, stop)
             write_output(run)
@@ -98,35 +102,53 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     if (past := past_training(model, cfg.ctx)) is not None:
         warn(past)
     # plain text / {"text"}: overlapping windows; prompt-completion / chat: one masked example per window
-    dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
-                                      cfg.train_on_prompt, cfg.pack)
+    if cfg.method == "sft":
+        dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
+                                          cfg.train_on_prompt, cfg.pack)
+    else:  # preference pairs, one per window (train/preference.py)
+        dataset, n_tokens = build_pairs(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
+                                        cfg.method)
     steps_per_epoch = preflight.steps_per_epoch(dataset, cfg, data_path)
-    trainer = Trainer(model, get_backend(cfg.backend, precision=cfg.precision), n_ctx=cfg.ctx, n_batch=cfg.batch,
-                      n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer, wd=cfg.wd,
-                      lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
-                      workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack,
-                      grad_clip=cfg.grad_clip)
+    preflight.check_selection(dataset, cfg)
+    trainer = _trainer(model, trainable, cfg, ckpt)
     trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
-    memory = preflight.checked_memory(trainer, model_path)
+    memory = preflight.checked_memory(trainer, model_path, best_copy=cfg.save_best)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
-    schedule = LRSchedule(cfg.lr, cfg.lr_min, cfg.decay_epochs, cfg.epochs, cfg.warmup)
+    # linear / cosine span every step of the run: epochs x steps per epoch (a resume checks the latter)
+    schedule = LRSchedule(cfg.lr, cfg.lr_min, cfg.decay_epochs, cfg.epochs, cfg.warmup, cfg.lr_schedule,
+                          total_steps=cfg.epochs * steps_per_epoch)
     result = FinetuneResult(out_path, cfg, n_tokens=n_tokens, n_train_windows=dataset.n_train,
                             n_val_windows=dataset.n_val, memory=memory)
     run = Run(cfg, dataset, trainer, schedule, steps_per_epoch, result, inputs=inputs, run_id=uuid.uuid4().hex,
-              hooks=run_hooks, emit=emit)
+              hooks=run_hooks, emit=emit, selection=Selection.of(cfg))
     if ckpt is not None:
         ckpts.restore(run, ckpt)
+    elif cfg.method == "dpo":
+        dataset.ref = trainer.reference_logps(dataset)  # the model as it starts: DPO's reference, kept
     return run
 
 
+def _trainer(model: Model, trainable: list[str], cfg: FinetuneConfig, ckpt) -> Trainer:
+    """The trainer of the run: next-token (sft) or a preference method's."""
+    kw = dict(n_ctx=cfg.ctx, n_batch=cfg.batch, n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer,
+              wd=cfg.wd, lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
+              grad_clip=cfg.grad_clip)
+    backend = get_backend(cfg.backend, precision=cfg.precision)
+    if cfg.method != "sft":
+        objective = Objective(cfg.method, cfg.beta, cfg.label_smoothing, cfg.gamma)
+        return PreferenceTrainer(model, backend, objective=objective, **kw)
+    return Trainer(model, backend, workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack, **kw)
+
+
 def _hooks(cfg: FinetuneConfig, model: Model, hooks: Optional[HookFactory]) -> list[Hook]:
+    """The workflow's hooks, then --tensorboard's and --plot's (last: they see the scores the others add)."""
     if hooks is not None:
-        return hooks(cfg, model)
+        return hooks(cfg, model) + observe_hooks(cfg)
     for name in ("sample_prompt", "eval_benchmark"):
         if getattr(cfg, name) is not None:
             raise LlmtuneError(f"--{name.replace('_', '-')}: needs eval's training hooks; call llmtune.finetune "
                                f"(llmtune/workflows.py), not llmtune.train.finetune.finetune")
-    return []
+    return observe_hooks(cfg)
 
 
 def start_event(run: Run) -> ev.Start:

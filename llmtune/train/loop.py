@@ -20,6 +20,7 @@ from llmtune.train.config import FinetuneConfig
 from llmtune.train.data import WindowDataset
 from llmtune.train.metrics import LossWatch, MetricsLog
 from llmtune.train.optim import LRSchedule
+from llmtune.train.selection import Selection
 from llmtune.train.signals import StopRequest, signal_name
 from llmtune.train.trainer import Diverged, RunningStats, Trainer
 
@@ -34,6 +35,10 @@ class Hook:
     def on_step(self, run: "Run", step: ev.Step) -> None:
         """After each optimizer step has been logged and reported."""
 
+    def on_validation(self, run: "Run", evaluation: ev.Evaluation) -> None:
+        """After each validation pass (every epoch end, and every --eval-every steps), before
+        --early-stop / --save-best read it (add scores here: --eval-benchmark's)."""
+
     def on_eval(self, run: "Run", result: ev.EpochResult) -> None:
         """After the epoch's validation pass, before the epoch is recorded (add scores here)."""
 
@@ -42,6 +47,10 @@ class Hook:
 
     def on_stop(self, run: "Run", reason: str) -> None:
         """Training ended: "done", "interrupted" or "diverged"."""
+
+    def on_record(self, run: "Run", record: dict) -> None:
+        """Each record as the --metrics file gets it (train_step, validation, benchmark, epoch; NaN
+        as None), on every rank, with or without --metrics."""
 
 
 @dataclass
@@ -72,6 +81,8 @@ class Run:
     epoch_time: tuple = (0.0, 0)  # seconds and tokens trained in this epoch by this process
     seconds_before: float = 0.0  # training seconds of the run before the epoch in progress (resumes included)
     epoch_t0: Optional[float] = None  # perf_counter() when this process started the epoch in progress
+    selection: Selection = field(default_factory=Selection)  # --early-stop / --save-best (checkpoints keep it)
+    evaluation: Optional[ev.Evaluation] = None  # the last validation pass of this process
 
     def elapsed(self) -> float:
         """Training seconds of the whole run so far, across epochs and resumes (checkpoints keep it)."""
@@ -82,6 +93,8 @@ class Run:
         self.emit(ev.Warning(message))
 
     def where(self) -> str:
+        if self.selection.stopped_at:
+            return f"stopped early at step {self.selection.stopped_at}"
         if self.epoch >= self.cfg.epochs:
             return "all epochs done" if self.cfg.epochs > 1 else "the epoch done"
         return f"epoch {self.epoch + 1}, {self.epoch_step} of {self.steps_per_epoch} steps done"
@@ -120,9 +133,13 @@ def train(run: Run, stop: StopRequest) -> None:
         result = _end_epoch(run)
         run.emit(ev.EpochEnd(result))
         run.call_hooks("on_epoch", result)
+        cut = run.epoch_step < run.steps_per_epoch  # --early-stop ended the epoch before its last step
         run.epoch, run.epoch_step, run.stats = run.epoch + 1, 0, RunningStats()
+        if run.selection.should_stop and (cut or run.epoch < run.cfg.epochs):  # --early-stop: no more epochs
+            run.selection.stopped_at, run.epoch = run.step, run.cfg.epochs
         run.order = run.epoch_order(run.epoch)
         _checkpoint_or_stop(run, stop, due=True)
+    _select(run)
 
 
 def _train_epoch(run: Run, stop: StopRequest) -> None:
@@ -137,7 +154,7 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
         step = ev.Step(epoch=run.epoch + 1, step=s + 1, steps=run.steps_per_epoch, global_step=run.step, loss=loss,
                        running_loss=run.stats.loss, accuracy=run.stats.accuracy, lr=lr,
                        tokens_per_s=(s + 1 - first) * run.cfg.batch / elapsed if elapsed > 0 else 0.0,
-                       grad_norm=run.trainer.grad_norm)
+                       grad_norm=run.trainer.grad_norm, metrics=dict(run.trainer.step_metrics))
         run.epoch_step = s + 1
         # elapsed_s: the run's training seconds so far, across epochs and resumes
         run.log.write({"type": "train_step", **step.as_record(), "elapsed_s": run.elapsed()})
@@ -146,9 +163,13 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
         spike = run.watch.check(step.loss)
         if spike:
             run.warn(f"step {run.step}: {spike}")
-        if s + 1 < run.steps_per_epoch:  # the epoch's last step checkpoints after validation
+        if s + 1 < run.steps_per_epoch:  # the epoch's last step validates and checkpoints in _end_epoch
+            if run.cfg.eval_every and run.step % run.cfg.eval_every == 0:
+                _evaluate(run, epoch_end=False)
+                if run.selection.should_stop:  # --early-stop: the epoch ends here
+                    break
             _checkpoint_or_stop(run, stop, due=bool(every) and run.step % every == 0)
-    run.epoch_time = (time.perf_counter() - t0, (run.steps_per_epoch - first) * run.cfg.batch)
+    run.epoch_time = (time.perf_counter() - t0, (run.epoch_step - first) * run.cfg.batch)
     run.seconds_before, run.epoch_t0 = run.elapsed(), None
 
 
@@ -181,20 +202,56 @@ def _end_epoch(run: Run) -> ev.EpochResult:
     stats, (seconds, tokens) = run.stats, run.epoch_time
     result = ev.EpochResult(run.epoch + 1, stats.loss, stats.loss_err, stats.accuracy, stats.accuracy_err,
                             tokens_per_s=tokens / seconds if seconds > 0 else 0.0, seconds=seconds)
-    if run.dataset.n_val:
-        _validate(run, result)
+    # a pass --eval-every made at this step (the one --early-stop ended the epoch on) is not redone
+    done = run.evaluation if run.evaluation is not None and run.evaluation.global_step == run.step else None
+    evaluation = done or _evaluate(run, epoch_end=True)
+    for name in ("val_loss", "val_loss_err", "val_accuracy", "val_accuracy_err", "bench_accuracy", "bench_accuracy_err",
+                 "val_metrics"):
+        setattr(result, name, getattr(evaluation, name))
     run.call_hooks("on_eval", result)
     run.result.epochs.append(result)
     run.log.write({"type": "epoch", **asdict(result)})
     return result
 
 
-def _validate(run: Run, result: ev.EpochResult) -> None:
+def _evaluate(run: Run, epoch_end: bool) -> ev.Evaluation:
+    """A validation pass (when there are validation windows) and the hooks' scores, counted by
+    --early-stop / --save-best (an improvement's weights kept for --save-best)."""
+    evaluation = ev.Evaluation(run.epoch + 1, run.step)
+    if run.dataset.n_val:
+        _validate(run, evaluation)
+    run.call_hooks("on_validation", evaluation)
+    improved = run.selection.update(evaluation)
+    if improved and run.cfg.save_best:
+        run.selection.keep(run.trainer)
+    run.evaluation = evaluation
+    run.emit(ev.Validation(evaluation, epoch_end, improved, run.selection.best_step))
+    return evaluation
+
+
+def _select(run: Run) -> None:
+    """The run's end with --early-stop or --save-best: the best pass reported (and in --metrics);
+    with --save-best its weights go back into the trainer, so -o is written from them."""
+    sel, cfg = run.selection, run.cfg
+    if not (cfg.early_stop or cfg.save_best):
+        return
+    saved = cfg.save_best and sel.load_best(run.trainer)
+    res = run.result
+    res.best_step, res.best_value, res.stopped_at = sel.best_step, sel.best_value, sel.stopped_at
+    run.log.write({"type": "selected", "metric": sel.metric, "value": sel.best_value, "global_step": sel.best_step,
+                   "epoch": sel.best_epoch, "saved": saved, "stopped_at": sel.stopped_at})
+    run.emit(ev.Selected(sel.metric, sel.best_value, sel.best_step, sel.best_epoch, saved, sel.stopped_at,
+                         sel.patience))
+
+
+def _validate(run: Run, result: ev.Evaluation) -> None:
     """Loss and accuracy over the held-out windows, into `result` and the log."""
     val = RunningStats()
     x, y, *segments = run.dataset.gather(run.dataset.val_indices())  # packed: + segments
     run.trainer.evaluate(x, y, val, *segments)
     result.val_loss, result.val_loss_err, result.val_accuracy, result.val_accuracy_err = (
         val.loss, val.loss_err, val.accuracy, val.accuracy_err)
+    result.val_metrics = dict(run.trainer.eval_metrics)
     run.log.write({"type": "validation", "epoch": result.epoch, "global_step": run.step, "loss": val.loss,
-                   "loss_err": val.loss_err, "accuracy": val.accuracy, "accuracy_err": val.accuracy_err})
+                   "loss_err": val.loss_err, "accuracy": val.accuracy, "accuracy_err": val.accuracy_err,
+                   **result.val_metrics})

@@ -117,6 +117,8 @@ def _check_written(run) -> None:
     types = output_types(tr.model, tr.trainable, cfg.out_type)
     lossy = [name for name, t in types.items() if t != QT.F32]
     in_memory = run.result.epochs[-1].val_loss if run.result.epochs else float("nan")
+    if run.cfg.save_best and run.selection.weights is not None:  # -o holds the best pass's weights
+        in_memory = run.selection.best_val_loss
     written = in_memory
     if lossy and run.dataset.n_val:
         tr.comm.barrier("writing the model")  # the other ranks score what rank 0 wrote

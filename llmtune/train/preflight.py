@@ -18,17 +18,34 @@ from llmtune.train.trainer import Trainer
 
 
 def check_outputs(out_path, cfg: FinetuneConfig, inputs: dict, ckpt, warn) -> Path:
-    """-o and --metrics: writable, not one of the inputs, not each other; leftovers reported."""
+    """-o, --metrics, --plot and --tensorboard: writable, not one of the inputs, not each other;
+    leftovers reported."""
     paths = [*inputs.values(), *([ckpt.path] if ckpt is not None else [])]
     out_path = check_output_path(out_path, *paths)
     report_leftovers(out_path, ckpt, warn)
     check_writable_folder(out_path, "-o")
-    if cfg.metrics:
-        metrics = check_output_path(cfg.metrics, *paths, flag="--metrics")
-        if metrics.resolve() == out_path.resolve():
-            raise LlmtuneError(f"--metrics {cfg.metrics}: is the -o file too; choose another --metrics path")
-        check_writable_folder(metrics, "--metrics")
+    taken = {out_path.resolve(): "-o"}
+    for flag, name in (("--metrics", cfg.metrics), ("--plot", cfg.plot)):
+        if name:
+            path = check_output_path(name, *paths, flag=flag)
+            if path.resolve() in taken:
+                raise LlmtuneError(f"{flag} {name}: is the {taken[path.resolve()]} file too; choose another {flag} path")
+            taken[path.resolve()] = flag
+            check_writable_folder(path, flag)
+    if cfg.tensorboard:
+        check_log_folder(Path(cfg.tensorboard), "--tensorboard")
     return out_path
+
+
+def check_log_folder(folder: Path, flag: str) -> None:
+    """A folder that files will be written into: created if missing, writable."""
+    if folder.exists() and not folder.is_dir():
+        raise LlmtuneError(f"{flag} {folder}: is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LlmtuneError(f"{flag} {folder}: cannot create the folder ({exc.strerror or exc})") from None
+    check_writable_folder(folder / "events", flag)
 
 
 def report_leftovers(out: Path, ckpt, warn) -> None:
@@ -59,11 +76,25 @@ def steps_per_epoch(dataset: WindowDataset, cfg: FinetuneConfig, data_path) -> i
     return steps
 
 
-def checked_memory(trainer: Trainer, model_path) -> dict[str, int]:
+def check_selection(dataset: WindowDataset, cfg: FinetuneConfig) -> None:
+    """--eval-every, --early-stop and --save-best need something to evaluate."""
+    if cfg.early_stop or cfg.save_best:
+        if cfg.select_metric.startswith("val_") and not dataset.n_val:
+            flag = "--early-stop" if cfg.early_stop else "--save-best"
+            raise LlmtuneError(f"{flag}: there are no validation windows to follow {cfg.select_metric} on "
+                               f"(raise --val-split, or --select-metric benchmark with --eval-benchmark)")
+    if cfg.eval_every and not dataset.n_val and cfg.eval_benchmark is None:
+        raise LlmtuneError("--eval-every: there are no validation windows (raise --val-split) and no --eval-benchmark")
+
+
+def checked_memory(trainer: Trainer, model_path, best_copy: bool = False) -> dict[str, int]:
     """The bytes the run needs, by kind; refused up front when more than is available. Where the
     backend can measure its process ("runtime"), it is what the process holds already besides the
-    trained weights (interpreter, libraries, tokenizer, data), measured, not guessed."""
+    trained weights (interpreter, libraries, tokenizer, data), measured, not guessed. best_copy:
+    --save-best's copy of the trained values."""
     memory = trainer.memory_bytes()
+    if best_copy:
+        memory["best weights"] = trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize
     need, avail = sum(memory.values()), available_memory(trainer.backend)
     if avail is not None and need > avail:
         raise LlmtuneError(
@@ -81,7 +112,8 @@ def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dat
     """Room for the output and the checkpoints (the kept ones plus the one being written) before
     the first step."""
     n = trainer.n_trainable
-    per_checkpoint = n * 4 + trainer.optimizer.state_bytes + dataset.n_train * 8 + (1 << 16)
+    copies = 1 + (1 if cfg.save_best else 0)  # weights, best weights (float32), plus the optimizer's state
+    per_checkpoint = n * 4 * copies + trainer.optimizer.state_bytes + dataset.n_train * 8 + (1 << 16)
     out_bytes = n * 4 + (1 << 20) if trainer.model.adapters else output_bytes(trainer.model, trainer.trainable, cfg.out_type)
     keep = (cfg.keep_checkpoints or 1) + 1
     check_disk_space(out.parent, out_bytes + keep * per_checkpoint,

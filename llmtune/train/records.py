@@ -19,6 +19,10 @@ Record formats (detected from the first record, or named with --format):
               "value"}, ...]}: roles mapped to chat's (human -> user, gpt -> assistant)
 - alpaca      {"instruction", "input" (optional), "output", "system" (optional)}: kept as
               (system, instruction, input, output); train/chat.py renders it.
+- preference  {"prompt", "chosen", "rejected"} (TRL's preference data, for --method dpo|orpo|simpo):
+              plain strings, or conversational: "prompt" a message list, "chosen" and "rejected"
+              assistant message lists; kept as (prompt, chosen, rejected); train/preference.py
+              renders and tokenizes them.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from typing import Iterator, Optional
 
 from llmtune.errors import LlmtuneError
 
-FORMATS = ("auto", "plain", "text", "completion", "chat", "sharegpt", "alpaca")
+FORMATS = ("auto", "plain", "text", "completion", "chat", "sharegpt", "alpaca", "preference")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
                   "assistant": "assistant", "tool": "tool"}
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 SHAPES = ('text {"text"}, completion {"prompt", "completion"}, chat {"messages": [{"role", "content"}]}, '
-          'sharegpt {"conversations": [{"from", "value"}]}, alpaca {"instruction", "input", "output"}')
+          'sharegpt {"conversations": [{"from", "value"}]}, alpaca {"instruction", "input", "output"}, '
+          'preference {"prompt", "chosen", "rejected"}')
 
 
 @dataclass
@@ -63,6 +68,8 @@ def data_files(path: Path) -> list[Path]:
 
 def record_format(record: dict) -> Optional[str]:
     """The format a record's keys say it is in (None: unknown shape)."""
+    if "chosen" in record or "rejected" in record:
+        return "preference"
     if "conversations" in record:
         return "sharegpt"
     if "messages" in record:
@@ -209,13 +216,16 @@ def parse_record(record: dict, fmt: str, where: str):
         extra = _string(record, "input", where, optional=True)
         system = _string(record, "system", where, optional=True)
         return system or None, instruction, extra if extra and extra.strip() else None, output
+    if fmt == "preference":
+        return preference_record(record, where)
     if fmt == "sharegpt":
         key = "conversations" if "conversations" in record or "messages" not in record else "messages"
         return _messages(record, key, where, ("from", "value"), SHAREGPT_ROLES)
     return _messages(record, "messages", where, ("role", "content"), {r: r for r in ROLES})
 
 
-def _messages(record: dict, key: str, where: str, fields: tuple[str, str], roles: dict) -> list[dict]:
+def _messages(record: dict, key: str, where: str, fields: tuple[str, str], roles: dict,
+              need_assistant: bool = True) -> list[dict]:
     """A conversation as chat messages [{"role", "content"}]; ShareGPT's from/value mapped (a
     message may also use role/content)."""
     if key not in record:
@@ -234,6 +244,30 @@ def _messages(record: dict, key: str, where: str, fields: tuple[str, str], roles
             raise LlmtuneError(f"{where}: {what}unknown role {name!r} (use {', '.join(roles)})")
         rest = {k: v for k, v in m.items() if k not in (role_key, text_key)}
         clean.append({**rest, "role": roles[name], "content": _string(m, text_key, where, what)})
-    if not any(m["role"] == "assistant" for m in clean):
+    if need_assistant and not any(m["role"] == "assistant" for m in clean):
         raise LlmtuneError(f"{where}: the conversation has no assistant turn (nothing to learn)")
     return clean
+
+
+def preference_record(record: dict, where: str) -> tuple:
+    """(prompt, chosen, rejected) of a preference record in either of TRL's forms: three strings,
+    or a prompt message list with chosen / rejected assistant message lists (conversational)."""
+    for key in ("prompt", "chosen", "rejected"):
+        if key not in record:
+            raise LlmtuneError(f"{where}: preference record has no \"{key}\" field (TRL's implicit prompt is not "
+                               f"read: give the prompt apart)")
+    if isinstance(record["prompt"], str):
+        return tuple(_string(record, key, where, "preference ") for key in ("prompt", "chosen", "rejected"))
+    if not isinstance(record["prompt"], list):
+        raise LlmtuneError(f"{where}: \"prompt\" must be a string or a list of messages")
+    roles = {r: r for r in ROLES}
+    prompt = _messages({"m": record["prompt"]}, "m", where, ("role", "content"), roles, need_assistant=False)
+    answers = []
+    for key in ("chosen", "rejected"):
+        if not isinstance(record[key], list):
+            raise LlmtuneError(f"{where}: \"{key}\" must be a list of assistant messages when the prompt is one")
+        msgs = _messages(record, key, where, ("role", "content"), roles, need_assistant=False)
+        if any(m["role"] != "assistant" for m in msgs):
+            raise LlmtuneError(f"{where}: \"{key}\" must hold assistant messages only")
+        answers.append(msgs)
+    return prompt, answers[0], answers[1]

@@ -19,7 +19,8 @@ from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import ArenaTooLarge, Program, ProgramCache, Replay
 from llmtune.model.loaded import Model
-from llmtune.quant.qtensor import QTensor, shape_only
+from llmtune.quant.matmul import FloatCopies
+from llmtune.quant.qtensor import QTensor, shape_only, training_budget
 from llmtune.resources import available_memory
 from llmtune.train.optim import Optimizer
 
@@ -100,6 +101,9 @@ class Trainer:
         self.grad_clip = float(grad_clip)  # > 0: the step's gradient is clipped to this global L2 norm
         self.grad_norm = math.nan  # the last step's global gradient norm, before clipping
         self.max_loss = math.inf  # a step's mean loss above it stops training (Diverged)
+        # named metrics of the last step and validation pass beyond loss and accuracy (train/preference.py)
+        self.step_metrics: dict = {}
+        self.eval_metrics: dict = {}
         self._requested_workers = workers
         # data-parallel ranks (backends/dist.py; default: this process's world): rank r takes the
         # step's micro-batches r, r + size, ...; one all-reduce of flat_g per step sums them
@@ -122,6 +126,7 @@ class Trainer:
         self._train_progs = [self._build_train_program(self._flat_views(g)) for g in self._worker_flat_g]
         # dropout-mask inputs of the training graph (name -> shape), fed per micro-batch
         self._masks = {n: node.shape for n, node in self._train_progs[0].inputs.items() if n.endswith(".dropout")}
+        self._budget_float_copies()
         # compiled eval programs by sequence count, one cache per concurrent worker (grown on demand)
         self._eval_caches: list[ProgramCache] = []
         self._pos = backend.asarray(np.arange(n_ctx, dtype=np.int32))
@@ -147,10 +152,25 @@ class Trainer:
             self.values[name] = view
         self.grads = self._flat_views(self.flat_g)
         frozen = {name: w for name, w in weights.items() if name not in self.values}
-        self.values.update(be.bind(frozen))  # a QTensor's bytes as they are
+        # a QTensor's bytes as they are, with float32 copies kept within a budget set once the
+        # run's other memory is planned (_budget_float_copies; the cpu: other backends keep none)
+        bound = be.bind(frozen, float_copies=FloatCopies(0))
+        self.values.update(bound)
+        self.float_copies, self._frozen = bound.float_copies, frozen
         gguf = getattr(self.model, "gguf", None)
         if self.trainable and gguf is not None:
             gguf.drop_pages()  # the trained tensors now live in flat_w; frozen ones fault back in
+
+    def _budget_float_copies(self) -> None:
+        """The frozen quantized matrices' float32 copies: as many as fit (qtensor.training_budget),
+        made at their first product; those only looked up (a token table) keep none. Float32
+        passes only (the copies are float32)."""
+        if self.float_copies is None or np.dtype(self.backend.dtype) != np.float32:
+            return
+        multiplied = {n.inputs[1].name for n in self._train_progs[0].order if n.op in ("qlinear", "qlinear_back")}
+        need = sum(self.memory_bytes().values())
+        self.float_copies.budget = training_budget({n: w for n, w in self._frozen.items() if n in multiplied},
+                                                   need, available_memory(self.backend))
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
@@ -237,6 +257,8 @@ class Trainer:
         })
         if self._masks:
             memory["dropout masks"] = sum(int(np.prod(s)) for s in self._masks.values()) * itemsize * self.n_workers
+        if self.float_copies is not None and self.float_copies.budget:
+            memory["float copies"] = self.float_copies.budget  # at most: they are made while they fit it
         return memory
 
     def base_types(self) -> dict[str, int]:
@@ -265,11 +287,9 @@ class Trainer:
             "targets": be.asarray(np.ascontiguousarray(targets, dtype=np.int32).reshape(-1)),
         }
         if self.packed:
-            from llmtune.arch.packing import packing_inputs
-
             if segments is None:
                 raise ValueError("a packed trainer's passes need the windows' segments")
-            for name, value in packing_inputs(self.model.hp, segments).items():  # masks in the backend's float type
+            for name, value in self._layout_inputs(segments).items():  # masks in the backend's float type
                 feed[name] = be.asarray(value if value.dtype == np.int32 else value.astype(be.dtype, copy=False))
         if seqs is not None and self._masks:
             from llmtune.model.adapter import dropout_masks
@@ -277,6 +297,12 @@ class Trainer:
             masks = dropout_masks(self._masks, self.lora_dropout, self.seed, self.steps_done, seqs)
             feed.update({n: be.asarray(m.astype(be.dtype, copy=False)) for n, m in masks.items()})
         return feed
+
+    def _layout_inputs(self, segments) -> dict:
+        """Positions and masks of packed windows (a subclass lays its windows out otherwise)."""
+        from llmtune.arch.packing import packing_inputs
+
+        return packing_inputs(self.model.hp, segments)
 
     def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats,
                    segments: np.ndarray | None = None) -> float:

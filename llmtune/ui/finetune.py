@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from llmtune.train import events as ev
-from llmtune.ui.format import mib, percent, plus_minus
+from llmtune.ui.format import mib, percent, plus_minus, sparkline
 
 
 # EpochResult fields reported with their standard error (`<name>_err`), in column order
@@ -30,7 +30,7 @@ class FinetuneReporter:
         # a bar that gives way first, so the step counter and the numbers keep their place at 80 columns
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(bar_width=None), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f} acc {task.fields[acc]:.3f} lr {task.fields[lr]:.1e} "
+            TextColumn("loss {task.fields[loss]:.4f} acc {task.fields[acc]:.3f} {task.fields[pref]}lr {task.fields[lr]:.1e} "
                        "{task.fields[tps]:,.0f} tok/s"),
             TimeRemainingColumn(), console=err, transient=False, expand=True,
             disable=not err.is_terminal,  # one finished bar per epoch stays
@@ -38,6 +38,8 @@ class FinetuneReporter:
         self.tasks = {}
         self.epochs = []
         self.bench = None  # --eval-benchmark's score before training ("benchmark" event)
+        self.selected = None  # --early-stop / --save-best's best pass ("selected" event)
+        self.losses = []  # (global step, loss) of every step this process ran: the summary's sparkline
 
     def __enter__(self):
         self.progress.start()
@@ -47,6 +49,8 @@ class FinetuneReporter:
         self.progress.stop()
         if self.epochs:
             self._print_summary()
+        if self.losses:
+            self.out.print(loss_line(self.losses), highlight=False, soft_wrap=True)
         return False
 
     def __call__(self, event: ev.Event) -> None:
@@ -74,19 +78,21 @@ class FinetuneReporter:
 
     def _task(self, epoch: int, steps: int):
         if epoch not in self.tasks:
-            self.tasks[epoch] = self.progress.add_task(f"epoch {epoch}", total=steps, loss=math.nan, acc=math.nan,
+            self.tasks[epoch] = self.progress.add_task(f"epoch {epoch}", total=steps, loss=math.nan, acc=math.nan, pref="",
                                                        lr=0.0, tps=0.0)
         return self.tasks[epoch]
 
     def _on_step(self, e: ev.Step):
+        self.losses.append((e.global_step, e.loss))
         if self.err.is_terminal:
             task = self._task(e.epoch, e.steps)
             self.progress.update(task, completed=e.step, loss=e.running_loss, acc=e.accuracy, lr=e.lr,
+                                 pref=_preference_words(e.metrics),
                                  tps=e.tokens_per_s)
         elif e.step == 1 or e.step == e.steps or e.step % max(1, e.steps // STEP_LINES) == 0:
             # no bar off a terminal: a line about every tenth of an epoch, so a log shows the run moving
             self.err.print(f"epoch {e.epoch} step {e.step}/{e.steps}: loss {e.running_loss:.4f}, acc {e.accuracy:.3f}, "
-                           f"lr {e.lr:.2e}, {e.tokens_per_s:,.0f} tok/s", highlight=False)
+                           f"{_preference_words(e.metrics)}lr {e.lr:.2e}, {e.tokens_per_s:,.0f} tok/s", highlight=False)
 
     def _on_epoch(self, e: ev.EpochEnd):
         info = e.as_record()
@@ -97,6 +103,8 @@ class FinetuneReporter:
         """An epoch's results as fields that a narrow terminal may break between, never inside."""
         train_loss, train_acc, val_loss, val_acc = (_with_err(info, key) for key in _EPOCH_STATS)
         fields = [f"epoch {info['epoch']}:", f"train loss {train_loss}, acc {train_acc}", f"| val loss {val_loss}, acc {val_acc}"]
+        if info.get("val_metrics"):
+            fields.append(f"| val {_preference_words(info['val_metrics']).rstrip(', ')}")
         if not math.isnan(info.get("bench_accuracy", math.nan)):
             fields.append(f"| {self._bench_name()} acc {percent(info['bench_accuracy'], info['bench_accuracy_err'])}")
         if timing:
@@ -110,6 +118,32 @@ class FinetuneReporter:
         if console.is_terminal and len(line) > console.width:
             line = fields[0] + "".join(f"\n  {f}" for f in fields[1:])
         console.print(line, highlight=False, soft_wrap=True)
+
+    def _on_validation(self, e: ev.Validation):
+        if e.epoch_end:  # the epoch's line reports it
+            return
+        v = e.evaluation
+        fields = [f"step {v.global_step} (epoch {v.epoch}):",
+                  f"val loss {plus_minus(v.val_loss, v.val_loss_err)}, acc {plus_minus(v.val_accuracy, v.val_accuracy_err)}"]
+        if not math.isnan(v.bench_accuracy):
+            fields.append(f"| {self._bench_name()} acc {percent(v.bench_accuracy, v.bench_accuracy_err)}")
+        if e.improved:
+            fields.append("(best so far)")
+        self._print_fields(self.err, fields)
+
+    def _on_selected(self, e: ev.Selected):
+        self.selected = e
+
+    def _selected_line(self) -> str:
+        e = self.selected
+        if not e.step:
+            line = f"best: no validation pass scored {e.metric}"
+        else:
+            line = f"best: step {e.step} (epoch {e.epoch}), {e.metric} {e.value:.4f}"
+            line += "; -o holds its weights (--save-best)" if e.saved else ""
+        if e.stopped_at:
+            line += f"; stopped early at step {e.stopped_at} ({e.patience} validation passes without improvement)"
+        return line
 
     def _on_benchmark(self, e: ev.Benchmark):
         self.bench = e
@@ -157,13 +191,15 @@ class FinetuneReporter:
         natural = self.out.measure(table, options=self.out.options.update_width(10_000)).maximum
         if not self.out.is_terminal or natural <= self.out.width:
             self.out.print(table)
-            return
-        self.out.print("finetune summary", highlight=False)
-        if self.bench is not None:
-            self.out.print(f"before: {self._bench_name()} acc {percent(self.bench.accuracy, self.bench.accuracy_err)}",
-                           highlight=False)
-        for info in self.epochs:
-            self._print_fields(self.out, self._epoch_fields(info, timing=True))
+        else:
+            self.out.print("finetune summary", highlight=False)
+            if self.bench is not None:
+                self.out.print(f"before: {self._bench_name()} acc {percent(self.bench.accuracy, self.bench.accuracy_err)}",
+                               highlight=False)
+            for info in self.epochs:
+                self._print_fields(self.out, self._epoch_fields(info, timing=True))
+        if self.selected is not None:
+            self.out.print(self._selected_line(), highlight=False, soft_wrap=True)
 
     def _summary(self) -> Table:
         table = Table(title="finetune summary")
@@ -186,6 +222,11 @@ def data_line(data: dict) -> str:
     per_epoch = f"{data['loss_tokens_per_epoch']:,} tokens carry loss per epoch"
     if data["format"] == "text":
         return f"data: text, every token of each window carries loss; {per_epoch}"
+    if data["format"] == "preference":
+        dropped = f"; {data['dropped']} dropped (longer than --ctx)" if data["dropped"] else ""
+        return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} preference "
+                f"pairs, one per window (prompt once, then chosen and rejected; {data['padding']:.0%} padding)"
+                f"{dropped}; {per_epoch} (the completions' tokens)")
     notes = []
     if data["truncated"]:
         notes.append(f"{data['truncated']} truncated to --ctx")
@@ -199,3 +240,22 @@ def data_line(data: dict) -> str:
     return (f"data: {data['examples']:,} {data['format']} examples, {layout}; prompts masked unless "
             f"--train-on-prompt{'; ' + ', '.join(notes) if notes else ''}; {per_epoch}")
 
+
+
+def loss_line(losses: list) -> str:
+    """'loss ▇▅▃▂▁ 5.3265 -> 2.0109 (steps 1-934)': the finetune summary's last line, and `llmtune plot`'s."""
+    steps, values = [s for s, _ in losses], [v for _, v in losses]
+    return (f"loss {sparkline(values)} {values[0]:.4f} -> {values[-1]:.4f} "
+            f"(steps {steps[0]}-{steps[-1]})")
+
+
+def _preference_words(metrics: dict) -> str:
+    """A preference step's or validation's TRL metrics in a few words ("" for supervised runs);
+    acc is then rewards/accuracies."""
+    if not metrics:
+        return ""
+    words = f"margin {metrics['rewards/margins']:.3f}, chosen {metrics['rewards/chosen']:.3f}, " \
+            f"rejected {metrics['rewards/rejected']:.3f}, "
+    if "log_odds_ratio" in metrics:
+        words += f"nll {metrics['nll_loss']:.3f}, log odds ratio {metrics['log_odds_ratio']:.3f}, "
+    return words

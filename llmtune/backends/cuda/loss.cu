@@ -38,6 +38,19 @@ extern "C" __global__ void cross_entropy_back(const real* logits, const int* __r
     }
 }
 
+// token_nll's gradient: (exp(logit - lse) - onehot(target)) * g[row], 0 on rows with a negative
+// (masked) target; logits and out may alias, as in cross_entropy_back.
+extern "C" __global__ void token_nll_back(const real* logits, const int* __restrict__ targets,
+                                          const real* __restrict__ lse, const real* __restrict__ g, real* out,
+                                          long long n_rows, int n_vocab) {
+    GRID_STRIDE(i, n_rows * n_vocab) {
+        const long long row = i / n_vocab;
+        const int c = (int)(i - row * n_vocab);
+        const int t = targets[row];
+        out[i] = t < 0 ? (real)0 : (exp(logits[i] - lse[row]) - (c == t ? (real)1 : (real)0)) * g[row];
+    }
+}
+
 // numpy.argmax order: NaN above everything, ties to the lower index.
 __device__ __forceinline__ bool argmax_better(real v, int i, real best_v, int best_i) {
     if (isnan(v)) return !isnan(best_v) || i < best_i;

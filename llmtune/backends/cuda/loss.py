@@ -1,5 +1,6 @@
 """The CUDA kernels of ops.py's loss section (loss.cu): logsumexp, cross entropy (mean over the
-rows whose target is not masked) and its gradient, count_correct."""
+rows whose target is not masked) and its gradient, the per-row NLL of token_nll and its
+gradient, count_correct."""
 
 from __future__ import annotations
 
@@ -40,6 +41,22 @@ class LossKernels:
                                               dtype=out.dtype))
             self._launch("cross_entropy_back", out.dtype, flat_grid(out.size), (BLOCK,), logits,
                          targets, self._contig(lse), gs, out, np.int64(rows), np.int32(n_vocab))
+        return out
+
+    def _k_token_nll(self, out, logits, targets, lse):
+        logits, rows, n_vocab = self._rows(logits)
+        targets = self._ids(targets).reshape(-1)
+        if rows:
+            self._launch("cross_entropy_rows", out.dtype, flat_grid(rows), (BLOCK,), logits,
+                         targets, self._contig(lse), out, np.int64(rows), np.int32(n_vocab))
+        return out
+
+    def _k_token_nll_back(self, out, logits, targets, lse, g):
+        logits, rows, n_vocab = self._rows(logits)
+        targets = self._ids(targets).reshape(-1)
+        if out.size:
+            self._launch("token_nll_back", out.dtype, flat_grid(out.size), (BLOCK,), logits,
+                         targets, self._contig(lse), self._contig(g), out, np.int64(rows), np.int32(n_vocab))
         return out
 
     def _per_row(self, name, logits, targets):

@@ -1,0 +1,396 @@
+"""Preference tuning: DPO, ORPO and SimPO on (prompt, chosen, rejected) pairs, as TRL computes them.
+
+- Data (train/records.py's "preference" format): plain strings, tokenized as TRL's DPOTrainer
+  (_prepare_dataset: the prompt with the tokenizer's BOS, prompt + completion + EOS, the completion
+  starting where the two token lists diverge), or conversational (TRL's maybe_apply_chat_template:
+  the prompt rendered with the generation prompt, prompt + chosen / rejected rendered whole).
+- One window per pair, one pass: the prompt (less its last token) is a trunk, and the chosen and
+  rejected completions are two branches after it, each starting with the prompt's last token.
+  arch/packing.py pair_inputs gives the positions (each branch continues the prompt's) and the mask
+  (a branch sees the trunk and itself), so the prompt is computed once and each completion's
+  log-probabilities are those of prompt + completion alone.
+- The losses are functions of per-sequence log-probability sums (Objective.loss, float64 numpy):
+  DPO (trl DPOTrainer loss_type="sigmoid", label_smoothing), ORPO (trl ORPOTrainer: chosen NLL over
+  prompt and completion minus beta * mean logsigmoid(log odds ratio) of mean log-probabilities),
+  SimPO (trl CPOTrainer loss_type="simpo", cpo_alpha=0). A step runs a forward pass for the
+  log-probabilities, then the training pass seeded with each token's weight, the loss's gradient
+  wrt that token's NLL (ops.token_nll), so the gradients are those of the loss itself.
+- The reference of DPO is the model as training starts (the base with a new LoRA adapter, whose B
+  is 0; the base plus --lora-init's adapter, TRL's "ref" adapter copy): its log-probabilities are
+  computed once, before training, for every pair (TRL's precompute_ref_log_probs), and kept in the
+  checkpoints, so no second model is ever held.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from llmtune.errors import LlmtuneError
+from llmtune.graph import ops
+from llmtune.graph.autodiff import grad
+from llmtune.graph.planner import Program
+from llmtune.train.data import TrainValSplit, held_out
+from llmtune.train.trainer import RunningStats, Trainer
+
+METHODS = ("sft", "dpo", "orpo", "simpo")
+TRUNK, CHOSEN, REJECTED, PAD = 0, 1, 2, 3  # the parts of a pair's window
+
+
+# ------------------------------------------------------------------------------------ data
+@dataclass
+class Pair:
+    prompt: np.ndarray  # int32 token ids (at least one: the BOS or the prompt's first token)
+    chosen: np.ndarray
+    rejected: np.ndarray
+
+    @property
+    def slots(self) -> int:
+        """Input slots the pair takes in its window: the prompt less its last token, then each
+        completion (its first input is the prompt's last token)."""
+        return len(self.prompt) - 1 + len(self.chosen) + len(self.rejected)
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def tokenize_pair(tokenizer, template, item, where: str) -> Pair:
+    """A record's (prompt, chosen, rejected) as token ids, as TRL's DPOTrainer._prepare_dataset:
+    strings get EOS after each completion; message lists are rendered with the chat template;
+    the completions start where prompt and prompt + completion stop sharing tokens."""
+    from llmtune.tokenizer.chat_template import ChatTemplateError, encode
+
+    prompt, chosen, rejected = item
+    if isinstance(prompt, str):
+        def full(completion):
+            ids = list(tokenizer.encode(prompt + completion, add_special=True))
+            if tokenizer.eos_id is not None and tokenizer.eos_id >= 0 and (not ids or ids[-1] != tokenizer.eos_id):
+                ids.append(tokenizer.eos_id)
+            return ids
+        p_ids, c_ids, r_ids = list(tokenizer.encode(prompt, add_special=True)), full(chosen), full(rejected)
+    else:
+        if template is None:
+            raise LlmtuneError(f"{where}: conversational pairs need a chat template (the model has none: "
+                               f"give --chat-template)")
+        try:
+            p_ids = encode(tokenizer, template.render(prompt, add_generation_prompt=True))
+            c_ids = encode(tokenizer, template.render(prompt + chosen, add_generation_prompt=False))
+            r_ids = encode(tokenizer, template.render(prompt + rejected, add_generation_prompt=False))
+        except ChatTemplateError as exc:
+            raise LlmtuneError(f"{where}: {exc}") from None
+    n = min(_common_prefix(p_ids, c_ids), _common_prefix(p_ids, r_ids))
+    as_ids = lambda ids: np.asarray(ids, dtype=np.int32)  # noqa: E731
+    return Pair(as_ids(c_ids[:n]), as_ids(c_ids[n:]), as_ids(r_ids[n:]))
+
+
+@dataclass
+class PairLayout:
+    """What a batch of pair windows carries besides inputs and targets: each token's part (TRUNK,
+    CHOSEN, REJECTED, PAD), and the pairs' reference log-probabilities (chosen, rejected)."""
+
+    parts: np.ndarray  # int32 [n, n_ctx]
+    ref: Optional[np.ndarray]  # float64 [n, 2], or None (no reference)
+
+    def __getitem__(self, rows) -> "PairLayout":
+        return PairLayout(self.parts[rows], None if self.ref is None else self.ref[rows])
+
+
+@dataclass
+class PairDataset(TrainValSplit):
+    """One pair per window of n_ctx input slots (see the module docstring); the last val_split of
+    the pairs validate. Same interface as train/chat.py's datasets; gather adds a PairLayout."""
+
+    pairs: list
+    n_ctx: int
+    pad_id: int
+    n_train: int
+    n_val: int
+    n_dropped: int = 0
+    format: str = "preference"
+    template: object = None
+    ref: Optional[np.ndarray] = None  # float64 [n_pairs, 2]: the reference's log-probabilities (DPO)
+
+    @classmethod
+    def build(cls, pairs: list[Pair], n_ctx: int, val_split: float, pad_id: int, source: str = "data") -> "PairDataset":
+        kept = [p for p in pairs if len(p.prompt) >= 1 and len(p.chosen) and len(p.rejected) and p.slots <= n_ctx]
+        if not kept:
+            raise LlmtuneError(f"{source}: no pair fits in --ctx {n_ctx} (prompt + chosen + rejected, less one token): "
+                               f"raise --ctx")
+        n = len(kept)
+        n_val = held_out(n, val_split, source, "pair(s)")
+        return cls(kept, n_ctx, int(pad_id), n - n_val, n_val, len(pairs) - n)
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(len(p.prompt) + len(p.chosen) + len(p.rejected) for p in self.pairs))
+
+    def gather(self, indices) -> tuple[np.ndarray, np.ndarray, PairLayout]:
+        """(inputs, targets, layout) [n, n_ctx] of pairs `indices`: the trunk's targets are the
+        prompt's next tokens (ORPO's NLL counts them), each branch's its completion."""
+        indices = np.asarray(indices, dtype=np.int64)
+        x = np.full((len(indices), self.n_ctx), self.pad_id, dtype=np.int32)
+        y = np.full((len(indices), self.n_ctx), -1, dtype=np.int32)
+        parts = np.full((len(indices), self.n_ctx), PAD, dtype=np.int32)
+        for r, i in enumerate(indices):
+            p = self.pairs[i]
+            at = len(p.prompt) - 1
+            x[r, :at], y[r, :at], parts[r, :at] = p.prompt[:-1], p.prompt[1:], TRUNK
+            for part, completion in ((CHOSEN, p.chosen), (REJECTED, p.rejected)):
+                n = len(completion)
+                x[r, at], x[r, at + 1 : at + n] = p.prompt[-1], completion[:-1]
+                y[r, at : at + n], parts[r, at : at + n] = completion, part
+                at += n
+        return x, y, PairLayout(parts, None if self.ref is None else self.ref[indices])
+
+    def loss_tokens(self, indices) -> int:
+        return int(sum(len(self.pairs[i].chosen) + len(self.pairs[i].rejected) for i in indices))
+
+    def padding(self, indices) -> float:
+        indices = list(indices)
+        return 1.0 - sum(self.pairs[i].slots for i in indices) / max(len(indices) * self.n_ctx, 1)
+
+    def info(self, seqs_per_epoch: int) -> dict:
+        """What the start report says about the pairs (train/chat.py data_info's keys)."""
+        train = self.loss_tokens(range(self.n_train))
+        return {"format": "preference", "examples": len(self.pairs), "dropped": self.n_dropped, "truncated": 0,
+                "conversational": self.template is not None, "loss_tokens": train,
+                "loss_tokens_per_epoch": int(round(train * seqs_per_epoch / max(self.n_train, 1))),
+                "padding": self.padding(range(self.n_train))}
+
+
+def build_pairs(model, data_path, ctx: int, val_split: float, fmt: str = "auto", chat_template=None,
+                method: str = "dpo") -> tuple[PairDataset, int]:
+    """(dataset, n_tokens) of a preference file: {"prompt", "chosen", "rejected"} records."""
+    from llmtune.tokenizer.chat_template import ChatTemplate
+    from llmtune.train.chat import pad_token
+    from llmtune.train.records import read_records
+
+    records = read_records(data_path, fmt)
+    if records.format != "preference":
+        raise LlmtuneError(f"--method {method}: {data_path} holds {records.format} data; preference tuning reads "
+                           f"{{\"prompt\", \"chosen\", \"rejected\"}} records")
+
+    conversational = bool(records.items) and not isinstance(records.items[0][0], str)
+    template = ChatTemplate.for_model(model.gguf, model.tokenizer, chat_template) if conversational else None
+    if chat_template is not None and not conversational:
+        raise LlmtuneError(f"--chat-template: {data_path} holds plain-string pairs, not conversations")
+    pairs = []
+    for item, where in zip(records.items, records.wheres):
+        if isinstance(item[0], str) == conversational:
+            raise LlmtuneError(f"{where}: a {'plain-string' if conversational else 'conversational'} pair among "
+                               f"{'conversational' if conversational else 'plain-string'} ones")
+        pairs.append(tokenize_pair(model.tokenizer, template, item, where))
+    ds = PairDataset.build(pairs, ctx, val_split, pad_token(model.tokenizer), str(data_path))
+    ds.template = template
+    return ds, ds.tokens
+
+
+# ------------------------------------------------------------------------------------ losses
+def _logsigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def _sigmoid(x):
+    return np.exp(_logsigmoid(x))
+
+
+@dataclass
+class SeqLogps:
+    """Per-pair sums of the policy's log-probabilities (float64) and their token counts; ORPO's
+    NLL also reads the chosen sequence's prompt tokens (trunk)."""
+
+    chosen: np.ndarray
+    rejected: np.ndarray
+    n_chosen: np.ndarray
+    n_rejected: np.ndarray
+    trunk_nll: float
+    n_trunk: int
+
+    @classmethod
+    def of(cls, nll: np.ndarray, targets: np.ndarray, parts: np.ndarray) -> "SeqLogps":
+        nll = np.where(targets >= 0, np.asarray(nll, dtype=np.float64), 0.0)
+        counted = targets >= 0
+        s = lambda part: (-nll * (parts == part)).sum(axis=1)  # noqa: E731
+        n = lambda part: ((parts == part) & counted).sum(axis=1)  # noqa: E731
+        return cls(s(CHOSEN), s(REJECTED), n(CHOSEN), n(REJECTED),
+                   float(nll[parts == TRUNK].sum()), int(((parts == TRUNK) & counted).sum()))
+
+
+@dataclass
+class Objective:
+    """One of METHODS' losses over a batch of pairs (TRL's formulas, float64)."""
+
+    method: str
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    gamma: float = 0.5
+
+    def loss(self, lp: SeqLogps, ref: Optional[np.ndarray]) -> tuple[float, np.ndarray, np.ndarray, float, dict]:
+        """(loss, dloss/dchosen_sum, dloss/drejected_sum, dloss/d(each chosen-sequence token's NLL),
+        metrics) for a batch of pairs: the mean over its pairs, as TRL."""
+        n, b, ls = len(lp.chosen), self.beta, self.label_smoothing
+        metrics: dict = {}
+        nll_weight = 0.0
+        if self.method == "orpo":  # trl ORPOTrainer.odds_ratio_loss, on mean log-probabilities
+            ac, ar = lp.chosen / lp.n_chosen, lp.rejected / lp.n_rejected
+            log1mexp = lambda x: np.where(x < -math.log(2), np.log1p(-np.exp(x)), np.log(-np.expm1(x)))  # noqa: E731
+            log_odds = (ac - ar) - (log1mexp(ac) - log1mexp(ar))
+            ratio = _logsigmoid(log_odds)
+            n_tok = lp.n_trunk + int(lp.n_chosen.sum())
+            nll = (lp.trunk_nll - float(lp.chosen.sum())) / max(n_tok, 1)  # CrossEntropyLoss over prompt + chosen
+            loss = nll - b * float(ratio.mean())
+            d_odds = -b * _sigmoid(-log_odds) / n
+            d_c = d_odds / -np.expm1(ac) / lp.n_chosen
+            d_r = -d_odds / -np.expm1(ar) / lp.n_rejected
+            nll_weight = 1.0 / max(n_tok, 1)
+            d_c = d_c - nll_weight  # the NLL term: d nll / d chosen_sum
+            rc, rr = b * ac, b * ar
+            logps = ac, ar
+            metrics.update({"nll_loss": nll, "log_odds_ratio": float(ratio.mean()), "log_odds_chosen": float(log_odds.mean())})
+        else:
+            if self.method == "dpo":  # trl DPOTrainer, loss_type="sigmoid"
+                if ref is None:
+                    raise ValueError("DPO needs the reference log-probabilities")
+                rc, rr = b * (lp.chosen - ref[:, 0]), b * (lp.rejected - ref[:, 1])
+                z, dz_c, dz_r = rc - rr, b, -b
+                logps = lp.chosen, lp.rejected
+            elif self.method == "simpo":  # trl CPOTrainer, loss_type="simpo", cpo_alpha=0
+                ac, ar = lp.chosen / lp.n_chosen, lp.rejected / lp.n_rejected
+                z = b * (ac - ar) - self.gamma
+                dz_c, dz_r = b / lp.n_chosen, -b / lp.n_rejected
+                rc, rr = b * ac, b * ar
+                logps = ac, ar
+            else:
+                raise ValueError(f"no preference loss for method {self.method!r}")
+            losses = -(1 - ls) * _logsigmoid(z) - ls * _logsigmoid(-z)
+            loss = float(losses.mean())
+            dz = (-(1 - ls) * _sigmoid(-z) + ls * _sigmoid(z)) / n
+            d_c, d_r = dz * dz_c, dz * dz_r
+        metrics = {"rewards/chosen": float(rc.mean()), "rewards/rejected": float(rr.mean()),
+                   "rewards/accuracies": float((rc > rr).mean()), "rewards/margins": float((rc - rr).mean()),
+                   "logps/chosen": float(logps[0].mean()), "logps/rejected": float(logps[1].mean()), **metrics}
+        return loss, np.asarray(d_c, dtype=np.float64), np.asarray(d_r, dtype=np.float64), nll_weight, metrics
+
+    def token_weights(self, lp: SeqLogps, d_c, d_r, nll_weight: float, targets, parts) -> np.ndarray:
+        """d loss / d token NLL for every token of the windows [n, n_ctx]: a completion token's
+        log-probability adds to its sequence's sum (d NLL = -d logp); ORPO's NLL term also weighs
+        the prompt tokens of the chosen sequence (d_c already holds its share on chosen tokens)."""
+        w = np.zeros(parts.shape, dtype=np.float64)
+        w += np.where(parts == CHOSEN, -d_c[:, None], 0.0)
+        w += np.where(parts == REJECTED, -d_r[:, None], 0.0)
+        if nll_weight:
+            w += np.where(parts == TRUNK, nll_weight, 0.0)
+        return np.where(targets >= 0, w, 0.0)
+
+
+# ------------------------------------------------------------------------------------ trainer
+class PreferenceTrainer(Trainer):
+    """The trainer of --method dpo|orpo|simpo: one pair per window (PairDataset), each step a
+    forward pass for the pairs' log-probabilities, then the training pass whose backward starts from
+    every token's weight (Objective.token_weights). train_step / evaluate take the windows' layout
+    where the packed trainer takes segments; step_metrics / eval_metrics hold TRL's metrics."""
+
+    def __init__(self, model, backend, *, objective: Objective, **kw):
+        self.objective = objective
+        if kw.get("lora_dropout"):
+            raise LlmtuneError("--lora-dropout: preference methods train without dropout (as TRL's disable_dropout)")
+        super().__init__(model, backend, packed=True, workers=1, **kw)
+        if self.comm.size > 1:
+            raise LlmtuneError(f"--method {objective.method}: preference tuning runs in one process (no data parallel)")
+        # one forward program of a micro-batch's windows (a short last chunk is padded to it), made
+        # now so that the memory estimate counts its arena
+        self._forward = self._make_eval_program(self.seqs_per_ubatch)
+        self._forward_tuner = backend.step_tuner(1)  # OpenBLAS threads by timing, per forward pass
+
+    def _build_train_program(self, grad_views: dict) -> Program:
+        _, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable, packed=True)
+        targets = ops.input((self.n_ubatch,), "i32", name="targets")
+        weights = ops.input((self.n_ubatch,), name="token_weights")
+        nll = ops.token_nll(logits, targets)
+        grads = grad(nll, [nodes[n] for n in self.trainable], seed=weights, checkpoint=self.grad_checkpoint)
+        sinks = {grads[nodes[n]]: grad_views[n] for n in self.trainable if nodes[n] in grads}
+        return self._program([nll], nodes, accumulate=sinks)
+
+    def _make_eval_program(self, n_seq: int) -> Program:
+        _, nodes, logits = self.model.build(n_seq, self.n_ctx, packed=True)
+        return self._program([ops.token_nll(logits, ops.input((n_seq * self.n_ctx,), "i32", name="targets"))], nodes)
+
+    def _layout_inputs(self, parts) -> dict:
+        from llmtune.arch.packing import pair_inputs
+
+        return pair_inputs(self.model.hp, parts.parts if isinstance(parts, PairLayout) else parts)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The trainer's parts plus the arena of the forward pass that scores the pairs."""
+        return {**super().memory_bytes(), "forward pass": self._forward.memory.planned_bytes}
+
+    def token_nll(self, inputs: np.ndarray, targets: np.ndarray, layout: PairLayout) -> np.ndarray:
+        """Every token's NLL under the current weights [n, n_ctx] (forward passes of n_ubatch
+        tokens; a short last chunk padded with windows of padding)."""
+        k, out = self.seqs_per_ubatch, []
+        for s in range(0, len(inputs), k):
+            x, y, parts = inputs[s : s + k], targets[s : s + k], layout.parts[s : s + k]
+            n = len(x)
+            if n < k:
+                pad = ((0, k - n), (0, 0))
+                x, y, parts = np.pad(x, pad), np.pad(y, pad, constant_values=-1), np.pad(parts, pad, constant_values=PAD)
+            with self._forward_tuner():
+                (nll,) = self._forward.run(**self._feed(x, y, segments=parts))
+            out.append(np.asarray(self.backend.to_numpy(nll), dtype=np.float64).reshape(k, -1)[:n])
+        return np.concatenate(out)
+
+    def _score(self, inputs, targets, layout):
+        lp = SeqLogps.of(self.token_nll(inputs, targets, layout), targets, layout.parts)
+        return lp, self.objective.loss(lp, layout.ref)
+
+    def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats,
+                   layout: PairLayout = None) -> float:
+        """One optimizer step over the batch's pairs; returns the step's loss (the mean over its pairs)."""
+        be, k = self.backend, self.seqs_per_ubatch
+        lp, (loss, d_c, d_r, nll_w, metrics) = self._score(inputs, targets, layout)
+        weights = self.objective.token_weights(lp, d_c, d_r, nll_w, targets, layout.parts)
+        bufs = self._train_inputs[0]
+        with self._blas_tuner():
+            for j, s in enumerate(range(0, len(inputs), k)):
+                feed = self._feed(inputs[s : s + k], targets[s : s + k], segments=layout.parts[s : s + k])
+                feed["token_weights"] = be.asarray(weights[s : s + k].reshape(-1).astype(be.dtype))
+                for name, value in feed.items():
+                    if bufs[name] is not value:
+                        bufs[name][...] = value
+                self._run_train(0, assign=j == 0)
+        self._check_step(loss)
+        stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
+        self.step_metrics = metrics
+        self.grad_norm = self.clip_gradients()
+        self.optimizer.step(self.flat_w, self.flat_g, lr)
+        self.steps_done += 1
+        return loss
+
+    def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats,
+                 layout: PairLayout = None) -> None:
+        """The loss and metrics over the pairs at once (one batch), without gradients; the
+        accuracy recorded is rewards/accuracies."""
+        _, (loss, _, _, _, metrics) = self._score(inputs, targets, layout)
+        stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
+        self.eval_metrics = metrics
+
+    def reference_logps(self, dataset: PairDataset) -> np.ndarray:
+        """Every pair's (chosen, rejected) log-probability sums under the current weights: DPO's
+        reference, computed before the first step (TRL's precompute_ref_log_probs)."""
+        n = len(dataset.pairs)
+        out = np.zeros((n, 2), dtype=np.float64)
+        chunk = max(self.seqs_per_ubatch, 1)
+        for s in range(0, n, chunk):
+            idx = np.arange(s, min(s + chunk, n))
+            x, y, layout = dataset.gather(idx)
+            lp = SeqLogps.of(self.token_nll(x, y, layout), y, layout.parts)
+            out[idx, 0], out[idx, 1] = lp.chosen, lp.rejected
+        return out
