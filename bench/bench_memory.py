@@ -49,13 +49,19 @@ def _worker(model: str, text: str, ctx: int, steps: int, checkpoint: bool, lora:
             "tokens_per_s": ctx / step_s, "steps": len(times)}
 
 
-def run(model: Path, text: Path, ctx: int, steps: int, checkpoint: bool, lora: bool = False) -> dict:
-    code = (f"import sys, json; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_memory as b; "
-            f"print(json.dumps(b._worker({str(model)!r}, {str(text)!r}, {ctx}, {steps}, {checkpoint}, {lora})))")
+def fresh_process(module: str, call: str):
+    """bench/<module>.py's `call` (a Python expression with a JSON result) in a fresh interpreter,
+    so that its peak RSS is its own."""
+    code = (f"import sys, json; sys.path.insert(0, {str(REPO / 'bench')!r}); import {module} as b; "
+            f"print(json.dumps(b.{call}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(model: Path, text: Path, ctx: int, steps: int, checkpoint: bool, lora: bool = False) -> dict:
+    return fresh_process("bench_memory", f"_worker({str(model)!r}, {str(text)!r}, {ctx}, {steps}, {checkpoint}, {lora})")
 
 
 def text_for(tmp: Path, model: Path, ctx: int, steps: int) -> Path:

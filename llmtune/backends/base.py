@@ -109,6 +109,13 @@ class Backend:
     def adamw_step(self, w, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, wd: float, t: int) -> None:
         raise NotImplementedError
 
+    def adamw8bit_step(self, w, g, m, v, absmax_m, absmax_v, starts, code_m, code_v, *, lr: float, beta1: float,
+                       beta2: float, eps: float, wd: float, t: int) -> None:
+        """bitsandbytes' AdamW8bit over block-wise 8-bit moments (quant/dynamic8.py): m, v uint8
+        map indices, absmax_m/_v one float per block, starts int64 [n_blocks + 1], code_m/_v the
+        signed/unsigned dynamic maps; each block is dequantized, updated as adamw_step, requantized."""
+        raise NotImplementedError
+
     def sgd_step(self, w, g, *, lr: float, wd: float) -> None:
         raise NotImplementedError
 

@@ -15,6 +15,7 @@ from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, paral
 from llmtune.graph.ops import rope_inv_freq
 from llmtune.native import kernels as native
 from llmtune.native import program as native_program
+from llmtune.quant import dynamic8
 from llmtune.quant import matmul as qmatmul
 from llmtune.resources import process_rss
 
@@ -828,6 +829,38 @@ def _adamw_range(w, g, m, v, start, stop, *, lr, beta1, beta2, eps, wd, t):
         ws -= tt
 
 
+_ADAM8_CHUNK = 128  # quantization blocks per pass of the 8-bit AdamW update (32K values: in L2)
+
+
+def _adamw8bit_range(w, g, m, v, absmax_m, absmax_v, starts, code_m, code_v, start, stop, *, lr, beta1, beta2,
+                     eps, wd, t):
+    """The 8-bit AdamW update of the blocks that start in start..stop, a few blocks at a time:
+    dequantize, the AdamW update in the float type, requantize (new absmax per block)."""
+    c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
+    keep = 1.0 - lr * wd
+    first, last = np.searchsorted(starts[:-1], [start, stop])
+    for b0 in range(first, last, _ADAM8_CHUNK):
+        b1 = min(b0 + _ADAM8_CHUNK, last)
+        s, e = starts[b0], starts[b1]
+        local = starts[b0 : b1 + 1] - s
+        gs = g[s:e]
+        ms = dynamic8.dequantize(m[s:e], absmax_m[b0:b1], local, code_m)
+        vs = dynamic8.dequantize(v[s:e], absmax_v[b0:b1], local, code_v)
+        ms *= beta1
+        ms += gs * (1.0 - beta1)
+        vs *= beta2
+        vs += gs * gs * (1.0 - beta2)
+        upd = ms * c1
+        upd /= np.sqrt(vs * c2) + eps
+        upd *= lr
+        ws = w[s:e]
+        if wd:
+            ws *= keep
+        ws -= upd
+        m[s:e], absmax_m[b0:b1] = dynamic8.quantize(ms, local, code_m, keep_sign=True)
+        v[s:e], absmax_v[b0:b1] = dynamic8.quantize(vs, local, code_v)
+
+
 class CPUBackend(Backend):
     name = "cpu"
     maps_host_arrays = True
@@ -915,6 +948,13 @@ class CPUBackend(Backend):
         # same bits; each part is blocked so its temporaries stay in cache.
         step = functools.partial(_adamw_range, w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd, t=t)
         parallel_ranges(step, w.size, _ADAMW_BLOCK)
+
+    def adamw8bit_step(self, w, g, m, v, absmax_m, absmax_v, starts, code_m, code_v, *, lr, beta1, beta2, eps, wd, t):
+        # bitsandbytes' AdamW8bit (kOptimizerStatic8bit2StateBlockwise): blocks are independent,
+        # so the buffer splits over the cores at block starts with the same bits
+        step = functools.partial(_adamw8bit_range, w, g, m, v, absmax_m, absmax_v, starts, code_m, code_v,
+                                 lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd, t=t)
+        parallel_ranges(step, w.size, dynamic8.BLOCK)
 
     def sgd_step(self, w, g, *, lr, wd):
         if wd:

@@ -6,7 +6,13 @@ pickled), next to the output as `<output>.ckpt-<step>.npz` (out/demo.gguf.ckpt-0
 
   weights         float32 [n]   the trainer's flat trainable buffer: the trained tensors (full
                                 finetune) or the LoRA A/B tensors, concatenated in meta.trainable order
-  adam_m, adam_v  float32 [n]   AdamW's moments, same layout (absent with sgd)
+  adam_m, adam_v  float32 [n]   AdamW's moments, same layout (--optimizer adamw)
+  adam8_m, adam8_v  uint8 [n8]  adamw8bit's moments of its 8-bit tensors: dynamic-map indices
+                                (quant/dynamic8.py), in buffer order
+  adam8_absmax_m, adam8_absmax_v  float32 [blocks]  their per-block scales (blocks of 256, per tensor)
+  adam8_f32_m, adam8_f32_v  float32 [n - n8]  the moments of its float32 exceptions (train/optim.py
+                                keeps_f32_state: the token embedding, tensors under 4096 values)
+                                (no optimizer arrays with sgd)
   best_weights    float32 [n]   --save-best: the trained buffer at the best validation pass
   order           int64 [n_train]  the current epoch's window order (its RNG: numpy
                                 default_rng([seed, epoch]); dropout masks come from (seed, step))

@@ -42,7 +42,9 @@ class FinetuneConfig:
     warmup: int = setting(0, "Linear warmup over this many optimizer steps (linear, cosine: lr x step/N from step 0, "
                              "as transformers; constant, halflife: lr x (step+1)/N, as before).", metavar="N")
     wd: float = setting(0.0, "Decoupled weight decay.", metavar="X")
-    optimizer: str = setting("adamw", "adamw or sgd.", metavar="NAME")
+    optimizer: str = setting("adamw", "adamw, adamw8bit (AdamW with block-wise 8-bit moments, as bitsandbytes' "
+                                      "AdamW8bit: 2 bytes of state per trained value instead of 8) or sgd.",
+                             metavar="NAME")
     grad_clip: float = setting(0.0, "Clip the gradient's global L2 norm over every trained value to this "
                                     "(torch.nn.utils.clip_grad_norm_; after accumulation and the data-parallel "
                                     "all-reduce, before the update). Off by default, as llama.cpp's finetune, so "
@@ -160,6 +162,11 @@ class FinetuneConfig:
             raise LlmtuneError(f"--grad-clip: must be >= 0 (0: off), got {c.grad_clip}")
         if c.wd < 0:
             raise LlmtuneError(f"--wd: must be >= 0, got {c.wd}")
+        from llmtune.train.optim import OPTIMIZERS
+
+        if c.optimizer.lower() not in OPTIMIZERS:
+            raise LlmtuneError(f"--optimizer: unknown optimizer {c.optimizer!r} (choose {', '.join(OPTIMIZERS)})")
+        c.optimizer = c.optimizer.lower()
         if c.precision not in ("f32", "tf32", "bf16"):
             raise LlmtuneError(f"--precision: unknown precision {c.precision!r} (choose f32, tf32 or bf16)")
         if c.warmup < 0:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from llmtune.errors import LlmtuneError
+from llmtune.quant import dynamic8
 
 
 SCHEDULES = ("constant", "linear", "cosine", "halflife")
@@ -71,28 +74,118 @@ class LRSchedule:
         return self.lr_min + (self.lr0 - self.lr_min) * factor
 
 
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd")
+MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep float32 moments
+
+
+def keeps_f32_state(name: str, size: int, min_8bit_size: int = MIN_8BIT_SIZE) -> bool:
+    """adamw8bit's float32 exceptions, as bitsandbytes: tensors under min_8bit_size values (norms,
+    biases), and the token embedding, whose rows of rare tokens see zero gradients for many steps
+    (bitsandbytes.nn.StableEmbedding registers 32-bit optimizer state for it; its layer norm is not
+    added here, since it would change the model's architecture)."""
+    return size < min_8bit_size or name.startswith("token_embd.")
+
+
 class Optimizer:
-    """AdamW (ggml_opt_step_adamw) or SGD over the trainer's flat parameter/gradient buffers."""
+    """AdamW (ggml_opt_step_adamw), AdamW with block-wise 8-bit moments (bitsandbytes.optim.AdamW8bit,
+    quant/dynamic8.py) or SGD over the trainer's flat parameter/gradient buffers. `tensors`: the
+    (name, size) laid end to end in the buffer (default: one unnamed tensor of n); with adamw8bit,
+    blocks never span two of them and keeps_f32_state ones keep float32 moments."""
 
     def __init__(self, kind: str, backend, n: int, *, wd: float = 0.0, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-8):
+                 beta2: float = 0.999, eps: float = 1e-8, tensors=None, min_8bit_size: int = MIN_8BIT_SIZE):
         kind = kind.lower()
-        if kind not in ("adamw", "sgd"):
-            raise LlmtuneError(f"--optimizer: unknown optimizer {kind!r} (choose adamw or sgd)")
+        if kind not in OPTIMIZERS:
+            raise LlmtuneError(f"--optimizer: unknown optimizer {kind!r} (choose {', '.join(OPTIMIZERS)})")
         self.kind, self.backend, self.wd = kind, backend, wd
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.t = 0
-        self.m = backend.zeros((n,)) if kind == "adamw" else None
-        self.v = backend.zeros((n,)) if kind == "adamw" else None
+        self.m = self.v = None
+        if kind == "adamw":
+            self.m, self.v = backend.zeros((n,)), backend.zeros((n,))
+        elif kind == "adamw8bit":
+            self._init_8bit(n, [("", n)] if tensors is None else tensors, min_8bit_size)
+
+    def _init_8bit(self, n: int, tensors, min_8bit_size: int) -> None:
+        """Runs of consecutive tensors with the same state kind: ("8bit", buffer range, state range,
+        block range, block starts within the run) or ("f32", buffer range, state range)."""
+        be = self.backend
+        self.runs, offset, n8, n32, n_blocks = [], 0, 0, 0, 0
+        for name, size in tensors:
+            kind = "f32" if keeps_f32_state(name, size, min_8bit_size) else "8bit"
+            if self.runs and self.runs[-1][0] == kind:
+                self.runs[-1][1].append(size)
+            else:
+                self.runs.append((kind, [size]))
+            offset += size
+        if offset != n:
+            raise ValueError(f"tensor sizes sum to {offset}, not the buffer's {n}")
+        runs, offset = [], 0
+        for kind, sizes in self.runs:
+            size = sum(sizes)
+            if kind == "f32":
+                runs.append(("f32", slice(offset, offset + size), slice(n32, n32 + size)))
+                n32 += size
+            else:
+                starts = dynamic8.block_starts(sizes)
+                blocks = slice(n_blocks, n_blocks + starts.size - 1)
+                runs.append(("8bit", slice(offset, offset + size), slice(n8, n8 + size), blocks, be.asarray(starts)))
+                n8, n_blocks = n8 + size, n_blocks + starts.size - 1
+            offset += size
+        self.runs = runs
+        # all-zero blocks: code index 0 with absmax 0 dequantizes to 0 (bitsandbytes' zero init)
+        self.m, self.v = be.zeros((n8,), np.uint8), be.zeros((n8,), np.uint8)
+        self.absmax_m, self.absmax_v = be.zeros((n_blocks,)), be.zeros((n_blocks,))
+        self.m32, self.v32 = be.zeros((n32,)), be.zeros((n32,))
+        self.code_m, self.code_v = (be.asarray(dynamic8.dynamic_map(s).astype(be.dtype)) for s in (True, False))
+
+    def _state(self) -> dict:
+        """The optimizer's state buffers by checkpoint array name (see train/checkpoint.py)."""
+        if self.kind == "adamw":
+            return {"adam_m": self.m, "adam_v": self.v}
+        if self.kind == "adamw8bit":
+            return {"adam8_m": self.m, "adam8_v": self.v, "adam8_absmax_m": self.absmax_m,
+                    "adam8_absmax_v": self.absmax_v, "adam8_f32_m": self.m32, "adam8_f32_v": self.v32}
+        return {}
 
     @property
     def state_bytes(self) -> int:
-        return 0 if self.m is None else 2 * self.m.nbytes
+        """Device bytes of the state: 8 per value (adamw); adamw8bit: 2 per value plus one float per
+        block of each moment and the block tables, 8 per value of its float32 exceptions; 0 (sgd)."""
+        extra = 0
+        if self.kind == "adamw8bit":
+            extra = self.code_m.nbytes + self.code_v.nbytes + sum(r[4].nbytes for r in self.runs if r[0] == "8bit")
+        return sum(b.nbytes for b in self._state().values()) + extra
+
+    def state_arrays(self) -> dict:
+        """Host copies of the state (float moments as float32, 8-bit ones as they are); on a
+        float32 cpu backend the buffers themselves, so a checkpoint costs no second copy."""
+        host = self.backend.to_numpy
+        return {name: np.asarray(host(buf), dtype=np.uint8 if buf.dtype == np.uint8 else np.float32)
+                for name, buf in self._state().items()}
+
+    def load_state(self, arrays: dict) -> None:
+        """Continue from state_arrays() (one-line errors: a missing array or another layout)."""
+        for name, buf in self._state().items():
+            src = arrays.get(name)
+            if src is None or src.shape != buf.shape:
+                raise LlmtuneError(f"checkpoint: {name} has {None if src is None else src.shape}, this run's "
+                                   f"{self.kind} state is {buf.shape}")
+            buf[...] = self.backend.asarray(np.asarray(src).astype(buf.dtype, copy=False))
 
     def step(self, w, g, lr: float) -> None:
         self.t += 1
+        hp = dict(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, wd=self.wd, t=self.t)
         if self.kind == "adamw":
-            self.backend.adamw_step(w, g, self.m, self.v, lr=lr, beta1=self.beta1, beta2=self.beta2,
-                                    eps=self.eps, wd=self.wd, t=self.t)
+            self.backend.adamw_step(w, g, self.m, self.v, **hp)
+        elif self.kind == "adamw8bit":
+            for run in self.runs:
+                kind, sl, st = run[:3]
+                if kind == "f32":
+                    self.backend.adamw_step(w[sl], g[sl], self.m32[st], self.v32[st], **hp)
+                else:
+                    b = run[3]
+                    self.backend.adamw8bit_step(w[sl], g[sl], self.m[st], self.v[st], self.absmax_m[b],
+                                                self.absmax_v[b], run[4], self.code_m, self.code_v, **hp)
         else:
             self.backend.sgd_step(w, g, lr=lr, wd=self.wd)

@@ -112,8 +112,8 @@ def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dat
     """Room for the output and the checkpoints (the kept ones plus the one being written) before
     the first step."""
     n = trainer.n_trainable
-    copies = (3 if trainer.optimizer.m is not None else 1) + (1 if cfg.save_best else 0)  # weights, moments, best
-    per_checkpoint = n * 4 * copies + dataset.n_train * 8 + (1 << 16)
+    copies = 1 + (1 if cfg.save_best else 0)  # weights, best weights (float32), plus the optimizer's state
+    per_checkpoint = n * 4 * copies + trainer.optimizer.state_bytes + dataset.n_train * 8 + (1 << 16)
     out_bytes = n * 4 + (1 << 20) if trainer.model.adapters else output_bytes(trainer.model, trainer.trainable, cfg.out_type)
     keep = (cfg.keep_checkpoints or 1) + 1
     check_disk_space(out.parent, out_bytes + keep * per_checkpoint,

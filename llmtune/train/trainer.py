@@ -115,7 +115,8 @@ class Trainer:
         self.n_workers = backend.workers(workers, len(self.my_ubatches))
         try:
             self._init_buffers()
-            self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd)
+            self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd,
+                                       tensors=[(n, self.tensors[n].size) for n in self.trainable])
             # worker 0 accumulates into flat_g, the others into buffers of their own, summed per step
             self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
         except MemoryError:
@@ -443,25 +444,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """The trainable buffer and the optimizer's moments as host float32 arrays (a checkpoint's
-        arrays): the buffers themselves on a float32 cpu backend, so writing a checkpoint costs no
-        second copy of the state (peak memory); valid until the next step."""
-        host = self.backend.to_numpy
-        arrays = {"weights": np.asarray(host(self.flat_w), dtype=np.float32)}
-        if self.optimizer.m is not None:
-            arrays["adam_m"] = np.asarray(host(self.optimizer.m), dtype=np.float32)
-            arrays["adam_v"] = np.asarray(host(self.optimizer.v), dtype=np.float32)
-        return arrays
+        """The trainable buffer (host float32) and the optimizer's state (Optimizer.state_arrays):
+        a checkpoint's arrays; the buffers themselves on a float32 cpu backend, so writing a
+        checkpoint costs no second copy of the state (peak memory); valid until the next step."""
+        return {"weights": np.asarray(self.backend.to_numpy(self.flat_w), dtype=np.float32),
+                **self.optimizer.state_arrays()}
 
     def load_state(self, arrays: dict, steps_done: int) -> None:
         """Continue from state_arrays() taken after `steps_done` optimizer steps."""
-        be = self.backend
-        for name, buf in (("weights", self.flat_w), ("adam_m", self.optimizer.m), ("adam_v", self.optimizer.v)):
-            if buf is None:
-                continue
-            src = arrays.get(name)
-            if src is None or src.shape != (self.n_trainable,):
-                raise LlmtuneError(f"checkpoint: {name} has {None if src is None else src.shape}, "
-                                   f"this run trains {self.n_trainable} values")
-            buf[...] = be.asarray(np.asarray(src, dtype=np.float32).astype(be.dtype, copy=False))
+        src = arrays.get("weights")
+        if src is None or src.shape != (self.n_trainable,):
+            raise LlmtuneError(f"checkpoint: weights has {None if src is None else src.shape}, "
+                               f"this run trains {self.n_trainable} values")
+        self.flat_w[...] = self.backend.asarray(np.asarray(src, dtype=np.float32).astype(self.backend.dtype, copy=False))
+        self.optimizer.load_state(arrays)
         self.optimizer.t = self.steps_done = steps_done
