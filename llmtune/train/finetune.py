@@ -3,6 +3,7 @@ model, data, trainer), run the loop (train/loop.py) with the hooks a workflow ha
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from pathlib import Path
@@ -105,7 +106,7 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
                       n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer, wd=cfg.wd,
                       lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
                       workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack,
-                      grad_clip=cfg.grad_clip)
+                      grad_clip=cfg.grad_clip, lr_factors=lr_factors(cfg, trainable))
     trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
     memory = preflight.checked_memory(trainer, model_path)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
@@ -149,7 +150,7 @@ def _lora_info(model: Model) -> Optional[dict]:
 
 def _with_adapter(model: Model, cfg: FinetuneConfig) -> tuple[Model, list[str]]:
     """The model with the adapter to train (new, or --lora-init's) and the adapter's tensor keys."""
-    from llmtune.model.adapter import attach, init_adapter, load_adapter
+    from llmtune.model.adapter import attach, dora_init, init_adapter, load_adapter, pissa_init
 
     if cfg.lora_init is not None:
         adapter = load_adapter(cfg.lora_init, model, flag="--lora-init")
@@ -159,5 +160,20 @@ def _with_adapter(model: Model, cfg: FinetuneConfig) -> tuple[Model, list[str]]:
         if cfg.lora_alpha is not None:
             adapter.alpha = float(cfg.lora_alpha)
     else:
-        adapter = init_adapter(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+        adapter = init_adapter(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed, cfg.lora_init_method,
+                               cfg.rslora)
+    if cfg.lora_init_method == "pissa":  # the base becomes the residual W - s B0 A0 (float32)
+        model = dataclasses.replace(model, weights={**model.weights, **pissa_init(model, adapter)})
+    if cfg.dora:
+        dora_init(model, adapter)
     return attach(model, [adapter]), list(adapter.tensors())
+
+
+def lr_factors(cfg: FinetuneConfig, trainable: list[str]) -> dict[str, float]:
+    """LoRA+ (PEFT's create_loraplus_optimizer): B and DoRA's magnitudes (its 1-d parameters) learn
+    at --lora-plus times the learning rate of A; {} when off."""
+    from llmtune.model.adapter import A
+
+    if not cfg.lora_plus:
+        return {}
+    return {n: 1.0 if n.split("#")[0].endswith("." + A) else float(cfg.lora_plus) for n in trainable}

@@ -47,13 +47,16 @@ class Optimizer:
     """AdamW (ggml_opt_step_adamw) or SGD over the trainer's flat parameter/gradient buffers."""
 
     def __init__(self, kind: str, backend, n: int, *, wd: float = 0.0, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-8):
+                 beta2: float = 0.999, eps: float = 1e-8, groups=None):
+        """groups: (start, stop, lr factor) runs of the flat buffers, torch's parameter groups
+        (LoRA+); default one group of factor 1."""
         kind = kind.lower()
         if kind not in ("adamw", "sgd"):
             raise LlmtuneError(f"--optimizer: unknown optimizer {kind!r} (choose adamw or sgd)")
         self.kind, self.backend, self.wd = kind, backend, wd
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.t = 0
+        self.groups = list(groups) if groups else [(0, n, 1.0)]
         self.m = backend.zeros((n,)) if kind == "adamw" else None
         self.v = backend.zeros((n,)) if kind == "adamw" else None
 
@@ -63,8 +66,10 @@ class Optimizer:
 
     def step(self, w, g, lr: float) -> None:
         self.t += 1
-        if self.kind == "adamw":
-            self.backend.adamw_step(w, g, self.m, self.v, lr=lr, beta1=self.beta1, beta2=self.beta2,
-                                    eps=self.eps, wd=self.wd, t=self.t)
-        else:
-            self.backend.sgd_step(w, g, lr=lr, wd=self.wd)
+        for start, stop, factor in self.groups:
+            part = slice(start, stop)
+            if self.kind == "adamw":
+                self.backend.adamw_step(w[part], g[part], self.m[part], self.v[part], lr=lr * factor, beta1=self.beta1,
+                                        beta2=self.beta2, eps=self.eps, wd=self.wd, t=self.t)
+            else:
+                self.backend.sgd_step(w[part], g[part], lr=lr * factor, wd=self.wd)

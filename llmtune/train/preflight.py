@@ -82,7 +82,13 @@ def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dat
     the first step."""
     n = trainer.n_trainable
     per_checkpoint = n * 4 * (3 if trainer.optimizer.m is not None else 1) + dataset.n_train * 8 + (1 << 16)
-    out_bytes = n * 4 + (1 << 20) if trainer.model.adapters else output_bytes(trainer.model, trainer.trainable, cfg.out_type)
+    adapters = trainer.model.adapters
+    if adapters and adapters[0].magnitudes:  # DoRA: the merged model
+        out_bytes = output_bytes(trainer.model, list(adapters[0].pairs), None)
+    elif adapters:  # PiSSA's written form has twice the rank
+        out_bytes = n * 4 * (2 if adapters[0].initial else 1) + (1 << 20)
+    else:
+        out_bytes = output_bytes(trainer.model, trainer.trainable, cfg.out_type)
     keep = (cfg.keep_checkpoints or 1) + 1
     check_disk_space(out.parent, out_bytes + keep * per_checkpoint,
                      f"the output ({out_bytes / 2**20:,.1f} MiB) and {keep} checkpoints ({per_checkpoint / 2**20:,.1f} MiB each)",

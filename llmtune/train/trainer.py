@@ -70,7 +70,8 @@ class Trainer:
     def __init__(self, model: Model, backend, *, n_ctx: int, n_batch: int, n_ubatch: int,
                  trainable: list[str], optimizer: str = "adamw", wd: float = 0.0, workers: int | None = None,
                  lora_dropout: float = 0.0, seed: int = 0, comm: Communicator | None = None,
-                 grad_checkpoint: bool = False, packed: bool = False, grad_clip: float = 0.0):
+                 grad_checkpoint: bool = False, packed: bool = False, grad_clip: float = 0.0,
+                 lr_factors: dict[str, float] | None = None):
         """trainable: names in model.tensors() (base weights, or a LoRA adapter's A/B keys: the
         base then stays frozen). workers: micro-batches computed at once (cpu: by default one per
         core when a step has several, each with single-threaded BLAS). The result does not depend
@@ -79,7 +80,9 @@ class Trainer:
         grad_checkpoint: the backward recomputes each layer's activations (autodiff.grad's
         checkpoint) instead of keeping them from the forward: same gradients, less memory.
         packed: each window holds several examples (arch/packing.py); train_step and evaluate then
-        take the windows' segment numbers, which give the positions and attention masks."""
+        take the windows' segment numbers, which give the positions and attention masks.
+        lr_factors: a learning-rate factor per trainable tensor (torch's parameter groups; LoRA+);
+        tensors are then laid out by factor, so each group is one contiguous optimizer step."""
         if n_batch % n_ctx or n_ubatch % n_ctx or n_batch % n_ubatch:
             raise LlmtuneError(
                 f"--batch {n_batch} / --ubatch {n_ubatch}: both must be multiples of --ctx {n_ctx}, and ubatch must divide batch"
@@ -88,7 +91,8 @@ class Trainer:
         self.n_ctx, self.n_batch, self.n_ubatch = n_ctx, n_batch, n_ubatch
         self.seqs_per_ubatch = n_ubatch // n_ctx
         self.ubatches_per_step = n_batch // n_ubatch
-        self.trainable = list(trainable)
+        factors = lr_factors or {}
+        self.trainable = sorted(trainable, key=lambda n: factors.get(n, 1.0)) if factors else list(trainable)
         self.tensors = model.tensors()
         # a trainable matrix stored quantized trains as float32 master weights (re-quantized on
         # save): its graphs see a float tensor of its shape; frozen ones stay in their file type
@@ -111,7 +115,7 @@ class Trainer:
         self.n_workers = backend.workers(workers, len(self.my_ubatches))
         try:
             self._init_buffers()
-            self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd)
+            self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd, groups=self._lr_groups(factors))
             # worker 0 accumulates into flat_g, the others into buffers of their own, summed per step
             self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
         except MemoryError:
@@ -150,6 +154,19 @@ class Trainer:
         gguf = getattr(self.model, "gguf", None)
         if self.trainable and gguf is not None:
             gguf.drop_pages()  # the trained tensors now live in flat_w; frozen ones fault back in
+
+    def _lr_groups(self, factors: dict[str, float]) -> list[tuple[int, int, float]]:
+        """(start, stop, lr factor) runs of the flat buffer, one per distinct factor."""
+        groups: list[list] = []
+        offset = 0
+        for name in self.trainable:
+            size, f = self.tensors[name].size, factors.get(name, 1.0)
+            if groups and groups[-1][2] == f:
+                groups[-1][1] += size
+            else:
+                groups.append([offset, offset + size, f])
+            offset += size
+        return [tuple(g) for g in groups]
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
