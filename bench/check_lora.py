@@ -2,14 +2,16 @@
 
     python bench/check_lora.py --bin PATH/TO/llama.cpp/build/bin [CASE ...]
     python bench/check_lora.py --bin PATH/TO/llama.cpp/build/bin --record
+    python bench/check_lora.py --peft
 
 For stories260K (tests/data) and a random-weight model of every family in bench/check_families.py
 (configs/<family>-tiny.toml, every tensor random) that llmtune loads:
 
 1. `llmtune finetune BASE TEXT --lora-rank 4 ...` trains an adapter (1 epoch, ctx 64, on the first
    20 KB of data/wikitext-100k.txt; stories260K also with every matrix, token_embd and output
-   included, and with --lora-dropout);
-   stories260K exported to q8_0 is a base too (adapter trained on the quantized file, applied to it);
+   included, with --lora-dropout, --rslora and --lora-init-method pissa (written as rank 8);
+   stories260K exported to q8_0 is a base too (adapter trained on the quantized file, applied to
+   it; PiSSA too: its residual base is float, the written adapter applies to the q8_0 file);
 2. perplexity  `llama-perplexity -m BASE --lora ADAPTER` (f32 KV cache, no flash attention) vs
    `llmtune perplexity BASE --lora ADAPTER`, ctx 128, 16 chunks of WikiText-2 test: the running
    PPL after every chunk, max relative difference (goal < 1e-3);
@@ -17,6 +19,11 @@ For stories260K (tests/data) and a random-weight model of every family in bench/
    --type f32`: max absolute difference over every tensor (goal <= 1e-6);
 4. stories260K also with two adapters at once (the trained one at scale 0.5 and one written by
    llama.cpp's convert_lora_to_gguf.py, F16, tests/data/lora/) through --lora-scaled.
+
+--peft: instead, each LoRA variant against PEFT on configs/llama-tiny.toml's random model loaded
+by transformers: llmtune's initial matrices copied into PEFT (PiSSA's and DoRA's initial values
+compared first), then the loss and every adapter gradient of one window in float64 (rsLoRA, DoRA,
+PiSSA, token_embd and output targets), and one LoRA+ step against create_loraplus_optimizer.
 
 --make-convert-fixture LLAMA_CPP_SRC rewrites tests/data/lora/stories260K-convert-f16.gguf with llama.cpp's
 convert_lora_to_gguf.py (from a PEFT-layout adapter made here; needs torch and transformers).
@@ -123,12 +130,15 @@ def cases(tmp: Path, wanted: list[str]) -> list[tuple[str, Path, dict]]:
 
     out = [("stories260K", DATA / "stories260K.gguf", {}),
            ("stories260K all matrices", DATA / "stories260K.gguf", {"lora_targets": r"weight$"}),
-           ("stories260K dropout 0.1", DATA / "stories260K.gguf", {"lora_dropout": 0.1})]
+           ("stories260K dropout 0.1", DATA / "stories260K.gguf", {"lora_dropout": 0.1}),
+           ("stories260K rsLoRA", DATA / "stories260K.gguf", {"rslora": True}),
+           ("stories260K PiSSA", DATA / "stories260K.gguf", {"lora_init_method": "pissa"})]
     if not wanted or any(w.startswith("stories260K") for w in wanted):  # trained on, and applied to, a quantized base
         import llmtune
 
         q8 = llmtune.export(DATA / "stories260K.gguf", tmp / "stories260K-q8_0.gguf", "q8_0").out_path
         out.append(("stories260K-q8_0", q8, {}))
+        out.append(("stories260K-q8_0 PiSSA", q8, {"lora_init_method": "pissa"}))
     for name, case in check_families.FAMILIES.items():
         try:
             model = check_families.random_model(case, tmp / f"{name}.gguf")
@@ -548,15 +558,18 @@ def main() -> int:
             merge, n = compare_merge(args.bin, base, adapter, work)
             worst_merge = max(worst_merge, merge)
             ok = "yes" if diff < 1e-3 and merge <= 1e-6 else "NO"
-            if "q8_0" in name:  # llama.cpp quantizes activations for q8_0 dot products: the base alone differs
+            if name == "stories260K-q8_0":  # llama.cpp quantizes activations for q8_0 dot products: the base alone differs
                 b_theirs, b_ours, b_diff = compare_ppl(args.bin, base, text, [], [])
                 print(f"| {name} | none (the quantized base alone) | {b_theirs:.4f} | {b_ours:.4f} | {b_diff:.2e} | | "
                       f"(llama.cpp's q8_0 activations) |", flush=True)
+            if "q8_0" in name:
                 ok = "yes (the base's residue)" if diff < max(1e-3, 1.5 * b_diff) and merge <= 1e-6 else "NO"
             else:
                 worst_ppl = max(worst_ppl, diff)
             label = "rank 4, " + (extra.get("lora_targets") and "every matrix" or "default targets") + \
-                (f", dropout {extra['lora_dropout']}" if "lora_dropout" in extra else "") + f" ({n_pairs} pairs)"
+                (f", dropout {extra['lora_dropout']}" if "lora_dropout" in extra else "") + \
+                (", rsLoRA" if extra.get("rslora") else "") + \
+                (", PiSSA (written as rank 8)" if extra.get("lora_init_method") == "pissa" else "") + f" ({n_pairs} pairs)"
             print(f"| {name.split()[0]} | {label} | {theirs:.4f} | {ours:.4f} | {diff:.2e} | {merge:.2e} ({n}) | {ok} |",
                   flush=True)
             if name == "stories260K":
