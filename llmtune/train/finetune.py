@@ -135,17 +135,24 @@ def start_event(run: Run) -> ev.Start:
     tr, ds, res = run.trainer, run.dataset, run.result
     return ev.Start(config=run.cfg, memory=res.memory, n_tokens=res.n_tokens, n_train=ds.n_train, n_val=ds.n_val,
                     steps_per_epoch=run.steps_per_epoch, n_trainable=tr.n_trainable, n_params=tr.model.n_params(),
-                    trainable=tr.trainable, backend=tr.backend.name, lora=_lora_info(tr.model), step=run.step,
+                    trainable=tr.trainable, backend=tr.backend.name, lora=_lora_info(tr.model, run.cfg), step=run.step,
                     base_types=tr.base_types(),
                     data=data_info(ds, run.steps_per_epoch * (run.cfg.batch // run.cfg.ctx)))
 
 
-def _lora_info(model: Model) -> Optional[dict]:
-    """What the Start event says about the adapter being trained (None for a full finetune)."""
+def _lora_info(model: Model, cfg: FinetuneConfig) -> Optional[dict]:
+    """What the Start event says about the adapter being trained (None for a full finetune);
+    "variants": the LoRA variants in words (README "LoRA variants")."""
     if not model.adapters:
         return None
     a = model.adapters[0]
-    return {"rank": sorted(a.ranks), "alpha": a.alpha, "n_targets": len(a.pairs), "init": str(a.path) if a.path else None}
+    words = [f"rsLoRA, scale {a.weight_scale(next(iter(a.pairs))):.4g}"] if cfg.rslora else []
+    words += ["DoRA, written merged"] if cfg.dora else []
+    words += [f"LoRA+ B lr x{cfg.lora_plus:g}"] if cfg.lora_plus else []
+    words += [{"gaussian": "gaussian init", "pissa": "PiSSA, residual base F32, written as rank 2r"}[cfg.lora_init_method]
+              ] if cfg.lora_init_method != "kaiming" else []
+    return {"rank": sorted(a.ranks), "alpha": a.alpha, "n_targets": len(a.pairs), "init": str(a.path) if a.path else None,
+            "variants": words}
 
 
 def _with_adapter(model: Model, cfg: FinetuneConfig) -> tuple[Model, list[str]]:
