@@ -10,7 +10,6 @@ import pytest
 
 import llmtune
 from cli_helpers import run_cli
-from conftest import DATA
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.backends.cpu import CPUBackend
 from llmtune.graph import ops
@@ -22,28 +21,7 @@ from llmtune.model.loaded import load_model
 from llmtune.train.finetune import lr_factors
 from llmtune.train.config import make_config
 from llmtune.train.trainer import RunningStats, Trainer
-
-CONVERT_F16 = DATA / "lora" / "stories260K-convert-f16.gguf"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_blas_thread():
-    from llmtune.backends.threads import blas_threads
-
-    with blas_threads(1):
-        yield
-
-
-@pytest.fixture(scope="module")
-def stories(stories_path):
-    return load_model(stories_path)
-
-
-@pytest.fixture(scope="module")
-def small_text(tmp_path_factory, wiki100k_path):
-    path = tmp_path_factory.mktemp("variants") / "small.txt"
-    path.write_text(wiki100k_path.read_text(encoding="utf-8")[:2500], encoding="utf-8")
-    return path
+from test_lora import CONVERT_F16, _one_blas_thread, small_text, stories  # noqa: F401 - the same fixtures
 
 
 # ------------------------------------------------------------------------------ one adapted matrix
