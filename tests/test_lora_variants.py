@@ -298,3 +298,29 @@ def test_resume_of_a_variant_run_is_byte_identical(variant, stories_path, wiki10
     out.unlink()
     llmtune.finetune(stories_path, text, out, resume=first)
     assert hashlib.sha256(out.read_bytes()).hexdigest() == whole
+
+
+# ------------------------------------------------------------------------------ cuda
+def test_variant_training_on_the_cuda_backend_matches_cpu(stories, wikitext_ids):
+    """The CUDA backend's kernels (tests/cuda_emu.py's CPU emulator; row_rnorm's included): two
+    steps of PiSSA + DoRA with dropout and LoRA+ groups give the CPU's values."""
+    import cuda_emu
+    from llmtune.backends.cuda import CUDABackend
+
+    if not cuda_emu.available():
+        pytest.skip("no C++ compiler for the CUDA kernel emulator")
+    results = []
+    for be in (CPUBackend(), CUDABackend(np.float32, runtime=cuda_emu.EmuRuntime())):
+        adapter, base = _pissa(stories, rank=2, targets=r"blk\.0\.attn_q|blk\.4\.ffn_down|output")
+        lora.dora_init(base, adapter)
+        keys = list(adapter.tensors())
+        start = np.concatenate([np.ravel(adapter.tensors()[k]) for k in sorted(keys)])
+        tr = Trainer(lora.attach(base, [adapter]), be, n_ctx=16, n_batch=32, n_ubatch=16, trainable=keys,
+                     lora_dropout=0.1, seed=1, workers=1, lr_factors=lr_factors(make_config(lora_rank=2, lora_plus=4.0), keys))
+        x = wikitext_ids[:34].reshape(2, 17)
+        for _ in range(2):
+            tr.train_step(x[:, :-1], x[:, 1:], 1e-2, RunningStats())
+        trained = tr.trained_weights()
+        results.append(np.concatenate([trained[k].ravel() for k in sorted(keys)]))
+    assert any(k.endswith(lora.MAGNITUDE) for k in keys) and np.abs(results[0] - start).max() > 1e-3
+    np.testing.assert_allclose(results[1], results[0], rtol=0, atol=1e-5 * np.abs(results[0]).max())
