@@ -448,6 +448,26 @@ def generate_cmd(
     err.print(f"[dim]{escape(summary(res))}[/]", highlight=False)
 
 
+# --- plot (llmtune/train/observe.py) ---
+@app.command("plot")
+def plot_cmd(
+    metrics: Path = typer.Argument(..., help="A finetune --metrics file (JSON lines).", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the PNG.", show_default=False),
+):
+    """Draw a finished or running finetune's --metrics file as finetune --plot draws it: train and validation loss and the learning rate against steps, as a PNG (needs matplotlib).
+
+    Example: llmtune plot out/demo-metrics.jsonl -o out/demo.png
+    """
+    from llmtune.gguf.file import check_output_path
+    from llmtune.train.observe import plot_metrics
+    from llmtune.ui.finetune import loss_line
+
+    curves = plot_metrics(metrics, check_output_path(output, metrics))
+    out.print(f"wrote {output}: {len(curves.steps)} steps, {len(curves.val_steps)} validation passes", highlight=False,
+              soft_wrap=True)
+    out.print(loss_line(list(zip(curves.steps, curves.loss))), highlight=False, soft_wrap=True)
+
+
 def _read_line():
     """A line from the terminal (None at end of input)."""
     line = sys.stdin.readline()

@@ -54,6 +54,14 @@ class FinetuneConfig:
                                            "more compute; the same gradients.")
     metrics: Optional[str] = setting(None, "Write one JSON record per step and per validation pass here.",
                                      metavar="FILE", path=True)
+    tensorboard: Optional[str] = setting(None, "Write TensorBoard event files into this folder: every --metrics value "
+                                               "per step (loss, accuracy, lr, gradient norm, tokens/s, validation and "
+                                               "benchmark scores); watch with `tensorboard --logdir DIR`. Needs "
+                                               "tensorboardX (pip install tensorboardX; the extra \"tensorboard\").",
+                                         metavar="DIR", path=True)
+    plot: Optional[str] = setting(None, "Draw the train and validation loss and the learning rate against steps into "
+                                        "this PNG, redrawn after each validation pass, every minute, and at the end. "
+                                        "Needs matplotlib (pip install matplotlib; the extra \"plot\").", metavar="FILE", path=True)
     out_type: Optional[str] = setting(None, "A full finetune of a quantized or f16 model writes its trained tensors as "
                                             "F32, which keeps every update (re-encoding them in the input's type "
                                             "rounds most updates away); with this, the whole model is written as "
@@ -210,7 +218,7 @@ def _check_lora_variants(c: FinetuneConfig) -> None:
 FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
 # settings that do not change the trained weights: a resumed run may change them
 RUN_ONLY = ("backend", "out_type", "metrics", "checkpoint_every", "keep_checkpoints", "eval_benchmark", "sample_prompt",
-            "sample_every")
+            "sample_every", "tensorboard", "plot")
 
 
 def flag_name(field: str) -> str:

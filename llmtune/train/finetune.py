@@ -22,6 +22,7 @@ from llmtune.train.distributed import agree_ranks
 from llmtune.train.events import EpochResult, FinetuneResult  # noqa: F401 - part of this call's interface
 from llmtune.train.loop import Hook, Run, train
 from llmtune.train.metrics import MetricsLog
+from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
 from llmtune.train.output import write_output
 from llmtune.train.signals import StopRequest, signal_name
@@ -70,7 +71,8 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
     on_signal = lambda signum: emit(ev.Stopping(signal_name(signum), run.step))  # noqa: E731
     keep_lines = ckpt.meta.get("metrics_lines") if ckpt is not None and ckpt.meta["config"].get("metrics") == cfg.metrics else None
     metrics = cfg.metrics if run.trainer.comm.is_root else None  # rank 0 alone writes them
-    with StopRequest(on_signal) as stop, MetricsLog(metrics, run.warn, keep_lines) as run.log:
+    listener = lambda record: run.call_hooks("on_record", record)  # noqa: E731
+    with StopRequest(on_signal) as stop, MetricsLog(metrics, run.warn, keep_lines, listener) as run.log:
         try:
             train(run, stop)
             write_output(run)
@@ -121,13 +123,14 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
 
 
 def _hooks(cfg: FinetuneConfig, model: Model, hooks: Optional[HookFactory]) -> list[Hook]:
+    """The workflow's hooks, then --tensorboard's and --plot's (last: they see the scores the others add)."""
     if hooks is not None:
-        return hooks(cfg, model)
+        return hooks(cfg, model) + observe_hooks(cfg)
     for name in ("sample_prompt", "eval_benchmark"):
         if getattr(cfg, name) is not None:
             raise LlmtuneError(f"--{name.replace('_', '-')}: needs eval's training hooks; call llmtune.finetune "
                                f"(llmtune/workflows.py), not llmtune.train.finetune.finetune")
-    return []
+    return observe_hooks(cfg)
 
 
 def start_event(run: Run) -> ev.Start:

@@ -43,6 +43,10 @@ class Hook:
     def on_stop(self, run: "Run", reason: str) -> None:
         """Training ended: "done", "interrupted" or "diverged"."""
 
+    def on_record(self, run: "Run", record: dict) -> None:
+        """Each record as the --metrics file gets it (train_step, validation, benchmark, epoch; NaN
+        as None), on every rank, with or without --metrics."""
+
 
 @dataclass
 class Run:

@@ -1,4 +1,5 @@
-"""What a run records about itself: the --metrics file, and the loss-spike watch."""
+"""What a run records about itself: the --metrics file (written, and read back by `llmtune plot`),
+and the loss-spike watch."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import collections
 import json
 import os
 from typing import Callable, Optional
+
+from llmtune.errors import LlmtuneError
 
 SPIKE_FACTOR, SPIKE_GAP, SPIKE_WINDOW = 3.0, 2.0, 20  # a loss 3 x (and 2 nats) above the mean of the last 20 steps warns
 
@@ -15,10 +18,13 @@ class MetricsLog:
 
     A file that fails (disk full, removed folder) is reported once through `warn` and dropped: it
     never costs the run or its model. `keep_lines` (a resumed run): the file's first lines, those
-    written up to the checkpoint, stay and the rest are replaced. `lines`: records in the file."""
+    written up to the checkpoint, stay and the rest are replaced. `lines`: records in the file.
+    `listener(record)`: called with every record after it is written, with or without a file
+    (--tensorboard and --plot draw from the same records, train/observe.py)."""
 
-    def __init__(self, path: Optional[str], warn: Callable[[str], None], keep_lines: Optional[int] = None):
-        self.path, self.warn, self.fh, self.lines = path, warn, None, 0
+    def __init__(self, path: Optional[str], warn: Callable[[str], None], keep_lines: Optional[int] = None,
+                 listener: Optional[Callable[[dict], None]] = None):
+        self.path, self.warn, self.fh, self.lines, self.listener = path, warn, None, 0, listener
         if not path:
             return
         try:
@@ -54,14 +60,45 @@ class MetricsLog:
         self.fh = None
 
     def write(self, record: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and v != v else v) for k, v in record.items()}
         if self.fh:
-            clean = {k: (None if isinstance(v, float) and v != v else v) for k, v in record.items()}
             try:
                 self.fh.write(json.dumps(clean) + "\n")
                 self.fh.flush()
                 self.lines += 1
             except OSError as exc:
                 self._fail(exc)
+        if self.listener is not None:
+            self.listener(clean)
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a --metrics file, in order; a file that is missing, not JSON lines, or holds
+    no train_step record is one line naming it (and the line). A last line without its newline
+    that does not parse is a record being written by a running finetune, and is left out."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LlmtuneError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if n == len(lines) and not line.endswith("\n"):
+                break
+            raise LlmtuneError(f"{path}:{n}: not a JSON record ({exc.msg}); is it a --metrics file?") from None
+        if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+            raise LlmtuneError(f"{path}:{n}: a record without a \"type\"; is it a --metrics file?")
+        if record["type"] in ("train_step", "validation") and not isinstance(record.get("global_step"), int):
+            raise LlmtuneError(f"{path}:{n}: a {record['type']} record without an integer \"global_step\"")
+        records.append(record)
+    if not any(r["type"] == "train_step" for r in records):
+        raise LlmtuneError(f"{path}: no train_step record; is it a finetune --metrics file?")
+    return records
 
 
 class LossWatch:

@@ -18,17 +18,34 @@ from llmtune.train.trainer import Trainer
 
 
 def check_outputs(out_path, cfg: FinetuneConfig, inputs: dict, ckpt, warn) -> Path:
-    """-o and --metrics: writable, not one of the inputs, not each other; leftovers reported."""
+    """-o, --metrics, --plot and --tensorboard: writable, not one of the inputs, not each other;
+    leftovers reported."""
     paths = [*inputs.values(), *([ckpt.path] if ckpt is not None else [])]
     out_path = check_output_path(out_path, *paths)
     report_leftovers(out_path, ckpt, warn)
     check_writable_folder(out_path, "-o")
-    if cfg.metrics:
-        metrics = check_output_path(cfg.metrics, *paths, flag="--metrics")
-        if metrics.resolve() == out_path.resolve():
-            raise LlmtuneError(f"--metrics {cfg.metrics}: is the -o file too; choose another --metrics path")
-        check_writable_folder(metrics, "--metrics")
+    taken = {out_path.resolve(): "-o"}
+    for flag, name in (("--metrics", cfg.metrics), ("--plot", cfg.plot)):
+        if name:
+            path = check_output_path(name, *paths, flag=flag)
+            if path.resolve() in taken:
+                raise LlmtuneError(f"{flag} {name}: is the {taken[path.resolve()]} file too; choose another {flag} path")
+            taken[path.resolve()] = flag
+            check_writable_folder(path, flag)
+    if cfg.tensorboard:
+        check_log_folder(Path(cfg.tensorboard), "--tensorboard")
     return out_path
+
+
+def check_log_folder(folder: Path, flag: str) -> None:
+    """A folder that files will be written into: created if missing, writable."""
+    if folder.exists() and not folder.is_dir():
+        raise LlmtuneError(f"{flag} {folder}: is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LlmtuneError(f"{flag} {folder}: cannot create the folder ({exc.strerror or exc})") from None
+    check_writable_folder(folder / "events", flag)
 
 
 def report_leftovers(out: Path, ckpt, warn) -> None:

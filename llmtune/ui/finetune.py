@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from llmtune.train import events as ev
-from llmtune.ui.format import mib, percent, plus_minus
+from llmtune.ui.format import mib, percent, plus_minus, sparkline
 
 
 # EpochResult fields reported with their standard error (`<name>_err`), in column order
@@ -38,6 +38,7 @@ class FinetuneReporter:
         self.tasks = {}
         self.epochs = []
         self.bench = None  # --eval-benchmark's score before training ("benchmark" event)
+        self.losses = []  # (global step, loss) of every step this process ran: the summary's sparkline
 
     def __enter__(self):
         self.progress.start()
@@ -47,6 +48,8 @@ class FinetuneReporter:
         self.progress.stop()
         if self.epochs:
             self._print_summary()
+        if self.losses:
+            self.out.print(loss_line(self.losses), highlight=False, soft_wrap=True)
         return False
 
     def __call__(self, event: ev.Event) -> None:
@@ -80,6 +83,7 @@ class FinetuneReporter:
         return self.tasks[epoch]
 
     def _on_step(self, e: ev.Step):
+        self.losses.append((e.global_step, e.loss))
         if self.err.is_terminal:
             task = self._task(e.epoch, e.steps)
             self.progress.update(task, completed=e.step, loss=e.running_loss, acc=e.accuracy, lr=e.lr,
@@ -200,3 +204,10 @@ def data_line(data: dict) -> str:
     return (f"data: {data['examples']:,} {data['format']} examples, {layout}; prompts masked unless "
             f"--train-on-prompt{'; ' + ', '.join(notes) if notes else ''}; {per_epoch}")
 
+
+
+def loss_line(losses: list) -> str:
+    """'loss ▇▅▃▂▁ 5.3265 -> 2.0109 (steps 1-934)': the finetune summary's last line, and `llmtune plot`'s."""
+    steps, values = [s for s, _ in losses], [v for _, v in losses]
+    return (f"loss {sparkline(values)} {values[0]:.4f} -> {values[-1]:.4f} "
+            f"(steps {steps[0]}-{steps[-1]})")

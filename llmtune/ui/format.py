@@ -45,3 +45,22 @@ def percent(value: Optional[float], err: Optional[float] = None, digits: int = 2
         return "-"
     err = None if err is None or math.isnan(err) else 100 * err
     return plus_minus(100 * value, err, f".{digits}f") + " %"
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values, width: int = 40) -> str:
+    """The values as one line of `width` unicode blocks (fewer values: one block each), each block
+    the mean of its share of them, scaled from the lowest mean (▁) to the highest (█); values that
+    are not finite are left out. '' when none is."""
+    finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+    n = min(width, len(finite))
+    if n == 0:
+        return ""
+    parts = (finite[i * len(finite) // n:(i + 1) * len(finite) // n] for i in range(n))
+    means = [sum(part) / len(part) for part in parts]
+    lo, hi = min(means), max(means)
+    if hi - lo <= 1e-12 * max(1.0, abs(hi)):
+        return SPARKS[(len(SPARKS) - 1) // 2] * n
+    return "".join(SPARKS[round((m - lo) / (hi - lo) * (len(SPARKS) - 1))] for m in means)

@@ -1,0 +1,258 @@
+"""Seeing a run: --tensorboard event files and the --plot picture, both drawn from the records the
+--metrics file gets (Hook.on_record), and `llmtune plot`, the same picture from a finished run's
+--metrics file. Neither ever costs the run: a writer that fails warns once and is dropped."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from llmtune.errors import LlmtuneError
+from llmtune.resources import write_atomically
+from llmtune.train.config import FinetuneConfig
+from llmtune.train.loop import Hook, Run
+from llmtune.train.metrics import read_metrics
+
+# record type -> TensorBoard tag group; every number of such a record is a scalar there
+TAG_GROUPS = {"train_step": "train", "validation": "val", "benchmark": "benchmark"}
+NOT_SCALARS = {"type", "epoch", "step", "steps", "global_step", "elapsed_s", "n_tasks"}  # positions and counts
+TB_FLUSH_S = 10  # a TensorBoard watching the run sees a step within this many seconds
+PLOT_SIZE, PLOT_DPI = (8.0, 4.5), 100  # 800 x 450 pixels
+REDRAW_S = 60.0  # --plot is redrawn at least this often while steps come (an epoch may be long)
+
+
+def observe_hooks(cfg: FinetuneConfig) -> list[Hook]:
+    """The hooks --tensorboard and --plot ask for; a missing library fails here, before training."""
+    hooks: list[Hook] = []
+    if cfg.tensorboard:
+        hooks.append(TensorBoardHook(cfg.tensorboard))
+    if cfg.plot:
+        hooks.append(PlotHook(cfg.plot))
+    return hooks
+
+
+def need(module: str, flag: str, extra: str):
+    """The optional library, imported now (before training, so the first epoch's tokens/s does not
+    pay for it); one line naming the pip command when it is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        raise LlmtuneError(f"{flag}: needs {package}, which is not installed (pip install {package}, or "
+                           f"pip install -e \".[{extra}]\" in llmtune's folder)") from None
+
+
+def scalars(record: dict) -> list[tuple[str, float]]:
+    """(tag, value) of every number in a record TensorBoard shows: train/loss, val/accuracy,
+    benchmark/accuracy... (standard errors, positions and counts left out)."""
+    group = TAG_GROUPS.get(record.get("type"))
+    if group is None:
+        return []
+    return [(f"{group}/{key}", float(value)) for key, value in record.items()
+            if key not in NOT_SCALARS and not key.endswith("_err") and isinstance(value, (int, float))
+            and not isinstance(value, bool)]
+
+
+class _Writer(Hook):
+    """A hook writing files beside the run on rank 0 only; the first failure warns and stops it."""
+
+    flag = ""
+
+    def __init__(self, path):
+        self.path, self.failed = Path(path), False
+
+    def _fail(self, run: Run, exc: Exception) -> None:
+        self.failed = True
+        why = (str(exc) if isinstance(exc, LlmtuneError)
+               else f"{self.path}: cannot write ({getattr(exc, 'strerror', None) or exc})")
+        run.warn(f"{self.flag} {why}; training goes on without it")
+
+    def _live(self, run: Run) -> bool:
+        return not self.failed and run.trainer.comm.is_root
+
+
+class TensorBoardHook(_Writer):
+    """--tensorboard DIR: each record's numbers as scalars at its global step, through tensorboardX's
+    SummaryWriter (torch.utils.tensorboard's API). A resumed run purges the steps from the resume on
+    that the interrupted process had written (SummaryWriter's purge_step), so TensorBoard shows one curve."""
+
+    flag = "--tensorboard"
+
+    def __init__(self, folder):
+        self.library = need("tensorboardX", self.flag, "tensorboard")
+        super().__init__(folder)
+        self.writer = None
+
+    def on_record(self, run: Run, record: dict) -> None:
+        step = record.get("global_step")
+        if step is None or not self._live(run):
+            return
+        try:
+            if self.writer is None:  # a new run's first record is at step 0 or 1; a resumed run's after its checkpoint
+                self.writer = self.library.SummaryWriter(str(self.path), purge_step=step if step > 1 else None,
+                                                         flush_secs=TB_FLUSH_S)
+            for tag, value in scalars(record):
+                self.writer.add_scalar(tag, value, step)
+        except Exception as exc:  # noqa: BLE001 - an observer never costs the run (it warns and stops)
+            self._fail(run, exc)
+
+    def on_stop(self, run: Run, reason: str) -> None:
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except Exception as exc:  # noqa: BLE001 - as above
+                self._fail(run, exc)
+            self.writer = None
+
+
+@dataclass
+class Curves:
+    """What the picture shows: the loss and learning rate of each step, the validation passes."""
+
+    steps: list = field(default_factory=list)
+    loss: list = field(default_factory=list)
+    lr: list = field(default_factory=list)
+    epoch: list = field(default_factory=list)
+    val_steps: list = field(default_factory=list)
+    val_loss: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, records) -> "Curves":
+        curves = cls()
+        for record in records:
+            curves.add(record)
+        return curves
+
+    def add(self, record: dict) -> None:
+        if record.get("type") == "train_step":
+            self.steps.append(record["global_step"])
+            self.loss.append(_number(record.get("loss")))
+            self.lr.append(_number(record.get("lr")))
+            self.epoch.append(record.get("epoch"))
+        elif record.get("type") == "validation":
+            self.val_steps.append(record["global_step"])
+            self.val_loss.append(_number(record.get("loss")))
+
+    def __len__(self) -> int:
+        return len(self.steps) + len(self.val_steps)
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) else math.nan  # None: NaN in the record
+
+
+class PlotHook(_Writer):
+    """--plot FILE.png: the curves so far, redrawn after each validation pass (or epoch end), every
+    REDRAW_S seconds of steps, and when the run stops, each time written atomically, so the file is
+    always a whole picture. A resumed run with --metrics starts from that file's records."""
+
+    flag = "--plot"
+
+    def __init__(self, path):
+        need("matplotlib.backends.backend_agg", self.flag, "plot")
+        super().__init__(path)
+        self.curves: Optional[Curves] = None
+        self.drawn, self.last_draw = 0, time.perf_counter()
+
+    def on_record(self, run: Run, record: dict) -> None:
+        if not self._live(run):
+            return
+        if self.curves is None:
+            self.curves = self._start(run, record)
+        else:
+            self.curves.add(record)
+        if record["type"] in ("validation", "epoch") or time.perf_counter() - self.last_draw > REDRAW_S:
+            self._draw(run)
+
+    @staticmethod
+    def _start(run: Run, record: dict) -> Curves:
+        """The curves of a new run start with this record; a resumed one's with its --metrics file,
+        which holds the records up to the checkpoint and this one."""
+        if record.get("global_step", 0) > 1 and run.log.fh is not None:
+            try:
+                return Curves.of(read_metrics(run.log.path))
+            except LlmtuneError:
+                pass
+        return Curves.of([record])
+
+    def on_stop(self, run: Run, reason: str) -> None:
+        if self._live(run):
+            self._draw(run)
+
+    def _draw(self, run: Run) -> None:
+        self.last_draw = time.perf_counter()
+        if self.curves is None or len(self.curves) == self.drawn:
+            return
+        try:
+            draw_curves(self.curves, self.path, title=Path(run.result.output).name)
+            self.drawn = len(self.curves)
+        except Exception as exc:  # noqa: BLE001 - an observer never costs the run (it warns and stops)
+            self._fail(run, exc)
+
+
+def plot_metrics(metrics, out) -> Curves:
+    """`llmtune plot`: a --metrics file's curves drawn into `out` (the --plot picture)."""
+    need("matplotlib.backends.backend_agg", "llmtune plot", "plot")
+    curves = Curves.of(read_metrics(metrics))
+    draw_curves(curves, Path(out), title=Path(metrics).name)
+    return curves
+
+
+def draw_curves(curves: Curves, path: Path, title: str = "") -> Path:
+    """Train loss per step (faint) and its moving mean, validation loss, the learning rate on a
+    second axis, epoch boundaries: a PNG of PLOT_SIZE at PLOT_DPI, written atomically. Drawn with
+    matplotlib's object API on an Agg canvas (no pyplot), so a caller's own figures and backend are
+    left alone."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    handles = _loss_lines(ax, curves)
+    for s, before, after in zip(curves.steps[1:], curves.epoch, curves.epoch[1:]):
+        if before != after:
+            ax.axvline(s - 0.5, color="0.6", lw=0.6, ls=":")  # an epoch boundary
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.grid(True, alpha=0.25)
+    lr_ax = ax.twinx()
+    handles += lr_ax.plot(curves.steps, curves.lr, color="C2", ls="--", lw=1.0, label="learning rate")
+    lr_ax.set_ylabel("learning rate")
+    top = max((v for v in curves.lr if math.isfinite(v)), default=0.0)
+    lr_ax.set_ylim(0, 1.3 * top if top > 0 else 1.0)  # headroom: the legend sits above the lr's plateau
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    lr_ax.legend(handles=handles, loc="upper right", fontsize=8, framealpha=0.9)  # the twin axis is drawn on top
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return write_atomically(path, lambda fh: fig.savefig(fh, format="png", dpi=PLOT_DPI), "cannot write the plot")
+
+
+def _loss_lines(ax, curves: Curves) -> list:
+    """Each step's loss (faint), its moving mean over about a 40th of the run, the validation passes."""
+    steps, loss = np.asarray(curves.steps, dtype=float), np.asarray(curves.loss, dtype=float)
+    window = max(1, len(steps) // 40)
+    faint = dict(alpha=0.3, lw=0.8) if window > 1 else dict(lw=1.4)  # the mean, when drawn, is the curve to read
+    handles = ax.plot(steps, loss, color="C0", label="train loss (step)", **faint)
+    if window > 1:
+        handles += ax.plot(steps[window - 1:], _moving_mean(loss, window), color="C0", lw=1.6,
+                           label=f"train loss (mean of {window} steps)")
+    if curves.val_steps:
+        handles += ax.plot(curves.val_steps, curves.val_loss, "o-", color="C1", lw=1.6, ms=4, label="validation loss")
+    return handles
+
+
+def _moving_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """The mean of each run of `window` values ending at each point (NaN steps count as gaps)."""
+    finite = np.isfinite(values)
+    sums = np.convolve(np.where(finite, values, 0.0), np.ones(window), "valid")
+    counts = np.convolve(finite.astype(float), np.ones(window), "valid")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return sums / counts

@@ -1,0 +1,217 @@
+"""Seeing a run (train/observe.py): --plot's PNG, --tensorboard's event files read back by
+TensorBoard's own reader, `llmtune plot`, and the summary's loss sparkline. The optional
+libraries (matplotlib, tensorboardX, tensorboard) are skipped when absent."""
+
+import json
+import math
+import sys
+
+import pytest
+
+import llmtune
+from cli_helpers import run_cli
+from llmtune.errors import LlmtuneError
+from llmtune.train import observe
+from llmtune.ui.format import sparkline
+
+SETTINGS = dict(ctx=32, batch=128, epochs=2, lr=1e-3)  # 2 x 8 steps
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory, wiki100k_path):
+    path = tmp_path_factory.mktemp("obs") / "small.txt"
+    path.write_text(wiki100k_path.read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    return path
+
+
+def _records(path, kind):
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["type"] == kind]
+
+
+# ------------------------------------------------------------------------------ sparkline
+def test_sparkline_buckets_means_from_lowest_to_highest():
+    falling = [10 - i / 100 for i in range(1000)]
+    line = sparkline(falling)
+    assert len(line) == 40 and line[0] == "█" and line[-1] == "▁"
+    assert list(line) == sorted(line, reverse=True)  # a falling loss never rises in the line
+    assert sparkline([1.0, 3.0, 2.0]) == "▁█▅"  # fewer values than the width: one block each
+    # each block is the mean of its share: [0, 0, 4, 4] in 2 buckets -> lowest, highest
+    assert sparkline([0, 0, 4, 4], width=2) == "▁█"
+    assert sparkline([2.0, float("nan"), 2.0, None]) == "▄▄"  # not finite: left out; flat: mid blocks
+    assert sparkline([]) == "" and sparkline([float("inf")]) == ""
+
+
+def test_tensorboard_tags_every_number_of_a_record():
+    step = {"type": "train_step", "epoch": 1, "step": 3, "steps": 9, "global_step": 3, "loss": 2.5, "running_loss": 2.6,
+            "accuracy": 0.25, "lr": 1e-3, "tokens_per_s": 900.0, "grad_norm": None, "elapsed_s": 1.2}
+    assert dict(observe.scalars(step)) == {"train/loss": 2.5, "train/running_loss": 2.6, "train/accuracy": 0.25,
+                                           "train/lr": 1e-3, "train/tokens_per_s": 900.0}
+    bench = {"type": "benchmark", "epoch": 0, "global_step": 0, "kind": "hellaswag", "accuracy": 0.3,
+             "accuracy_err": 0.02, "n_tasks": 20}
+    assert observe.scalars(bench) == [("benchmark/accuracy", 0.3)]
+    assert observe.scalars({"type": "epoch", "epoch": 1, "train_loss": 2.0}) == []
+
+
+# ------------------------------------------------------------------------------ a run with both
+@pytest.fixture(scope="module")
+def observed(stories_path, small_text, tmp_path_factory):
+    """One run with --metrics, --plot and --tensorboard (the libraries it can have)."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboardX")
+    folder = tmp_path_factory.mktemp("observed")
+    paths = {"out": folder / "o.gguf", "metrics": folder / "m.jsonl", "plot": folder / "curve.png", "tb": folder / "tb"}
+    warnings = []
+    llmtune.finetune(stories_path, small_text, paths["out"], metrics=str(paths["metrics"]), plot=str(paths["plot"]),
+                     tensorboard=str(paths["tb"]), callback=lambda e: e.kind == "warning" and warnings.append(e.message),
+                     **SETTINGS)
+    assert not warnings
+    return paths
+
+
+def _pixels(path):
+    import matplotlib.image
+
+    return matplotlib.image.imread(str(path))  # float RGBA in [0, 1]
+
+
+def _share_of_colour(pixels, hex_colour: str) -> float:
+    """The fraction of pixels within 0.06 (per channel) of a colour."""
+    import numpy as np
+
+    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return float((np.abs(pixels[..., :3] - rgb).max(axis=-1) < 0.06).mean())
+
+
+def test_plot_is_a_png_of_the_curves(observed):
+    pixels = _pixels(observed["plot"])
+    assert pixels.shape[:2] == (450, 800)  # PLOT_SIZE at PLOT_DPI
+    assert pixels[..., :3].std() > 0.05  # not blank
+    # the train loss (matplotlib's C0 blue), validation loss (C1 orange) and lr (C2 green) are drawn
+    assert _share_of_colour(pixels, "#1f77b4") > 0.002
+    assert _share_of_colour(pixels, "#ff7f0e") > 0.0005
+    assert _share_of_colour(pixels, "#2ca02c") > 0.0005
+    assert not list(observed["plot"].parent.glob("*.tmp"))  # written atomically: no temp file left
+
+
+def test_tensorboard_reader_reads_every_step(observed):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = accumulator.EventAccumulator(str(observed["tb"]), size_guidance={accumulator.SCALARS: 0})
+    acc.Reload()
+    steps, vals = _records(observed["metrics"], "train_step"), _records(observed["metrics"], "validation")
+    assert {"train/loss", "train/accuracy", "train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss",
+            "val/accuracy"} <= set(acc.Tags()["scalars"])
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [r["global_step"] for r in steps] == list(range(1, len(steps) + 1))
+    assert all(math.isclose(e.value, r["loss"], rel_tol=1e-6) for e, r in zip(loss, steps))
+    assert [(e.step, round(e.value, 5)) for e in acc.Scalars("val/loss")] == [(r["global_step"], round(r["loss"], 5))
+                                                                             for r in vals]
+    assert len(vals) == SETTINGS["epochs"]
+
+
+def test_llmtune_plot_draws_a_metrics_file(observed, monkeypatch, capsys, tmp_path):
+    png = tmp_path / "again.png"
+    code, out, err = run_cli(monkeypatch, capsys, "plot", observed["metrics"], "-o", png)
+    n = len(_records(observed["metrics"], "train_step"))
+    assert code == 0, err
+    assert f"{n} steps, 2 validation passes" in out
+    assert f"(steps 1-{n})" in out and any(c in out for c in "▁▂▃▄▅▆▇█")
+    assert _pixels(png).shape[:2] == (450, 800)
+
+
+def test_llmtune_plot_refuses_a_bad_file_in_one_line(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    not_json, no_steps = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"
+    not_json.write_text('{"type": "train_step", "global_step": 1, "loss": 2.0}\nnot json\n')
+    no_steps.write_text('{"type": "validation", "global_step": 1, "loss": 2.0}\n')
+    no_position = tmp_path / "no-step.jsonl"
+    no_position.write_text('{"type": "train_step", "loss": 2.0}\n')
+    for path, message in ((not_json, f"{not_json}:2: not a JSON record"), (no_steps, "no train_step record"),
+                          (no_position, f"{no_position}:1: a train_step record without an integer \"global_step\""),
+                          (tmp_path / "missing.jsonl", "cannot read")):
+        code, out, err = run_cli(monkeypatch, capsys, "plot", path, "-o", tmp_path / "x.png")
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "x.png").exists()
+    code, _, err = run_cli(monkeypatch, capsys, "plot", not_json, "-o", not_json)
+    assert code == 2 and "refusing to overwrite the input file" in err
+
+
+def test_llmtune_plot_reads_a_running_finetunes_file(observed, monkeypatch, capsys, tmp_path):
+    """The record being written (its last line without its newline yet) is left out."""
+    lines = observed["metrics"].read_text().splitlines(keepends=True)
+    running = tmp_path / "running.jsonl"
+    running.write_text("".join(lines[:5]) + lines[5][:20])
+    code, out, err = run_cli(monkeypatch, capsys, "plot", running, "-o", tmp_path / "r.png")
+    assert code == 0 and "wrote" in out and "5 steps" in out, err
+
+
+def test_a_resumed_run_continues_its_curves(stories_path, small_text, tmp_path, monkeypatch):
+    """Resumed from the first epoch's checkpoint: TensorBoard purges the steps the first process
+    wrote after it (each step once), and --plot starts from the --metrics file's records."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    pytest.importorskip("matplotlib")
+    out, metrics, tb = tmp_path / "o.gguf", tmp_path / "m.jsonl", tmp_path / "tb"
+    llmtune.finetune(stories_path, small_text, out, metrics=str(metrics), tensorboard=str(tb), keep_checkpoints=2,
+                     **SETTINGS)
+    n = len(_records(metrics, "train_step"))
+    first = sorted(tmp_path.glob("o.gguf.ckpt-*.npz"))[0]
+    drawn = []
+    draw = observe.draw_curves
+    monkeypatch.setattr(observe, "draw_curves", lambda curves, *a, **k: (drawn.append(list(curves.steps)),
+                                                                           draw(curves, *a, **k)))
+    llmtune.finetune(stories_path, small_text, out, resume=first, metrics=str(metrics), tensorboard=str(tb),
+                     plot=str(tmp_path / "p.png"))
+    assert drawn[-1] == list(range(1, n + 1))
+    acc = accumulator.EventAccumulator(str(tb), size_guidance={accumulator.SCALARS: 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, n + 1))
+
+
+def test_missing_library_and_bad_folder_are_one_line(stories_path, small_text, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.delitem(sys.modules, "matplotlib.backends.backend_agg", raising=False)
+    with pytest.raises(LlmtuneError, match=r"^--plot: needs matplotlib, which is not installed \(pip install matplotlib"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "o.gguf", plot=str(tmp_path / "p.png"), **SETTINGS)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(LlmtuneError, match="^--tensorboard .*file: is a file, not a folder"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "o.gguf", tensorboard=str(a_file), **SETTINGS)
+    with pytest.raises(LlmtuneError, match="^--plot .*o.gguf: is the -o file too"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "o.gguf", plot=str(tmp_path / "o.gguf"), **SETTINGS)
+
+
+def test_finetune_summary_ends_with_the_loss_sparkline(stories_path, small_text, tmp_path, monkeypatch, capsys):
+    code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, small_text, "-o", tmp_path / "o.gguf",
+                             "--ctx", "32", "--batch", "128", "--epochs", "1", "--lr", "1e-3")
+    assert code == 0, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("loss ") and "(steps 1-" in last
+    assert 1 <= sum(c in "▁▂▃▄▅▆▇█" for c in last) <= 40
+
+
+def _fake_run(warnings, tmp_path):
+    """What PlotHook reads of a run: rank, --metrics file, output name, warn."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(trainer=SimpleNamespace(comm=SimpleNamespace(is_root=True)),
+                           log=SimpleNamespace(fh=None, path=None), result=SimpleNamespace(output=tmp_path / "o.gguf"),
+                           warn=warnings.append)
+
+
+def test_plot_is_redrawn_at_validation_and_every_minute_and_a_failure_only_warns(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    warnings, png = [], tmp_path / "p.png"
+    run, hook = _fake_run(warnings, tmp_path), observe.PlotHook(png)
+    step = lambda i: {"type": "train_step", "epoch": 1, "global_step": i, "loss": 3.0 - i / 10, "lr": 1e-3}  # noqa: E731
+    for i in range(1, 4):
+        hook.on_record(run, step(i))
+    assert not png.exists()  # steps alone: not before a minute has passed
+    hook.on_record(run, {"type": "validation", "epoch": 1, "global_step": 3, "loss": 2.9})
+    first = png.stat().st_mtime_ns
+    monkeypatch.setattr(observe.time, "perf_counter", lambda: hook.last_draw + observe.REDRAW_S + 1)
+    hook.on_record(run, step(4))  # a minute later: redrawn with step 4
+    assert png.stat().st_mtime_ns >= first and hook.drawn == 5
+    png.unlink()
+    png.mkdir()  # the picture can no longer be written: one warning, then the hook is quiet
+    hook.on_record(run, {"type": "validation", "epoch": 1, "global_step": 4, "loss": 2.8})
+    hook.on_stop(run, "done")
+    assert len(warnings) == 1 and warnings[0].startswith(f"--plot {png}: cannot write") and "goes on" in warnings[0]
