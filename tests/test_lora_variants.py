@@ -222,8 +222,9 @@ def test_dora_starts_at_the_base_and_merges_to_what_it_applies(stories):
 
 def test_finetune_dora_writes_the_merged_model(stories_path, small_text, tmp_path):
     out = tmp_path / "dora.gguf"
-    llmtune.finetune(stories_path, small_text, out, ctx=32, batch=128, ubatch=64, epochs=1, lr=1e-2, val_split=0.1,
-                     lora_rank=4, dora=True, lora_targets=r"attn_v|ffn_down")
+    res = llmtune.finetune(stories_path, small_text, out, ctx=32, batch=128, ubatch=64, epochs=1, lr=1e-2,
+                           val_split=0.1, lora_rank=4, dora=True, lora_targets=r"attn_v|ffn_down")
+    assert res.memory["merged output"] == 4 * 5 * (32 * 64 + 64 * 172)  # the memory estimate counts the merge
     gf = load_gguf(out)
     assert gf.get("general.type") != "adapter" and gf.tensors["blk.0.attn_v.weight"].type.name == "F32"
     merged, base = load_model(out), load_model(stories_path)

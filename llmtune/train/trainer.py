@@ -240,7 +240,7 @@ class Trainer:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes by part: the base weights (frozen or trained), the adapters (LoRA), gradients
         (one buffer per worker), optimizer state, activations (the planned arenas) and, with
-        LoRA dropout, the masks fed per micro-batch."""
+        LoRA dropout, the masks fed per micro-batch; DoRA, the merged matrices its output is written from."""
         itemsize = np.dtype(self.backend.dtype).itemsize
         n_base = sum(w.size for w in self.model.weights.values())
         memory = {"base": sum(self.base_types().values())}
@@ -253,6 +253,8 @@ class Trainer:
         })
         if self._masks:
             memory["dropout masks"] = sum(int(np.prod(s)) for s in self._masks.values()) * itemsize * self.n_workers
+        if self.model.adapters and self.model.adapters[0].magnitudes:  # DoRA's output: its merged matrices, F32
+            memory["merged output"] = sum(self.model.weights[n].size for n in self.model.adapters[0].pairs) * 4
         return memory
 
     def base_types(self) -> dict[str, int]:
