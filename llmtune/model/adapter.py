@@ -245,18 +245,27 @@ def pissa_init(model: "Model", adapter: LoraAdapter) -> dict[str, np.ndarray]:
     """PEFT's pissa_init for every pair: W = V S U^T (float64 SVD of W decoded to float32),
     A = sqrt(S_r / s) U_r^T, B = V_r sqrt(S_r / s); returns the residual bases W - s B A (float32,
     in memory instead of the stored, maybe quantized, W: PEFT dequantizes too) so the model starts
-    unchanged. A0, B0 are kept (adapter.initial) for the written form (as_plain)."""
+    unchanged. A0, B0 are kept (adapter.initial) for the written form (as_plain). The SVDs run one
+    per core with single-threaded BLAS (threads.run_in_order): one LAPACK call on a busy machine
+    is ~15x slower with OpenBLAS's own threads, and single-threaded it gives the same bits on resume."""
+    from llmtune.backends.threads import cpu_workers, run_in_order
+
     _refuse_embd(adapter, "--lora-init-method pissa")
-    residual = {}
-    for name, pair in adapter.pairs.items():
+
+    def split(_, name):
+        pair, s = adapter.pairs[name], adapter.weight_scale(name)
         w = np.asarray(model.weights[name], np.float32).astype(np.float64)
-        r, s = pair.rank, adapter.weight_scale(name)
         v, sv, uh = np.linalg.svd(w, full_matrices=False)
-        root = np.sqrt(sv[:r] / s)
-        pair.a[...] = root[:, None] * uh[:r]
-        pair.b[...] = v[:, :r] * root[None, :]
-        residual[name] = (w - s * (pair.b.astype(np.float64) @ pair.a.astype(np.float64))).astype(np.float32)
-        adapter.initial[name] = LoraPair(pair.a.copy(), pair.b.copy())
+        root = np.sqrt(sv[: pair.rank] / s)
+        a, b = (root[:, None] * uh[: pair.rank]).astype(np.float32), (v[:, : pair.rank] * root[None, :]).astype(np.float32)
+        return a, b, (w - s * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+
+    names = list(adapter.pairs)
+    residual = {}
+    for name, (a, b, rest) in zip(names, run_in_order(split, lambda: None, names, cpu_workers(None, len(names)))):
+        adapter.pairs[name].a[...], adapter.pairs[name].b[...] = a, b
+        adapter.initial[name] = LoraPair(a.copy(), b.copy())
+        residual[name] = rest
     return residual
 
 
