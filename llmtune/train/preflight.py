@@ -90,7 +90,11 @@ def checked_memory(trainer: Trainer, model_path) -> dict[str, int]:
         )
     rss = trainer.backend.resident_bytes()
     if rss is not None:  # the trained weights, written already, are resident and counted in "base"
-        memory["runtime"] = max(0, rss - trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize)
+        held = trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize
+        adapters = trainer.model.adapters
+        if adapters and adapters[0].initial:  # PiSSA's residual bases: made in memory, counted in "base" too
+            held += sum(trainer.model.weights[n].nbytes for n in adapters[0].initial)
+        memory["runtime"] = max(0, rss - held)
     return memory
 
 
