@@ -241,6 +241,28 @@ def test_float32_exceptions_step_as_adamw(name):  # noqa: F811
     assert not np.array_equal(got[lo:hi], f32[lo:hi])
 
 
+@pytest.mark.parametrize("kind", ["adamw8bit", "adamw", "sgd"])
+def test_lr_factors_scale_each_tensor_as_its_own_optimizer(kind):
+    """LoRA+'s learning-rate factors (Optimizer lr_factors) with every optimizer kind: a buffer of
+    tensors with factors 1 and 4 steps exactly as one optimizer per tensor at lr x factor."""
+    from llmtune.backends.cpu import CPUBackend
+
+    be = CPUBackend()
+    tensors = [("a", 8192), ("b", 4608), ("c", 8192)]
+    factors = {"b": 4.0, "c": 4.0}
+    n = sum(k for _, k in tensors)
+    grouped = Optimizer(kind, be, n, wd=0.1, tensors=tensors, lr_factors=factors)
+    alone = [Optimizer(kind, be, k, wd=0.1, tensors=[(t, k)]) for t, k in tensors]
+    w0 = rng.standard_normal(n).astype(np.float32)
+    w, parts = w0.copy(), [w0[:8192].copy(), w0[8192:12800].copy(), w0[12800:].copy()]
+    for _ in range(3):
+        g = rng.standard_normal(n).astype(np.float32)
+        grouped.step(w, g, 0.01)
+        for (t, _), opt, part, gp in zip(tensors, alone, parts, np.split(g, [8192, 12800])):
+            opt.step(part, gp, 0.01 * factors.get(t, 1.0))
+    np.testing.assert_array_equal(w, np.concatenate(parts))
+
+
 # ------------------------------------------------------------------------------ training
 def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -295,6 +295,12 @@ def test_rms_norm(name, shape):
     check_forward(name, lambda x, g: [ops.rms_norm(x, eps), ops.rms_norm_back(x, g, eps)], [x * r, dx], x=x, g=g)
 
 
+@pytest.mark.parametrize("shape", [(3, 37), (5, 300), (2, 3, 40)])
+def test_row_rnorm(name, shape):
+    x = randn(*shape)
+    check_forward(name, lambda x: ops.row_rnorm(x), 1.0 / np.sqrt((x * x).sum(axis=-1)), x=x)
+
+
 @pytest.mark.parametrize("shape", [(3, 37), (5, 300), (2, 3, 4, 8)])
 def test_layer_norm(name, shape):
     x, g, eps = 2 + 3 * randn(*shape), randn(*shape), 1e-5  # an offset: the mean matters
@@ -599,6 +605,7 @@ GRAD_CASES = {
     "get_rows": (lambda w, ids: ops.get_rows(w, ids), {"w": (5, 3)}, {"ids": np.array([[4, 0, 4], [1, 1, 2]])}),
     "add_rows": (lambda g, ids: ops.add_rows(g, ids, 5), {"g": (6, 3)}, {"ids": np.array([0, 4, 4, 2, 0, 0])}),
     "rms_norm": (lambda x: ops.rms_norm(x, 1e-5), {"x": (3, 7)}, {}),
+    "row_rnorm": (lambda x: ops.row_rnorm(x), {"x": (3, 7)}, {}),
     "layer_norm": (lambda x: ops.layer_norm(x, 1e-5), {"x": (3, 7)}, {}),
     # with the caller's affine weight and bias, as build_norm applies them
     "layer_norm_affine": (lambda x, w, b: ops.add(ops.mul(ops.layer_norm(x, 1e-5), w), b),

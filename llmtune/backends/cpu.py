@@ -306,6 +306,12 @@ def k_rms_norm(out, x, eps):
 k_rms_norm.bind = native.bind_rms_norm  # a replayed decode step: one compiled call per norm
 
 
+def k_row_rnorm(out, x):
+    ss = np.einsum("...i,...i->...", x, x)
+    np.sqrt(ss, out=ss)
+    return np.divide(1.0, ss, out=out)
+
+
 def k_rms_norm_back(out, x, g, eps):
     # y = x r, r = 1/sqrt(mean(x^2)+eps);  dx = r (g - y mean(g y))
     n = x.shape[-1]

@@ -402,6 +402,25 @@ _register("layer_norm", lambda n, g: (layer_norm_back(n.inputs[0], g, n.attrs["e
 _register("layer_norm_back", None)
 
 
+def row_rnorm(x: Node, detach: bool = False) -> Node:
+    """1 / ||x||_2 over the last axis: x.shape[:-1] (no eps: torch.linalg.norm has none).
+    detach: the result carries no gradient (torch's .detach()), as DoRA's weight norm in PEFT's
+    DoraLinearLayer.forward; model/adapter.py divides the magnitude by it."""
+    node = _node("row_rnorm", (x,), {}, x.shape[:-1])
+    if detach:
+        node.requires_grad = False
+    return node
+
+
+def _row_rnorm_backward(n: Node, g: Node):
+    """d(1/|x|)/dx = -x / |x|^3: x times -g r^3, broadcast over the last axis."""
+    coef = scale(mul(mul(mul(n, n), n), g), -1.0)
+    return (mul(n.inputs[0], reshape(coef, n.shape + (1,))),)
+
+
+_register("row_rnorm", _row_rnorm_backward)
+
+
 # --------------------------------------------------------------------------- rope
 def rope_inv_freq(n_rot: int, base: float, freq_factors=None) -> np.ndarray:
     """rope's float64 angle per position of each pair, base^(-2i/n_rot) / freq_factors[i]

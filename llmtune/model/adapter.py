@@ -14,10 +14,19 @@ The file (llama.cpp's convert_lora_to_gguf.py / src/llama-adapter.cpp):
 Applied (build_lora_mm): y = x W^T + s (x A^T) B^T for every adapter in order, with
 s = user_scale * alpha / r when alpha != 0, else user_scale (r = B's last numpy axis, the rank);
 token_embd: rows = W[t] + s A[t] B^T. Merged (llama-export-lora): W + s B A (token_embd: W + s A B^T).
+
+Variants (PEFT's, for training; README "LoRA variants"):
+- rsLoRA: s = alpha / sqrt(r); the file stores alpha * sqrt(r), so llama.cpp's alpha / r is that scale;
+- DoRA: a magnitude m [n_out] per matrix, W' = m * (W + s B A) / ||W + s B A||_row with the norm
+  detached (PEFT's DoraLinearLayer); llama.cpp has no DoRA, so a DoRA adapter is written merged;
+- PiSSA: A, B from W's top-r singular triplets and the base replaced by the residual W - s B A
+  (PEFT's pissa_init); written as the rank-2r plain adapter [A; A0], [B, -B0] of the original base
+  (PEFT's path_initial_model_for_weight_conversion), which llama.cpp loads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +43,7 @@ from llmtune.graph import ops
 # annotations name model/loaded.py's Model, which imports this module (no import here: no circle)
 
 A, B = "lora_a", "lora_b"
+MAGNITUDE = "lora_magnitude"  # DoRA's per-row magnitude (graph/trainer key only: no llama.cpp file holds one)
 EMBD = "token_embd.weight"  # the one target applied by row lookup (A and B flipped)
 # attention q/k/v/o and the FFN matrices, fused attn_qkv / ffn_up (gate+up) included
 DEFAULT_TARGETS = r"\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down))\.weight$"
@@ -70,6 +80,8 @@ class LoraAdapter:
     types: dict[str, QT] = field(default_factory=dict)  # stored type per tensor name (default F32)
     order: list[str] = field(default_factory=list)  # the file's tensor names in order (extras included)
     extra: dict[str, tuple[np.ndarray, QT]] = field(default_factory=dict)  # skipped tensors, kept verbatim
+    magnitudes: dict[str, np.ndarray] = field(default_factory=dict)  # DoRA: float32 [n_out] per pair
+    initial: dict[str, LoraPair] = field(default_factory=dict)  # PiSSA: A0, B0 (taken out of the base)
 
     @property
     def ranks(self) -> set[int]:
@@ -90,22 +102,43 @@ class LoraAdapter:
         return d * np.float32(self.weight_scale(name))
 
     def n_params(self) -> int:
-        return sum(p.a.size + p.b.size for p in self.pairs.values())
+        return sum(p.a.size + p.b.size for p in self.pairs.values()) + sum(m.size for m in self.magnitudes.values())
 
     def tensors(self, index: int = 0) -> dict[str, np.ndarray]:
-        """Graph tensors by trainer key (tensor_key), A then B per pair."""
+        """Graph tensors by trainer key (tensor_key), A then B (then DoRA's magnitude) per pair."""
         out = {}
         for name, p in self.pairs.items():
             out[tensor_key(name, A, index)] = p.a
             out[tensor_key(name, B, index)] = p.b
+            if name in self.magnitudes:
+                out[tensor_key(name, MAGNITUDE, index)] = self.magnitudes[name]
         return out
 
     def with_tensors(self, values: dict[str, np.ndarray]) -> "LoraAdapter":
-        """A copy whose A/B come from `values` (keys as `tensors()`, e.g. the trainer's result)."""
-        pairs = {n: LoraPair(np.asarray(values[tensor_key(n, A)], np.float32), np.asarray(values[tensor_key(n, B)], np.float32))
-                 for n in self.pairs}
-        return LoraAdapter(self.arch, self.alpha, pairs, self.scale, self.path, dict(self.meta), dict(self.types),
-                           list(self.order), dict(self.extra))
+        """A copy whose A/B (and magnitudes) come from `values` (keys as `tensors()`, e.g. the trainer's result)."""
+        f32 = lambda n, part: np.asarray(values[tensor_key(n, part)], np.float32)  # noqa: E731
+        pairs = {n: LoraPair(f32(n, A), f32(n, B)) for n in self.pairs}
+        return dataclasses.replace(self, pairs=pairs, meta=dict(self.meta), magnitudes={n: f32(n, MAGNITUDE) for n in self.magnitudes})
+
+    def dora_merged(self, name: str, base) -> np.ndarray:
+        """DoRA's merged matrix m * (W + s B A) / ||W + s B A||_row (float32; PEFT's
+        DoraLinearLayer merge), `base` the W the adapter was trained on."""
+        w = np.asarray(base, np.float32) + self.delta(name)
+        norm = np.linalg.norm(w.astype(np.float64), axis=1, keepdims=True)
+        return (w * (self.magnitudes[name][:, None] / norm)).astype(np.float32)
+
+    def as_plain(self) -> "LoraAdapter":
+        """The adapter as llama.cpp applies it to the original base: itself, or for PiSSA the
+        rank-2r pairs [A; A0], [B, -B0] with alpha doubled (the same scale), so the change is
+        s (B A - B0 A0) (PEFT's conversion at save_pretrained)."""
+        if self.magnitudes:
+            raise LlmtuneError("a DoRA adapter has no llama.cpp form; write the merged model (finetune does with --dora)")
+        if not self.initial:
+            return self
+        pairs = {n: LoraPair(np.concatenate([p.a, self.initial[n].a]), np.concatenate([p.b, -self.initial[n].b], axis=1))
+                 for n, p in self.pairs.items()}
+        meta = dict(self.meta)
+        return dataclasses.replace(self, alpha=2 * self.alpha, pairs=pairs, meta=meta, initial={})
 
 
 # ------------------------------------------------------------------------------------ targets
@@ -172,14 +205,18 @@ def select_targets(model: "Model", pattern: Optional[str], rank: int) -> list[st
 
 # ------------------------------------------------------------------------------------ new adapters
 def init_adapter(model: "Model", rank: int, alpha: Optional[float] = None, targets: Optional[str] = None,
-                 seed: int = 0) -> LoraAdapter:
-    """A new adapter as PEFT initialises one: A ~ kaiming_uniform(a=sqrt(5)), i.e.
-    U(-1/sqrt(n_in), 1/sqrt(n_in)), B = 0, so the model starts exactly at its base (token_embd:
-    PEFT's embedding init, A = 0 and B ~ N(0, 1)). alpha defaults to the rank (scale 1)."""
+                 seed: int = 0, method: str = "kaiming", rslora: bool = False) -> LoraAdapter:
+    """A new adapter as PEFT initialises one (init_lora_weights): kaiming (PEFT's True), A ~
+    kaiming_uniform(a=sqrt(5)), i.e. U(-1/sqrt(n_in), 1/sqrt(n_in)); gaussian, A ~ N(0, 1/r);
+    B = 0 either way, so the model starts exactly at its base (token_embd: PEFT's embedding init,
+    A = 0 and B ~ N(0, 1)). pissa: see pissa_init (the caller swaps in the residual base).
+    alpha defaults to the rank (scale 1); rslora stores alpha * sqrt(r) (scale alpha / sqrt(r))."""
     names = select_targets(model, targets, rank)
     alpha = float(rank if alpha is None else alpha)
     if not np.isfinite(alpha) or alpha < 0:
         raise LlmtuneError(f"--lora-alpha: must be a number >= 0, got {alpha}")
+    if rslora:  # PEFT's use_rslora: scaling = alpha / sqrt(r); llama.cpp applies file alpha / r
+        alpha = float(np.float32(alpha) * np.sqrt(np.float32(rank)))
     rng = np.random.default_rng(seed)
     pairs = {}
     for n in names:
@@ -188,11 +225,57 @@ def init_adapter(model: "Model", rank: int, alpha: Optional[float] = None, targe
             a = np.zeros((n_out, rank), np.float32)
             b = rng.standard_normal((n_in, rank)).astype(np.float32)
         else:
-            bound = 1.0 / np.sqrt(n_in)
-            a = rng.uniform(-bound, bound, (rank, n_in)).astype(np.float32)
+            if method == "gaussian":
+                a = (rng.standard_normal((rank, n_in)) / rank).astype(np.float32)
+            else:
+                bound = 1.0 / np.sqrt(n_in)
+                a = rng.uniform(-bound, bound, (rank, n_in)).astype(np.float32)
             b = np.zeros((n_out, rank), np.float32)
         pairs[n] = LoraPair(a, b)
     return LoraAdapter(model.hp.arch, alpha, pairs, meta=_new_metadata(model, alpha))
+
+
+def _refuse_embd(adapter: LoraAdapter, flag: str) -> None:
+    if EMBD in adapter.pairs:
+        raise LlmtuneError(f"{flag}: applies to matrices multiplied by the input, not to {EMBD} (a row lookup); "
+                           f"leave it out of --lora-targets")
+
+
+def pissa_init(model: "Model", adapter: LoraAdapter) -> dict[str, np.ndarray]:
+    """PEFT's pissa_init for every pair: W = V S U^T (float64 SVD of W decoded to float32),
+    A = sqrt(S_r / s) U_r^T, B = V_r sqrt(S_r / s); returns the residual bases W - s B A (float32,
+    in memory instead of the stored, maybe quantized, W: PEFT dequantizes too) so the model starts
+    unchanged. A0, B0 are kept (adapter.initial) for the written form (as_plain). The SVDs run one
+    per core with single-threaded BLAS (threads.run_in_order): one LAPACK call on a busy machine
+    is ~15x slower with OpenBLAS's own threads, and single-threaded it gives the same bits on resume."""
+    from llmtune.backends.threads import cpu_workers, run_in_order
+
+    _refuse_embd(adapter, "--lora-init-method pissa")
+
+    def split(_, name):
+        pair, s = adapter.pairs[name], adapter.weight_scale(name)
+        w = np.asarray(model.weights[name], np.float32).astype(np.float64)
+        v, sv, uh = np.linalg.svd(w, full_matrices=False)
+        root = np.sqrt(sv[: pair.rank] / s)
+        a, b = (root[:, None] * uh[: pair.rank]).astype(np.float32), (v[:, : pair.rank] * root[None, :]).astype(np.float32)
+        return a, b, (w - s * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+
+    names = list(adapter.pairs)
+    residual = {}
+    for name, (a, b, rest) in zip(names, run_in_order(split, lambda: None, names, cpu_workers(None, len(names)))):
+        adapter.pairs[name].a[...], adapter.pairs[name].b[...] = a, b
+        adapter.initial[name] = LoraPair(a.copy(), b.copy())
+        residual[name] = rest
+    return residual
+
+
+def dora_init(model: "Model", adapter: LoraAdapter) -> None:
+    """PEFT's DoraLinearLayer.update_layer: each magnitude starts at ||W + s B A||_row, so the
+    model starts where the plain adapter would (after pissa_init: the residual base's)."""
+    _refuse_embd(adapter, "--dora")
+    for name, pair in adapter.pairs.items():
+        w = np.asarray(model.weights[name], np.float32) + adapter.delta(name)
+        adapter.magnitudes[name] = np.linalg.norm(w.astype(np.float64), axis=1).astype(np.float32)
 
 
 def _new_metadata(model: "Model", alpha: float) -> dict[str, MetaValue]:
@@ -322,7 +405,9 @@ def adapter_tensors(adapter: LoraAdapter) -> Iterable[tuple[str, np.ndarray, QT]
 
 def write_adapter(path, adapter: LoraAdapter, inputs: Iterable = ()) -> Path:
     """Write `adapter` as llama.cpp's adapter GGUF (atomically); the metadata of the file it came
-    from is kept, with adapter.lora.alpha set to the adapter's alpha."""
+    from is kept, with adapter.lora.alpha set to the adapter's alpha (PiSSA: its plain rank-2r
+    form, as_plain)."""
+    adapter = adapter.as_plain()
     meta = dict(adapter.meta)
     meta["adapter.lora.alpha"] = MetaValue(float(adapter.alpha), VT.FLOAT32)
     return write_gguf(path, adapter.arch, meta, adapter_tensors(adapter), inputs=list(inputs))
@@ -364,6 +449,8 @@ class LoraTerm:
     b: object  # Node
     scale: float
     key: str  # names the term's dropout mask input ("<A key>.dropout")
+    magnitude: object = None  # DoRA: Node [n_out]
+    weight: object = None  # DoRA: the base matrix's Node
 
 
 class LoraGraph:
@@ -380,8 +467,10 @@ class LoraGraph:
         for i, adapter in enumerate(adapters):
             for name in adapter.pairs:
                 key = tensor_key(name, A, i)
+                dora = name in adapter.magnitudes
                 terms.setdefault(name, []).append(
-                    LoraTerm(nodes[key], nodes[tensor_key(name, B, i)], adapter.weight_scale(name), key))
+                    LoraTerm(nodes[key], nodes[tensor_key(name, B, i)], adapter.weight_scale(name), key,
+                             nodes[tensor_key(name, MAGNITUDE, i)] if dora else None, nodes[name] if dora else None))
         return cls(terms, dropout)
 
     def apply(self, x, y, name: str):
@@ -390,8 +479,19 @@ class LoraGraph:
             xin = x
             if self.dropout > 0:
                 xin = ops.mul(x, ops.input(x.shape, name=f"{t.key}.dropout"))
-            y = ops.add(y, ops.scale(ops.linear(ops.linear(xin, t.a), t.b), t.scale))
+            term = ops.scale(ops.linear(ops.linear(xin, t.a), t.b), t.scale)
+            y = ops.add(y, term) if t.magnitude is None else self._dora(t, xin, y, term)
         return y
+
+    def _dora(self, t: LoraTerm, xin, y, term):
+        """PEFT's DoraLinearLayer.forward: with g = m / ||W + s B A||_row (norm detached), y + (g - 1)
+        base(xin) + g s lora(xin); without dropout xin is x and base(x) is y: g (y + s lora(x))."""
+        weight = ops.add(t.weight, ops.scale(ops.matmul(t.b, t.a), t.scale))
+        g = ops.mul(t.magnitude, ops.row_rnorm(weight, detach=True))
+        if self.dropout <= 0:
+            return ops.mul(ops.add(y, term), g)
+        base = ops.linear(xin, t.weight)
+        return ops.add(y, ops.add(ops.mul(base, ops.add(g, ops.const(-1.0, g.shape))), ops.mul(term, g)))
 
     def apply_rows(self, tokens, x, name: str):
         """Embedding rows x = W[tokens] plus scale * A[tokens] B^T (no dropout: PEFT's Embedding)."""

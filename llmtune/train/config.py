@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -100,6 +101,18 @@ class FinetuneConfig:
     lora_init: Optional[str] = setting(None, "Continue training this adapter GGUF (llmtune's or "
                                              "convert_lora_to_gguf.py's); it fixes rank and targets.",
                                        metavar="FILE", path=True)
+    # LoRA variants (model/adapter.py; README "LoRA variants")
+    rslora: bool = setting(False, "Rank-stabilised LoRA (PEFT's use_rslora): scale alpha / sqrt(rank), not alpha / rank; "
+                                  "the adapter file stores alpha * sqrt(rank), so llama.cpp applies the same scale.")
+    dora: bool = setting(False, "Weight-decomposed LoRA (PEFT's use_dora): each adapted matrix is a trained per-row "
+                                "magnitude times the direction of W + scale B A. llama.cpp cannot load DoRA adapters, "
+                                "so -o receives the merged model (the adapted matrices as F32).")
+    lora_plus: float = setting(0.0, "LoRA+ (PEFT's create_loraplus_optimizer): B's learning rate (and DoRA's "
+                                    "magnitude's) is RATIO x A's, e.g. 16.", metavar="RATIO", unset="off")
+    lora_init_method: str = setting("kaiming", "How a new adapter starts: kaiming (PEFT's default), gaussian (A ~ "
+                                               "N(0, 1/rank)) or pissa (A, B from W's top singular vectors, W replaced by "
+                                               "the residual W - scale B A, kept in F32; -o receives the change as a "
+                                               "rank-2r adapter of the original base).", metavar="NAME")
     # instruction / chat data (train/chat.py) and samples during training
     format: str = setting("auto", "Data format: auto (detected from the file's first record), plain, text, completion, "
                                   "chat, sharegpt or alpaca.", metavar="NAME")
@@ -192,6 +205,9 @@ class FinetuneConfig:
             if c.out_type.lower() not in EXPORT_TYPES:
                 raise LlmtuneError(f"--out-type: unknown type {c.out_type!r} (choose from {', '.join(EXPORT_TYPES)})")
             c.out_type = c.out_type.lower()
+            if c.lora and c.dora:
+                raise LlmtuneError(f"--out-type: with --dora, -o receives the merged model with its adapted matrices in "
+                                   f"F32; shrink it afterwards: llmtune export OUT.gguf --type {c.out_type} -o SMALL.gguf")
             if c.lora:
                 raise LlmtuneError(f"--out-type: a LoRA adapter is written in F32; to merge it and store the model as "
                                    f"{c.out_type}: llmtune export BASE.gguf --lora ADAPTER.gguf --type {c.out_type} -o OUT.gguf")
@@ -208,7 +224,8 @@ class FinetuneConfig:
                     raise LlmtuneError(f"{flag}: needs --lora-rank (or --lora-init)")
             if c.lora_dropout:
                 raise LlmtuneError("--lora-dropout: needs --lora-rank (or --lora-init)")
-        elif c.params is not None:
+        _check_lora_variants(c)
+        if c.lora and c.params is not None:
             raise LlmtuneError("--params: LoRA trains only adapters; choose the adapted matrices with --lora-targets")
         elif c.lora_init is not None and c.lora_targets is not None:
             raise LlmtuneError("--lora-targets: --lora-init's adapter fixes the adapted matrices")
@@ -270,6 +287,28 @@ def _check_selection(c: FinetuneConfig) -> None:
                 raise LlmtuneError(f"{flag_name(name)}: needs --early-stop or --save-best")
     if c.select_metric == "benchmark" and c.eval_benchmark is None:
         raise LlmtuneError("--select-metric benchmark: needs --eval-benchmark FILE")
+
+
+LORA_INIT_METHODS = ("kaiming", "gaussian", "pissa")
+
+
+def _check_lora_variants(c: FinetuneConfig) -> None:
+    """--rslora, --dora, --lora-plus and --lora-init-method: each needs an adapter, and a new one
+    where it decides how the adapter starts or is scaled."""
+    if c.lora_init_method not in LORA_INIT_METHODS:
+        raise LlmtuneError(f"--lora-init-method: unknown method {c.lora_init_method!r} (choose {', '.join(LORA_INIT_METHODS)})")
+    if not (c.lora_plus >= 0 and math.isfinite(c.lora_plus)):
+        raise LlmtuneError(f"--lora-plus: must be a positive ratio (0: off), got {c.lora_plus}")
+    given = [flag for flag, on in (("--rslora", c.rslora), ("--dora", c.dora), ("--lora-plus", c.lora_plus),
+                                   ("--lora-init-method", c.lora_init_method != "kaiming")) if on]
+    if given and not c.lora:
+        raise LlmtuneError(f"{given[0]}: needs --lora-rank (or --lora-init)")
+    if c.lora_init is not None and c.lora_init_method != "kaiming":
+        raise LlmtuneError(f"--lora-init-method: starts a new adapter; --lora-init {c.lora_init} continues one "
+                           f"(drop one of them)")
+    if c.lora_init is not None and c.rslora:
+        raise LlmtuneError(f"--rslora: --lora-init {c.lora_init} fixes the scale (its adapter.lora.alpha / rank, as "
+                           f"llama.cpp applies it); set it with --lora-alpha")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}

@@ -3,6 +3,7 @@ model, data, trainer), run the loop (train/loop.py) with the hooks a workflow ha
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from pathlib import Path
@@ -132,7 +133,7 @@ def _trainer(model: Model, trainable: list[str], cfg: FinetuneConfig, ckpt) -> T
     """The trainer of the run: next-token (sft) or a preference method's."""
     kw = dict(n_ctx=cfg.ctx, n_batch=cfg.batch, n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer,
               wd=cfg.wd, lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
-              grad_clip=cfg.grad_clip)
+              grad_clip=cfg.grad_clip, lr_factors=lr_factors(cfg, trainable))
     backend = get_backend(cfg.backend, precision=cfg.precision)
     if cfg.method != "sft":
         objective = Objective(cfg.method, cfg.beta, cfg.label_smoothing, cfg.gamma)
@@ -156,22 +157,29 @@ def start_event(run: Run) -> ev.Start:
     tr, ds, res = run.trainer, run.dataset, run.result
     return ev.Start(config=run.cfg, memory=res.memory, n_tokens=res.n_tokens, n_train=ds.n_train, n_val=ds.n_val,
                     steps_per_epoch=run.steps_per_epoch, n_trainable=tr.n_trainable, n_params=tr.model.n_params(),
-                    trainable=tr.trainable, backend=tr.backend.name, lora=_lora_info(tr.model), step=run.step,
+                    trainable=tr.trainable, backend=tr.backend.name, lora=_lora_info(tr.model, run.cfg), step=run.step,
                     base_types=tr.base_types(),
                     data=data_info(ds, run.steps_per_epoch * (run.cfg.batch // run.cfg.ctx)))
 
 
-def _lora_info(model: Model) -> Optional[dict]:
-    """What the Start event says about the adapter being trained (None for a full finetune)."""
+def _lora_info(model: Model, cfg: FinetuneConfig) -> Optional[dict]:
+    """What the Start event says about the adapter being trained (None for a full finetune);
+    "variants": the LoRA variants in words (README "LoRA variants")."""
     if not model.adapters:
         return None
     a = model.adapters[0]
-    return {"rank": sorted(a.ranks), "alpha": a.alpha, "n_targets": len(a.pairs), "init": str(a.path) if a.path else None}
+    words = [f"rsLoRA, scale {a.weight_scale(next(iter(a.pairs))):.4g}"] if cfg.rslora else []
+    words += ["DoRA, written merged"] if cfg.dora else []
+    words += [f"LoRA+ B lr x{cfg.lora_plus:g}"] if cfg.lora_plus else []
+    words += [{"gaussian": "gaussian init", "pissa": "PiSSA, residual base F32, written as rank 2r"}[cfg.lora_init_method]
+              ] if cfg.lora_init_method != "kaiming" else []
+    return {"rank": sorted(a.ranks), "alpha": a.alpha, "n_targets": len(a.pairs), "init": str(a.path) if a.path else None,
+            "variants": words}
 
 
 def _with_adapter(model: Model, cfg: FinetuneConfig) -> tuple[Model, list[str]]:
     """The model with the adapter to train (new, or --lora-init's) and the adapter's tensor keys."""
-    from llmtune.model.adapter import attach, init_adapter, load_adapter
+    from llmtune.model.adapter import attach, dora_init, init_adapter, load_adapter, pissa_init
 
     if cfg.lora_init is not None:
         adapter = load_adapter(cfg.lora_init, model, flag="--lora-init")
@@ -181,5 +189,20 @@ def _with_adapter(model: Model, cfg: FinetuneConfig) -> tuple[Model, list[str]]:
         if cfg.lora_alpha is not None:
             adapter.alpha = float(cfg.lora_alpha)
     else:
-        adapter = init_adapter(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed)
+        adapter = init_adapter(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed, cfg.lora_init_method,
+                               cfg.rslora)
+    if cfg.lora_init_method == "pissa":  # the base becomes the residual W - s B0 A0 (float32)
+        model = dataclasses.replace(model, weights={**model.weights, **pissa_init(model, adapter)})
+    if cfg.dora:
+        dora_init(model, adapter)
     return attach(model, [adapter]), list(adapter.tensors())
+
+
+def lr_factors(cfg: FinetuneConfig, trainable: list[str]) -> dict[str, float]:
+    """LoRA+ (PEFT's create_loraplus_optimizer): B and DoRA's magnitudes (its 1-d parameters) learn
+    at --lora-plus times the learning rate of A; {} when off."""
+    from llmtune.model.adapter import A
+
+    if not cfg.lora_plus:
+        return {}
+    return {n: 1.0 if n.split("#")[0].endswith("." + A) else float(cfg.lora_plus) for n in trainable}

@@ -93,35 +93,42 @@ class Optimizer:
     blocks never span two of them and keeps_f32_state ones keep float32 moments."""
 
     def __init__(self, kind: str, backend, n: int, *, wd: float = 0.0, beta1: float = 0.9,
-                 beta2: float = 0.999, eps: float = 1e-8, tensors=None, min_8bit_size: int = MIN_8BIT_SIZE):
+                 beta2: float = 0.999, eps: float = 1e-8, tensors=None, min_8bit_size: int = MIN_8BIT_SIZE,
+                 lr_factors: dict[str, float] | None = None):
+        """lr_factors: a learning-rate factor per tensor name (torch's parameter groups; LoRA+),
+        default 1."""
         kind = kind.lower()
         if kind not in OPTIMIZERS:
             raise LlmtuneError(f"--optimizer: unknown optimizer {kind!r} (choose {', '.join(OPTIMIZERS)})")
         self.kind, self.backend, self.wd = kind, backend, wd
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.t = 0
+        tensors = [("", n)] if tensors is None else tensors
+        self.groups = _lr_groups(tensors, lr_factors or {})
         self.m = self.v = None
         if kind == "adamw":
             self.m, self.v = backend.zeros((n,)), backend.zeros((n,))
         elif kind == "adamw8bit":
-            self._init_8bit(n, [("", n)] if tensors is None else tensors, min_8bit_size)
+            self._init_8bit(n, tensors, lr_factors or {}, min_8bit_size)
 
-    def _init_8bit(self, n: int, tensors, min_8bit_size: int) -> None:
-        """Runs of consecutive tensors with the same state kind: ("8bit", buffer range, state range,
-        block range, block starts within the run) or ("f32", buffer range, state range)."""
+    def _init_8bit(self, n: int, tensors, lr_factors: dict, min_8bit_size: int) -> None:
+        """Runs of consecutive tensors with the same state kind and learning-rate factor: ("8bit",
+        buffer range, state range, block range, block starts within the run) or ("f32", buffer
+        range, state range); self.run_factors holds each run's factor."""
         be = self.backend
         self.runs, offset, n8, n32, n_blocks = [], 0, 0, 0, 0
         for name, size in tensors:
-            kind = "f32" if keeps_f32_state(name, size, min_8bit_size) else "8bit"
+            kind = ("f32" if keeps_f32_state(name, size, min_8bit_size) else "8bit", lr_factors.get(name, 1.0))
             if self.runs and self.runs[-1][0] == kind:
                 self.runs[-1][1].append(size)
             else:
                 self.runs.append((kind, [size]))
             offset += size
+        self.run_factors = [factor for (_, factor), _ in self.runs]
         if offset != n:
             raise ValueError(f"tensor sizes sum to {offset}, not the buffer's {n}")
         runs, offset = [], 0
-        for kind, sizes in self.runs:
+        for (kind, _), sizes in self.runs:
             size = sum(sizes)
             if kind == "f32":
                 runs.append(("f32", slice(offset, offset + size), slice(n32, n32 + size)))
@@ -175,17 +182,35 @@ class Optimizer:
 
     def step(self, w, g, lr: float) -> None:
         self.t += 1
-        hp = dict(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, wd=self.wd, t=self.t)
-        if self.kind == "adamw":
-            self.backend.adamw_step(w, g, self.m, self.v, **hp)
-        elif self.kind == "adamw8bit":
-            for run in self.runs:
+        hp = dict(beta1=self.beta1, beta2=self.beta2, eps=self.eps, wd=self.wd, t=self.t)
+        if self.kind == "adamw8bit":
+            for run, factor in zip(self.runs, self.run_factors):
                 kind, sl, st = run[:3]
                 if kind == "f32":
-                    self.backend.adamw_step(w[sl], g[sl], self.m32[st], self.v32[st], **hp)
+                    self.backend.adamw_step(w[sl], g[sl], self.m32[st], self.v32[st], lr=lr * factor, **hp)
                 else:
                     b = run[3]
                     self.backend.adamw8bit_step(w[sl], g[sl], self.m[st], self.v[st], self.absmax_m[b],
-                                                self.absmax_v[b], run[4], self.code_m, self.code_v, **hp)
+                                                self.absmax_v[b], run[4], self.code_m, self.code_v,
+                                                lr=lr * factor, **hp)
+            return
+        for start, stop, factor in self.groups:
+            part = slice(start, stop)
+            if self.kind == "adamw":
+                self.backend.adamw_step(w[part], g[part], self.m[part], self.v[part], lr=lr * factor, **hp)
+            else:
+                self.backend.sgd_step(w[part], g[part], lr=lr * factor, wd=self.wd)
+
+
+def _lr_groups(tensors, lr_factors: dict[str, float]) -> list[tuple[int, int, float]]:
+    """(start, stop, lr factor) runs of the flat buffer, one per run of tensors with one factor."""
+    groups: list[list] = []
+    offset = 0
+    for name, size in tensors:
+        factor = lr_factors.get(name, 1.0)
+        if groups and groups[-1][2] == factor:
+            groups[-1][1] += size
         else:
-            self.backend.sgd_step(w, g, lr=lr, wd=self.wd)
+            groups.append([offset, offset + size, factor])
+        offset += size
+    return [tuple(g) for g in groups]

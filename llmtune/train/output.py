@@ -1,6 +1,7 @@
 """Writing what a finetune trained, and checking the file as written.
 
-LoRA: llama.cpp's adapter GGUF (F32 A/B, nothing lost). A full finetune: the input GGUF with its
+LoRA: llama.cpp's adapter GGUF (F32 A/B, nothing lost; PiSSA as its rank-2r plain form); DoRA,
+which llama.cpp cannot load: the merged model, its adapted matrices F32, the rest as they were. A full finetune: the input GGUF with its
 trained tensors replaced. Their type (the output policy):
   - default: F32. Training updates are small against the weights (lr 1e-5 moves a weight of 0.05
     by about its F16 resolution per step), so F16/BF16 round many of them away, and re-encoding
@@ -73,7 +74,11 @@ def write_model(trainer: Trainer, out_path: Path, inputs: list, out_type: Option
     """The input GGUF with the trained tensors replaced (LoRA: the trained adapter), written atomically."""
     model = trainer.model
     trained = trainer.trained_weights()
-    if model.adapters:
+    if model.adapters and model.adapters[0].magnitudes:  # DoRA: llama.cpp has no such adapter, write it merged
+        adapter = model.adapters[0].with_tensors(trained)
+        merged = {n: adapter.dora_merged(n, model.weights[n]) for n in adapter.pairs}
+        write_gguf(out_path, model.gguf.arch, model.gguf.meta, _kept_or_f32(model, merged), inputs=inputs)
+    elif model.adapters:
         from llmtune.model.adapter import write_adapter
 
         write_adapter(out_path, model.adapters[0].with_tensors(trained), inputs=inputs)

@@ -104,7 +104,11 @@ def checked_memory(trainer: Trainer, model_path, best_copy: bool = False) -> dic
         )
     rss = trainer.backend.resident_bytes()
     if rss is not None:  # the trained weights, written already, are resident and counted in "base"
-        memory["runtime"] = max(0, rss - trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize)
+        held = trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize
+        adapters = trainer.model.adapters
+        if adapters and adapters[0].initial:  # PiSSA's residual bases: made in memory, counted in "base" too
+            held += sum(trainer.model.weights[n].nbytes for n in adapters[0].initial)
+        memory["runtime"] = max(0, rss - held)
     return memory
 
 
@@ -114,7 +118,13 @@ def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dat
     n = trainer.n_trainable
     copies = 1 + (1 if cfg.save_best else 0)  # weights, best weights (float32), plus the optimizer's state
     per_checkpoint = n * 4 * copies + trainer.optimizer.state_bytes + dataset.n_train * 8 + (1 << 16)
-    out_bytes = n * 4 + (1 << 20) if trainer.model.adapters else output_bytes(trainer.model, trainer.trainable, cfg.out_type)
+    adapters = trainer.model.adapters
+    if adapters and adapters[0].magnitudes:  # DoRA: the merged model
+        out_bytes = output_bytes(trainer.model, list(adapters[0].pairs), None)
+    elif adapters:  # PiSSA's written form has twice the rank
+        out_bytes = n * 4 * (2 if adapters[0].initial else 1) + (1 << 20)
+    else:
+        out_bytes = output_bytes(trainer.model, trainer.trainable, cfg.out_type)
     keep = (cfg.keep_checkpoints or 1) + 1
     check_disk_space(out.parent, out_bytes + keep * per_checkpoint,
                      f"the output ({out_bytes / 2**20:,.1f} MiB) and {keep} checkpoints ({per_checkpoint / 2**20:,.1f} MiB each)",

@@ -71,7 +71,8 @@ class Trainer:
     def __init__(self, model: Model, backend, *, n_ctx: int, n_batch: int, n_ubatch: int,
                  trainable: list[str], optimizer: str = "adamw", wd: float = 0.0, workers: int | None = None,
                  lora_dropout: float = 0.0, seed: int = 0, comm: Communicator | None = None,
-                 grad_checkpoint: bool = False, packed: bool = False, grad_clip: float = 0.0):
+                 grad_checkpoint: bool = False, packed: bool = False, grad_clip: float = 0.0,
+                 lr_factors: dict[str, float] | None = None):
         """trainable: names in model.tensors() (base weights, or a LoRA adapter's A/B keys: the
         base then stays frozen). workers: micro-batches computed at once (cpu: by default one per
         core when a step has several, each with single-threaded BLAS). The result does not depend
@@ -80,7 +81,9 @@ class Trainer:
         grad_checkpoint: the backward recomputes each layer's activations (autodiff.grad's
         checkpoint) instead of keeping them from the forward: same gradients, less memory.
         packed: each window holds several examples (arch/packing.py); train_step and evaluate then
-        take the windows' segment numbers, which give the positions and attention masks."""
+        take the windows' segment numbers, which give the positions and attention masks.
+        lr_factors: a learning-rate factor per trainable tensor (torch's parameter groups; LoRA+);
+        tensors are then laid out by factor, so each group is one contiguous optimizer step."""
         if n_batch % n_ctx or n_ubatch % n_ctx or n_batch % n_ubatch:
             raise LlmtuneError(
                 f"--batch {n_batch} / --ubatch {n_ubatch}: both must be multiples of --ctx {n_ctx}, and ubatch must divide batch"
@@ -89,7 +92,8 @@ class Trainer:
         self.n_ctx, self.n_batch, self.n_ubatch = n_ctx, n_batch, n_ubatch
         self.seqs_per_ubatch = n_ubatch // n_ctx
         self.ubatches_per_step = n_batch // n_ubatch
-        self.trainable = list(trainable)
+        factors = lr_factors or {}
+        self.trainable = sorted(trainable, key=lambda n: factors.get(n, 1.0)) if factors else list(trainable)
         self.tensors = model.tensors()
         # a trainable matrix stored quantized trains as float32 master weights (re-quantized on
         # save): its graphs see a float tensor of its shape; frozen ones stay in their file type
@@ -115,7 +119,7 @@ class Trainer:
         self.n_workers = backend.workers(workers, len(self.my_ubatches))
         try:
             self._init_buffers()
-            self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd,
+            self.optimizer = Optimizer(optimizer, backend, self.n_trainable, wd=wd, lr_factors=factors,
                                        tensors=[(n, self.tensors[n].size) for n in self.trainable])
             # worker 0 accumulates into flat_g, the others into buffers of their own, summed per step
             self._worker_flat_g = [self.flat_g] + [backend.zeros((self.n_trainable,)) for _ in range(self.n_workers - 1)]
@@ -244,7 +248,7 @@ class Trainer:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes by part: the base weights (frozen or trained), the adapters (LoRA), gradients
         (one buffer per worker), optimizer state, activations (the planned arenas) and, with
-        LoRA dropout, the masks fed per micro-batch."""
+        LoRA dropout, the masks fed per micro-batch; DoRA, the merged matrices its output is written from."""
         itemsize = np.dtype(self.backend.dtype).itemsize
         n_base = sum(w.size for w in self.model.weights.values())
         memory = {"base": sum(self.base_types().values())}
@@ -259,6 +263,8 @@ class Trainer:
             memory["dropout masks"] = sum(int(np.prod(s)) for s in self._masks.values()) * itemsize * self.n_workers
         if self.float_copies is not None and self.float_copies.budget:
             memory["float copies"] = self.float_copies.budget  # at most: they are made while they fit it
+        if self.model.adapters and self.model.adapters[0].magnitudes:  # DoRA's output: its merged matrices, F32
+            memory["merged output"] = sum(self.model.weights[n].size for n in self.model.adapters[0].pairs) * 4
         return memory
 
     def base_types(self) -> dict[str, int]:

@@ -61,6 +61,7 @@ class FinetuneReporter:
         what = (f"training {e.n_trainable:,} of {e.n_params:,} parameters ({len(e.trainable)} tensors)"
                 if not lora else
                 f"training a LoRA adapter (rank {'/'.join(map(str, lora['rank']))}, alpha {lora['alpha']:g}, "
+                + "".join(f"{v}, " for v in lora.get("variants", ())) +
                 f"{lora['n_targets']} matrices, {e.n_trainable:,} parameters) on a frozen base of "
                 f"{e.n_params:,}")
         self.err.print(

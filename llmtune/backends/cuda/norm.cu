@@ -26,6 +26,16 @@ extern "C" __global__ void rms_norm_back(const real* __restrict__ x, const real*
     for (int i = threadIdx.x; i < n; i += blockDim.x) out[base + i] = (g[base + i] - x[base + i] * coef) * r;
 }
 
+// ------------------------------------------------------------------ 1 / L2 norm of each row (DoRA's weight norm)
+extern "C" __global__ void row_rnorm(const real* __restrict__ x, real* __restrict__ out, int n) {
+    __shared__ real scratch[32];
+    const real* xr = x + (long long)blockIdx.x * n;
+    real ss = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_reduce(ss, scratch, false);
+    if (threadIdx.x == 0) out[blockIdx.x] = (real)1 / sqrt(ss);
+}
+
 // ------------------------------------------------------------------ layer norm (one block per row, ggml_norm)
 extern "C" __global__ void layer_norm(const real* __restrict__ x, real* __restrict__ out, int n, real eps) {
     __shared__ real scratch[32];

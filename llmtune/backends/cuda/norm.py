@@ -23,6 +23,13 @@ class NormKernels:
     def _k_rms_norm_back(self, out, x, g, eps):
         return self._norm_rows("rms_norm_back", out, x, eps, g)
 
+    def _k_row_rnorm(self, out, x):
+        """One block per row: out[row] = 1 / ||x[row]||_2."""
+        x, rows, n = self._rows(x)
+        if rows:
+            self._launch("row_rnorm", out.dtype, (rows,), row_threads(n), x, out, np.int32(n))
+        return out
+
     def _k_layer_norm(self, out, x, eps):
         return self._norm_rows("layer_norm", out, x, eps)
 
