@@ -305,10 +305,14 @@ class PreferenceTrainer(Trainer):
         super().__init__(model, backend, packed=True, workers=1, **kw)
         if self.comm.size > 1:
             raise LlmtuneError(f"--method {objective.method}: preference tuning runs in one process (no data parallel)")
-        # one forward program of a micro-batch's windows (a short last chunk is padded to it), made
-        # now so that the memory estimate counts its arena
-        self._forward = self._make_eval_program(self.seqs_per_ubatch)
         self._forward_tuner = backend.step_tuner(1)  # OpenBLAS threads by timing, per forward pass
+
+    def _budget_float_copies(self) -> None:
+        """One forward program of a micro-batch's windows (a short last chunk is padded to it),
+        made before the frozen matrices' float copies are budgeted, so that the budget and the
+        memory estimate count its arena."""
+        self._forward = self._make_eval_program(self.seqs_per_ubatch)
+        super()._budget_float_copies()
 
     def _build_train_program(self, grad_views: dict) -> Program:
         _, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable, packed=True)
