@@ -151,3 +151,15 @@ def test_save_best_writes_the_best_adapter(stories_path, rising, tmp_path):
     tensors = {t.name: np.asarray(t.data, np.float32).reshape(-1) for t in gguf.GGUFReader(out).tensors}
     written = np.concatenate([tensors[name] for name in names])  # in the trainer's (checkpoint's) order
     assert np.array_equal(written, flat)
+
+
+def test_resume_keeps_the_benchmark_that_selects():
+    """--eval-benchmark may change on resume (it only reports), except when it is the selection
+    metric: then a different file would choose the best step by other numbers."""
+    from llmtune.train.config import resume_config
+
+    saved = {**RUN, "save_best": True, "eval_benchmark": str(WINOGRANDE)}
+    other = str(WINOGRANDE.with_name("other.csv"))
+    assert resume_config(saved, "ck", eval_benchmark=other).eval_benchmark == other
+    with pytest.raises(LlmtuneError, match="^--eval-benchmark: .* differs from"):
+        resume_config({**saved, "select_metric": "benchmark"}, "ck", eval_benchmark=other)

@@ -400,8 +400,11 @@ def resume_config(saved: dict, checkpoint, config_file: str | Path | None = None
     resume command needs no flags. A flag or config key that would change the trained weights must
     agree with them (one line naming it); RUN_ONLY ones (backend, metrics, checkpointing) may change."""
     values = {k: v for k, v in saved.items() if k in FIELDS}
+    # the benchmark chooses the best step and the stop when it is the selection metric
+    selects_by_benchmark = values.get("select_metric") == "benchmark"
     for key, value in _explicit(config_file, flags).items():
-        if key not in RUN_ONLY and value != values.get(key):
+        fixed = key not in RUN_ONLY or (key == "eval_benchmark" and selects_by_benchmark)
+        if fixed and value != values.get(key):
             raise LlmtuneError(
                 f"{flag_name(key)}: {value!r} differs from the {values.get(key)!r} checkpoint {checkpoint} was trained "
                 f"with (--resume continues a run with its own settings: drop the flag, or start a new run)"
