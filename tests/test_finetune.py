@@ -442,3 +442,23 @@ def test_grad_clip_in_a_run_logs_the_norm_and_changes_only_clipped_steps(stories
     assert runs["low"][0] != runs["off"][0] and runs["low"][1][0] == runs["off"][1][0] > 0.05
     with pytest.raises(LlmtuneError, match="^--grad-clip: must be >= 0"):
         llmtune.finetune(stories_path, small_text, tmp_path / "x.gguf", ctx=64, epochs=1, grad_clip=-1.0)
+
+
+def test_memory_check_counts_the_trained_values_once(stories_path, small_text, tmp_path, monkeypatch):
+    """Setup has written the trained values before the check, so the host's free memory no longer
+    counts them while the estimate does: the run is refused only when what it still needs is more
+    than is free (and a full AdamW run is told about --optimizer adamw8bit)."""
+    import llmtune.train.preflight as preflight
+
+    kw = dict(ctx=64, epochs=1)
+    res = llmtune.finetune(stories_path, small_text, tmp_path / "a.gguf", **kw)
+    need = sum(v for k, v in res.memory.items() if k != "runtime")
+    monkeypatch.setattr(preflight, "available_memory", lambda backend: 1000)
+    with pytest.raises(LlmtuneError, match=r"held already, but only 0 MiB is available besides \(--optimizer adamw8bit"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "b.gguf", **kw)
+    trained = res.memory["base"]  # a full finetune trains every tensor: all of "base" is written at setup
+    monkeypatch.setattr(preflight, "available_memory", lambda backend: need - trained + 2**16)
+    llmtune.finetune(stories_path, small_text, tmp_path / "c.gguf", **kw)  # fits: the trained values are held
+    monkeypatch.setattr(preflight, "available_memory", lambda backend: need - trained - 2**16)
+    with pytest.raises(LlmtuneError, match="MiB is available besides"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "d.gguf", **kw)

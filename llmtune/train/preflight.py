@@ -9,7 +9,7 @@ import numpy as np
 
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import check_output_path
-from llmtune.resources import available_memory, check_disk_space, check_writable_folder
+from llmtune.resources import available_memory, check_disk_space, check_writable_folder, memory_limit
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.data import WindowDataset
@@ -95,21 +95,39 @@ def checked_memory(trainer: Trainer, model_path, best_copy: bool = False) -> dic
     memory = trainer.memory_bytes()
     if best_copy:
         memory["best weights"] = trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize
-    need, avail = sum(memory.values()), available_memory(trainer.backend)
-    if avail is not None and need > avail:
+    held = _held_already(trainer)
+    need, free, limit = sum(memory.values()), available_memory(trainer.backend), memory_limit()
+    # the free memory no longer counts what setup has written (the trained values), which the need
+    # does count; a LLMTUNE_MEMORY_LIMIT that binds is the budget of the whole run
+    whole_run = limit is not None and free is not None and free >= limit
+    if free is not None and (need if whole_run else need - held) > free:
+        more = "" if whole_run else f", {held / 2**20:.0f} MiB of it held already,"
         raise LlmtuneError(
-            f"{model_path}: the run needs {need / 2**20:.0f} MiB ({', '.join(f'{k} {v / 2**20:.0f}' for k, v in memory.items())}) "
-            f"but only {avail / 2**20:.0f} MiB is available (lower --ubatch or --ctx, train fewer tensors with --params, "
-            f"or use --grad-checkpoint)"
+            f"{model_path}: the run needs {need / 2**20:.0f} MiB ({', '.join(f'{k} {v / 2**20:.0f}' for k, v in memory.items())})"
+            f"{more} but only {free / 2**20:.0f} MiB is available{'' if whole_run else ' besides'} ({_shrink_hint(trainer)})"
         )
     rss = trainer.backend.resident_bytes()
     if rss is not None:  # the trained weights, written already, are resident and counted in "base"
-        held = trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize
-        adapters = trainer.model.adapters
-        if adapters and adapters[0].initial:  # PiSSA's residual bases: made in memory, counted in "base" too
-            held += sum(trainer.model.weights[n].nbytes for n in adapters[0].initial)
         memory["runtime"] = max(0, rss - held)
     return memory
+
+
+def _held_already(trainer: Trainer) -> int:
+    """Bytes of the estimate that setup has written already: the trained values (and PiSSA's
+    residual bases, made in memory); the gradients and optimizer state are zeros not yet touched."""
+    held = trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize
+    adapters = trainer.model.adapters
+    if adapters and adapters[0].initial:
+        held += sum(trainer.model.weights[n].nbytes for n in adapters[0].initial)
+    return held
+
+
+def _shrink_hint(trainer: Trainer) -> str:
+    """What makes a run smaller, AdamW's 8-bit states first when they are what a full finetune spends."""
+    hint = "lower --ubatch or --ctx, train fewer tensors with --params, or use --grad-checkpoint"
+    if trainer.optimizer.kind == "adamw" and not trainer.model.adapters:
+        hint = "--optimizer adamw8bit keeps about a quarter of AdamW's state; or " + hint
+    return hint
 
 
 def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dataset: WindowDataset) -> None:
