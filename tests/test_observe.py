@@ -5,6 +5,7 @@ libraries (matplotlib, tensorboardX, tensorboard) are skipped when absent."""
 import json
 import math
 import sys
+import types
 
 import pytest
 
@@ -149,6 +150,10 @@ def test_a_resumed_run_continues_its_curves(stories_path, small_text, tmp_path, 
     wrote after it (each step once), and --plot starts from the --metrics file's records."""
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     pytest.importorskip("matplotlib")
+    event_file_writer = pytest.importorskip("tensorboardX.event_file_writer")
+    # both writers start in the same second (the file name's own time): the second must not
+    # overwrite the first's file
+    monkeypatch.setattr(event_file_writer, "time", types.SimpleNamespace(time=lambda: 1.7e9))
     out, metrics, tb = tmp_path / "o.gguf", tmp_path / "m.jsonl", tmp_path / "tb"
     llmtune.finetune(stories_path, small_text, out, metrics=str(metrics), tensorboard=str(tb), keep_checkpoints=2,
                      **SETTINGS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,8 +96,12 @@ class TensorBoardHook(_Writer):
             return
         try:
             if self.writer is None:  # a new run's first record is at step 0 or 1; a resumed run's after its checkpoint
+                # the file name's own time has whole seconds: a resume within the same second would
+                # overwrite the first writer's file, so the time in nanoseconds (TensorBoard reads the
+                # files in name order) and the pid follow
+                suffix = f".{time.time_ns():020d}.{os.getpid()}"
                 self.writer = self.library.SummaryWriter(str(self.path), purge_step=step if step > 1 else None,
-                                                         flush_secs=TB_FLUSH_S)
+                                                         flush_secs=TB_FLUSH_S, filename_suffix=suffix)
             for tag, value in scalars(record):
                 self.writer.add_scalar(tag, value, step)
         except Exception as exc:  # noqa: BLE001 - an observer never costs the run (it warns and stops)
