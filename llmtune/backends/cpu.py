@@ -917,12 +917,14 @@ class CPUBackend(Backend):
             copies = float_copies
         else:
             copies = qmatmul.FloatCopies(evaluation_budget(tensors))
-            if copies.budget <= 0:
-                return bound
+            copies = copies if copies.budget > 0 else None
+        # wrapped even without float copies: the wrapper also holds the weight's packed form, which
+        # an evaluation's few-row products (decode) use where the compiled layer has it
         for name, w in tensors.items():
             if isinstance(w, QTensor):
                 bound[name] = qmatmul.WithCopies(bound[name], copies)
-        bound.float_copies = copies
+        if copies is not None:
+            bound.float_copies = copies
         return bound
 
     def asarray(self, host, dtype=None):

@@ -338,12 +338,12 @@ class FloatCopies:
 
 
 class WithCopies:
-    """A stored matrix's block bytes as an evaluation binds them on the cpu: `raw`, and the
-    FloatCopies its products may keep a float32 copy in."""
+    """A stored matrix's block bytes as an evaluation binds them on the cpu: `raw`, the
+    FloatCopies its products may keep a float32 copy in (None: no copies), and its packed form."""
 
     __slots__ = ("raw", "copies", "_packed")
 
-    def __init__(self, raw: np.ndarray, copies: FloatCopies):
+    def __init__(self, raw: np.ndarray, copies: FloatCopies | None):
         self.raw, self.copies = raw, copies
 
     def packed(self, qtype: str):
