@@ -123,9 +123,13 @@ class LoraAdapter:
     def dora_merged(self, name: str, base) -> np.ndarray:
         """DoRA's merged matrix m * (W + s B A) / ||W + s B A||_row (float32; PEFT's
         DoraLinearLayer merge), `base` the W the adapter was trained on."""
+        w, norm = self.dora_weight(name, base)
+        return (w * (self.magnitudes[name][:, None] / norm[:, None])).astype(np.float32)
+
+    def dora_weight(self, name: str, base) -> tuple[np.ndarray, np.ndarray]:
+        """W + s B A (float32) and its row norms (float64): what DoRA's magnitude divides."""
         w = np.asarray(base, np.float32) + self.delta(name)
-        norm = np.linalg.norm(w.astype(np.float64), axis=1, keepdims=True)
-        return (w * (self.magnitudes[name][:, None] / norm)).astype(np.float32)
+        return w, np.linalg.norm(w.astype(np.float64), axis=1)
 
     def as_plain(self) -> "LoraAdapter":
         """The adapter as llama.cpp applies it to the original base: itself, or for PiSSA the
@@ -273,9 +277,8 @@ def dora_init(model: "Model", adapter: LoraAdapter) -> None:
     """PEFT's DoraLinearLayer.update_layer: each magnitude starts at ||W + s B A||_row, so the
     model starts where the plain adapter would (after pissa_init: the residual base's)."""
     _refuse_embd(adapter, "--dora")
-    for name, pair in adapter.pairs.items():
-        w = np.asarray(model.weights[name], np.float32) + adapter.delta(name)
-        adapter.magnitudes[name] = np.linalg.norm(w.astype(np.float64), axis=1).astype(np.float32)
+    for name in adapter.pairs:
+        adapter.magnitudes[name] = adapter.dora_weight(name, model.weights[name])[1].astype(np.float32)
 
 
 def _new_metadata(model: "Model", alpha: float) -> dict[str, MetaValue]:

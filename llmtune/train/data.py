@@ -70,13 +70,8 @@ class WindowDataset(TrainValSplit):
             raise LlmtuneError(
                 f"{source}: {len(tokens)} tokens is shorter than one training window of {n_ctx + 1} (lower --ctx)"
             )
-        n_val = int(round(n_windows * val_split)) if val_split > 0 else 0
-        if val_split > 0 and n_val == 0 and n_windows >= 2:
-            n_val = 1
-        n_train = n_windows - n_val
-        if n_train < 1:
-            raise LlmtuneError(f"{source}: only {plural(n_windows, 'window')} of {n_ctx + 1} tokens: too few for a validation split")
-        return cls(np.asarray(tokens, dtype=np.int32), n_ctx, stride, n_train, n_val)
+        n_val = held_out(n_windows, val_split, source, f"{'window' if n_windows == 1 else 'windows'} of {n_ctx + 1} tokens")
+        return cls(np.asarray(tokens, dtype=np.int32), n_ctx, stride, n_windows - n_val, n_val)
 
     def window(self, i: int) -> np.ndarray:
         start = i * self.stride

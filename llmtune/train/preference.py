@@ -54,19 +54,12 @@ class Pair:
         return len(self.prompt) - 1 + len(self.chosen) + len(self.rejected)
 
 
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def tokenize_pair(tokenizer, template, item, where: str) -> Pair:
     """A record's (prompt, chosen, rejected) as token ids, as TRL's DPOTrainer._prepare_dataset:
     strings get EOS after each completion; message lists are rendered with the chat template;
     the completions start where prompt and prompt + completion stop sharing tokens."""
     from llmtune.tokenizer.chat_template import ChatTemplateError, encode
+    from llmtune.train.chat import _common_prefix
 
     prompt, chosen, rejected = item
     if isinstance(prompt, str):
