@@ -54,12 +54,15 @@ class BuildContext:
     SharedPrefix: evaluation of several answers to one question), or None.
     packing: the masks of packed windows (arch/packing.py Packing: several examples per training
     window, each attending to itself, positions per token), or None.
+    round_x: products with a weight kept in its file type round the activations as llama.cpp's CPU
+    matmul does (evaluation: llama.cpp's numbers); False multiplies them as they are (training, as
+    QLoRA multiplies its dequantized base: no rounding to pay, no straight-through gradient).
     """
 
     def __init__(self, hp: HParams, weights: dict[str, Node], batch: Batch, logits_start: int = 0, lora=None,
-                 cache=None, prefix=None, packing=None):
+                 cache=None, prefix=None, packing=None, round_x: bool = True):
         self.hp, self.weights, self.batch, self.logits_start = hp, weights, batch, logits_start
-        self.lora = lora
+        self.lora, self.round_x = lora, round_x
         self.cache, self.prefix, self.packing = cache, prefix, packing
 
     @property
@@ -100,7 +103,7 @@ class BuildContext:
         """x @ W^T (+ bias when the model has one): the one place a weight matrix is applied
         (llama.cpp's build_lora_mm: the base product, then each adapter's scale * (x A^T) B^T).
         ops.linear multiplies a frozen weight kept in its file type as it is stored."""
-        y = ops.linear(x, self.weights[f"{name}.weight"])
+        y = ops.linear(x, self.weights[f"{name}.weight"], self.round_x)
         if self.lora is not None:
             y = self.lora.apply(x, y, f"{name}.weight")
         bias = self.opt(f"{name}.bias")
@@ -275,7 +278,7 @@ class BuildContext:
         """Final norm and the vocabulary projection (tied to token_embd when output is absent)."""
         x = self.cb(self.norm(x, "output_norm"), "result_norm")
         if self.opt("output.weight") is None:
-            logits = ops.linear(x, self.weights["token_embd.weight"])
+            logits = ops.linear(x, self.weights["token_embd.weight"], self.round_x)
         else:
             logits = self.mm(x, "output")
         cap = self.hp.final_softcap

@@ -203,12 +203,12 @@ def matmul(a: Node, b: Node, ta: bool = False, tb: bool = False) -> Node:
     return _node("matmul", (a, b), {"ta": ta, "tb": tb}, batch + (am, bn))
 
 
-def linear(x: Node, w: Node) -> Node:
+def linear(x: Node, w: Node, round_x: bool = True) -> Node:
     """x[..., in] @ W[out, in]^T, by W's storage as ggml_mul_mat reads its src0 type: a matrix
-    kept in its file type (qweight) through qlinear (activations rounded as llama.cpp's CPU
-    matmul rounds them), a float one through matmul."""
+    kept in its file type (qweight) through qlinear (round_x: activations rounded as llama.cpp's
+    CPU matmul rounds them), a float one through matmul."""
     if w.dtype == "q":
-        return qlinear(x, w)
+        return qlinear(x, w, round_x)
     return matmul(x, w, tb=True)
 
 

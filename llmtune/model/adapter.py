@@ -493,7 +493,7 @@ class LoraGraph:
         g = ops.mul(t.magnitude, ops.row_rnorm(weight, detach=True))
         if self.dropout <= 0:
             return ops.mul(ops.add(y, term), g)
-        base = ops.linear(xin, t.weight)
+        base = ops.linear(xin, t.weight, round_x=False)  # dropout: a training graph (BuildContext.round_x)
         return ops.add(y, ops.add(ops.mul(base, ops.add(g, ops.const(-1.0, g.shape))), ops.mul(term, g)))
 
     def apply_rows(self, tokens, x, name: str):

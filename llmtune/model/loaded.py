@@ -82,7 +82,7 @@ class Model:
         return names
 
     def build(self, n_seq: int, n_tok: int, *, logits_start: int = 0, trainable=(), lora_dropout: float = 0.0,
-              cache=None, prefix: PrefixShape | None = None, packed: bool = False):
+              cache=None, prefix: PrefixShape | None = None, packed: bool = False, round_x: bool = True):
         """Forward graph for n_seq x n_tok tokens -> (batch inputs, tensor nodes by name, logits).
         Nodes cover `tensors()` (adapters included); lora_dropout > 0 (training) adds the adapters'
         dropout-mask inputs (adapter.dropout_masks). cache: an arch/kvcache.py KVCache (generation);
@@ -90,7 +90,8 @@ class Model:
         prefix: the layout of shared prefixes and their continuations (arch/prefix.py); the batch is
         then one flat sequence of prefix.n_tok tokens with run-time positions. packed: each of the
         n_seq windows holds several examples (arch/packing.py), positions [n_seq, n_tok] and the
-        block-diagonal masks given at run time."""
+        block-diagonal masks given at run time. round_x=False: products with weights kept in their
+        file type leave the activations unrounded (training; arch/context.py BuildContext)."""
         trainable = set(trainable)
         nodes = {name: graph_leaf(name, w, name in trainable) for name, w in self.tensors().items()}
         lora = LoraGraph.of(self.adapters, nodes, lora_dropout) if self.adapters else None
@@ -102,7 +103,7 @@ class Model:
             shared = SharedPrefix(prefix, swa=self.hp.has_swa)
         packing = Packing(n_seq, n_tok, swa=self.hp.has_swa) if packed else None
         context = BuildContext(self.hp, nodes, batch, logits_start, lora=lora, cache=cache, prefix=shared,
-                               packing=packing)
+                               packing=packing, round_x=round_x)
         logits = self.family.build(context)
         order = topo_order([logits])
         self._check_reached(nodes, order)

@@ -189,8 +189,11 @@ class Trainer:
         return {nodes[name]: self.values[name] for name in nodes}
 
     def _build_train_program(self, grad_views: dict) -> Program:
+        # round_x=False in every training graph: a quantized base multiplies the activations as they
+        # are (QLoRA's dequantized product; eval keeps llama.cpp's rounding to report its numbers)
         batch, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable,
-                                                lora_dropout=self.lora_dropout, packed=self.packed)
+                                                lora_dropout=self.lora_dropout, packed=self.packed,
+                                                round_x=False)
         targets = ops.input((self.n_ubatch,), "i32", name="targets")
         loss_scale = ops.input((), name="loss_scale")
         loss = ops.cross_entropy(logits, targets)
@@ -218,7 +221,7 @@ class Trainer:
         return replay.run()
 
     def _make_eval_program(self, n_seq: int) -> Program:
-        batch, nodes, logits = self.model.build(n_seq, self.n_ctx, packed=self.packed)
+        batch, nodes, logits = self.model.build(n_seq, self.n_ctx, packed=self.packed, round_x=False)
         targets = ops.input((n_seq * self.n_ctx,), "i32", name="targets")
         outs = [ops.cross_entropy(logits, targets), ops.count_correct(logits, targets)]
         return self._program(outs, nodes)
