@@ -82,7 +82,10 @@ def weights(path) -> dict:
     return {k: np.asarray(v, dtype=np.float64) for k, v in load_model(path).weights.items()}
 
 
-def assert_same_weights(a, b, rtol=1e-6) -> None:
+def assert_same_weights(a, b, rtol=5e-5) -> None:
+    # float32 summation order: ranks sharing the cores run OpenBLAS single-threaded, and where its
+    # bits follow its thread count (threads.blas_threads.keeps_bits: an AMD AVX2 machine) that
+    # alone moves a weight by up to 1e-5 over a short run
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys()
     for name in wa:
@@ -177,7 +180,7 @@ def test_lora_two_ranks_equal_one_process(tmp_path, stories_path, small_text):
                 for n in ("one", "two"))
     assert one.keys() == two.keys() and len(one) > 0
     for name in one:
-        assert np.linalg.norm(one[name] - two[name]) <= 1e-6 * np.linalg.norm(one[name]), name
+        assert np.linalg.norm(one[name] - two[name]) <= 1e-5 * np.linalg.norm(one[name]), name  # as assert_same_weights
 
 
 @needs_mpi
@@ -193,7 +196,7 @@ def test_grad_clip_two_ranks_equal_one_process(tmp_path, stories_path, small_tex
     norms = [[r["grad_norm"] for r in records(tmp_path / f"{n}.jsonl", "train_step")] for n in ("one", "two")]
     assert len(norms[0]) == 28 and min(norms[0]) > 0.05  # every step clipped
     np.testing.assert_allclose(norms[1], norms[0], rtol=1e-5)
-    assert_same_weights(tmp_path / "one.gguf", tmp_path / "two.gguf", rtol=1e-5)
+    assert_same_weights(tmp_path / "one.gguf", tmp_path / "two.gguf", rtol=1e-4)
 
 
 @needs_mpi
@@ -211,7 +214,7 @@ def test_early_stop_two_ranks_equal_one_process(tmp_path, stories_path, small_te
     assert 0 < one.best_step < one.stopped_at < 28
     (a,), (b,) = records(tmp_path / "one.jsonl", "selected"), records(tmp_path / "two.jsonl", "selected")
     assert b["value"] == pytest.approx(a.pop("value"), rel=1e-6) and {**b, "value": None} == {**a, "value": None}
-    assert_same_weights(tmp_path / "one.gguf", tmp_path / "two.gguf", rtol=1e-5)
+    assert_same_weights(tmp_path / "one.gguf", tmp_path / "two.gguf", rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------ MPI: failures
@@ -279,7 +282,12 @@ def test_perplexity_splits_its_passes_across_ranks(tmp_path, stories_path, small
 
     one = perplexity(stories_path, small_text, ctx=64, batch=64)
     two = json.loads((tmp_path / "two.json").read_text())
-    assert two["chunks"] == pytest.approx(one.chunks, rel=1e-12) and two["ppl"] == pytest.approx(one.ppl, rel=1e-12)
+    # exact where OpenBLAS's bits do not follow its thread count; elsewhere the ranks' single-threaded
+    # products sum in another order than one process's (threads.blas_threads.keeps_bits)
+    from llmtune.backends.threads import blas_threads
+
+    rel = 1e-12 if blas_threads.keeps_bits() else 1e-6
+    assert two["chunks"] == pytest.approx(one.chunks, rel=rel) and two["ppl"] == pytest.approx(one.ppl, rel=rel)
 
 
 @needs_mpi

@@ -72,7 +72,10 @@ def test_ubatch_does_not_change_the_result(stories_path, wikitext_ids):
     moved = np.concatenate([(results[0] - np.concatenate([w.ravel() for w in base.weights.values()]))])
     assert np.abs(moved).max() > 1e-4  # training did change the weights
     rel = np.abs(results[0] - results[1]).max() / np.abs(results[1]).max()
-    assert rel < 1e-5, rel
+    # float32 summation order only: parallel micro-batches run OpenBLAS single-threaded, and where it
+    # splits sums over its threads (threads.blas_threads.keeps_bits: 1.5e-5 on an AMD AVX2 machine)
+    # the sequential run's products sum in another order too
+    assert rel < 5e-5, rel
 
 
 def test_training_and_validation_loss_fall_and_output_is_deterministic(stories_path, small_text, tmp_path):
@@ -170,6 +173,9 @@ def test_cpu_workers_rule(monkeypatch):
             be.workers(0, 8)
     monkeypatch.setattr(threads.blas_threads, "available", lambda: True)
     monkeypatch.setattr(threads, "n_cores", lambda: 16)
+    monkeypatch.setattr(threads.blas_threads, "keeps_bits", lambda: False)
+    assert cpu.workers(None, 8) == 1 and cpu.workers(3, 8) == 3  # its bits follow its thread count
+    monkeypatch.setattr(threads.blas_threads, "keeps_bits", lambda: True)
     assert Backend().workers(None, 8) == 1  # a backend that queues its own work (cuda)
     assert cpu.workers(None, 1) == 1
     assert cpu.workers(None, 8) == threads.MAX_CPU_WORKERS
@@ -302,7 +308,7 @@ def test_parallel_micro_batches_match_sequential(stories_path, wikitext_ids):
         tr.evaluate(x, y, val)
         flat.append((tr.flat_w.copy(), stats.losses, val.loss, val.correct))
     rel = np.abs(flat[0][0] - flat[1][0]).max() / np.abs(flat[1][0]).max()
-    assert rel < 1e-5, rel
+    assert rel < 5e-5, rel  # summation order: 1.5e-5 where OpenBLAS splits sums over threads (keeps_bits)
     np.testing.assert_allclose(flat[0][1], flat[1][1], rtol=1e-5)
     assert flat[0][2] == pytest.approx(flat[1][2], rel=1e-5) and flat[0][3] == flat[1][3]
 

@@ -52,11 +52,14 @@ def cpu_workers(requested: Optional[int], n_items: int) -> int:
 
     With at least two items, and where OpenBLAS's thread count can be set (else its threads and
     ours would fight over the cores): `requested`, or one per core up to MAX_CPU_WORKERS, never
-    more than there are items. Otherwise one.
+    more than there are items. Otherwise one -- also, unless `requested`, where OpenBLAS's bits
+    change with its thread count (blas_threads.keeps_bits): workers run it single-threaded and
+    the caller's thread does not, so which pass ran where would show in the numbers (a resumed
+    run's validation loss differed from the uninterrupted run's in the 7th digit).
     """
     if requested is not None and requested < 1:
         raise LlmtuneError(f"workers: must be positive (got {requested})")
-    if n_items < 2 or not blas_threads.available():
+    if n_items < 2 or not blas_threads.available() or (requested is None and not blas_threads.keeps_bits()):
         return 1
     n = requested or min(n_cores(), MAX_CPU_WORKERS)
     return max(1, min(n, n_items))
@@ -144,6 +147,33 @@ class _BlasThreads:
     def available(self) -> bool:
         return bool(self._load())
 
+    # products of a training step's shapes (stories260K's and SmolLM2's widths), checked once
+    _PROBE_SHAPES = ((256, 64, 512), (256, 288, 768), (512, 288, 2048), (128, 576, 1536))
+    _keeps_bits = None
+
+    def keeps_bits(self) -> bool:
+        """Whether this OpenBLAS gives the same bits with one thread as with all of them (BlasTuner's
+        premise). It splits a product's rows and columns over its threads on some CPUs and a sum on
+        others (the same 0.3.31 build, Intel AVX-512 and AMD AVX2 machines), so it is measured, once
+        per process, on a few products of training shapes."""
+        funcs = self._load()
+        if self._keeps_bits is None or self._keeps_bits[0] is not funcs:
+            import numpy as np
+
+            n = max(2, n_cores()) if funcs else 1
+            same = True
+            if n > 1:
+                rng = np.random.default_rng(0)
+                for m, k, c in self._PROBE_SHAPES:
+                    a = rng.standard_normal((m, k)).astype(np.float32)
+                    b = rng.standard_normal((c, k)).astype(np.float32)
+                    with self(1):
+                        one = a @ b.T
+                    with self(n):
+                        same = same and (a @ b.T).tobytes() == one.tobytes()
+            self._keeps_bits = (funcs, same)  # per library handles (a test may fake them)
+        return self._keeps_bits[1]
+
     @contextmanager
     def __call__(self, n: int):
         funcs = self._load()
@@ -175,7 +205,8 @@ class BlasTuner:
     probed after `interval` runs (doubled each time it loses, so slow probes cost little; it takes
     over after two wins in a row, so one lucky run does not). OpenBLAS splits a product's rows and
     columns over its threads, never a sum, so the choice does not change a bit of the result
-    (products at 1 and 2 threads compare equal, tests/test_step_plumbing.py).
+    (products at 1 and 2 threads compare equal, tests/test_step_plumbing.py) -- on the CPUs where
+    that holds (_BlasThreads.keeps_bits); elsewhere the tuner keeps OpenBLAS's own count.
     """
 
     FIRST_INTERVAL, MAX_INTERVAL, WINDOW = 8, 128, 3
@@ -184,7 +215,8 @@ class BlasTuner:
     def __init__(self, enabled: bool = True):
         funcs = blas_threads._load() if enabled else ()
         n = funcs[0]() if funcs else 1
-        self.candidates = (n, 1) if n > 1 else ()
+        # where the count changes the bits, it stays OpenBLAS's own: the same seed, the same file
+        self.candidates = (n, 1) if n > 1 and blas_threads.keeps_bits() else ()
         self.times: dict[int, list[float]] = {c: [] for c in self.candidates}
         self.best = n
         self.interval = self.FIRST_INTERVAL
