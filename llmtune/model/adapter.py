@@ -461,11 +461,11 @@ class LoraGraph:
     embedding lookup `apply_rows`. dropout > 0 (training only, as PEFT): the input of each term is
     multiplied by a mask fed as the graph input "<A key>.dropout" (see dropout_masks)."""
 
-    def __init__(self, terms: dict[str, list[LoraTerm]], dropout: float = 0.0):
-        self.terms, self.dropout = terms, float(dropout)
+    def __init__(self, terms: dict[str, list[LoraTerm]], dropout: float = 0.0, round_x: bool = True):
+        self.terms, self.dropout, self.round_x = terms, float(dropout), round_x  # round_x: as BuildContext's
 
     @classmethod
-    def of(cls, adapters: list[LoraAdapter], nodes: dict, dropout: float = 0.0) -> "LoraGraph":
+    def of(cls, adapters: list[LoraAdapter], nodes: dict, dropout: float = 0.0, round_x: bool = True) -> "LoraGraph":
         terms: dict[str, list[LoraTerm]] = {}
         for i, adapter in enumerate(adapters):
             for name in adapter.pairs:
@@ -474,7 +474,7 @@ class LoraGraph:
                 terms.setdefault(name, []).append(
                     LoraTerm(nodes[key], nodes[tensor_key(name, B, i)], adapter.weight_scale(name), key,
                              nodes[tensor_key(name, MAGNITUDE, i)] if dora else None, nodes[name] if dora else None))
-        return cls(terms, dropout)
+        return cls(terms, dropout, round_x)
 
     def apply(self, x, y, name: str):
         """y + sum of scale * (x A^T) B^T (llama.cpp adds each to the base product in turn)."""
@@ -493,7 +493,7 @@ class LoraGraph:
         g = ops.mul(t.magnitude, ops.row_rnorm(weight, detach=True))
         if self.dropout <= 0:
             return ops.mul(ops.add(y, term), g)
-        base = ops.linear(xin, t.weight, round_x=False)  # dropout: a training graph (BuildContext.round_x)
+        base = ops.linear(xin, t.weight, self.round_x)
         return ops.add(y, ops.add(ops.mul(base, ops.add(g, ops.const(-1.0, g.shape))), ops.mul(term, g)))
 
     def apply_rows(self, tokens, x, name: str):

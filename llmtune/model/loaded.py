@@ -94,7 +94,7 @@ class Model:
         file type leave the activations unrounded (training; arch/context.py BuildContext)."""
         trainable = set(trainable)
         nodes = {name: graph_leaf(name, w, name in trainable) for name, w in self.tensors().items()}
-        lora = LoraGraph.of(self.adapters, nodes, lora_dropout) if self.adapters else None
+        lora = LoraGraph.of(self.adapters, nodes, lora_dropout, round_x) if self.adapters else None
         batch = Batch.make(n_seq, n_tok, packed)
         shared = None
         if prefix is not None:

@@ -308,8 +308,7 @@ class PreferenceTrainer(Trainer):
         super()._budget_float_copies()
 
     def _build_train_program(self, grad_views: dict) -> Program:
-        _, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable, packed=True,
-                                            round_x=False)
+        _, nodes, logits = self._build_graph(self.seqs_per_ubatch, trainable=self.trainable, packed=True)
         targets = ops.input((self.n_ubatch,), "i32", name="targets")
         weights = ops.input((self.n_ubatch,), name="token_weights")
         nll = ops.token_nll(logits, targets)
@@ -318,7 +317,7 @@ class PreferenceTrainer(Trainer):
         return self._program([nll], nodes, accumulate=sinks)
 
     def _make_eval_program(self, n_seq: int) -> Program:
-        _, nodes, logits = self.model.build(n_seq, self.n_ctx, packed=True, round_x=False)
+        _, nodes, logits = self._build_graph(n_seq, packed=True)
         return self._program([ops.token_nll(logits, ops.input((n_seq * self.n_ctx,), "i32", name="targets"))], nodes)
 
     def _layout_inputs(self, parts) -> dict:

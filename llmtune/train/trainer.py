@@ -188,12 +188,15 @@ class Trainer:
     def _bind(self, nodes):
         return {nodes[name]: self.values[name] for name in nodes}
 
+    def _build_graph(self, n_seq: int, **kwargs):
+        """The model's graph of n_seq windows, as every training program builds it: round_x=False,
+        a quantized base multiplies the activations as they are (QLoRA's dequantized product;
+        evaluation keeps llama.cpp's rounding to report its numbers)."""
+        return self.model.build(n_seq, self.n_ctx, round_x=False, **kwargs)
+
     def _build_train_program(self, grad_views: dict) -> Program:
-        # round_x=False in every training graph: a quantized base multiplies the activations as they
-        # are (QLoRA's dequantized product; eval keeps llama.cpp's rounding to report its numbers)
-        batch, nodes, logits = self.model.build(self.seqs_per_ubatch, self.n_ctx, trainable=self.trainable,
-                                                lora_dropout=self.lora_dropout, packed=self.packed,
-                                                round_x=False)
+        batch, nodes, logits = self._build_graph(self.seqs_per_ubatch, trainable=self.trainable,
+                                                 lora_dropout=self.lora_dropout, packed=self.packed)
         targets = ops.input((self.n_ubatch,), "i32", name="targets")
         loss_scale = ops.input((), name="loss_scale")
         loss = ops.cross_entropy(logits, targets)
@@ -221,7 +224,7 @@ class Trainer:
         return replay.run()
 
     def _make_eval_program(self, n_seq: int) -> Program:
-        batch, nodes, logits = self.model.build(n_seq, self.n_ctx, packed=self.packed, round_x=False)
+        batch, nodes, logits = self._build_graph(n_seq, packed=self.packed)
         targets = ops.input((n_seq * self.n_ctx,), "i32", name="targets")
         outs = [ops.cross_entropy(logits, targets), ops.count_correct(logits, targets)]
         return self._program(outs, nodes)
