@@ -26,6 +26,9 @@ class Batch:
 
     tokens: Node  # [n_seq, n_tok] int32
     pos: Node  # [n_tok] int32 positions (shared by all sequences); packed windows: [n_seq, n_tok]
+    # [n_out] int32: the flat rows (seq * n_tok + tok) that produce logits, given at run time
+    # (llama.cpp's inp_out_ids: a training pass scores only the targets that carry loss); None: all
+    out_ids: Node | None = None
 
     @property
     def n_seq(self) -> int:
@@ -36,9 +39,10 @@ class Batch:
         return self.tokens.shape[1]
 
     @classmethod
-    def make(cls, n_seq: int, n_tok: int, packed: bool = False) -> "Batch":
+    def make(cls, n_seq: int, n_tok: int, packed: bool = False, n_out: int | None = None) -> "Batch":
         pos = (n_seq, n_tok) if packed else (n_tok,)
-        return cls(ops.input((n_seq, n_tok), "i32", name="tokens"), ops.input(pos, "i32", name="pos"))
+        out_ids = ops.input((n_out,), "i32", name="out_ids") if n_out is not None and n_out < n_seq * n_tok else None
+        return cls(ops.input((n_seq, n_tok), "i32", name="tokens"), ops.input(pos, "i32", name="pos"), out_ids)
 
 
 class BuildContext:
@@ -266,8 +270,11 @@ class BuildContext:
         return self.opt("rope_factors_long.weight" if n_ctx_seq > n_ctx_orig else "rope_factors_short.weight")
 
     def logit_rows(self, x: Node) -> Node:
-        """Keep positions logits_start.. of every sequence (rows of x are [seq, tok])."""
+        """Keep the rows that produce logits (rows of x are [seq, tok]): the batch's out_ids when
+        given (ggml_get_rows(cur, inp_out_ids)), else positions logits_start.. of every sequence."""
         b, start = self.batch, self.logits_start
+        if b.out_ids is not None:
+            return ops.get_rows(x, b.out_ids)
         if start == 0:
             return x
         x3 = ops.reshape(x, (b.n_seq, b.n_tok, x.shape[-1]))

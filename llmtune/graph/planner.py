@@ -54,14 +54,17 @@ class Step(NamedTuple):
 class Program:
     def __init__(self, outputs: list[Node], backend, params: dict[Node, object] | None = None,
                  accumulate: dict[Node, object] | None = None, allocate: bool = True,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, arena=None):
         """outputs: nodes whose values `run` returns. params: leaf node -> backend array bound
         for every run. accumulate: node -> backend array that receives `+= value` as soon as the
         node is computed (gradient accumulation into parameter-gradient buffers). allocate=False
         plans only: `memory` says what the arena would need, nothing is allocated or runnable
         (memory checks before a run). max_bytes: the most the arena may take (ArenaTooLarge,
-        before allocating, when the plan needs more)."""
-        self.max_bytes = max_bytes
+        before allocating, when the plan needs more). arena: another program's arena to plan into
+        when this plan fits it (programs that never run at once share one: a trainer's passes of
+        one worker with different output rows); `owns_arena` says whether a new one was made."""
+        self.max_bytes, self._shared_arena = max_bytes, arena
+        self.owns_arena = False
         self.backend = backend
         self.outputs = list(outputs)
         self.accumulate = dict(accumulate or {})
@@ -93,9 +96,12 @@ class Program:
         offsets, self.memory = self._allocate(owner, last_use)
         if not allocate:
             return
-        if self.max_bytes is not None and self.memory.planned_bytes > self.max_bytes:
-            raise ArenaTooLarge(self.memory.planned_bytes, self.max_bytes)
-        arena = self.backend.arena(self.memory.planned_bytes)
+        arena = self._shared_arena
+        if arena is None or arena.nbytes < self.memory.planned_bytes:
+            if self.max_bytes is not None and self.memory.planned_bytes > self.max_bytes:
+                raise ArenaTooLarge(self.memory.planned_bytes, self.max_bytes)
+            arena, self.owns_arena = self.backend.arena(self.memory.planned_bytes), True
+        self.arena = arena
         self._steps, self._assign_steps = self._build_steps(arena, owner, offsets)
 
     def _allocate(self, owner, last_use) -> tuple[dict[int, int], MemoryReport]:

@@ -82,7 +82,8 @@ class Model:
         return names
 
     def build(self, n_seq: int, n_tok: int, *, logits_start: int = 0, trainable=(), lora_dropout: float = 0.0,
-              cache=None, prefix: PrefixShape | None = None, packed: bool = False, round_x: bool = True):
+              cache=None, prefix: PrefixShape | None = None, packed: bool = False, round_x: bool = True,
+              n_out: int | None = None):
         """Forward graph for n_seq x n_tok tokens -> (batch inputs, tensor nodes by name, logits).
         Nodes cover `tensors()` (adapters included); lora_dropout > 0 (training) adds the adapters'
         dropout-mask inputs (adapter.dropout_masks). cache: an arch/kvcache.py KVCache (generation);
@@ -91,11 +92,15 @@ class Model:
         then one flat sequence of prefix.n_tok tokens with run-time positions. packed: each of the
         n_seq windows holds several examples (arch/packing.py), positions [n_seq, n_tok] and the
         block-diagonal masks given at run time. round_x=False: products with weights kept in their
-        file type leave the activations unrounded (training; arch/context.py BuildContext)."""
+        file type leave the activations unrounded (training; arch/context.py BuildContext).
+        n_out: only n_out rows, picked at run time by the input "out_ids", produce logits (a
+        training pass's loss-carrying targets; Batch.out_ids); None or all rows: every row."""
+        if n_out is not None and (logits_start or prefix is not None or cache is not None):
+            raise ValueError("build: n_out selects the logit rows itself (no logits_start, prefix or cache)")
         trainable = set(trainable)
         nodes = {name: graph_leaf(name, w, name in trainable) for name, w in self.tensors().items()}
         lora = LoraGraph.of(self.adapters, nodes, lora_dropout, round_x) if self.adapters else None
-        batch = Batch.make(n_seq, n_tok, packed)
+        batch = Batch.make(n_seq, n_tok, packed, n_out)
         shared = None
         if prefix is not None:
             if (n_seq, n_tok) != (1, prefix.n_tok):

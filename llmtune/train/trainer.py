@@ -138,6 +138,10 @@ class Trainer:
         # them), so on a backend that replays its program runs as pre-bound kernel calls (planner.Replay)
         self._train_inputs = [self._input_buffers(p) for p in self._train_progs]
         self._replays: list[dict[bool, Replay]] = [{} for _ in self._train_progs]  # by assign mode
+        # passes that score fewer rows than the micro-batch holds (its loss-carrying targets, in
+        # buckets of out_row_step): (worker, rows) -> (program, input buffers, replays by assign),
+        # compiled at first use into the worker's arena (the full pass's plan is the largest)
+        self._out_passes: dict[tuple[int, int], tuple[Program, dict, dict]] = {}
         # the block each step's micro-batches run in (cpu, one at a time: OpenBLAS's thread count by timing)
         self._blas_tuner = backend.step_tuner(self.n_workers)
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
@@ -194,17 +198,40 @@ class Trainer:
         evaluation keeps llama.cpp's rounding to report its numbers)."""
         return self.model.build(n_seq, self.n_ctx, round_x=False, **kwargs)
 
-    def _build_train_program(self, grad_views: dict) -> Program:
+    def _build_train_program(self, grad_views: dict, n_out: int | None = None, arena=None) -> Program:
+        """A training pass; n_out: only that many rows, picked by the input "out_ids", produce
+        logits and loss (targets then [n_out]), planned into `arena` where it fits."""
         batch, nodes, logits = self._build_graph(self.seqs_per_ubatch, trainable=self.trainable,
-                                                 lora_dropout=self.lora_dropout, packed=self.packed)
-        targets = ops.input((self.n_ubatch,), "i32", name="targets")
+                                                 lora_dropout=self.lora_dropout, packed=self.packed, n_out=n_out)
+        targets = ops.input((logits.shape[0],), "i32", name="targets")
         loss_scale = ops.input((), name="loss_scale")
         loss = ops.cross_entropy(logits, targets)
         correct = ops.count_correct(logits, targets)
         grads = grad(loss, [nodes[n] for n in self.trainable], seed=loss_scale, checkpoint=self.grad_checkpoint)
         # a trainable tensor the loss does not reach keeps a zero gradient (buffers start zeroed)
         sinks = {grads[nodes[n]]: grad_views[n] for n in self.trainable if nodes[n] in grads}
-        return self._program([loss, correct], nodes, accumulate=sinks)
+        return self._program([loss, correct], nodes, accumulate=sinks, arena=arena)
+
+    # a micro-batch whose loss-carrying targets fill less of it scores only their rows (rounded up
+    # to a multiple of this share of the micro-batch, so a few shapes serve every count)
+    OUT_ROW_BUCKETS = 16
+
+    def out_rows(self, n_counted: int) -> int:
+        """Rows a training pass computes logits for, given its loss-carrying targets: n_counted
+        rounded up to a bucket; n_ubatch (every row, no selection) when that is all of them.
+        Masked data (chat turns, prompts) then skips the vocabulary projection, its backward and
+        the cross-entropy of rows that carry no loss, as llama.cpp's inp_out_ids skips them."""
+        step = max(8, -(-self.n_ubatch // self.OUT_ROW_BUCKETS))
+        return min(self.n_ubatch, max(step, -(-n_counted // step) * step))
+
+    def _out_pass(self, w: int, n_out: int) -> tuple[Program, dict, dict]:
+        """Worker w's pass scoring n_out rows (compiled at first use, in the worker's arena)."""
+        entry = self._out_passes.get((w, n_out))
+        if entry is None:
+            prog = self._build_train_program(self._flat_views(self._worker_flat_g[w]), n_out,
+                                             arena=self._train_progs[w].arena)
+            entry = self._out_passes[(w, n_out)] = (prog, self._input_buffers(prog), {})
+        return entry
 
     def _input_buffers(self, prog: Program) -> dict:
         """One backend array per input of a training program (positions: the shared, fixed ones)."""
@@ -212,15 +239,19 @@ class Trainer:
         return {name: self._pos if name == "pos" and not self.packed else be.zeros(node.shape, np.int32 if node.dtype == "i32" else None)
                 for name, node in prog.inputs.items()}
 
-    def _run_train(self, w: int, assign: bool) -> list:
-        """Worker w's training program on its input buffers: replayed where the backend replays
-        (the cpu, where Python work per kernel is a visible part of a small model's step)."""
-        prog, feed = self._train_progs[w], self._train_inputs[w]
+    def _run_train(self, w: int, assign: bool, n_out: int | None = None) -> list:
+        """Worker w's training program (n_out: its pass scoring that many rows) on its input
+        buffers: replayed where the backend replays (the cpu, where Python work per kernel is a
+        visible part of a small model's step)."""
+        if n_out is None or n_out == self.n_ubatch:
+            prog, feed, replays = self._train_progs[w], self._train_inputs[w], self._replays[w]
+        else:
+            prog, feed, replays = self._out_pass(w, n_out)
         if not self.backend.replays:
             return prog.run(assign=assign, **feed)
-        replay = self._replays[w].get(assign)
+        replay = replays.get(assign)
         if replay is None:
-            replay = self._replays[w][assign] = Replay(prog, feed, assign=assign)
+            replay = replays[assign] = Replay(prog, feed, assign=assign)
         return replay.run()
 
     def _make_eval_program(self, n_seq: int) -> Program:
@@ -229,17 +260,18 @@ class Trainer:
         outs = [ops.cross_entropy(logits, targets), ops.count_correct(logits, targets)]
         return self._program(outs, nodes)
 
-    def _program(self, outputs, nodes, accumulate=None) -> Program:
-        """A compiled program whose arena must fit what is left of the memory budget."""
+    def _program(self, outputs, nodes, accumulate=None, arena=None) -> Program:
+        """A compiled program whose arena must fit what is left of the memory budget (or `arena`,
+        another program's, which it then shares)."""
         try:
             prog = Program(outputs, self.backend, params=self._bind(nodes), accumulate=accumulate,
-                           max_bytes=self._arena_budget)
+                           max_bytes=self._arena_budget, arena=arena)
         except ArenaTooLarge as exc:
             raise self._does_not_fit(f"{exc.needed / 2**20:,.0f} MiB of activations for one pass of "
                                      f"{self.n_ubatch:,} tokens", exc.limit) from None
         except MemoryError:
             raise self._does_not_fit(f"the activations of one pass of {self.n_ubatch:,} tokens") from None
-        if self._arena_budget is not None:
+        if self._arena_budget is not None and prog.owns_arena:
             self._arena_budget -= prog.memory.planned_bytes
         return prog
 
@@ -289,15 +321,23 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ steps
-    def _feed(self, inputs: np.ndarray, targets: np.ndarray, seqs: range | None = None, segments=None) -> dict:
+    def _feed(self, inputs: np.ndarray, targets: np.ndarray, seqs: range | None = None, segments=None,
+              n_out: int | None = None) -> dict:
         """Inputs of one pass; `seqs` (training passes): the micro-batch's sequence indices within
-        the step, which pick its dropout masks; `segments` (packed windows): their positions and masks."""
+        the step, which pick its dropout masks; `segments` (packed windows): their positions and
+        masks; n_out (a pass scoring fewer rows, out_rows): the rows whose targets carry loss,
+        padded with the last row and target -1 (no loss, no gradient) to n_out."""
         be = self.backend
-        feed = {
-            "tokens": be.asarray(np.ascontiguousarray(inputs, dtype=np.int32)),
-            "pos": self._pos,
-            "targets": be.asarray(np.ascontiguousarray(targets, dtype=np.int32).reshape(-1)),
-        }
+        flat = np.ascontiguousarray(targets, dtype=np.int32).reshape(-1)
+        feed = {"tokens": be.asarray(np.ascontiguousarray(inputs, dtype=np.int32)), "pos": self._pos}
+        if n_out is not None and n_out < flat.size:
+            rows = np.full(n_out, flat.size - 1, dtype=np.int32)
+            counted = np.flatnonzero(flat >= 0)
+            rows[: counted.size] = counted
+            picked = np.full(n_out, -1, dtype=np.int32)
+            picked[: counted.size] = flat[counted]
+            feed["out_ids"], flat = be.asarray(rows), picked
+        feed["targets"] = be.asarray(flat)
         if self.packed:
             if segments is None:
                 raise ValueError("a packed trainer's passes need the windows' segments")
@@ -333,15 +373,16 @@ class Trainer:
         def work(w: int) -> None:  # worker w takes this rank's micro-batches w, w + n_w, ...
             for j, u in enumerate(self.my_ubatches[w::n_w]):
                 part = slice(u * k, (u + 1) * k)
+                n_out = self.out_rows(int(counts[u]))
                 feed = self._feed(inputs[part], targets[part], range(u * k, (u + 1) * k),
-                                  None if segments is None else segments[part])
+                                  None if segments is None else segments[part], n_out)
                 feed["loss_scale"] = scales[u]
-                bufs = self._train_inputs[w]
+                bufs = self._train_inputs[w] if n_out == self.n_ubatch else self._out_pass(w, n_out)[1]
                 for name, value in feed.items():
                     if bufs[name] is not value:
                         bufs[name][...] = value
                 # a worker's first pass assigns its gradients, later ones add to them
-                loss, correct = self._run_train(w, assign=j == 0)
+                loss, correct = self._run_train(w, assign=j == 0, n_out=n_out)
                 results[u] = (float(be.to_numpy(loss)), int(be.to_numpy(correct)))
 
         if n_w == 1:

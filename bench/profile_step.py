@@ -1,0 +1,207 @@
+"""A training step op by op: llmtune's kernels against torch.profiler on the PEFT / PyTorch run.
+
+    python bench/profile_step.py --model DIR/SmolLM2-135M-Instruct.f32.gguf [--kind lora|full]
+        [--ctx 128] [--batch 1] [--steps 5] [--threads 2] [--side llmtune,torch] [--top 25]
+
+Both sides train the windows bench/bench_real.py trains (synthetic chat examples, loss on the
+assistant turns only, one example per window), the same LoRA (rank 8, alpha 16, q/k/v/o/gate/up/
+down, AdamW) or every weight (--kind full). After untimed warm-up steps each side runs --steps
+steps under its profiler:
+- llmtune: every kernel call of the replayed training program timed by op name (planner.Replay's
+  pre-bound calls wrapped in a timer), plus the optimizer step and what the step spends outside
+  the kernels (feeding, the loss's host copy);
+- PyTorch: torch.profiler's self CPU time per aten op (LlamaForCausalLM + peft.get_peft_model,
+  torch.set_num_threads(--threads)).
+Each side prints its ops by total time, ms per step, and its whole step's median; compare where
+the milliseconds go, not just the totals. Run on a quiet machine: the two sides run one after the
+other, in separate processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_real import LORA_ALPHA, LORA_RANK, LR, TARGETS, chat_windows, llmtune_warmup  # noqa: E402
+
+
+def _batches(windows, batch: int, n: int):
+    for s in range(n):
+        idx = [(s * batch + i) % len(windows["x"]) for i in range(batch)]
+        yield windows["x"][idx], windows["y"][idx]
+
+
+def _label(call, op: str) -> str:
+    """op name with its operands' shapes (matmul: a x b and the transposes), where the call shows them."""
+    args = getattr(call, "args", None)
+    if op != "matmul" or not args or len(args) < 3:
+        return op
+    kw = getattr(call, "keywords", {}) or {}
+    a, b = args[1], args[2]
+    return f"matmul {tuple(a.shape)}{'T' if kw.get('ta') else ''} x {tuple(b.shape)}{'T' if kw.get('tb') else ''}"
+
+
+def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int,
+                    by_shape: bool = False) -> dict:
+    from llmtune.backends.cpu import CPUBackend
+    from llmtune.graph import planner
+    from llmtune.model.adapter import attach, init_adapter
+    from llmtune.model.loaded import load_model
+    from llmtune.train.trainer import RunningStats, Trainer
+
+    timers: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    active = [False]
+    plain_runs = planner._compiled_runs
+
+    def timed_runs(backend, calls, readers):
+        """Each pre-bound call of a replay timed under its op's name (only while profiling)."""
+        def wrap(call, op):
+            def run():
+                if not active[0]:
+                    return call()
+                t = time.perf_counter()
+                call()
+                cell = timers[op]
+                cell[0] += time.perf_counter() - t
+                cell[1] += 1
+            return run
+        return [wrap(e[0], _label(e[0], e[2]) if by_shape else e[2]) for e in calls]
+
+    planner._compiled_runs = timed_runs
+    windows = dict(np.load(windows_path))
+    model = load_model(model_path)
+    if kind == "full":
+        trainable = list(model.tensors())
+    else:
+        adapter = init_adapter(model, LORA_RANK, alpha=LORA_ALPHA, seed=0)
+        model = attach(model, [adapter])
+        trainable = list(adapter.tensors())
+    tr = Trainer(model, CPUBackend(), n_ctx=ctx, n_batch=ctx * batch, n_ubatch=ctx, trainable=trainable)
+    opt_step = tr.optimizer.step
+
+    def timed_opt(*a, **k):
+        t = time.perf_counter()
+        opt_step(*a, **k)
+        timers["(optimizer step)"][0] += time.perf_counter() - t
+        timers["(optimizer step)"][1] += 1
+
+    tr.optimizer.step = timed_opt
+    warm = llmtune_warmup()
+    step_s = []
+    for s, (x, y) in enumerate(_batches(windows, batch, warm + steps)):
+        active[0] = s >= warm
+        if s == warm:
+            timers.clear()
+        t = time.perf_counter()
+        tr.train_step(x, y, LR, RunningStats())
+        if s >= warm:
+            step_s.append(time.perf_counter() - t)
+    planner._compiled_runs = plain_runs
+    ops = {op: (sec / steps * 1e3, n // steps) for op, (sec, n) in timers.items()}
+    ops["(outside kernels)"] = (sum(step_s) / steps * 1e3 - sum(v[0] for v in ops.values()), 0)
+    return {"step_ms": statistics.median(step_s) * 1e3, "ops": ops}
+
+
+def profile_torch(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int,
+                  threads: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench_qlora import torch_llama
+
+    torch.set_num_threads(threads)
+    windows = dict(np.load(windows_path))
+    model = torch_llama(model_path)
+    if kind == "full":
+        params = list(model.parameters())
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                                 target_modules=list(TARGETS)))
+        params = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+    def step(x, y):
+        logits = model(input_ids=torch.from_numpy(x.astype(np.int64))).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y.astype(np.int64)).reshape(-1),
+                               ignore_index=-1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    batches = list(_batches(windows, batch, 2 + steps))
+    for x, y in batches[:2]:
+        step(x, y)
+    step_s = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for x, y in batches[2:]:
+            t = time.perf_counter()
+            step(x, y)
+            step_s.append(time.perf_counter() - t)
+    ops = {}
+    for ev in prof.key_averages():
+        if ev.self_cpu_time_total > 0:
+            ops[ev.key] = (ev.self_cpu_time_total / 1e3 / steps, ev.count // steps)
+    return {"step_ms": statistics.median(step_s) * 1e3, "ops": ops}
+
+
+def show(side: str, res: dict, top: int) -> None:
+    ops = sorted(res["ops"].items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in res["ops"].values())
+    print(f"\n{side}: median step {res['step_ms']:.1f} ms (ops below sum to {total:.1f} ms/step)")
+    print(f"  {'op':<44} {'ms/step':>8} {'share':>6} {'calls':>6}")
+    for op, (ms, n) in ops[:top]:
+        print(f"  {op[:44]:<44} {ms:8.2f} {ms / total:6.1%} {n:6d}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="an f32 llama GGUF (the PyTorch side loads it too)")
+    ap.add_argument("--kind", default="lora", choices=("lora", "full"))
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="PyTorch's threads")
+    ap.add_argument("--side", default="llmtune,torch")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--by-shape", action="store_true", help="llmtune: products keyed by their operands' shapes")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/llmtune-bench-real"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--windows", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        if args.child == "llmtune":
+            res = profile_llmtune(args.model, args.windows, args.kind, args.ctx, args.batch, args.steps, args.by_shape)
+        else:
+            res = profile_torch(args.model, args.windows, args.kind, args.ctx, args.batch, args.steps, args.threads)
+        print("RESULT " + json.dumps(res))
+        return
+    args.work.mkdir(parents=True, exist_ok=True)
+    windows = chat_windows(args.model, args.ctx, max(64, args.batch * (args.steps + 8)), args.work)
+    for side in args.side.split(","):
+        cmd = [sys.executable, __file__, "--child", side, "--model", args.model, "--windows", str(windows),
+               "--kind", args.kind, "--ctx", str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps),
+               "--threads", str(args.threads)] + (["--by-shape"] if args.by_shape else [])
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if done.returncode or line is None:
+            sys.exit(f"{side} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+        show(side, json.loads(line[len("RESULT "):]), args.top)
+
+
+if __name__ == "__main__":
+    main()
