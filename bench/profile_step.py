@@ -5,8 +5,9 @@
 
 Both sides train the windows bench/bench_real.py trains (synthetic chat examples, loss on the
 assistant turns only, one example per window), the same LoRA (rank 8, alpha 16, q/k/v/o/gate/up/
-down, AdamW) or every weight (--kind full). After untimed warm-up steps each side runs --steps
-steps under its profiler:
+down, AdamW) or every weight (--kind full). After untimed warm-up steps (llmtune: its thread-count
+trials, then the timed windows once, so every pass shape is compiled before the timers start)
+each side runs --steps steps under its profiler:
 - llmtune: every kernel call of the replayed training program timed by op name (planner.Replay's
   pre-bound calls wrapped in a timer), plus the optimizer step and what the step spends outside
   the kernels (feeding, the loss's host copy);
@@ -60,7 +61,7 @@ def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, bat
     from llmtune.model.loaded import load_model
     from llmtune.train.trainer import RunningStats, Trainer
 
-    timers: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    timers: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])  # op -> [seconds, calls]
     active = [False]
     plain_runs = planner._compiled_runs
 
@@ -93,19 +94,21 @@ def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, bat
     def timed_opt(*a, **k):
         t = time.perf_counter()
         opt_step(*a, **k)
-        timers["(optimizer step)"][0] += time.perf_counter() - t
-        timers["(optimizer step)"][1] += 1
+        if active[0]:
+            timers["(optimizer step)"][0] += time.perf_counter() - t
+            timers["(optimizer step)"][1] += 1
 
     tr.optimizer.step = timed_opt
-    warm = llmtune_warmup()
+    # warm-up: the thread-count trials, then the timed windows once (each pass shape compiled and
+    # recorded before the timers start: a run compiles each once, then reuses it)
+    timed = list(_batches(windows, batch, steps))
+    warm = list(_batches(windows, batch, llmtune_warmup())) + timed
     step_s = []
-    for s, (x, y) in enumerate(_batches(windows, batch, warm + steps)):
-        active[0] = s >= warm
-        if s == warm:
-            timers.clear()
+    for s, (x, y) in enumerate(warm + timed):
+        active[0] = s >= len(warm)
         t = time.perf_counter()
         tr.train_step(x, y, LR, RunningStats())
-        if s >= warm:
+        if s >= len(warm):
             step_s.append(time.perf_counter() - t)
     planner._compiled_runs = plain_runs
     ops = {op: (sec / steps * 1e3, n // steps) for op, (sec, n) in timers.items()}

@@ -364,6 +364,32 @@ def test_compiled_attention_ops_match_numpy():
 
 
 @needs_library
+@pytest.mark.parametrize("n", [1536 * 128 + 5, 7])  # a training pass's [128, n_ff] (plus a tail), a tail alone
+def test_training_swiglu_and_its_gradients_match_numpy(monkeypatch, n):
+    """cpu.k_swiglu / k_swiglu_back over whole passes: the compiled kernels (one pass, exp vectorized)
+    against the numpy passes they replace, within 1e-6 relative (exp within ~1 ulp; near the gate
+    gradient's zero, relative to its factors); in place too.
+    Inputs reach |gate| = 40, where the sigmoid saturates."""
+    from llmtune.backends import cpu
+
+    rng = np.random.default_rng(9)
+    gate, up, g = (rng.standard_normal(n).astype(np.float32) * 4 for _ in range(3))
+    gate[:4] = [40.0, -40.0, 0.0, 1e-8]
+    assert kernels.swiglu(np.empty_like(gate), gate, up) and kernels.swiglu_back(np.empty_like(gate), gate, up, g, 0)
+    compiled = [cpu.k_swiglu(np.empty_like(gate), gate, up)] + [cpu.k_swiglu_back(np.empty_like(gate), gate, up, g, w)
+                                                                 for w in (0, 1)]
+    in_place = cpu.k_swiglu_back(g.copy(), gate, up, g.copy(), 0)  # out is the incoming gradient's buffer
+    monkeypatch.setattr(kernels, "_elementwise_ok", lambda *a: False)  # the numpy passes
+    numpy_ = [cpu.k_swiglu(np.empty_like(gate), gate, up)] + [cpu.k_swiglu_back(np.empty_like(gate), gate, up, g, w)
+                                                               for w in (0, 1)]
+    # where the gate's gradient crosses zero ((1 - s) gate + 1 = 0 near gate = -1.28) its relative
+    # error is unbounded: the bound there is relative to the factors' size, |up g|
+    scales = [np.abs(gate * up), np.abs(up * g), np.abs(gate * g), np.abs(up * g)]
+    for got, want, scale in zip(compiled + [in_place], numpy_ + [numpy_[1]], scales):
+        assert (np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-6 * scale + 1e-30).all()
+
+
+@needs_library
 def test_compiled_steps_decline_and_fail_in_one_line():
     """Encoders decline what the compiled ops do not take (float64, a broadcast they do not know),
     and a position past the cache is an IndexError naming the op, not a write out of bounds."""

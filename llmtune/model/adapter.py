@@ -477,12 +477,18 @@ class LoraGraph:
         return cls(terms, dropout, round_x)
 
     def apply(self, x, y, name: str):
-        """y + sum of scale * (x A^T) B^T (llama.cpp adds each to the base product in turn)."""
+        """y + sum of scale * (x A^T) B^T (llama.cpp adds each to the base product in turn).
+        Evaluation scales the product as llama.cpp's build_lora_mm does, after B; a training graph
+        (round_x False) scales the rank-r product x A^T instead, n_out / r times less work forward
+        and backward, the same value up to float32 rounding."""
         for t in self.terms.get(name, ()):
             xin = x
             if self.dropout > 0:
                 xin = ops.mul(x, ops.input(x.shape, name=f"{t.key}.dropout"))
-            term = ops.scale(ops.linear(ops.linear(xin, t.a), t.b), t.scale)
+            if self.round_x:
+                term = ops.scale(ops.linear(ops.linear(xin, t.a), t.b), t.scale)
+            else:
+                term = ops.linear(ops.scale(ops.linear(xin, t.a), t.scale), t.b)
             y = ops.add(y, term) if t.magnitude is None else self._dora(t, xin, y, term)
         return y
 

@@ -1052,6 +1052,31 @@ static void swiglu(const float *g, const float *u, float *o, int64_t n) {
     }
 }
 
+/* The entry of training's swiglu (arrays of any size: the same kernel as a decode step's). */
+void lt_swiglu(const float *g, const float *u, float *o, int64_t n) { swiglu(g, u, o, n); }
+
+/* swiglu's gradients as numpy's k_swiglu_back writes them, s = sigmoid(gate):
+ * wrt 1 (up): (s gate) dy; wrt 0 (gate): (((1 - s) gate + 1) s) up dy. */
+void lt_swiglu_back(const float *g, const float *u, const float *dy, float *o, int64_t n, int wrt) {
+    int64_t i = 0;
+#if LT_VEXP
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        __m512 r;
+        if (wrt == 1) r = _mm512_mul_ps(sg, gv);
+        else r = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(one, sg), gv), one), sg),
+                               _mm512_loadu_ps(u + i));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(r, _mm512_loadu_ps(dy + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float sg = 1.0f / (1.0f + expf(-g[i]));
+        o[i] = (wrt == 1 ? sg * g[i] : (((1.0f - sg) * g[i] + 1.0f) * sg) * u[i]) * dy[i];
+    }
+}
+
 static void op_rope(const lt_step *s) {
     const float *x = s->p[0];
     const int32_t *pos = s->p[1];
