@@ -522,6 +522,11 @@ def _position_mask(pos, rows, n_kv, n_q, window, dtype):
 
 
 def k_softmax_causal(out, x, pos=None, *, scale, n_q, n_past, window=0):
+    compiled = _compiled_alone(native_program.softmax_causal, out, x, pos, scale=scale, n_q=n_q, n_past=n_past,
+                               window=window)
+    if compiled is not None:  # only the visible scores exponentiated (exp within ~1 ulp of numpy's)
+        compiled()
+        return out
     if pos is None:
         mask = _CAUSAL_MASKS.get(x.shape[-2], x.shape[-1], n_q, n_past, window, x.dtype)
     else:
@@ -807,6 +812,20 @@ def _attach_encoders():
 
 
 _attach_encoders()
+
+
+def _compiled_alone(encode, out, *args, **attrs):
+    """A kernel's compiled step run alone as one call (None where the compiled op does not take
+    the case): the ops whose compiled form pays on a training pass's shapes."""
+    step = encode(out, *args, **attrs)
+    return native_program.compile_steps([step]) if step is not None else None
+
+
+# replayed (planner.Replay), rope over contiguous rows and the causal softmax are their compiled
+# steps bound once; k_softmax_causal runs the same step when called directly, so a program's first
+# run and its replays compute the same bits (rope's compiled op is numpy's bit for bit)
+k_rope.bind = functools.partial(_compiled_alone, native_program.rope)
+k_softmax_causal.bind = functools.partial(_compiled_alone, native_program.softmax_causal)
 
 
 _ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2
