@@ -379,22 +379,53 @@ class BpeEncoder:
             self._byte_tokens = [token_to_id.get(chr(b) if b < 0x80 else chr(0xDC00 + b)) for b in range(256)]
         self._chunk = _space_chunker(merges) if pre.spm_style else None
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of one raw-text fragment (already "▁"-escaped for an SPM-style vocabulary)."""
-        out: list[int] = []
-        memo = self._memo
+    # with a limit, text is split in prefixes of this many characters per wanted id (doubled until
+    # enough ids come out); the pieces that end within _CUT_MARGIN characters of a prefix's end are
+    # not trusted (a piece the cut split, a look-ahead that saw the end instead of the next character)
+    _CHARS_PER_ID, _CUT_MARGIN = 8, 256
+
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Ids of one raw-text fragment (already "▁"-escaped for an SPM-style vocabulary).
+        limit: only the first ids are needed. Merges never cross a pre-tokenizer piece, so the ids
+        of the pieces of a prefix of the text are the whole text's first ids: the text is split a
+        prefix at a time, and encoding stops at the piece that brings the ids to `limit` or more."""
+        size = self._CHARS_PER_ID * max(limit, 1) + self._CUT_MARGIN if limit is not None else len(text)
+        while size < len(text):
+            prefix = text[:size]
+            words = self._words(prefix)
+            if sum(map(len, words)) != size:
+                break  # pieces that do not tile the text: no safe prefix, encode it whole
+            out, end, trusted = [], 0, size - self._CUT_MARGIN
+            for word in words:
+                end += len(word)
+                if end > trusted:
+                    break
+                out.extend(self._ids(word))
+                if len(out) >= limit:
+                    return out
+            size *= 2
+        out = []
+        for word in self._words(text):
+            out.extend(self._ids(word))
+        return out
+
+    def _words(self, text: str) -> list[str]:
+        """The pre-tokenizer's pieces of `text` (their concatenation is the text)."""
         words = self._split(text)
         if self._chunk is not None:  # SPM-style words are whole lines: cut them where no merge can cross
             words = [chunk for word in words for chunk in self._chunk(word)]
-        for word in words:
-            ids = memo.get(word)
-            if ids is None:
-                ids = self._encode_word(word if self._spm_style else byte_encode(word))
-                if len(memo) >= _MEMO_LIMIT:
-                    memo.clear()
-                memo[word] = ids
-            out.extend(ids)
-        return out
+        return words
+
+    def _ids(self, word: str) -> list[int]:
+        """One piece's ids (memoized: text repeats its words)."""
+        memo = self._memo
+        ids = memo.get(word)
+        if ids is None:
+            ids = self._encode_word(word if self._spm_style else byte_encode(word))
+            if len(memo) >= _MEMO_LIMIT:
+                memo.clear()
+            memo[word] = ids
+        return ids
 
     def _encode_word(self, word: str) -> list[int]:
         lookup = self._token_to_id.get

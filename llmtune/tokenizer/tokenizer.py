@@ -189,10 +189,10 @@ class Tokenizer:
                max_tokens: int | None = None) -> list[int]:
         """Token ids of `text`, as llama.cpp's `llama_tokenize(..., add_special, parse_special)`.
 
-        max_tokens: only the first ids are needed (perplexity over --chunks of a long file). An SPM
-        tokenizer then stops at the first boundary no merge crosses past that many ids (the ids are
-        the whole text's first ones, at least max_tokens of them when the text has them, no EOS
-        after a cut); other kinds encode everything."""
+        max_tokens: only the first ids are needed (perplexity over --chunks of a long file). SPM
+        and BPE tokenizers then stop at the first boundary no merge crosses past that many ids (the
+        ids are the whole text's first ones, at least max_tokens of them when the text has them, no
+        EOS after a cut); WordPiece encodes everything."""
         flags = self._flags
         out: list[int] = []
         wpm = self.kind == "wpm"  # WordPiece: BOS ([CLS]) ... SEP whenever add_special, whatever the flags
@@ -210,7 +210,7 @@ class Tokenizer:
                 frag = frag.replace(" ", SPACE_ESCAPE)
             elif flags.escape_whitespaces:
                 frag = frag.replace(" ", SPACE_ESCAPE)
-            cut = max_tokens is not None and self.kind == "spm"  # SPM chunks never merge across: stop early
+            cut = max_tokens is not None and self.kind in ("spm", "bpe")  # no merge crosses their pieces: stop early
             out.extend(self._encoder.encode(frag, limit=max_tokens - len(out)) if cut else self._encoder.encode(frag))
             prev_special = False
             if cut and len(out) >= max_tokens:
