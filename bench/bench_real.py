@@ -25,7 +25,9 @@ sides back to back; the table shows medians over the rounds):
   the f32 export.
 - ppl: `llmtune perplexity FILE TEXT -c 512 --chunks 8` (the Q4_1 file and the f32 export) against `llama-perplexity -c 512 --chunks
   8` at its fastest of -b 512 / 2048 and -t 1 / 2 (picked in the first round), wall clock of the
-  whole command (start-up included) and each side's peak RSS (GNU time's maximum resident set).
+  whole command (start-up included) and each side's peak RSS (GNU time's maximum resident set),
+  compared at both tools' default batch (2048 tokens in flight: llama.cpp's -b 2048, llmtune's
+  1024-token passes one per core), the fastest setting's beside it.
 
 --shapes: smollm2 is the real file (--model). qwen2-0.5b and gemma3-270m are RANDOM-WEIGHT models
 in the real configurations (configs/qwen2-0.5b.toml: Qwen2.5-0.5B; configs/gemma3-270m.toml:
@@ -170,13 +172,14 @@ def _steps(step, windows, batch: int, steps: int, warmup: int = 1) -> list[float
     return times
 
 
-def run_llmtune_train(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int) -> dict:
+def llmtune_trainer(model_path: str, kind: str, ctx: int, batch: int):
+    """llmtune's side of a training row: a Trainer of every weight (kind "full") or of a new LoRA
+    adapter (rank LORA_RANK, alpha LORA_ALPHA), batch windows of ctx tokens a step, one per pass."""
     from llmtune.backends.cpu import CPUBackend
     from llmtune.model.adapter import attach, init_adapter
     from llmtune.model.loaded import load_model
-    from llmtune.train.trainer import RunningStats, Trainer
+    from llmtune.train.trainer import Trainer
 
-    windows = dict(np.load(windows_path))
     model = load_model(model_path)
     if kind == "full":
         trainable = list(model.tensors())
@@ -184,14 +187,13 @@ def run_llmtune_train(model_path: str, windows_path: str, kind: str, ctx: int, b
         adapter = init_adapter(model, LORA_RANK, alpha=LORA_ALPHA, seed=0)
         model = attach(model, [adapter])
         trainable = list(adapter.tensors())
-    tr = Trainer(model, CPUBackend(), n_ctx=ctx, n_batch=ctx * batch, n_ubatch=ctx, trainable=trainable)
-    losses = []
-    times = _steps(lambda x, y: losses.append(tr.train_step(x, y, LR, RunningStats())), windows, batch, steps,
-                   llmtune_warmup())
-    return {"step_s": times, "losses": losses, "memory": tr.memory_bytes()}
+    return Trainer(model, CPUBackend(), n_ctx=ctx, n_batch=ctx * batch, n_ubatch=ctx, trainable=trainable)
 
 
-def run_torch_train(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int, threads: int) -> dict:
+def torch_step(model_path: str, kind: str, threads: int):
+    """PyTorch's side of a training row: step(x, y) -> loss, one AdamW step of transformers'
+    LlamaForCausalLM on the f32 weights (every parameter, or peft.get_peft_model's LoRA), the
+    masked cross-entropy (targets -1 carry no loss), torch.set_num_threads(threads)."""
     import torch
     import torch.nn.functional as F
 
@@ -199,7 +201,6 @@ def run_torch_train(model_path: str, windows_path: str, kind: str, ctx: int, bat
     from bench_qlora import torch_llama
 
     torch.set_num_threads(threads)
-    windows = dict(np.load(windows_path))
     model = torch_llama(model_path)
     if kind == "full":
         params = list(model.parameters())
@@ -211,18 +212,34 @@ def run_torch_train(model_path: str, windows_path: str, kind: str, ctx: int, bat
         params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    losses = []
 
-    def step(x, y):
+    def step(x, y) -> float:
         logits = model(input_ids=torch.from_numpy(x.astype(np.int64))).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y.astype(np.int64)).reshape(-1),
                                ignore_index=-1)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        return float(loss)
 
-    return {"step_s": _steps(step, windows, batch, steps), "losses": losses}
+    return step
+
+
+def run_llmtune_train(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int) -> dict:
+    from llmtune.train.trainer import RunningStats
+
+    windows = dict(np.load(windows_path))
+    tr = llmtune_trainer(model_path, kind, ctx, batch)
+    losses = []
+    times = _steps(lambda x, y: losses.append(tr.train_step(x, y, LR, RunningStats())), windows, batch, steps,
+                   llmtune_warmup())
+    return {"step_s": times, "losses": losses, "memory": tr.memory_bytes()}
+
+
+def run_torch_train(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int, threads: int) -> dict:
+    windows = dict(np.load(windows_path))
+    step, losses = torch_step(model_path, kind, threads), []
+    return {"step_s": _steps(lambda x, y: losses.append(step(x, y)), windows, batch, steps), "losses": losses}
 
 
 def run_llmtune_ab(q4_path: str, f32_path: str, windows_path: str, ctx: int, batch: int, steps: int) -> dict:
@@ -423,8 +440,12 @@ def ppl_rows(label: str, files: list[tuple[str, Path]], args, out: list) -> None
         tw, trss = med(w for w, _ in theirs), med(m for _, m in theirs)
         out.append((f"{label}: perplexity, {kind}, ctx 512, {args.chunks} chunks (wall clock, start-up included)",
                     f"{n_tok / ow:.0f} tok/s", f"llama-perplexity -b {best[0]} -t {best[1]}: {n_tok / tw:.0f}", tw / ow))
-        out.append((f"{label}: peak RSS, perplexity, {kind}", f"{orss / 2**20:.0f} MiB",
-                    f"llama-perplexity: {trss / 2**20:.0f} MiB", orss / trss))
+        # memory at the same tokens in flight: llmtune's default (1024-token passes, one per core)
+        # against llama.cpp's default -b 2048 (RSS measured in round 1), and at the fastest setting
+        default_rss = tried[(2048, best[1])][1]
+        out.append((f"{label}: peak RSS, perplexity, {kind} (both at their default batch)", f"{orss / 2**20:.0f} MiB",
+                    f"llama-perplexity -b 2048 -t {best[1]}: {default_rss / 2**20:.0f} MiB (-b {best[0]}: "
+                    f"{trss / 2**20:.0f} MiB)", orss / default_rss))
 
 
 def main():

@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_real import LORA_ALPHA, LORA_RANK, LR, TARGETS, chat_windows, llmtune_warmup  # noqa: E402
+from bench_real import LR, chat_windows, llmtune_trainer, llmtune_warmup, torch_step  # noqa: E402
 
 
 def _batches(windows, batch: int, n: int):
@@ -55,11 +55,8 @@ def _label(call, op: str) -> str:
 
 def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int,
                     by_shape: bool = False) -> dict:
-    from llmtune.backends.cpu import CPUBackend
     from llmtune.graph import planner
-    from llmtune.model.adapter import attach, init_adapter
-    from llmtune.model.loaded import load_model
-    from llmtune.train.trainer import RunningStats, Trainer
+    from llmtune.train.trainer import RunningStats
 
     timers: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])  # op -> [seconds, calls]
     active = [False]
@@ -81,14 +78,7 @@ def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, bat
 
     planner._compiled_runs = timed_runs
     windows = dict(np.load(windows_path))
-    model = load_model(model_path)
-    if kind == "full":
-        trainable = list(model.tensors())
-    else:
-        adapter = init_adapter(model, LORA_RANK, alpha=LORA_ALPHA, seed=0)
-        model = attach(model, [adapter])
-        trainable = list(adapter.tensors())
-    tr = Trainer(model, CPUBackend(), n_ctx=ctx, n_batch=ctx * batch, n_ubatch=ctx, trainable=trainable)
+    tr = llmtune_trainer(model_path, kind, ctx, batch)
     opt_step = tr.optimizer.step
 
     def timed_opt(*a, **k):
@@ -118,34 +108,10 @@ def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, bat
 
 def profile_torch(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int,
                   threads: int) -> dict:
-    import torch
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_qlora import torch_llama
-
-    torch.set_num_threads(threads)
     windows = dict(np.load(windows_path))
-    model = torch_llama(model_path)
-    if kind == "full":
-        params = list(model.parameters())
-    else:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
-                                                 target_modules=list(TARGETS)))
-        params = [p for p in model.parameters() if p.requires_grad]
-    model.train()
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-
-    def step(x, y):
-        logits = model(input_ids=torch.from_numpy(x.astype(np.int64))).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y.astype(np.int64)).reshape(-1),
-                               ignore_index=-1)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = torch_step(model_path, kind, threads)
     batches = list(_batches(windows, batch, 2 + steps))
     for x, y in batches[:2]:
         step(x, y)

@@ -1035,21 +1035,25 @@ static void exp_sub(const float *x, float sub, float *out, int64_t n) {
     for (; i < n; i++) out[i] = expf(x[i] - sub);
 }
 
-/* silu(g) u as numpy's kernel: (1 / (1 + exp(-g))) g, times u */
+/* sigmoid as numpy's kernels compute it: 1 / (1 + exp(-g)) */
+static inline float sigmoid1(float g) { return 1.0f / (1.0f + expf(-g)); }
+#if LT_VEXP
+static inline __m512 sigmoid16(__m512 g) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+#endif
+
+/* silu(g) u as numpy's kernel: sigmoid(g) g, times u */
 static void swiglu(const float *g, const float *u, float *o, int64_t n) {
     int64_t i = 0;
 #if LT_VEXP
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (; i + 16 <= n; i += 16) {
         const __m512 gv = _mm512_loadu_ps(g + i);
-        const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(sg, gv), _mm512_loadu_ps(u + i)));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(sigmoid16(gv), gv), _mm512_loadu_ps(u + i)));
     }
 #endif
-    for (; i < n; i++) {
-        const float sg = 1.0f / (1.0f + expf(-g[i]));
-        o[i] = (sg * g[i]) * u[i];
-    }
+    for (; i < n; i++) o[i] = (sigmoid1(g[i]) * g[i]) * u[i];
 }
 
 /* The entry of training's swiglu (arrays of any size: the same kernel as a decode step's). */
@@ -1062,17 +1066,15 @@ void lt_swiglu_back(const float *g, const float *u, const float *dy, float *o, i
 #if LT_VEXP
     const __m512 one = _mm512_set1_ps(1.0f);
     for (; i + 16 <= n; i += 16) {
-        const __m512 gv = _mm512_loadu_ps(g + i);
-        const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        __m512 r;
-        if (wrt == 1) r = _mm512_mul_ps(sg, gv);
-        else r = _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(one, sg), gv), one), sg),
-                               _mm512_loadu_ps(u + i));
+        const __m512 gv = _mm512_loadu_ps(g + i), sg = sigmoid16(gv);
+        const __m512 r = wrt == 1 ? _mm512_mul_ps(sg, gv)
+                                  : _mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(one, sg), gv), one), sg),
+                                                  _mm512_loadu_ps(u + i));
         _mm512_storeu_ps(o + i, _mm512_mul_ps(r, _mm512_loadu_ps(dy + i)));
     }
 #endif
     for (; i < n; i++) {
-        const float sg = 1.0f / (1.0f + expf(-g[i]));
+        const float sg = sigmoid1(g[i]);
         o[i] = (wrt == 1 ? sg * g[i] : (((1.0f - sg) * g[i] + 1.0f) * sg) * u[i]) * dy[i];
     }
 }
