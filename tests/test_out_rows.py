@@ -23,7 +23,7 @@ def _trainer(path, kind: str, **kw) -> Trainer:
 
 
 def _every_row(tr: Trainer) -> Trainer:
-    tr.out_rows = lambda n_counted: tr.n_ubatch  # the pass over every row, as before out_rows
+    tr.out_rows = lambda n_counted, n_rows=None: n_rows or tr.n_ubatch  # every row, as before out_rows
     return tr
 
 
@@ -76,3 +76,23 @@ def test_fully_counted_windows_run_the_plain_pass(stories_path):
     x, y = (rng.integers(0, tr.model.hp.n_vocab, (2, CTX)).astype(np.int32) for _ in range(2))
     tr.train_step(x, y, 1e-3, RunningStats())
     assert not tr._out_passes and "out_ids" not in tr._train_progs[0].inputs
+
+
+def test_validation_scores_only_loss_carrying_rows(stories_path):
+    """evaluate(): the same loss and accuracy as the pass over every row, in a pass that shares
+    the arena of that pass; a short last batch gets its own shapes."""
+    a, b = _trainer(stories_path, "lora"), _every_row(_trainer(stories_path, "lora"))
+    x, y = _masked_batch(a.model.hp.n_vocab)
+    x, y = np.concatenate([x, x[:1]]), np.concatenate([y, y[:1]])  # 3 windows: passes of 1, 1, 1
+    sa, sb = RunningStats(), RunningStats()
+    a.evaluate(x, y, sa)
+    b.evaluate(x, y, sb)
+    assert (sa.correct, sa.tokens) == (sb.correct, sb.tokens) and sa.tokens == int((y >= 0).sum())
+    np.testing.assert_allclose(sa.losses, sb.losses, rtol=1e-6)
+    keys = {k for c in a._eval_caches for k in c._programs}
+    assert keys == {(1, 16), (1, 8), (1, CTX)}  # 12 and 7 counted targets; the full pass lends its arena
+    for cache in a._eval_caches:
+        progs = cache._programs
+        for (n_seq, n_out), prog in progs.items():
+            if n_out < n_seq * CTX:
+                assert not prog.owns_arena and prog.arena is progs[(n_seq, n_seq * CTX)].arena

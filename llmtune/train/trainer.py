@@ -216,13 +216,15 @@ class Trainer:
     # to a multiple of this share of the micro-batch, so a few shapes serve every count)
     OUT_ROW_BUCKETS = 16
 
-    def out_rows(self, n_counted: int) -> int:
-        """Rows a training pass computes logits for, given its loss-carrying targets: n_counted
-        rounded up to a bucket; n_ubatch (every row, no selection) when that is all of them.
-        Masked data (chat turns, prompts) then skips the vocabulary projection, its backward and
-        the cross-entropy of rows that carry no loss, as llama.cpp's inp_out_ids skips them."""
-        step = max(8, -(-self.n_ubatch // self.OUT_ROW_BUCKETS))
-        return min(self.n_ubatch, max(step, -(-n_counted // step) * step))
+    def out_rows(self, n_counted: int, n_rows: int | None = None) -> int:
+        """Rows a pass of n_rows (default n_ubatch) computes logits for, given its loss-carrying
+        targets: n_counted rounded up to a bucket; n_rows (every row, no selection) when that is
+        all of them. Masked data (chat turns, prompts) then skips the vocabulary projection, its
+        backward and the cross-entropy of rows that carry no loss, as llama.cpp's inp_out_ids
+        skips them."""
+        n_rows = self.n_ubatch if n_rows is None else n_rows
+        step = max(8, -(-n_rows // self.OUT_ROW_BUCKETS))
+        return min(n_rows, max(step, -(-n_counted // step) * step))
 
     def _out_pass(self, w: int, n_out: int) -> tuple[Program, dict, dict]:
         """Worker w's pass scoring n_out rows (compiled at first use, in the worker's arena)."""
@@ -254,11 +256,27 @@ class Trainer:
             replay = replays[assign] = Replay(prog, feed, assign=assign)
         return replay.run()
 
-    def _make_eval_program(self, n_seq: int) -> Program:
-        batch, nodes, logits = self._build_graph(n_seq, packed=self.packed)
-        targets = ops.input((n_seq * self.n_ctx,), "i32", name="targets")
+    def _make_eval_program(self, n_seq: int, n_out: int | None = None, arena=None) -> Program:
+        """A validation pass of n_seq windows; n_out: only that many rows (input "out_ids")
+        produce logits, planned into `arena` where it fits."""
+        batch, nodes, logits = self._build_graph(n_seq, packed=self.packed, n_out=n_out)
+        targets = ops.input((logits.shape[0],), "i32", name="targets")
         outs = [ops.cross_entropy(logits, targets), ops.count_correct(logits, targets)]
-        return self._program(outs, nodes)
+        return self._program(outs, nodes, arena=arena)
+
+    def _eval_cache(self) -> ProgramCache:
+        """One worker's validation programs by (windows, scored rows); a pass scoring fewer rows
+        than it holds shares the arena of the pass scoring all of them."""
+        cache = ProgramCache(None)
+
+        def make(key):
+            n_seq, n_out = key
+            if n_out == n_seq * self.n_ctx:
+                return self._make_eval_program(n_seq)
+            return self._make_eval_program(n_seq, n_out, arena=cache.get((n_seq, n_seq * self.n_ctx)).arena)
+
+        cache.make = make
+        return cache
 
     def _program(self, outputs, nodes, accumulate=None, arena=None) -> Program:
         """A compiled program whose arena must fit what is left of the memory budget (or `arena`,
@@ -444,10 +462,12 @@ class Trainer:
         def score(progs: ProgramCache, start: int):
             x, y = inputs[start : start + k], targets[start : start + k]
             seg = None if segments is None else segments[start : start + k]
-            loss, correct = progs.get(len(x)).run(**self._feed(x, y, segments=seg))
-            return float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), int((y >= 0).sum())
+            n_counted = int((y >= 0).sum())
+            n_out = self.out_rows(n_counted, y.size)  # the loss-carrying rows only, as a training pass
+            loss, correct = progs.get((len(x), n_out)).run(**self._feed(x, y, segments=seg, n_out=n_out))
+            return float(self.backend.to_numpy(loss)), int(self.backend.to_numpy(correct)), n_counted
 
-        self._eval_caches += [ProgramCache(self._make_eval_program) for _ in range(n_w - len(self._eval_caches))]
+        self._eval_caches += [self._eval_cache() for _ in range(n_w - len(self._eval_caches))]
         caches: queue.SimpleQueue = queue.SimpleQueue()  # each worker takes its own cache
         for cache in self._eval_caches[:n_w]:
             caches.put(cache)
