@@ -139,7 +139,7 @@ class Trainer:
         self._train_inputs = [self._input_buffers(p) for p in self._train_progs]
         self._replays: list[dict[bool, Replay]] = [{} for _ in self._train_progs]  # by assign mode
         # passes that score fewer rows than the micro-batch holds (its loss-carrying targets, in
-        # buckets of out_row_step): (worker, rows) -> (program, input buffers, replays by assign),
+        # out_rows' buckets): (worker, rows) -> (program, input buffers, replays by assign),
         # compiled at first use into the worker's arena (the full pass's plan is the largest)
         self._out_passes: dict[tuple[int, int], tuple[Program, dict, dict]] = {}
         # the block each step's micro-batches run in (cpu, one at a time: OpenBLAS's thread count by timing)
@@ -226,8 +226,12 @@ class Trainer:
         step = max(8, -(-n_rows // self.OUT_ROW_BUCKETS))
         return min(n_rows, max(step, -(-n_counted // step) * step))
 
-    def _out_pass(self, w: int, n_out: int) -> tuple[Program, dict, dict]:
-        """Worker w's pass scoring n_out rows (compiled at first use, in the worker's arena)."""
+    def _pass(self, w: int, n_out: int | None = None) -> tuple[Program, dict, dict]:
+        """Worker w's training pass scoring n_out rows (None or n_ubatch: every row, the pass
+        built at setup; fewer: compiled at first use, in the worker's arena) as (program, input
+        buffers, replays by assign mode)."""
+        if n_out is None or n_out == self.n_ubatch:
+            return self._train_progs[w], self._train_inputs[w], self._replays[w]
         entry = self._out_passes.get((w, n_out))
         if entry is None:
             prog = self._build_train_program(self._flat_views(self._worker_flat_g[w]), n_out,
@@ -245,10 +249,7 @@ class Trainer:
         """Worker w's training program (n_out: its pass scoring that many rows) on its input
         buffers: replayed where the backend replays (the cpu, where Python work per kernel is a
         visible part of a small model's step)."""
-        if n_out is None or n_out == self.n_ubatch:
-            prog, feed, replays = self._train_progs[w], self._train_inputs[w], self._replays[w]
-        else:
-            prog, feed, replays = self._out_pass(w, n_out)
+        prog, feed, replays = self._pass(w, n_out)
         if not self.backend.replays:
             return prog.run(assign=assign, **feed)
         replay = replays.get(assign)
@@ -395,7 +396,7 @@ class Trainer:
                 feed = self._feed(inputs[part], targets[part], range(u * k, (u + 1) * k),
                                   None if segments is None else segments[part], n_out)
                 feed["loss_scale"] = scales[u]
-                bufs = self._train_inputs[w] if n_out == self.n_ubatch else self._out_pass(w, n_out)[1]
+                bufs = self._pass(w, n_out)[1]
                 for name, value in feed.items():
                     if bufs[name] is not value:
                         bufs[name][...] = value
