@@ -46,6 +46,9 @@ def _batches(windows, batch: int, n: int):
 def _label(call, op: str) -> str:
     """op name with its operands' shapes (matmul: a x b and the transposes), where the call shows them."""
     args = getattr(call, "args", None)
+    keep = getattr(call, "keep", None)  # a pre-bound compiled call (native/kernels.py): its arrays
+    if op == "matmul" and keep:
+        return f"matmul compiled {tuple(keep[1].shape)} -> {tuple(keep[0].shape)}"
     if op != "matmul" or not args or len(args) < 3:
         return op
     kw = getattr(call, "keywords", {}) or {}

@@ -187,14 +187,23 @@ def _native_rows(out, a):
     return None
 
 
+def _frozen_input_gradient(a, b, ta, tb):
+    """g @ W for a 2-D weight registered as frozen (a training pass's backward through its base)."""
+    return not ta and not tb and b.ndim == 2 and a.dtype == b.dtype and qmatmul.frozen_copies(b) is not None
+
+
 def k_matmul(out, a, b, ta, tb):
+    if _frozen_input_gradient(a, b, ta, tb):
+        rows = _native_rows(out, a)
+        if rows is not None and qmatmul.packed_product(*rows, b, qmatmul.frozen_copies(b), transposed=True):
+            return out
     if _weight_product(a, b, ta, tb):
         # a few rows times a weight matrix (a KV-cached decode step, a short prompt): the compiled
         # product over the cores (llmtune/native); one row without it: einsum, which streams W's
         # rows once, about twice OpenBLAS's sgemv_t when W is not in cache
         rows = _native_rows(out, a)
-        if rows is not None and native.f32_linear(*rows, b):
-            return out
+        if rows is not None and (native.f32_linear(*rows, b) or qmatmul.packed_product(*rows, b, qmatmul.frozen_copies(b))):
+            return out  # (more rows: a training pass's frozen base through its packed copy, where kept)
         if a.size == a.shape[-1]:
             np.einsum("nk,k->n", b, a.reshape(-1), out=out.reshape(-1))
             return out
@@ -212,10 +221,16 @@ def _raw(w):
 
 
 def _bind_matmul(out, a, b, ta, tb):
-    """A replayed product of a few rows with a weight as one pre-bound compiled call
+    """A replayed product of a few rows with a weight (or of a training pass's rows with a frozen
+    weight, or its gradient through one, that has a packed copy) as one pre-bound compiled call
     (graph/planner.py Replay)."""
+    if _frozen_input_gradient(a, b, ta, tb):
+        rows = _native_rows(out, a)
+        return None if rows is None else qmatmul.bind_packed_product(*rows, b, qmatmul.frozen_copies(b), transposed=True)
     rows = _native_rows(out, a) if _weight_product(a, b, ta, tb) else None
-    return native.bind_f32_linear(*rows, b) if rows is not None else None
+    if rows is None:
+        return None
+    return native.bind_f32_linear(*rows, b) or qmatmul.bind_packed_product(*rows, b, qmatmul.frozen_copies(b))
 
 
 k_matmul.bind = _bind_matmul
@@ -917,8 +932,13 @@ class CPUBackend(Backend):
     def compiles_steps(self):
         return native.available()
 
-    def step_tuner(self, n_workers):
-        """One micro-batch at a time: OpenBLAS's thread count chosen by timing (threads.BlasTuner)."""
+    def step_tuner(self, n_workers, packed=False):
+        """One micro-batch at a time: OpenBLAS's thread count chosen by timing (threads.BlasTuner);
+        with packed base products, OpenBLAS single-threaded: the compiled products take the cores
+        on their own pool, and OpenBLAS's threads, spinning for ~0.1 s after each of the step's
+        small products (attention, LoRA's rank-r ones), would take a core from it."""
+        if packed and n_workers == 1:
+            return functools.partial(blas_threads, 1)
         return BlasTuner(enabled=n_workers == 1)
 
     def resident_bytes(self):
@@ -946,6 +966,8 @@ class CPUBackend(Backend):
         for name, w in tensors.items():
             if isinstance(w, QTensor):
                 bound[name] = qmatmul.WithCopies(bound[name], copies)
+            elif copies is not None and copies.pack and bound[name].dtype == np.float32 and bound[name].ndim == 2:
+                qmatmul.register_frozen(bound[name], copies)  # its products may keep a packed copy
         if copies is not None:
             bound.float_copies = copies
         return bound

@@ -133,6 +133,19 @@ class _BlasThreads:
         self._lock = threading.Lock()
         self._depth = 0
         self._saved = 0
+        self._followers: list = []
+        self._compiled = False
+
+    def follow(self, fn) -> None:
+        """fn(n) is called where a block sets OpenBLAS's count with compiled=True (and when it
+        restores it): the compiled packed products (native/kernels.py) take the same count."""
+        if fn not in self._followers:
+            self._followers.append(fn)
+
+    def _set(self, n: int, compiled: bool) -> None:
+        self._funcs[1](n)
+        for fn in self._followers if compiled else ():
+            fn(n)
 
     def _load(self):
         if self._funcs is None:
@@ -175,16 +188,18 @@ class _BlasThreads:
         return self._keeps_bits[1]
 
     @contextmanager
-    def __call__(self, n: int):
+    def __call__(self, n: int, compiled: bool = False):
+        """OpenBLAS's thread count n for the block; compiled: the compiled products' too (a worker
+        per core), else they keep theirs (a step tuner's one-thread trials leave them the cores)."""
         funcs = self._load()
         if not funcs:
             yield
             return
-        get, set_ = funcs
+        get = funcs[0]
         with self._lock:
             if self._depth == 0:
-                self._saved = get()
-                set_(n)
+                self._saved, self._compiled = get(), compiled
+                self._set(n, compiled)
             self._depth += 1
         try:
             yield
@@ -192,7 +207,7 @@ class _BlasThreads:
             with self._lock:
                 self._depth -= 1
                 if self._depth == 0:
-                    set_(self._saved)
+                    self._set(self._saved, self._compiled)
 
 
 class BlasTuner:

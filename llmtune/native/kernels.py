@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from llmtune.backends.threads import n_cores
+from llmtune.backends.threads import blas_threads, n_cores
 from llmtune.native import build
 
 # ggml type -> index in qdot.c's QTYPES; activation type -> its code
@@ -62,11 +62,30 @@ def _load():
                 lib.lt_swiglu.restype = None
                 lib.lt_swiglu_back.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _INT]
                 lib.lt_swiglu_back.restype = None
+                lib.lt_pack_wt_floats.argtypes = [_I64, _I64]
+                lib.lt_pack_wt_floats.restype = _I64
+                lib.lt_pack_wt.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR]
+                lib.lt_pack_wt.restype = None
+                lib.lt_sgemm_packed.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT]
+                lib.lt_sgemm_packed.restype = _INT
+                lib.lt_set_gemm_threads.argtypes = [_INT]
+                lib.lt_set_gemm_threads.restype = None
             except build.BuildError as e:
                 lib, reason = None, str(e)
         threads = os.environ.get("LLMTUNE_NATIVE_THREADS", "")
         _state.update(lib=lib, reason=reason, threads=int(threads) if threads.isdigit() and int(threads) > 0 else n_cores())
+        if lib is not None:
+            lib.lt_set_gemm_threads(_state["threads"])
+            blas_threads.follow(_follow_blas)
         return lib
+
+
+def _follow_blas(n: int) -> None:
+    """The packed products' thread count, set with OpenBLAS's where the caller asks for both
+    (threads.blas_threads(n, compiled=True): a trainer running one worker per core)."""
+    lib = _state.get("lib")
+    if lib is not None:
+        lib.lt_set_gemm_threads(min(int(n), _state["threads"]) if n > 0 else _state["threads"])
 
 
 def available() -> bool:
@@ -208,6 +227,66 @@ def bind_f32_linear(out2: np.ndarray, x2: np.ndarray, w: np.ndarray):
     args = (_addr(w), w.strides[0], w.shape[0], w.shape[1], _addr(x2), x2.shape[0], _addr(out2),
             out2.strides[0] // 4, _state["threads"])
     return _bound(lib.lt_f32_linear, args, (out2, x2, w))
+
+
+def pack_wt_available() -> bool:
+    """Whether this build has the packed float32 product (AVX-512)."""
+    lib = _load()
+    return lib is not None and lib.lt_pack_wt_floats(1, 1) > 0
+
+
+def pack_wt_bytes(shape: tuple, transposed: bool = False) -> int:
+    """Bytes of pack_wt's form of a float32 matrix of `shape` (columns padded to whole panels);
+    0 where this build has none."""
+    lib = _load()
+    n, k = shape[::-1] if transposed else shape
+    return 4 * lib.lt_pack_wt_floats(n, k) if lib is not None else 0
+
+
+def pack_wt(w: np.ndarray, transposed: bool = False) -> np.ndarray | None:
+    """A frozen float32 matrix w [n, k] packed for sgemm_packed (W^T in panels of 48 columns,
+    k-major; qdot.c lt_pack_wt), 64-byte aligned; transposed: w^T's packed form (for g @ w).
+    None where this build has no packed product."""
+    lib = _load()
+    if lib is None or w.dtype != np.float32 or w.ndim != 2 or w.strides[-1] != 4 or w.strides[0] % 4:
+        return None
+    (n, k), (s_n, s_k) = w.shape, (w.strides[0] // 4, 1)
+    if transposed:
+        (n, k), (s_n, s_k) = (k, n), (s_k, s_n)
+    floats = lib.lt_pack_wt_floats(n, k)
+    if floats <= 0:
+        return None
+    buf = np.empty(floats + 16, np.float32)
+    out = buf[(-_addr(buf) % 64) // 4:][:floats]
+    lib.lt_pack_wt(_addr(w), s_n, s_k, n, k, _addr(out))
+    return out
+
+
+def _gemm_ok(out2: np.ndarray, x2: np.ndarray, packed: np.ndarray, n: int, k: int) -> bool:
+    return (x2.ndim == 2 and out2.ndim == 2 and x2.dtype == np.float32 and out2.dtype == np.float32
+            and x2.strides[-1] == 4 and out2.strides[-1] == 4 and x2.shape[1] == k and out2.shape == (x2.shape[0], n)
+            and packed.size == _load().lt_pack_wt_floats(n, k))
+
+
+def sgemm_packed(out2: np.ndarray, x2: np.ndarray, packed: np.ndarray, n: int, k: int) -> bool:
+    """out2[m, n] = x2[m, k] @ W^T with W packed by pack_wt(W [n, k]) (or out2 = x2 @ V for
+    pack_wt(V [k, n], transposed=True)), over the cores (_follow_blas: one where the caller runs
+    a worker per core); each output one sum in k order, so the bits do not depend on the threads.
+    False (nothing written) where the compiled product does not take the case."""
+    lib = _load()
+    if lib is None or not _gemm_ok(out2, x2, packed, n, k):
+        return False
+    return lib.lt_sgemm_packed(_addr(x2), x2.strides[0] // 4, x2.shape[0], _addr(packed), n, k, _addr(out2),
+                               out2.strides[0] // 4, 0) == 0
+
+
+def bind_sgemm_packed(out2: np.ndarray, x2: np.ndarray, packed: np.ndarray, n: int, k: int):
+    """sgemm_packed as a call with no arguments (see bind_qlinear); None where not taken."""
+    lib = _load()
+    if lib is None or not _gemm_ok(out2, x2, packed, n, k):
+        return None
+    args = (_addr(x2), x2.strides[0] // 4, x2.shape[0], _addr(packed), n, k, _addr(out2), out2.strides[0] // 4, 0)
+    return _bound(lib.lt_sgemm_packed, args, (out2, x2, packed))
 
 
 def _bound(fn, args, keep):

@@ -528,7 +528,7 @@ int64_t lt_act_row_bytes(int act, int64_t n) { return act_row_bytes(act, n); }
  * that is not scheduled takes nothing and the caller does the rest: the caller waits only for
  * chunks a worker has claimed. Workers spin LT_SPIN_NS for the next job, then sleep. */
 #define LT_MAX_THREADS 64
-#define LT_SPIN_NS 200000
+#define LT_SPIN_NS 5000000
 #define LT_MAX_CHUNKS ((1 << 20) - 1)
 
 typedef void (*task_fn)(void *arg, int64_t chunk);
@@ -926,6 +926,130 @@ int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
                   const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
     job_t job = {NULL, NULL, (const uint8_t *)w, w_stride, n_out, 0, NULL, 0, m, out, out_stride, x, n_in};
     pool_run(f32_task, &job, (n_out + CHUNK_ROWS - 1) / CHUNK_ROWS, nth);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ packed float32 products
+ * C = A W^T for a frozen float32 W [N, K] (a training pass's base weights), as BLIS / Goto's
+ * GEMM does it: W^T is packed once into panels of GEMM_NR columns, k-major (Bp[p][k][c] =
+ * W[p*NR + c][k], the last panel zero-filled); A's rows are read as they are (a training pass's
+ * rows are short: packing them cost more than it saved). The micro-kernel keeps an MR x NR block
+ * of C in 24 AVX-512 registers: per k, three loads of the W panel and MR broadcasts of A. Every C element is one
+ * sum over k in order, whatever the chunks and threads, so the bits do not depend on the thread
+ * count (numpy's BLAS sums in another order: tests state the tolerance). The panel of W^T
+ * (~73 KB at K = 576) streams from L2 and the A panels stay there; OpenBLAS's sgemm with a
+ * transposed B runs ~1.2-1.6x slower on a training pass's 128-row shapes (BENCHMARKS). */
+#define GEMM_MR 8
+#define GEMM_NR 48
+#define GEMM_MC 256
+
+#if defined(__AVX512F__)
+#define LT_GEMM 1
+/* C[rows, cols] = A[rows, K] (rows of lda floats, broadcast as they are: 8 sequential streams
+ * need no packing) . Bp (K x NR panel) */
+static void gemm_micro(const float *A, int64_t lda, const float *Bp, int64_t K, float *C, int64_t ldc, int rows, int cols) {
+    const float *a[GEMM_MR];
+    for (int r = 0; r < GEMM_MR; r++) a[r] = A + (r < rows ? r : rows - 1) * lda;  /* past the rows: not stored */
+    __m512 c[GEMM_MR][3];
+    for (int r = 0; r < GEMM_MR; r++) c[r][0] = c[r][1] = c[r][2] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++, Bp += GEMM_NR) {
+        const __m512 b0 = _mm512_load_ps(Bp), b1 = _mm512_load_ps(Bp + 16), b2 = _mm512_load_ps(Bp + 32);
+        for (int r = 0; r < GEMM_MR; r++) {
+            const __m512 av = _mm512_set1_ps(a[r][k]);
+            c[r][0] = _mm512_fmadd_ps(av, b0, c[r][0]);
+            c[r][1] = _mm512_fmadd_ps(av, b1, c[r][1]);
+            c[r][2] = _mm512_fmadd_ps(av, b2, c[r][2]);
+        }
+    }
+    if (cols == GEMM_NR) {
+        for (int r = 0; r < rows; r++) {
+            _mm512_storeu_ps(C + r * ldc, c[r][0]);
+            _mm512_storeu_ps(C + r * ldc + 16, c[r][1]);
+            _mm512_storeu_ps(C + r * ldc + 32, c[r][2]);
+        }
+        return;
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 3; v++) {
+            const int n = cols - 16 * v;
+            if (n > 0) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), c[r][v]);
+        }
+}
+#else
+#define LT_GEMM 0
+#endif
+
+static int64_t gemm_panels(int64_t n) { return (n + GEMM_NR - 1) / GEMM_NR; }
+
+/* Floats of W's packed form (0: this build has no packed product). */
+int64_t lt_pack_wt_floats(int64_t n, int64_t k) { return LT_GEMM ? gemm_panels(n) * GEMM_NR * k : 0; }
+
+/* bp = W [n, k] packed into lt_pack_wt_floats(n, k) floats (64-byte aligned): element (r, kk) of
+ * W at w[r * s_n + kk * s_k], so W^T of a row-major matrix packs as well (s_n = 1). */
+void lt_pack_wt(const float *w, int64_t s_n, int64_t s_k, int64_t n, int64_t k, float *bp) {
+    for (int64_t p = 0; p < gemm_panels(n); p++) {
+        float *panel = bp + p * k * GEMM_NR;
+        const int64_t r0 = p * GEMM_NR, cols = n - r0 < GEMM_NR ? n - r0 : GEMM_NR;
+        if (s_n == 1) {  /* a panel row is contiguous in w */
+            for (int64_t kk = 0; kk < k; kk++) {
+                memcpy(panel + kk * GEMM_NR, w + r0 + kk * s_k, (size_t)cols * sizeof(float));
+                for (int64_t c = cols; c < GEMM_NR; c++) panel[kk * GEMM_NR + c] = 0.f;
+            }
+            continue;
+        }
+        for (int64_t k0 = 0; k0 < k; k0 += 64) {  /* 64 columns of the panel's rows at a time: stays in L1 */
+            const int64_t k1 = k0 + 64 < k ? k0 + 64 : k;
+            for (int64_t c = 0; c < GEMM_NR; c++)
+                for (int64_t kk = k0; kk < k1; kk++) panel[kk * GEMM_NR + c] = c < cols ? w[(r0 + c) * s_n + kk * s_k] : 0.f;
+        }
+    }
+}
+
+typedef struct {
+    const float *a, *bp;
+    float *c;
+    int64_t lda, ldc, m, n, k, n_split;
+} gemm_job_t;
+
+/* rows [i0, i1) of C, panels [p0, p1) of W^T: each panel (in L1/L2) against every row block */
+static void gemm_task(void *arg, int64_t chunk) {
+#if LT_GEMM
+    const gemm_job_t *j = arg;
+    const int64_t mi = chunk / j->n_split, ni = chunk % j->n_split, np_all = gemm_panels(j->n);
+    const int64_t i0 = mi * GEMM_MC, i1 = i0 + GEMM_MC < j->m ? i0 + GEMM_MC : j->m;
+    const int64_t p0 = np_all * ni / j->n_split, p1 = np_all * (ni + 1) / j->n_split;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t cols = j->n - p * GEMM_NR < GEMM_NR ? j->n - p * GEMM_NR : GEMM_NR;
+        for (int64_t r0 = i0; r0 < i1; r0 += GEMM_MR) {
+            const int64_t rows = i1 - r0 < GEMM_MR ? i1 - r0 : GEMM_MR;
+            gemm_micro(j->a + r0 * j->lda, j->lda, j->bp + p * j->k * GEMM_NR, j->k, j->c + r0 * j->ldc + p * GEMM_NR,
+                       j->ldc, (int)rows, (int)cols);
+        }
+    }
+#else
+    (void)arg; (void)chunk;
+#endif
+}
+
+/* c[i, r] = a[i] . W[r] for i < m, r < n, W packed by lt_pack_wt; a rows of lda floats, c rows
+ * of ldc floats. Chunks of GEMM_MC rows, split by W's panels until the threads have eight each (a
+ * worker that wakes late still takes its share);
+ * nth 0: lt_set_gemm_threads's count. Returns 0, or -1 where this build has no packed product. */
+static atomic_int gemm_threads = 1;
+
+/* The thread count of a product called with nth = 0 (native/kernels.py follows OpenBLAS's, so a
+ * trainer's one-worker-per-core or one-thread steps hold for both). */
+void lt_set_gemm_threads(int nth) { atomic_store(&gemm_threads, nth > 0 ? nth : 1); }
+
+int lt_sgemm_packed(const float *a, int64_t lda, int64_t m, const float *bp, int64_t n, int64_t k,
+                    float *c, int64_t ldc, int nth) {
+    if (!LT_GEMM) return -1;
+    if (nth <= 0) nth = atomic_load(&gemm_threads);
+    const int64_t n_m = (m + GEMM_MC - 1) / GEMM_MC, want = 8 * (nth > 1 ? nth : 1);
+    int64_t n_split = n_m >= want ? 1 : (want + n_m - 1) / n_m;
+    if (n_split > gemm_panels(n)) n_split = gemm_panels(n);
+    gemm_job_t job = {a, bp, c, lda, ldc, m, n, k, n_split};
+    pool_run(gemm_task, &job, n_m * n_split, nth);
     return 0;
 }
 

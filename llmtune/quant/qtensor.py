@@ -111,11 +111,13 @@ def evaluation_budget(tensors) -> int:
     return min(float_copy_bytes(tensors), stored, avail // 4) if avail else 0
 
 
-def training_budget(tensors, need: int, available: int | None) -> int:
+def training_budget(tensors, need: int, available: int | None, packed: int = 0) -> int:
     """Bytes of float32 copies a training run may keep of its frozen quantized matrices (QLoRA's
     base: every forward and backward multiplies them again, and the per-block decode would cost as
-    much as the products): what they take, where that fits in half of what the run leaves free
-    (`need`: its estimate without them); the rest stays as stored. 0 when memory is unknown."""
+    much as the products), and of packed copies for the compiled forward product (`packed`: the
+    bytes those would take; FloatCopies.packed): what they take, where that fits in half of what
+    the run leaves free (`need`: its estimate without them); the rest stays as stored. 0 when
+    memory is unknown."""
     if available is None:
         return 0
-    return min(float_copy_bytes(tensors), max(0, (available - need) // 2))
+    return min(float_copy_bytes(tensors) + packed, max(0, (available - need) // 2))

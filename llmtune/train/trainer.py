@@ -143,7 +143,8 @@ class Trainer:
         # compiled at first use into the worker's arena (the full pass's plan is the largest)
         self._out_passes: dict[tuple[int, int], tuple[Program, dict, dict]] = {}
         # the block each step's micro-batches run in (cpu, one at a time: OpenBLAS's thread count by timing)
-        self._blas_tuner = backend.step_tuner(self.n_workers)
+        packed = self.float_copies is not None and self.float_copies.packing() and self.float_copies.budget > 0
+        self._blas_tuner = backend.step_tuner(self.n_workers, packed)
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
 
     # ------------------------------------------------------------------ setup
@@ -162,7 +163,7 @@ class Trainer:
         frozen = {name: w for name, w in weights.items() if name not in self.values}
         # a QTensor's bytes as they are, with float32 copies kept within a budget set once the
         # run's other memory is planned (_budget_float_copies; the cpu: other backends keep none)
-        bound = be.bind(frozen, float_copies=FloatCopies(0))
+        bound = be.bind(frozen, float_copies=FloatCopies(0, pack=True))
         self.values.update(bound)
         self.float_copies, self._frozen = bound.float_copies, frozen
         gguf = getattr(self.model, "gguf", None)
@@ -175,10 +176,17 @@ class Trainer:
         passes only (the copies are float32)."""
         if self.float_copies is None or np.dtype(self.backend.dtype) != np.float32:
             return
-        multiplied = {n.inputs[1].name for n in self._train_progs[0].order if n.op in ("qlinear", "qlinear_back")}
+        order = self._train_progs[0].order
+        multiplied = {n.inputs[1].name for n in order if n.op in ("qlinear", "qlinear_back")}
+        quantized = {n: w for n, w in self._frozen.items() if n in multiplied}
+        # packed copies for the compiled products (forward and backward): of the float copies, and
+        # of the frozen float32 weights multiplied
+        weights = {n.inputs[1].name for n in order if n.op in ("qlinear", "matmul")}
+        packed = sum(self.float_copies.packed_bytes(w.shape) for n, w in self._frozen.items()
+                     if n in weights and (n in quantized or w.dtype == np.float32))
         need = sum(self.memory_bytes().values())
-        self.float_copies.budget = training_budget({n: w for n, w in self._frozen.items() if n in multiplied},
-                                                   need, available_memory(self.backend))
+        self.float_copies.budget = training_budget(quantized, need, available_memory(self.backend),
+                                                   packed if self.float_copies.packing() else 0)
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
@@ -408,7 +416,7 @@ class Trainer:
             with self._blas_tuner():
                 work(0)
         else:
-            with blas_threads(1):
+            with blas_threads(1, compiled=True):
                 list(self._pool.map(work, range(n_w)))
             for extra in self._worker_flat_g[1:]:
                 be.accumulate(self.flat_g, extra)

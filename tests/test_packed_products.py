@@ -1,0 +1,171 @@
+"""The compiled packed float32 product (native/qdot.c lt_sgemm_packed) against numpy, and a
+training run's frozen base multiplied through it (FloatCopies.packed): the same losses and
+gradients as numpy's BLAS, within float32 summation order. Skips where this build has no packed
+product (no compiler, no AVX-512)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llmtune
+from llmtune.backends.cpu import CPUBackend
+from llmtune.backends.threads import blas_threads
+from llmtune.model.adapter import attach, init_adapter
+from llmtune.model.loaded import load_model
+from llmtune.native import kernels
+from llmtune.quant import matmul as qmatmul
+from llmtune.train.trainer import RunningStats, Trainer
+
+needs_packed = pytest.mark.skipif(not kernels.pack_wt_available(),
+                                  reason=f"no packed product in this build: {kernels.reason() or 'no AVX-512'}")
+
+
+def _relative_error(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
+    """|out - a @ b| over the products' magnitudes |a| @ |b| (float64)."""
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+    return float((np.abs(out - exact) / scale).max())
+
+
+# (rows, n, k): a training pass's shapes, row and column tails, a one-row and a K=1 product
+SHAPES = [(128, 576, 576), (72, 1536, 576), (9, 50, 33), (65, 97, 129), (1, 48, 16), (300, 1000, 7), (3, 5, 1)]
+
+
+@needs_packed
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_products_match_numpy(m, n, k):
+    rng = np.random.default_rng(m * 1000 + n)
+    x, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+    out = np.full((m, n), np.nan, np.float32)
+    assert kernels.sgemm_packed(out, x, kernels.pack_wt(w), n, k)
+    assert _relative_error(out, x, w.T) < 1e-6
+    g = rng.standard_normal((m, n), dtype=np.float32)  # the input gradient g @ W, through W^T packed
+    dx = np.full((m, k), np.nan, np.float32)
+    assert kernels.sgemm_packed(dx, g, kernels.pack_wt(w, transposed=True), k, n)
+    assert _relative_error(dx, g, w) < 1e-6
+
+
+@needs_packed
+def test_strided_operands_and_output():
+    """Rows of x and of the output with strides of their own (views of wider arrays)."""
+    rng = np.random.default_rng(1)
+    wide_x, w = rng.standard_normal((40, 100), dtype=np.float32), rng.standard_normal((60, 64), dtype=np.float32)
+    wide_out = np.zeros((40, 90), np.float32)
+    x, out = wide_x[:, 10:74], wide_out[:, 5:65]
+    assert kernels.sgemm_packed(out, x, kernels.pack_wt(w), 60, 64)
+    assert _relative_error(out, x, w.T) < 1e-6
+    assert not wide_out[:, :5].any() and not wide_out[:, 65:].any()  # nothing written beside it
+
+
+@needs_packed
+def test_declines_what_it_does_not_take():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 32), dtype=np.float32)
+    packed = kernels.pack_wt(w)
+    out = np.zeros((4, 64), np.float32)
+    assert not kernels.sgemm_packed(out, rng.standard_normal((4, 32)), packed, 64, 32)  # float64 rows
+    assert not kernels.sgemm_packed(out, np.zeros((4, 31), np.float32), packed, 64, 31)  # another shape
+    assert not kernels.sgemm_packed(np.zeros((4, 64), np.float32), np.zeros((4, 32), np.float32)[:, ::-1], packed, 64, 32)
+    assert kernels.pack_wt(w.astype(np.float64)) is None
+
+
+@needs_packed
+def test_threads_change_no_bit():
+    """Every output is one sum in k order whatever the chunks: 1, 2 or 3 threads, the same bits."""
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((300, 576), dtype=np.float32), rng.standard_normal((1000, 576), dtype=np.float32)
+    packed, results = kernels.pack_wt(w), []
+    lib = kernels.library()
+    for threads in (1, 2, 3):
+        out = np.empty((300, 1000), np.float32)
+        assert lib.lt_sgemm_packed(kernels._addr(x), 576, 300, kernels._addr(packed), 1000, 576,
+                                   kernels._addr(out), 1000, threads) == 0
+        results.append(out)
+    np.testing.assert_array_equal(results[0], results[1])
+    np.testing.assert_array_equal(results[0], results[2])
+
+
+@needs_packed
+def test_a_worker_per_core_sets_the_products_threads():
+    """blas_threads(1, compiled=True) (a trainer's worker per core) takes the packed products to
+    one thread and gives the cores back after; a plain blas_threads(1) leaves them."""
+    seen = []
+    blas_threads.follow(seen.append)
+    try:
+        if not blas_threads.available():
+            pytest.skip("no OpenBLAS found to set")
+        with blas_threads(1):
+            pass
+        assert seen == []
+        with blas_threads(1, compiled=True):
+            assert seen == [1]
+        assert len(seen) == 2 and seen[1] >= 1
+    finally:
+        blas_threads._followers.remove(seen.append)
+
+
+@pytest.fixture(scope="module")
+def stories_q8_path(stories_path, tmp_path_factory):
+    return llmtune.export(stories_path, tmp_path_factory.mktemp("q8") / "stories-q8_0.gguf", "q8_0").out_path
+
+
+def _lora_trainer(path, pack: bool, budget: int | None = None):
+    model = load_model(path)
+    adapter = init_adapter(model, 4, alpha=8, seed=0)
+    tr = Trainer(attach(model, [adapter]), CPUBackend(), n_ctx=32, n_batch=64, n_ubatch=32,
+                 trainable=list(adapter.tensors()))
+    tr.float_copies.pack = pack
+    if budget is not None:
+        tr.float_copies.budget = budget
+    return tr
+
+
+def _steps(tr, n: int = 3) -> tuple[list[float], np.ndarray]:
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(n):
+        x = rng.integers(0, 200, (2, 32), dtype=np.int32)
+        stats = RunningStats()
+        tr.train_step(x, np.roll(x, -1, axis=1), 1e-3, stats)
+        losses.append(stats.loss)
+    return losses, tr.flat_w.copy()
+
+
+@needs_packed
+@pytest.mark.parametrize("fixture", ["stories_path", "stories_q8_path"])
+def test_a_training_run_through_packed_copies_is_numpy_s(fixture, request):
+    """LoRA on a float32 file and QLoRA on a quantized one: the frozen base's forward products go
+    through packed copies (every multiplied weight), and its input gradients (those the adapters
+    need; the first layer's attention inputs need none) through packed transposes, and
+    three steps give numpy's losses and adapter weights within float32 summation order."""
+    path = request.getfixturevalue(fixture)
+    packed_run, numpy_run = _lora_trainer(path, True), _lora_trainer(path, False)
+    (losses_p, w_p), (losses_n, w_n) = _steps(packed_run), _steps(numpy_run)
+    assert numpy_run.float_copies.packs == {}
+    multiplied = {n.inputs[1].name for n in packed_run._train_progs[0].order if n.op in ("matmul", "qlinear")}
+    frozen = [n for n in multiplied if n in packed_run._frozen]
+    directions = [key[-1] for key in packed_run.float_copies.packs]  # transposed: an input gradient's
+    assert frozen and directions.count(False) == len(frozen) and directions.count(True) > len(frozen) // 2
+    np.testing.assert_allclose(losses_p, losses_n, rtol=1e-5)
+    np.testing.assert_allclose(w_p, w_n, rtol=1e-4, atol=2e-5)  # AdamW moves each by ~lr: 3e-3 in all
+    assert packed_run.float_copies.used <= packed_run.float_copies.budget
+
+
+@needs_packed
+def test_no_budget_no_packed_copies(stories_path):
+    tr = _lora_trainer(stories_path, True, budget=0)
+    _steps(tr, 1)
+    assert tr.float_copies.packs == {} and tr.float_copies.used == 0
+
+
+def test_a_freed_array_is_no_longer_frozen():
+    """The registry holds its arrays weakly: one that is gone never matches a new one at its id."""
+    copies = qmatmul.FloatCopies(0, pack=True)
+    w = np.zeros((4, 4), np.float32)
+    qmatmul.register_frozen(w, copies)
+    assert qmatmul.frozen_copies(w) is copies
+    assert qmatmul.frozen_copies(w.copy()) is None
+    key = id(w)
+    del w
+    assert key not in qmatmul._FROZEN
