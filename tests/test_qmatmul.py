@@ -87,9 +87,11 @@ def test_qlora_float_copies_change_no_bit(qtype, exports, wikitext_ids):
     """QLoRA keeps float32 copies of the frozen quantized matrices when they fit (each forward and
     backward then skips the per-block decode) and counts them in the memory estimate; losses and
     gradients are those of the run that decodes every product, bit for bit (the same products
-    over the same row blocks; these matrices fit one block)."""
+    over the same row blocks; these matrices fit one block). The budget also holds the packed
+    copies of the compiled product where this build has it; those change the summation order
+    (tests/test_packed_products.py), so they are off here."""
     from llmtune.model.adapter import attach, init_adapter
-    from llmtune.quant.qtensor import float_copy_bytes
+    from llmtune.quant.qtensor import QTensor, float_copy_bytes
     from llmtune.train.trainer import RunningStats, Trainer
 
     model = load_model(exports[qtype])
@@ -99,9 +101,13 @@ def test_qlora_float_copies_change_no_bit(qtype, exports, wikitext_ids):
     for keep in (True, False):
         tr = Trainer(attach(model, [adapter]), CPUBackend(), n_ctx=64, n_batch=128, n_ubatch=64,
                      trainable=list(adapter.tensors()), workers=1)
-        dense = float_copy_bytes({n: w for n, w in model.weights.items() if n != "token_embd.weight"})  # only looked up
+        multiplied = {n: w for n, w in model.weights.items() if n != "token_embd.weight"}  # only looked up
+        dense = float_copy_bytes(multiplied)
+        quantized = [w for w in multiplied.values() if isinstance(w, QTensor)]
+        packs = sum(tr.float_copies.packed_bytes(w.shape) for w in quantized) if tr.float_copies.packing() else 0
+        tr.float_copies.pack = False
         if keep:
-            assert tr.memory_bytes()["float copies"] == tr.float_copies.budget == dense > 0
+            assert tr.memory_bytes()["float copies"] == tr.float_copies.budget == dense + packs > 0
         else:
             tr.float_copies.budget = 0
             assert "float copies" not in tr.memory_bytes()

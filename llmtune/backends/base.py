@@ -96,9 +96,8 @@ class Backend:
         the compiled attention reads only the visible positions)."""
         return False
 
-    def step_tuner(self, n_workers: int, packed: bool = False) -> Callable:
-        """A factory of blocks that one repeated step (a training step's micro-batches) runs in;
-        packed: the step's frozen base products run through packed copies (FloatCopies.packed)."""
+    def step_tuner(self, n_workers: int) -> Callable:
+        """A factory of blocks that one repeated step (a training step's micro-batches) runs in."""
         return nullcontext
 
     # -- execution -----------------------------------------------------------------------

@@ -932,13 +932,8 @@ class CPUBackend(Backend):
     def compiles_steps(self):
         return native.available()
 
-    def step_tuner(self, n_workers, packed=False):
-        """One micro-batch at a time: OpenBLAS's thread count chosen by timing (threads.BlasTuner);
-        with packed base products, OpenBLAS single-threaded: the compiled products take the cores
-        on their own pool, and OpenBLAS's threads, spinning for ~0.1 s after each of the step's
-        small products (attention, LoRA's rank-r ones), would take a core from it."""
-        if packed and n_workers == 1:
-            return functools.partial(blas_threads, 1)
+    def step_tuner(self, n_workers):
+        """One micro-batch at a time: OpenBLAS's thread count chosen by timing (threads.BlasTuner)."""
         return BlasTuner(enabled=n_workers == 1)
 
     def resident_bytes(self):

@@ -325,6 +325,8 @@ class FloatCopies:
     @staticmethod
     def packed_bytes(shape: tuple) -> int:
         """Bytes packed() keeps for a matrix of `shape` multiplied both ways (forward, input gradient)."""
+        if len(shape) != 2:
+            return 0
         return native.pack_wt_bytes(shape) + native.pack_wt_bytes(shape, transposed=True)
 
     def packed(self, dense: np.ndarray, transposed: bool = False) -> np.ndarray | None:

@@ -5,6 +5,7 @@ n_ctx tokens per sequence, n_batch tokens per optimizer step, n_ubatch tokens pe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import queue
 from concurrent.futures import ThreadPoolExecutor
@@ -142,9 +143,13 @@ class Trainer:
         # out_rows' buckets): (worker, rows) -> (program, input buffers, replays by assign),
         # compiled at first use into the worker's arena (the full pass's plan is the largest)
         self._out_passes: dict[tuple[int, int], tuple[Program, dict, dict]] = {}
-        # the block each step's micro-batches run in (cpu, one at a time: OpenBLAS's thread count by timing)
+        # the block each step's micro-batches run in (cpu, one at a time: OpenBLAS's thread count by
+        # timing; with packed base products OpenBLAS single-threaded: the compiled products take the
+        # cores on their own pool, and OpenBLAS's threads, spinning ~0.1 s after each of the step's
+        # small products (attention, LoRA's rank-r ones), would take a core from it)
         packed = self.float_copies is not None and self.float_copies.packing() and self.float_copies.budget > 0
-        self._blas_tuner = backend.step_tuner(self.n_workers, packed)
+        self._blas_tuner = (functools.partial(blas_threads, 1) if packed and self.n_workers == 1
+                            else backend.step_tuner(self.n_workers))
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
 
     # ------------------------------------------------------------------ setup
