@@ -250,8 +250,21 @@ def k_qlinear(out, x, w, qtype, round_x):
 
 
 def _bind_qlinear(out, x, w, qtype, round_x):
-    """A replayed few-row product over stored blocks as one pre-bound compiled call (or None)."""
+    """A replayed few-row product over stored blocks as one pre-bound compiled call; a training
+    pass's product (activations unrounded) through its float copy's packed form likewise; or None."""
+    if type(w) is qmatmul.WithCopies and not round_x:
+        return _bind_packed_copy(out, x, w, qtype, transposed=False)
     return qmatmul.bind_qlinear(out, x, _raw(w), qtype, round_x)
+
+
+def _bind_packed_copy(out, x, w, qtype, transposed: bool):
+    """x @ W^T (transposed: the input gradient x @ W) over the packed form of W's float copy, as
+    qlinear / qlinear_back compute it when both are kept, pre-bound; None otherwise."""
+    rows = _native_rows(out, x)
+    if rows is None or w.copies is None or x.dtype != np.float32:
+        return None
+    dense = w.copies.get(w.raw, qtype, x.shape[-1] if not transposed else out.shape[-1])
+    return None if dense is None else qmatmul.bind_packed_product(*rows, dense, w.copies, transposed)
 
 
 k_qlinear.bind = _bind_qlinear
@@ -261,6 +274,10 @@ def k_qlinear_back(out, g, w, qtype):
     if type(w) is qmatmul.WithCopies:
         return qmatmul.qlinear_back(out, g, w.raw, qtype, w.copies)
     return qmatmul.qlinear_back(out, g, w, qtype)
+
+
+k_qlinear_back.bind = lambda out, g, w, qtype: (_bind_packed_copy(out, g, w, qtype, transposed=True)
+                                               if type(w) is qmatmul.WithCopies else None)
 
 
 def k_qget_rows(out, w, ids, qtype):

@@ -1018,10 +1018,18 @@ static void gemm_task(void *arg, int64_t chunk) {
     const int64_t mi = chunk / j->n_split, ni = chunk % j->n_split, np_all = gemm_panels(j->n);
     const int64_t i0 = mi * GEMM_MC, i1 = i0 + GEMM_MC < j->m ? i0 + GEMM_MC : j->m;
     const int64_t p0 = np_all * ni / j->n_split, p1 = np_all * (ni + 1) / j->n_split;
+    const int64_t panel_floats = j->k * GEMM_NR, n_blocks = (i1 - i0 + GEMM_MR - 1) / GEMM_MR;
+    const int64_t ahead = ((panel_floats + n_blocks - 1) / n_blocks + 15) / 16 * 16;  /* floats per block */
     for (int64_t p = p0; p < p1; p++) {
         const int64_t cols = j->n - p * GEMM_NR < GEMM_NR ? j->n - p * GEMM_NR : GEMM_NR;
-        for (int64_t r0 = i0; r0 < i1; r0 += GEMM_MR) {
+        const float *next = p + 1 < p1 ? j->bp + (p + 1) * panel_floats : NULL;
+        for (int64_t r0 = i0, b = 0; r0 < i1; r0 += GEMM_MR, b++) {
             const int64_t rows = i1 - r0 < GEMM_MR ? i1 - r0 : GEMM_MR;
+            /* the next panel comes from memory (a training pass meets each weight once) while this
+             * one is multiplied: a share of its lines into L2 per row block */
+            if (next)
+                for (int64_t f = b * ahead; f < (b + 1) * ahead && f < panel_floats; f += 16)
+                    _mm_prefetch((const char *)(next + f), _MM_HINT_T1);
             gemm_micro(j->a + r0 * j->lda, j->lda, j->bp + p * j->k * GEMM_NR, j->k, j->c + r0 * j->ldc + p * GEMM_NR,
                        j->ldc, (int)rows, (int)cols);
         }
