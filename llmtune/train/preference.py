@@ -298,7 +298,9 @@ class PreferenceTrainer(Trainer):
         super().__init__(model, backend, packed=True, workers=1, **kw)
         if self.comm.size > 1:
             raise LlmtuneError(f"--method {objective.method}: preference tuning runs in one process (no data parallel)")
-        self._forward_tuner = backend.step_tuner(1)  # OpenBLAS threads by timing, per forward pass
+        # OpenBLAS threads by timing, per forward pass (single-threaded beside packed base products:
+        # Trainer.__init__ chose the same for the step)
+        self._forward_tuner = self._blas_tuner if self._packed_products else backend.step_tuner(1)
 
     def _budget_float_copies(self) -> None:
         """One forward program of a micro-batch's windows (a short last chunk is padded to it),

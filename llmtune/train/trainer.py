@@ -147,8 +147,9 @@ class Trainer:
         # timing; with packed base products OpenBLAS single-threaded: the compiled products take the
         # cores on their own pool, and OpenBLAS's threads, spinning ~0.1 s after each of the step's
         # small products (attention, LoRA's rank-r ones), would take a core from it)
-        packed = self.float_copies is not None and self.float_copies.packing() and self.float_copies.budget > 0
-        self._blas_tuner = (functools.partial(blas_threads, 1) if packed and self.n_workers == 1
+        self._packed_products = (self.float_copies is not None and self.float_copies.packing()
+                                 and self.float_copies.budget > 0 and self.n_workers == 1)
+        self._blas_tuner = (functools.partial(blas_threads, 1) if self._packed_products
                             else backend.step_tuner(self.n_workers))
         self._pool = ThreadPoolExecutor(self.n_workers, thread_name_prefix="llmtune-train") if self.n_workers > 1 else None
 
