@@ -16,6 +16,9 @@ sides back to back; the table shows medians over the rounds):
   untimed ones (llmtune: its OpenBLAS thread-count trials and one more; PyTorch: one).
 - full: every weight of the f32 export trained (AdamW), ctx 128, against the same model in
   PyTorch (torch.optim.AdamW over every parameter), threads 1 and 2.
+- lora-nopack (not in the default --rows): the lora row's llmtune side again with LLMTUNE_PACKED=0
+  (no packed copies of the frozen base: numpy's BLAS for its products, OpenBLAS's threads tuned
+  by timing), in turns with it, each in a fresh process: what the packed copies are worth.
 - qlora-ab (not in the default --rows): QLoRA on the Q4_1 file, LoRA on the f32 export and QLoRA
   without its float copies, three trainers in one process, their steps taking turns (--ab-steps
   each, medians): the acceptance ratio QLoRA / LoRA-on-f32 with the machine's drift on all alike.
@@ -58,7 +61,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "tests" / "data" / "wikitext-2-raw-test.txt.gz"
 PROMPT = "Once upon a time"
-ROWS = ("qlora", "lora", "full", "decode", "ppl", "qlora-ab")
+ROWS = ("qlora", "lora", "full", "decode", "ppl", "qlora-ab", "lora-nopack")
 SHAPES = {  # name -> (config, vocabulary file), random weights
     "qwen2-0.5b": ("configs/qwen2-0.5b.toml", "tests/data/vocab/ggml-vocab-qwen2.gguf.gz"),
     "gemma3-270m": ("configs/gemma3-270m.toml", "tests/data/vocab/ggml-vocab-gemma-4.gguf.gz"),
@@ -285,11 +288,12 @@ def child(args) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def train_side(side: str, model: Path, windows: Path, kind: str, args, threads: int = 0) -> float:
-    """Tokens/s of one side in a fresh process: ctx * batch / the median timed step."""
+def train_side(side: str, model: Path, windows: Path, kind: str, args, threads: int = 0, env: dict | None = None) -> float:
+    """Tokens/s of one side in a fresh process (env: its extra variables): ctx * batch / the
+    median timed step."""
     cmd = [sys.executable, __file__, "--child", side, "--model", str(model), "--windows", str(windows), "--kind", kind,
            "--ctx", str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if done.returncode or line is None:
         raise RuntimeError(f"{side} {kind} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
@@ -344,8 +348,11 @@ def train_rows(label: str, q4: Path, f32: Path, rows: list[str], args, out: list
         print(f"{label} training, round {r + 1}", flush=True)
         if "qlora" in rows:
             runs.setdefault("qlora", []).append(train_side("llmtune", q4, windows, "lora", args))
-        if "lora" in rows:
+        if "lora" in rows or "lora-nopack" in rows:
             runs.setdefault("lora", []).append(train_side("llmtune", f32, windows, "lora", args))
+        if "lora-nopack" in rows:
+            runs.setdefault("lora-nopack", []).append(
+                train_side("llmtune", f32, windows, "lora", args, env={"LLMTUNE_PACKED": "0"}))
         if "qlora" in rows or "lora" in rows:
             for t in args.torch_threads:
                 runs.setdefault(f"peft t{t}", []).append(train_side("torch", f32, windows, "lora", args, t))
@@ -362,8 +369,13 @@ def train_rows(label: str, q4: Path, f32: Path, rows: list[str], args, out: list
                     f"PyTorch+PEFT f32, {best_t('peft')} threads: {peft:.0f}", q / peft))
     if "lora" in runs:
         f = med(runs["lora"])
-        out.append((f"{label}: LoRA r{LORA_RANK}, same data, base f32", f"{f:.0f} tok/s",
-                    f"PyTorch+PEFT f32, {best_t('peft')} threads: {peft:.0f}", f / peft))
+        if peft is not None:
+            out.append((f"{label}: LoRA r{LORA_RANK}, same data, base f32", f"{f:.0f} tok/s",
+                        f"PyTorch+PEFT f32, {best_t('peft')} threads: {peft:.0f}", f / peft))
+        if "lora-nopack" in runs:
+            n = med(runs["lora-nopack"])
+            out.append((f"{label}: LoRA f32 with the frozen base's packed copies vs without (LLMTUNE_PACKED=0)",
+                        f"{f:.0f} tok/s", f"without: {n:.0f}", f / n))
         if "qlora" in runs:
             out.append((f"{label}: QLoRA (Q4_1) vs LoRA (f32), llmtune both", f"{med(runs['qlora']):.0f} tok/s",
                         f"llmtune LoRA f32: {f:.0f}", med(runs["qlora"]) / f))
@@ -491,7 +503,7 @@ def main():
             q4 = Path(args.model)
             f32 = f32_export(q4)
             label, files = "SmolLM2-135M", [("Q4_1", q4), ("f32 export", f32)]
-            if {"qlora", "lora", "full"} & set(rows):
+            if {"qlora", "lora", "full", "lora-nopack"} & set(rows):
                 train_rows(label, q4, f32, rows, args, out)
             if "qlora-ab" in rows:
                 ab_row(label, q4, f32, args, out)

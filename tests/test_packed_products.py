@@ -169,3 +169,29 @@ def test_a_freed_array_is_no_longer_frozen():
     key = id(w)
     del w
     assert key not in qmatmul._FROZEN
+
+
+@needs_packed
+def test_packed_copies_all_or_none(stories_path, monkeypatch):
+    """A budget that holds only some of the packed copies keeps none of them (a step with some
+    products packed would run the rest on a single-threaded OpenBLAS), and OpenBLAS's thread
+    count is tuned by timing again."""
+    import llmtune.train.trainer as trainer_module
+    from llmtune.backends.threads import BlasTuner
+
+    monkeypatch.setattr(trainer_module, "training_budget", lambda quantized, need, available, packed=0: packed // 2)
+    tr = _lora_trainer(stories_path, True)
+    assert not tr.float_copies.pack and not tr._packed_products and isinstance(tr._blas_tuner, BlasTuner)
+    _steps(tr, 1)
+    assert tr.float_copies.packs == {}
+    monkeypatch.undo()
+    tr = _lora_trainer(stories_path, True)
+    assert tr.float_copies.pack and tr._packed_products and not isinstance(tr._blas_tuner, BlasTuner)
+
+
+@needs_packed
+def test_turned_off_by_the_environment(stories_path, monkeypatch):
+    monkeypatch.setenv("LLMTUNE_PACKED", "0")
+    assert not kernels.pack_wt_available() and kernels.pack_wt(np.zeros((4, 4), np.float32)) is None
+    tr = _lora_trainer(stories_path, True)
+    assert not tr._packed_products and "float copies" not in tr.memory_bytes()

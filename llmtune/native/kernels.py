@@ -29,6 +29,7 @@ MAX_ROWS = 16  # activation rows a native product takes: a decode step, a short 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _lock = threading.Lock()
 _state: dict = {}  # "lib" (the CDLL or None), "reason" (why not), "threads"
+_OFF = ("0", "off", "false", "no")  # an environment switch's values that turn it off
 
 
 def _load():
@@ -36,7 +37,7 @@ def _load():
         if "lib" in _state:
             return _state["lib"]
         lib, reason = None, None
-        if os.environ.get("LLMTUNE_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
+        if os.environ.get("LLMTUNE_NATIVE", "1").strip().lower() in _OFF:
             reason = "disabled by LLMTUNE_NATIVE=0"
         else:
             try:
@@ -230,9 +231,11 @@ def bind_f32_linear(out2: np.ndarray, x2: np.ndarray, w: np.ndarray):
 
 
 def pack_wt_available() -> bool:
-    """Whether this build has the packed float32 product (AVX-512)."""
+    """Whether this build has the packed float32 product (AVX-512) and `LLMTUNE_PACKED=0` does
+    not turn it off (training then keeps no packed copies: their memory, numpy's speed)."""
     lib = _load()
-    return lib is not None and lib.lt_pack_wt_floats(1, 1) > 0
+    return (lib is not None and lib.lt_pack_wt_floats(1, 1) > 0
+            and os.environ.get("LLMTUNE_PACKED", "1").strip().lower() not in _OFF)
 
 
 def pack_wt_bytes(shape: tuple, transposed: bool = False) -> int:
@@ -248,7 +251,7 @@ def pack_wt(w: np.ndarray, transposed: bool = False) -> np.ndarray | None:
     k-major; qdot.c lt_pack_wt), 64-byte aligned; transposed: w^T's packed form (for g @ w).
     None where this build has no packed product."""
     lib = _load()
-    if lib is None or w.dtype != np.float32 or w.ndim != 2 or w.strides[-1] != 4 or w.strides[0] % 4:
+    if not pack_wt_available() or w.dtype != np.float32 or w.ndim != 2 or w.strides[-1] != 4 or w.strides[0] % 4:
         return None
     (n, k), (s_n, s_k) = w.shape, (w.strides[0] // 4, 1)
     if transposed:

@@ -21,7 +21,7 @@ from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import ArenaTooLarge, Program, ProgramCache, Replay
 from llmtune.model.loaded import Model
 from llmtune.quant.matmul import FloatCopies
-from llmtune.quant.qtensor import QTensor, shape_only, training_budget
+from llmtune.quant.qtensor import QTensor, float_copy_bytes, shape_only, training_budget
 from llmtune.resources import available_memory
 from llmtune.train.optim import Optimizer
 
@@ -179,8 +179,12 @@ class Trainer:
     def _budget_float_copies(self) -> None:
         """The frozen quantized matrices' float32 copies: as many as fit (qtensor.training_budget),
         made at their first product; those only looked up (a token table) keep none. Float32
-        passes only (the copies are float32)."""
+        passes only (the copies are float32). The packed copies of the compiled product come on
+        top, all of them or none: a step with some products packed would run the others on a
+        single-threaded OpenBLAS (see __init__)."""
         if self.float_copies is None or np.dtype(self.backend.dtype) != np.float32:
+            if self.float_copies is not None:
+                self.float_copies.pack = False
             return
         order = self._train_progs[0].order
         multiplied = {n.inputs[1].name for n in order if n.op in ("qlinear", "qlinear_back")}
@@ -190,9 +194,12 @@ class Trainer:
         weights = {n.inputs[1].name for n in order if n.op in ("qlinear", "matmul")}
         packed = sum(self.float_copies.packed_bytes(w.shape) for n, w in self._frozen.items()
                      if n in weights and (n in quantized or w.dtype == np.float32))
-        need = sum(self.memory_bytes().values())
-        self.float_copies.budget = training_budget(quantized, need, available_memory(self.backend),
-                                                   packed if self.float_copies.packing() else 0)
+        need, available = sum(self.memory_bytes().values()), available_memory(self.backend)
+        budget = training_budget(quantized, need, available, packed) if self.float_copies.packing() else 0
+        if budget < float_copy_bytes(quantized) + packed:  # not all of them: no packed copies
+            self.float_copies.pack = False
+            budget = training_budget(quantized, need, available)
+        self.float_copies.budget = budget
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
