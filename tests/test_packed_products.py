@@ -110,12 +110,13 @@ def stories_q8_path(stories_path, tmp_path_factory):
     return llmtune.export(stories_path, tmp_path_factory.mktemp("q8") / "stories-q8_0.gguf", "q8_0").out_path
 
 
-def _lora_trainer(path, pack: bool, budget: int | None = None):
+def _lora_trainer(path, pack: bool | None, budget: int | None = None):
     model = load_model(path)
     adapter = init_adapter(model, 4, alpha=8, seed=0)
     tr = Trainer(attach(model, [adapter]), CPUBackend(), n_ctx=32, n_batch=64, n_ubatch=32,
                  trainable=list(adapter.tensors()))
-    tr.float_copies.pack = pack
+    if pack is not None:  # (None: as the trainer chose)
+        tr.float_copies.pack = pack
     if budget is not None:
         tr.float_copies.budget = budget
     return tr
@@ -180,12 +181,12 @@ def test_packed_copies_all_or_none(stories_path, monkeypatch):
     from llmtune.backends.threads import BlasTuner
 
     monkeypatch.setattr(trainer_module, "training_budget", lambda quantized, need, available, packed=0: packed // 2)
-    tr = _lora_trainer(stories_path, True)
+    tr = _lora_trainer(stories_path, None)
     assert not tr.float_copies.pack and not tr._packed_products and isinstance(tr._blas_tuner, BlasTuner)
     _steps(tr, 1)
     assert tr.float_copies.packs == {}
     monkeypatch.undo()
-    tr = _lora_trainer(stories_path, True)
+    tr = _lora_trainer(stories_path, None)
     assert tr.float_copies.pack and tr._packed_products and not isinstance(tr._blas_tuner, BlasTuner)
 
 
@@ -193,5 +194,5 @@ def test_packed_copies_all_or_none(stories_path, monkeypatch):
 def test_turned_off_by_the_environment(stories_path, monkeypatch):
     monkeypatch.setenv("LLMTUNE_PACKED", "0")
     assert not kernels.pack_wt_available() and kernels.pack_wt(np.zeros((4, 4), np.float32)) is None
-    tr = _lora_trainer(stories_path, True)
+    tr = _lora_trainer(stories_path, None)
     assert not tr._packed_products and "float copies" not in tr.memory_bytes()
