@@ -186,8 +186,10 @@ def test_packed_copies_all_or_none(stories_path, monkeypatch):
     _steps(tr, 1)
     assert tr.float_copies.packs == {}
     monkeypatch.undo()
-    tr = _lora_trainer(stories_path, None)
-    assert tr.float_copies.pack and tr._packed_products and not isinstance(tr._blas_tuner, BlasTuner)
+    tr = _lora_trainer(stories_path, None)  # two micro-batches: a worker per core, both single-threaded
+    assert tr.float_copies.pack and tr.n_workers == 2 and not tr._packed_products
+    _steps(tr, 1)
+    assert tr.float_copies.packs
 
 
 @needs_packed
