@@ -11,7 +11,9 @@ weight gradient g^T @ x (full finetunes; no packed form: its weight changes ever
 from the median of --reps calls; the BLAS each side runs is printed (threadpoolctl when
 installed). --cold N: each call takes the next of N copies of the weight, so it comes from memory
 as in a training step, which meets each weight once (the default reuses one, which stays in
-cache). The packed product runs with numpy's BLAS at one thread, as a training step runs it.
+cache). The packed product runs with numpy's BLAS at one thread, as a training step runs it, and
+before the others, after a pause: OpenBLAS's and torch's threads spin for a while after their
+products, which a training step (OpenBLAS single-threaded) never has beside its packed ones.
 Needs torch (bench only).
 """
 
@@ -84,12 +86,14 @@ def main() -> None:
                      ("g^T @ x", lambda i: np.matmul(g.T, x, out=dw), lambda i: torch.mm(tg.t(), tx, out=tdw), None))
             flop = 2.0 * m * n * k
             for name, ours, theirs, packed in cases:
-                a = flop / median_s(lambda: ours(next(turn)), args.reps) / 1e9
-                b = flop / median_s(lambda: theirs(next(turn)), args.reps) / 1e9
                 c = None
-                if packed is not None:
+                if packed is not None:  # first, once the BLAS threads of the last products sleep again
+                    time.sleep(0.3)  # (OpenBLAS's spin ~0.1 s after a product, taking a core from the pool's)
                     with blas_threads(1):
                         c = flop / median_s(lambda: packed(next(turn)), args.reps) / 1e9
+                a = flop / median_s(lambda: ours(next(turn)), args.reps) / 1e9
+                b = flop / median_s(lambda: theirs(next(turn)), args.reps) / 1e9
+                if c is not None:
                     packed_ratios.append(c / a)
                 ratios.append(b / a)
                 cs, cr = (f"{c:.0f}", f"{c / a:.2f}x") if c else ("-", "-")

@@ -29,7 +29,8 @@ def _relative_error(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
 
 
 # (rows, n, k): a training pass's shapes, row and column tails, a one-row and a K=1 product
-SHAPES = [(128, 576, 576), (72, 1536, 576), (9, 50, 33), (65, 97, 129), (1, 48, 16), (300, 1000, 7), (3, 5, 1)]
+SHAPES = [(128, 576, 576), (72, 1536, 576), (9, 50, 33), (65, 97, 129), (1, 48, 16), (300, 1000, 7), (3, 5, 1),
+          (9, 50, 4100)]  # the last: a sum in blocks of GEMM_KC (2048), the later ones added to C
 
 
 @needs_packed

@@ -944,16 +944,27 @@ int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
 #define GEMM_MR 8
 #define GEMM_NR 48
 #define GEMM_MC 256
+#define GEMM_KC 2048  /* a sum over more k (the vocabulary's input gradient) runs in blocks of this */
 
 #if defined(__AVX512F__)
 #define LT_GEMM 1
 /* C[rows, cols] = A[rows, K] (rows of lda floats, broadcast as they are: 8 sequential streams
  * need no packing) . Bp (K x NR panel) */
-static void gemm_micro(const float *A, int64_t lda, const float *Bp, int64_t K, float *C, int64_t ldc, int rows, int cols) {
+static inline __mmask16 gemm_mask(int cols, int v) {
+    const int n = cols - 16 * v;
+    return (__mmask16)(n >= 16 ? 0xFFFF : n > 0 ? (1u << n) - 1 : 0);
+}
+
+/* accumulate: add to C's values (a later block of k) instead of overwriting them */
+static void gemm_micro(const float *A, int64_t lda, const float *Bp, int64_t K, float *C, int64_t ldc, int rows, int cols,
+                       int accumulate) {
     const float *a[GEMM_MR];
     for (int r = 0; r < GEMM_MR; r++) a[r] = A + (r < rows ? r : rows - 1) * lda;  /* past the rows: not stored */
     __m512 c[GEMM_MR][3];
-    for (int r = 0; r < GEMM_MR; r++) c[r][0] = c[r][1] = c[r][2] = _mm512_setzero_ps();
+    for (int r = 0; r < GEMM_MR; r++)
+        for (int v = 0; v < 3; v++)
+            c[r][v] = accumulate && r < rows ? _mm512_maskz_loadu_ps(gemm_mask(cols, v), C + r * ldc + 16 * v)
+                                             : _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++, Bp += GEMM_NR) {
         const __m512 b0 = _mm512_load_ps(Bp), b1 = _mm512_load_ps(Bp + 16), b2 = _mm512_load_ps(Bp + 32);
         for (int r = 0; r < GEMM_MR; r++) {
@@ -972,10 +983,7 @@ static void gemm_micro(const float *A, int64_t lda, const float *Bp, int64_t K, 
         return;
     }
     for (int r = 0; r < rows; r++)
-        for (int v = 0; v < 3; v++) {
-            const int n = cols - 16 * v;
-            if (n > 0) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, (__mmask16)(n >= 16 ? 0xFFFF : (1u << n) - 1), c[r][v]);
-        }
+        for (int v = 0; v < 3; v++) _mm512_mask_storeu_ps(C + r * ldc + 16 * v, gemm_mask(cols, v), c[r][v]);
 }
 #else
 #define LT_GEMM 0
@@ -1021,19 +1029,23 @@ static void gemm_task(void *arg, int64_t chunk) {
     const int64_t i0 = mi * GEMM_MC, i1 = i0 + GEMM_MC < j->m ? i0 + GEMM_MC : j->m;
     const int64_t p0 = np_all * ni / j->n_split, p1 = np_all * (ni + 1) / j->n_split;
     const int64_t panel_floats = j->k * GEMM_NR, n_blocks = (i1 - i0 + GEMM_MR - 1) / GEMM_MR;
-    const int64_t ahead = ((panel_floats + n_blocks - 1) / n_blocks + 15) / 16 * 16;  /* floats per block */
-    for (int64_t p = p0; p < p1; p++) {
-        const int64_t cols = j->n - p * GEMM_NR < GEMM_NR ? j->n - p * GEMM_NR : GEMM_NR;
-        const float *next = p + 1 < p1 ? j->bp + (p + 1) * panel_floats : NULL;
-        for (int64_t r0 = i0, b = 0; r0 < i1; r0 += GEMM_MR, b++) {
-            const int64_t rows = i1 - r0 < GEMM_MR ? i1 - r0 : GEMM_MR;
-            /* the next panel comes from memory (a training pass meets each weight once) while this
-             * one is multiplied: a share of its lines into L2 per row block */
-            if (next)
-                for (int64_t f = b * ahead; f < (b + 1) * ahead && f < panel_floats; f += 16)
-                    _mm_prefetch((const char *)(next + f), _MM_HINT_T1);
-            gemm_micro(j->a + r0 * j->lda, j->lda, j->bp + p * j->k * GEMM_NR, j->k, j->c + r0 * j->ldc + p * GEMM_NR,
-                       j->ldc, (int)rows, (int)cols);
+    for (int64_t k0 = 0; k0 < j->k; k0 += GEMM_KC) {  /* a long sum in blocks: the panel's block stays in L2 */
+        const int64_t kc = j->k - k0 < GEMM_KC ? j->k - k0 : GEMM_KC;
+        const int64_t ahead = ((kc * GEMM_NR + n_blocks - 1) / n_blocks + 15) / 16 * 16;  /* floats per row block */
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t cols = j->n - p * GEMM_NR < GEMM_NR ? j->n - p * GEMM_NR : GEMM_NR;
+            const float *block = j->bp + p * panel_floats + k0 * GEMM_NR;
+            const float *next = p + 1 < p1 ? block + panel_floats : NULL;
+            for (int64_t r0 = i0, b = 0; r0 < i1; r0 += GEMM_MR, b++) {
+                const int64_t rows = i1 - r0 < GEMM_MR ? i1 - r0 : GEMM_MR;
+                /* the next panel comes from memory (a training pass meets each weight once) while
+                 * this one is multiplied: a share of its lines into L2 per row block */
+                if (next)
+                    for (int64_t f = b * ahead; f < (b + 1) * ahead && f < kc * GEMM_NR; f += 16)
+                        _mm_prefetch((const char *)(next + f), _MM_HINT_T1);
+                gemm_micro(j->a + r0 * j->lda + k0, j->lda, block, kc, j->c + r0 * j->ldc + p * GEMM_NR, j->ldc,
+                           (int)rows, (int)cols, k0 > 0);
+            }
         }
     }
 #else
