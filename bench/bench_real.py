@@ -262,7 +262,9 @@ def run_llmtune_ab(q4_path: str, f32_path: str, windows_path: str, ctx: int, bat
         tr = Trainer(attach(model, [adapter]), CPUBackend(), n_ctx=ctx, n_batch=ctx * batch, n_ubatch=ctx,
                      trainable=list(adapter.tensors()))
         if name.endswith("no float copies") and tr.float_copies is not None:
-            tr.float_copies.budget = 0
+            # none kept, and OpenBLAS's threads tuned by timing as a run without copies has them
+            tr.float_copies.budget, tr.float_copies.pack = 0, False
+            tr._packed_products, tr._blas_tuner = False, CPUBackend().step_tuner(tr.n_workers)
         trainers[name] = tr
     times: dict[str, list[float]] = {n: [] for n in trainers}
     warmup = llmtune_warmup()

@@ -185,7 +185,7 @@ def test_frozen_base_has_no_gradient_or_optimizer_state(stories):
     adapter = tr.model.adapters[0]
     assert tr.n_trainable == adapter.n_params() and tr.optimizer.state_bytes == 2 * 4 * adapter.n_params()
     mem = tr.memory_bytes()
-    packs = ["float copies"] if tr.float_copies.packing() else []  # the frozen base's packed copies
+    packs = ["packed copies"] if tr.float_copies.packing() else []  # the frozen base's, for the compiled product
     assert list(mem) == ["base", "adapters", "gradients", "optimizer", "activations"] + packs
     assert mem["base"] == 4 * stories.n_params() and mem["adapters"] == mem["gradients"] == 4 * adapter.n_params()
     frozen_shapes = {w.shape for w in stories.weights.values() if w.ndim == 2}

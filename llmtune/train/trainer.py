@@ -182,6 +182,7 @@ class Trainer:
         passes only (the copies are float32). The packed copies of the compiled product come on
         top, all of them or none: a step with some products packed would run the others on a
         single-threaded OpenBLAS (see __init__)."""
+        self._packed_bytes = 0
         if self.float_copies is None or np.dtype(self.backend.dtype) != np.float32:
             if self.float_copies is not None:
                 self.float_copies.pack = False
@@ -199,7 +200,7 @@ class Trainer:
         if budget < float_copy_bytes(quantized) + packed:  # not all of them: no packed copies
             self.float_copies.pack = False
             budget = training_budget(quantized, need, available)
-        self.float_copies.budget = budget
+        self.float_copies.budget, self._packed_bytes = budget, packed
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
@@ -339,8 +340,13 @@ class Trainer:
         })
         if self._masks:
             memory["dropout masks"] = sum(int(np.prod(s)) for s in self._masks.values()) * itemsize * self.n_workers
-        if self.float_copies is not None and self.float_copies.budget:
-            memory["float copies"] = self.float_copies.budget  # at most: they are made while they fit it
+        copies = self.float_copies
+        if copies is not None and copies.budget:  # at most: they are made while they fit it
+            packed = self._packed_bytes if copies.pack else 0  # all or none: within the budget whole
+            if copies.budget > packed:
+                memory["float copies"] = copies.budget - packed
+            if packed:
+                memory["packed copies"] = packed
         if self.model.adapters and self.model.adapters[0].magnitudes:  # DoRA's output: its merged matrices, F32
             memory["merged output"] = sum(self.model.weights[n].size for n in self.model.adapters[0].pairs) * 4
         return memory
