@@ -271,6 +271,7 @@ def run_llmtune_ab(q4_path: str, f32_path: str, windows_path: str, ctx: int, bat
     for s in range(steps + warmup):
         idx = [(s * batch + i) % len(windows["x"]) for i in range(batch)]
         for name, tr in trainers.items():
+            time.sleep(0.3)  # the last step's BLAS threads (the run without copies) stop spinning first
             t = time.perf_counter()
             tr.train_step(windows["x"][idx], windows["y"][idx], LR, RunningStats())
             if s >= warmup:
