@@ -188,14 +188,18 @@ def _native_rows(out, a):
 
 
 def _frozen_input_gradient(a, b, ta, tb):
-    """g @ W for a 2-D weight registered as frozen (a training pass's backward through its base)."""
-    return not ta and not tb and b.ndim == 2 and a.dtype == b.dtype and qmatmul.frozen_copies(b) is not None
+    """The FloatCopies of W when this is g @ W for a 2-D weight registered as frozen (a training
+    pass's backward through its base), else None."""
+    if ta or tb or b.ndim != 2 or a.dtype != b.dtype:
+        return None
+    return qmatmul.frozen_copies(b)
 
 
 def k_matmul(out, a, b, ta, tb):
-    if _frozen_input_gradient(a, b, ta, tb):
+    copies = _frozen_input_gradient(a, b, ta, tb)
+    if copies is not None:
         rows = _native_rows(out, a)
-        if rows is not None and qmatmul.packed_product(*rows, b, qmatmul.frozen_copies(b), transposed=True):
+        if rows is not None and qmatmul.packed_product(*rows, b, copies, transposed=True):
             return out
     if _weight_product(a, b, ta, tb):
         # a few rows times a weight matrix (a KV-cached decode step, a short prompt): the compiled
@@ -224,9 +228,10 @@ def _bind_matmul(out, a, b, ta, tb):
     """A replayed product of a few rows with a weight (or of a training pass's rows with a frozen
     weight, or its gradient through one, that has a packed copy) as one pre-bound compiled call
     (graph/planner.py Replay)."""
-    if _frozen_input_gradient(a, b, ta, tb):
+    copies = _frozen_input_gradient(a, b, ta, tb)
+    if copies is not None:
         rows = _native_rows(out, a)
-        return None if rows is None else qmatmul.bind_packed_product(*rows, b, qmatmul.frozen_copies(b), transposed=True)
+        return None if rows is None else qmatmul.bind_packed_product(*rows, b, copies, transposed=True)
     rows = _native_rows(out, a) if _weight_product(a, b, ta, tb) else None
     if rows is None:
         return None

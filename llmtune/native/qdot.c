@@ -936,11 +936,12 @@ int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
  * GEMM does it: W^T is packed once into panels of GEMM_NR columns, k-major (Bp[p][k][c] =
  * W[p*NR + c][k], the last panel zero-filled); A's rows are read as they are (a training pass's
  * rows are short: packing them cost more than it saved). The micro-kernel keeps an MR x NR block
- * of C in 24 AVX-512 registers: per k, three loads of the W panel and MR broadcasts of A. Every C element is one
- * sum over k in order, whatever the chunks and threads, so the bits do not depend on the thread
- * count (numpy's BLAS sums in another order: tests state the tolerance). The panel of W^T
- * (~73 KB at K = 576) streams from L2 and the A panels stay there; OpenBLAS's sgemm with a
- * transposed B runs ~1.2-1.6x slower on a training pass's 128-row shapes (BENCHMARKS). */
+ * of C in 24 AVX-512 registers: per k, three loads of the W panel and MR broadcasts of A. Every
+ * C element is one sum over k in order (in blocks of GEMM_KC past it), whatever the chunks and
+ * threads, so the bits do not depend on the thread count (numpy's BLAS sums in another order:
+ * tests state the tolerance). A panel (~110 KB at K = 576) is read from memory once per chunk of
+ * GEMM_MC rows and reused from L2 by each of its row blocks; OpenBLAS's sgemm with a transposed B
+ * runs ~1.2-1.6x slower on a training pass's 128-row shapes (BENCHMARKS). */
 #define GEMM_MR 8
 #define GEMM_NR 48
 #define GEMM_MC 256

@@ -338,8 +338,10 @@ class FloatCopies:
             return None
         key = (dense.__array_interface__["data"][0], dense.shape, dense.strides, transposed)
         packed = self.packs.get(key)
-        nbytes = native.pack_wt_bytes(dense.shape, transposed)
-        if packed is None and 0 < nbytes and self.used + nbytes <= self.budget:
+        if packed is not None:
+            return packed
+        nbytes = native.pack_wt_bytes(dense.shape, transposed)  # (at its first product only)
+        if 0 < nbytes and self.used + nbytes <= self.budget:
             with self.lock:
                 packed = self.packs.get(key)
                 if packed is None and self.used + nbytes <= self.budget:
@@ -395,8 +397,7 @@ def packed_product(out2: np.ndarray, x2: np.ndarray, dense: np.ndarray, copies: 
     """out2 = x2 @ dense^T (transposed: x2 @ dense) through dense's packed copy in `copies`
     (native.sgemm_packed); False where there is none or the compiled product does not take the
     case (the caller's BLAS then)."""
-    call = _packed_call(out2, x2, dense, copies, transposed, bind=False)
-    return bool(call)
+    return bool(_packed_call(out2, x2, dense, copies, transposed, bind=False))
 
 
 def bind_packed_product(out2: np.ndarray, x2: np.ndarray, dense: np.ndarray, copies: FloatCopies | None,
@@ -406,9 +407,7 @@ def bind_packed_product(out2: np.ndarray, x2: np.ndarray, dense: np.ndarray, cop
 
 
 def _packed_call(out2, x2, dense, copies, transposed: bool, bind: bool):
-    if copies is None or not copies.pack:
-        return None
-    packed = copies.packed(dense, transposed)
+    packed = copies.packed(dense, transposed) if copies is not None else None
     if packed is None:
         return None
     n, k = dense.shape[::-1] if transposed else dense.shape
