@@ -650,9 +650,12 @@ def _fa_split(out, q, k):
 
 def k_flash_attn(out, q, k, v, *, scale, softcap, window):
     """Forward of ops.flash_attn, one query block at a time over its visible key blocks with an
-    online softmax (running max m and sum l, earlier partial sums rescaled by exp(m_old - m))."""
-    fb = _FlashBlocks(q, k, v, scale, softcap, window)
+    online softmax (running max m and sum l, earlier partial sums rescaled by exp(m_old - m)).
+    Without a softcap, float32 runs in one compiled call (native.flash_attn); this is its reference."""
     o, lse = _fa_split(out, q, k)
+    if not softcap and native.flash_attn(o, lse, q, k, v, scale, window):
+        return out
+    fb = _FlashBlocks(q, k, v, scale, softcap, window)
     B, T, H, d = q.shape
     for t0, t1 in fb.query_blocks():
         qb = fb.q_rows(t0, t1)

@@ -71,6 +71,8 @@ def _load():
                 lib.lt_sgemm_packed.restype = _INT
                 lib.lt_set_gemm_threads.argtypes = [_INT]
                 lib.lt_set_gemm_threads.restype = None
+                lib.lt_flash_attn.argtypes = [_PTR] * 5 + [_I64] * 5 + [ctypes.c_float, _I64, _INT]
+                lib.lt_flash_attn.restype = _INT
             except build.BuildError as e:
                 lib, reason = None, str(e)
         threads = os.environ.get("LLMTUNE_NATIVE_THREADS", "")
@@ -290,6 +292,24 @@ def bind_sgemm_packed(out2: np.ndarray, x2: np.ndarray, packed: np.ndarray, n: i
         return None
     args = (_addr(x2), x2.strides[0] // 4, x2.shape[0], _addr(packed), n, k, _addr(out2), out2.strides[0] // 4, 0)
     return _bound(lib.lt_sgemm_packed, args, (out2, x2, packed))
+
+
+def flash_attn(o: np.ndarray, lse: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+               window: int) -> bool:
+    """The forward of ops.flash_attn without a softcap (cpu.k_flash_attn's O [B, T, H, d] and row
+    logsumexp [B, Hkv, G, T]) in one call over the threads OpenBLAS has now (one inside a worker
+    per core); each output computed by one task, so the bits do not depend on the threads. False
+    (nothing usable written) where the compiled kernel does not take the case."""
+    lib = _load()
+    arrays = (o, lse, q, k, v)
+    if (lib is None or q.ndim != 4 or k.shape != v.shape or any(a.dtype != np.float32 for a in arrays)
+            or not (o.flags.c_contiguous and lse.flags.c_contiguous)):
+        return False
+    q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+    (B, T, H, d), Hkv = q.shape, k.shape[2]
+    nth = min(blas_threads.current(), _state["threads"])
+    return lib.lt_flash_attn(_addr(q), _addr(k), _addr(v), _addr(o), _addr(lse), B, T, H, Hkv, d, float(scale),
+                             int(window), nth) == 0
 
 
 def _bound(fn, args, keep):

@@ -1483,3 +1483,174 @@ int64_t lt_step_size(void) { return (int64_t)sizeof(lt_step); }
 
 /* This file's AVX2 path is compiled in (1) or the portable one (0). */
 int lt_simd(void) { return LT_AVX2; }
+
+/* ------------------------------------------------------------------ blockwise causal attention
+ * The forward of ops.flash_attn (backends/cpu.py k_flash_attn; llama.cpp's ggml_flash_attn_ext)
+ * for evaluation passes past PLAIN_ATTENTION_MAX_T positions, where numpy's block walk spent a
+ * fifth of a SmolLM2 f32 perplexity run in Python-sized pieces. One task is FA_QB queries of one
+ * head; it keeps their scores transposed (key-major, S^T[s][r]), so a query's running max, sum and
+ * rescale are lanes of a vector and the causal or window mask is a lane mask per key. Per block
+ * of FA_KB keys: S^T = K Q^T (K rows broadcast, Q^T packed once), scaled and masked; the online
+ * softmax (running max m, sum l, earlier sums rescaled by exp(m_old - m), a row that sees no key
+ * yet keeps m = 0, as numpy's kernel does); O^T = O^T alpha + V^T P^T (V rows broadcast). Outputs
+ * are O / l and the row logsumexp m + log(l) (the backward's input). Every output is computed by
+ * one task in one order, so threads move no bit; against numpy only the summation order and the
+ * vector exp differ (tests/test_native_attention.py states the tolerance). AVX-512 only. */
+#define FA_QB 32
+#define FA_KB 64
+
+typedef struct {
+    const float *q, *k, *v;
+    float *o, *lse;
+    int64_t B, T, H, Hkv, d, window, n_qblk;
+    float scale;
+    atomic_int failed;  /* a thread found no memory for its scratch */
+} fa_job_t;
+
+#if LT_VEXP
+/* st[i][*] = k_i . Q^T for nk <= 8 key rows (row stride ks): 8 keys x 32 queries per register pass */
+static void fa_scores(const float *k, int64_t ks, const float *qt, int64_t d, float *st, int nk) {
+    const float *kr[8];
+    for (int i = 0; i < 8; i++) kr[i] = k + (i < nk ? i : nk - 1) * ks;
+    __m512 c[8][2];
+    for (int i = 0; i < 8; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
+    for (int64_t jj = 0; jj < d; jj++) {
+        const __m512 b0 = _mm512_load_ps(qt + jj * FA_QB), b1 = _mm512_load_ps(qt + jj * FA_QB + 16);
+        for (int i = 0; i < 8; i++) {
+            const __m512 a = _mm512_set1_ps(kr[i][jj]);
+            c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
+            c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
+        }
+    }
+    for (int i = 0; i < nk; i++) {
+        _mm512_store_ps(st + i * FA_QB, c[i][0]);
+        _mm512_store_ps(st + i * FA_QB + 16, c[i][1]);
+    }
+}
+
+/* rows c0 .. c0 + nc - 1 (nc <= 8) of O^T: ot = ot * alpha + sum_i v_i[c] P^T[i] over nk keys */
+static void fa_values(const float *v, int64_t ks, const float *pt, int64_t nk, float *ot, int nc, __m512 a0, __m512 a1) {
+    __m512 c[8][2];
+    for (int cc = 0; cc < 8; cc++) {
+        const int src = cc < nc ? cc : nc - 1;  /* past the rows: computed, not stored */
+        c[cc][0] = _mm512_mul_ps(_mm512_load_ps(ot + src * FA_QB), a0);
+        c[cc][1] = _mm512_mul_ps(_mm512_load_ps(ot + src * FA_QB + 16), a1);
+    }
+    for (int64_t i = 0; i < nk; i++) {
+        const __m512 p0 = _mm512_load_ps(pt + i * FA_QB), p1 = _mm512_load_ps(pt + i * FA_QB + 16);
+        const float *vr = v + i * ks;
+        for (int cc = 0; cc < 8; cc++) {
+            const __m512 a = _mm512_set1_ps(vr[cc < nc ? cc : nc - 1]);
+            c[cc][0] = _mm512_fmadd_ps(a, p0, c[cc][0]);
+            c[cc][1] = _mm512_fmadd_ps(a, p1, c[cc][1]);
+        }
+    }
+    for (int cc = 0; cc < nc; cc++) {
+        _mm512_store_ps(ot + cc * FA_QB, c[cc][0]);
+        _mm512_store_ps(ot + cc * FA_QB + 16, c[cc][1]);
+    }
+}
+
+/* The lanes r of queries t0 + r that see key s: s <= t0 + r, and t0 + r - s < window (if any). */
+static inline __mmask16 fa_visible(int64_t s, int64_t t0, int64_t lane0, int64_t window) {
+    const int64_t lo = s - t0 - lane0, hi = window ? lo + window : 16;  /* lanes [lo, hi) */
+    const int64_t a = lo < 0 ? 0 : lo > 16 ? 16 : lo, b = hi < 0 ? 0 : hi > 16 ? 16 : hi;
+    if (a >= b) return 0;
+    return (__mmask16)((((uint32_t)1 << b) - 1) & ~(((uint32_t)1 << a) - 1));
+}
+
+static __thread float *fa_buf = NULL;
+static __thread int64_t fa_cap = 0;
+
+/* A thread's scratch (Q^T, O^T, one block of S^T), 64-byte aligned, kept for its next call. */
+static float *fa_scratch(int64_t floats) {
+    if (fa_cap < floats) {
+        free(fa_buf);
+        fa_buf = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        fa_cap = fa_buf ? floats : 0;
+    }
+    return fa_buf;
+}
+
+static void fa_task(void *arg, int64_t chunk) {
+    fa_job_t *j = arg;
+    float *qt = fa_scratch((2 * j->d + FA_KB) * FA_QB);
+    if (!qt) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    const int64_t heads = j->B * j->H, qi = j->n_qblk - 1 - chunk / heads;  /* the longest rows first */
+    const int64_t b = (chunk % heads) / j->H, h = chunk % j->H, kvh = h / (j->H / j->Hkv);
+    const int64_t d = j->d, T = j->T, t0 = qi * FA_QB, nq = T - t0 < FA_QB ? T - t0 : FA_QB;
+    const int64_t qs = j->H * d, ks = j->Hkv * d;  /* floats from one position to the next */
+    const float *q = j->q + (b * T * j->H + h) * d;
+    const float *k = j->k + (b * T * j->Hkv + kvh) * d, *v = j->v + (b * T * j->Hkv + kvh) * d;
+    float *ot = qt + d * FA_QB, *st = ot + d * FA_QB;
+    for (int64_t jj = 0; jj < d; jj++)
+        for (int64_t r = 0; r < FA_QB; r++) qt[jj * FA_QB + r] = r < nq ? q[(t0 + r) * qs + jj] : 0.f;
+    memset(ot, 0, (size_t)(d * FA_QB) * sizeof(float));
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(j->scale);
+    __m512 m0 = ninf, m1 = ninf, l0 = zero, l1 = zero;
+    const int64_t first = j->window && t0 - j->window + 1 > 0 ? t0 - j->window + 1 : 0, end = t0 + nq;
+    for (int64_t s0 = first; s0 < end; s0 += FA_KB) {
+        const int64_t nk = end - s0 < FA_KB ? end - s0 : FA_KB;
+        for (int64_t i = 0; i < nk; i += 8) fa_scores(k + (s0 + i) * ks, ks, qt, d, st + i * FA_QB, nk - i < 8 ? (int)(nk - i) : 8);
+        __m512 bm0 = ninf, bm1 = ninf;
+        for (int64_t i = 0; i < nk; i++) {  /* scale, mask, the block's row max */
+            const int64_t s = s0 + i;
+            const __m512 x0 = _mm512_mask_mov_ps(ninf, fa_visible(s, t0, 0, j->window), _mm512_mul_ps(_mm512_load_ps(st + i * FA_QB), scale));
+            const __m512 x1 = _mm512_mask_mov_ps(ninf, fa_visible(s, t0, 16, j->window), _mm512_mul_ps(_mm512_load_ps(st + i * FA_QB + 16), scale));
+            _mm512_store_ps(st + i * FA_QB, x0);
+            _mm512_store_ps(st + i * FA_QB + 16, x1);
+            bm0 = _mm512_max_ps(bm0, x0);
+            bm1 = _mm512_max_ps(bm1, x1);
+        }
+        __m512 n0 = _mm512_max_ps(m0, bm0), n1 = _mm512_max_ps(m1, bm1);
+        n0 = _mm512_mask_mov_ps(n0, _mm512_cmp_ps_mask(n0, ninf, _CMP_EQ_OQ), zero);  /* no visible key yet */
+        n1 = _mm512_mask_mov_ps(n1, _mm512_cmp_ps_mask(n1, ninf, _CMP_EQ_OQ), zero);
+        const __m512 a0 = exp16(_mm512_sub_ps(m0, n0)), a1 = exp16(_mm512_sub_ps(m1, n1));
+        __m512 sum0 = zero, sum1 = zero;
+        for (int64_t i = 0; i < nk; i++) {
+            const __m512 p0 = exp16(_mm512_sub_ps(_mm512_load_ps(st + i * FA_QB), n0));
+            const __m512 p1 = exp16(_mm512_sub_ps(_mm512_load_ps(st + i * FA_QB + 16), n1));
+            _mm512_store_ps(st + i * FA_QB, p0);
+            _mm512_store_ps(st + i * FA_QB + 16, p1);
+            sum0 = _mm512_add_ps(sum0, p0);
+            sum1 = _mm512_add_ps(sum1, p1);
+        }
+        l0 = _mm512_add_ps(_mm512_mul_ps(l0, a0), sum0);
+        l1 = _mm512_add_ps(_mm512_mul_ps(l1, a1), sum1);
+        m0 = n0;
+        m1 = n1;
+        for (int64_t c0 = 0; c0 < d; c0 += 8)
+            fa_values(v + s0 * ks + c0, ks, st, nk, ot + c0 * FA_QB, d - c0 < 8 ? (int)(d - c0) : 8, a0, a1);
+    }
+    float m[FA_QB], l[FA_QB];
+    _mm512_storeu_ps(m, m0); _mm512_storeu_ps(m + 16, m1);
+    _mm512_storeu_ps(l, l0); _mm512_storeu_ps(l + 16, l1);
+    float *o = j->o + (b * T * j->H + h) * d, *lse = j->lse + (b * j->H + h) * T;
+    for (int64_t r = 0; r < nq; r++) {
+        for (int64_t c = 0; c < d; c++) o[(t0 + r) * qs + c] = ot[c * FA_QB + r] / l[r];
+        lse[t0 + r] = m[r] + logf(l[r]);
+    }
+}
+#endif
+
+/* O [B, T, H, d] and the row logsumexp lse [B, H, T] (= [B, Hkv, G, T]) of causal attention over
+ * q [B, T, H, d], k and v [B, T, Hkv, d], all contiguous float32; scale multiplies the scores,
+ * window > 0 limits a query to the last `window` keys. nth threads (0: lt_set_gemm_threads's).
+ * Returns 0, -1 where this build has no vector exp (AVX-512), -2 when out of memory. */
+int lt_flash_attn(const float *q, const float *k, const float *v, float *o, float *lse, int64_t B, int64_t T,
+                  int64_t H, int64_t Hkv, int64_t d, float scale, int64_t window, int nth) {
+#if LT_VEXP
+    if (B <= 0 || T <= 0 || d <= 0 || Hkv <= 0 || H % Hkv) return -1;
+    if (nth <= 0) nth = atomic_load(&gemm_threads);
+    fa_job_t job = {q, k, v, o, lse, B, T, H, Hkv, d, window, (T + FA_QB - 1) / FA_QB, scale, 0};
+    pool_run(fa_task, &job, B * H * job.n_qblk, nth);
+    return atomic_load(&job.failed) ? -2 : 0;
+#else
+    (void)q; (void)k; (void)v; (void)o; (void)lse; (void)B; (void)T; (void)H; (void)Hkv; (void)d; (void)scale;
+    (void)window; (void)nth;
+    return -1;
+#endif
+}
