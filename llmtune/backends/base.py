@@ -105,6 +105,11 @@ class Backend:
         """dst += src (gradient accumulation into parameter-gradient buffers)."""
         raise NotImplementedError
 
+    def sum_squares(self, flat: Any) -> float:
+        """sum(flat^2) as a host float (a step's gradient norm squared; not finite exactly where
+        some element is not, or where the sum overflows the backend's accumulator)."""
+        return float(self.to_numpy(flat.dot(flat)))
+
     # -- optimizer (fused over one flat buffer holding every trainable parameter) ----------
     def adamw_step(self, w, g, m, v, *, lr: float, beta1: float, beta2: float, eps: float, wd: float, t: int) -> None:
         raise NotImplementedError

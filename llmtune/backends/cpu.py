@@ -869,11 +869,15 @@ k_softmax_causal.bind = functools.partial(_compiled_alone, native_program.softma
 
 
 _ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2
+_SUMSQ_BLOCK = 1 << 16  # elements per partial sum of squares (a fixed split: the same bits on any core count)
 
 
 def _adamw_range(w, g, m, v, start, stop, *, lr, beta1, beta2, eps, wd, t):
     """The AdamW update of elements start..stop, one cache-sized block at a time: one trip
-    through memory, not ten."""
+    through memory, not ten. In float32 one compiled pass (native.adamw, the same bits)."""
+    if native.adamw(w[start:stop], g[start:stop], m[start:stop], v[start:stop], lr=lr, beta1=beta1, beta2=beta2,
+                    eps=eps, wd=wd, t=t):
+        return
     c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
     keep = 1.0 - lr * wd
     tmp = np.empty(min(_ADAMW_BLOCK, stop - start), dtype=w.dtype)
@@ -1014,6 +1018,22 @@ class CPUBackend(Backend):
 
     def accumulate(self, dst, src):
         np.add(dst, src, out=dst)
+
+    def sum_squares(self, flat):
+        """In float64 (a float32 square cannot overflow it: not finite means a NaN or inf), over
+        fixed blocks split across the cores, the partials summed in block order: the same bits
+        whatever the core count. One compiled read of the buffer (native.sum_squares)."""
+        parts = np.zeros(-(-flat.size // _SUMSQ_BLOCK), np.float64)
+
+        def part(start, stop):
+            got = native.sum_squares(flat[start:stop], _SUMSQ_BLOCK)
+            if got is None:
+                got = [np.dot(b, b) for b in (flat[s : min(s + _SUMSQ_BLOCK, stop)].astype(np.float64)
+                                              for s in range(start, stop, _SUMSQ_BLOCK))]
+            parts[start // _SUMSQ_BLOCK : start // _SUMSQ_BLOCK + len(got)] = got
+
+        parallel_ranges(part, flat.size, _SUMSQ_BLOCK)
+        return float(np.sum(parts))
 
     def adamw_step(self, w, g, m, v, *, lr, beta1, beta2, eps, wd, t):
         # ggml_opt_step_adamw: decoupled decay, bias-corrected moments, eps after the sqrt.

@@ -370,6 +370,53 @@ def _load_dequant():
         return _state["dequant"]
 
 
+def _load_optim():
+    """optim.c's library (built beside qdot.c's, under the same switch), or None."""
+    if not available():
+        return None
+    with _lock:
+        if "optim" not in _state:
+            try:
+                lib = build.load("optim")
+                lib.lt_adamw.argtypes = [_PTR] * 4 + [_I64] + [ctypes.c_float] * 8 + [_INT]
+                lib.lt_adamw.restype = None
+                lib.lt_sum_squares.argtypes = [_PTR, _I64, _I64, _PTR]
+                lib.lt_sum_squares.restype = None
+            except build.BuildError:
+                lib = None
+            _state["optim"] = lib
+        return _state["optim"]
+
+
+def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, lr: float, beta1: float, beta2: float,
+          eps: float, wd: float, t: int) -> bool:
+    """ggml_opt_step_adamw over float32 w, g, m, v (contiguous, one size) in one pass: cpu.py
+    _adamw_range's values bit for bit (its constants rounded to float32 as numpy rounds them).
+    False (nothing written) where the compiled kernel does not take the arrays."""
+    if not _elementwise_ok(w, g, m, v):
+        return False
+    lib = _load_optim()
+    if lib is None:
+        return False
+    c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
+    lib.lt_adamw(_addr(w), _addr(g), _addr(m), _addr(v), w.size, beta1, 1.0 - beta1, beta2, 1.0 - beta2, c2, eps,
+                 lr * c1, 1.0 - lr * wd, int(bool(wd)))
+    return True
+
+
+def sum_squares(x: np.ndarray, block: int) -> np.ndarray | None:
+    """Per block of `block` elements of float32 x (contiguous), sum(x^2) in float64, each block
+    in one fixed order; None where the compiled kernel does not take the array."""
+    if x.dtype != np.float32 or not x.flags.c_contiguous:
+        return None
+    lib = _load_optim()
+    if lib is None:
+        return None
+    out = np.empty(-(-x.size // block), np.float64)
+    lib.lt_sum_squares(_addr(x), x.size, block, _addr(out))
+    return out
+
+
 def dequantize_available() -> bool:
     """Whether the compiled block decoders are in use (dequantize_rows takes the ggml block types)."""
     return _load_dequant() is not None

@@ -365,10 +365,10 @@ class PreferenceTrainer(Trainer):
                     if bufs[name] is not value:
                         bufs[name][...] = value
                 self._run_train(0, assign=j == 0)
-        self._check_step(loss)
+        sum_squares = self._check_step(loss)
         stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
         self.step_metrics = metrics
-        self.grad_norm = self.clip_gradients()
+        self.grad_norm = self.clip_gradients(sum_squares)
         self.optimizer.step(self.flat_w, self.flat_g, lr)
         self.steps_done += 1
         return loss

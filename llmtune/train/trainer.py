@@ -445,23 +445,24 @@ class Trainer:
             loss = float(np.mean([r[0] for r in results]))
         else:  # masked targets: the mean over the step's loss-carrying tokens
             loss = float(sum(r[0] * c for r, c in zip(results, counts)) / total)
-        self._check_step(loss)  # before the update: a bad step leaves the weights as they were
+        sum_squares = self._check_step(loss)  # before the update: a bad step leaves the weights as they were
         for (loss_v, correct), c in zip(results, counts):
             stats.add(loss_v, correct, int(c))
-        self.grad_norm = self.clip_gradients()
+        self.grad_norm = self.clip_gradients(sum_squares)
         self.optimizer.step(self.flat_w, self.flat_g, lr)
         self.steps_done += 1
         return loss
 
-    def clip_gradients(self) -> float:
+    def clip_gradients(self, sum_squares: float | None = None) -> float:
         """The global L2 norm of the step's gradient (accumulated over the micro-batches and, under
         data parallel, all-reduced: every rank sees the same) before clipping; with grad_clip > 0
         the gradient is then scaled as torch.nn.utils.clip_grad_norm_ scales it, by
-        grad_clip / (norm + 1e-6) when that is below 1."""
+        grad_clip / (norm + 1e-6) when that is below 1. sum_squares: the gradient's, when the
+        caller has it already (_check_step: one read of the buffer for both)."""
         g = self.flat_g
         if self.n_trainable == 0:
             return 0.0
-        norm = math.sqrt(float(self.backend.to_numpy(g.dot(g))))
+        norm = math.sqrt(self.backend.sum_squares(g) if sum_squares is None else sum_squares)
         if self.grad_clip > 0:
             coef = self.grad_clip / (norm + 1e-6)
             if coef < 1.0:
@@ -507,9 +508,12 @@ class Trainer:
         return {n: np.asarray(self.backend.to_numpy(self.values[n]), dtype=np.float32) for n in self.trainable}
 
     # ------------------------------------------------------------------ divergence guard
-    def _check_step(self, loss: float) -> None:
+    def _check_step(self, loss: float) -> float:
+        """Raise Diverged for a loss or gradient that is not finite, or a loss above max_loss;
+        else return the gradient's sum of squares (its norm, squared: the same read tells both)."""
         step = self.steps_done + 1
-        bad = self.nonfinite(self.flat_g)
+        sum_squares = self.backend.sum_squares(self.flat_g) if self.n_trainable else 0.0
+        bad = [] if math.isfinite(sum_squares) else self.nonfinite(self.flat_g)
         if not math.isfinite(loss) or bad:
             what = f"the loss is {loss}" if not math.isfinite(loss) else f"the loss is {loss:.4g}"
             if bad:
@@ -520,6 +524,7 @@ class Trainer:
             name, rms = self.largest_gradient()
             raise Diverged(step, f"the loss is {loss:.6g}, above the divergence limit {self.max_loss:.4g}; "
                                  f"largest gradient: {name} (rms {rms:.3g})")
+        return sum_squares
 
     def check_finite(self, step: int) -> None:
         """Raise Diverged when a trained weight is no longer finite (before a checkpoint or the
