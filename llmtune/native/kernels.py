@@ -65,7 +65,7 @@ def _load():
                 lib.lt_swiglu_back.restype = None
                 lib.lt_pack_wt_floats.argtypes = [_I64, _I64]
                 lib.lt_pack_wt_floats.restype = _I64
-                lib.lt_pack_wt.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR]
+                lib.lt_pack_wt.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
                 lib.lt_pack_wt.restype = None
                 lib.lt_sgemm_packed.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT]
                 lib.lt_sgemm_packed.restype = _INT
@@ -263,7 +263,7 @@ def pack_wt(w: np.ndarray, transposed: bool = False) -> np.ndarray | None:
         return None
     buf = np.empty(floats + 16, np.float32)
     out = buf[(-_addr(buf) % 64) // 4:][:floats]
-    lib.lt_pack_wt(_addr(w), s_n, s_k, n, k, _addr(out))
+    lib.lt_pack_wt(_addr(w), s_n, s_k, n, k, _addr(out), _state["threads"])  # every core: see qdot.c
     return out
 
 

@@ -995,25 +995,38 @@ static int64_t gemm_panels(int64_t n) { return (n + GEMM_NR - 1) / GEMM_NR; }
 /* Floats of W's packed form (0: this build has no packed product). */
 int64_t lt_pack_wt_floats(int64_t n, int64_t k) { return LT_GEMM ? gemm_panels(n) * GEMM_NR * k : 0; }
 
-/* bp = W [n, k] packed into lt_pack_wt_floats(n, k) floats (64-byte aligned): element (r, kk) of
- * W at w[r * s_n + kk * s_k], so W^T of a row-major matrix packs as well (s_n = 1). */
-void lt_pack_wt(const float *w, int64_t s_n, int64_t s_k, int64_t n, int64_t k, float *bp) {
-    for (int64_t p = 0; p < gemm_panels(n); p++) {
-        float *panel = bp + p * k * GEMM_NR;
-        const int64_t r0 = p * GEMM_NR, cols = n - r0 < GEMM_NR ? n - r0 : GEMM_NR;
-        if (s_n == 1) {  /* a panel row is contiguous in w */
-            for (int64_t kk = 0; kk < k; kk++) {
-                memcpy(panel + kk * GEMM_NR, w + r0 + kk * s_k, (size_t)cols * sizeof(float));
-                for (int64_t c = cols; c < GEMM_NR; c++) panel[kk * GEMM_NR + c] = 0.f;
-            }
-            continue;
+typedef struct {
+    const float *w;
+    int64_t s_n, s_k, n, k;
+    float *bp;
+} pack_job_t;
+
+static void pack_task(void *arg, int64_t p) {  /* one panel */
+    const pack_job_t *j = arg;
+    const int64_t k = j->k, s_n = j->s_n, s_k = j->s_k;
+    float *panel = j->bp + p * k * GEMM_NR;
+    const int64_t r0 = p * GEMM_NR, cols = j->n - r0 < GEMM_NR ? j->n - r0 : GEMM_NR;
+    if (s_n == 1) {  /* a panel row is contiguous in w */
+        for (int64_t kk = 0; kk < k; kk++) {
+            memcpy(panel + kk * GEMM_NR, j->w + r0 + kk * s_k, (size_t)cols * sizeof(float));
+            for (int64_t c = cols; c < GEMM_NR; c++) panel[kk * GEMM_NR + c] = 0.f;
         }
-        for (int64_t k0 = 0; k0 < k; k0 += 64) {  /* 64 columns of the panel's rows at a time: stays in L1 */
-            const int64_t k1 = k0 + 64 < k ? k0 + 64 : k;
-            for (int64_t c = 0; c < GEMM_NR; c++)
-                for (int64_t kk = k0; kk < k1; kk++) panel[kk * GEMM_NR + c] = c < cols ? w[(r0 + c) * s_n + kk * s_k] : 0.f;
-        }
+        return;
     }
+    for (int64_t k0 = 0; k0 < k; k0 += 64) {  /* 64 columns of the panel's rows at a time: stays in L1 */
+        const int64_t k1 = k0 + 64 < k ? k0 + 64 : k;
+        for (int64_t c = 0; c < GEMM_NR; c++)
+            for (int64_t kk = k0; kk < k1; kk++) panel[kk * GEMM_NR + c] = c < cols ? j->w[(r0 + c) * s_n + kk * s_k] : 0.f;
+    }
+}
+
+/* bp = W [n, k] packed into lt_pack_wt_floats(n, k) floats (64-byte aligned): element (r, kk) of
+ * W at w[r * s_n + kk * s_k], so W^T of a row-major matrix packs as well (s_n = 1). Panels over nth
+ * threads: a new pack's first write to each page costs more than the copy (a fault), so all cores
+ * take their share. */
+void lt_pack_wt(const float *w, int64_t s_n, int64_t s_k, int64_t n, int64_t k, float *bp, int nth) {
+    pack_job_t job = {w, s_n, s_k, n, k, bp};
+    pool_run(pack_task, &job, gemm_panels(n), nth);
 }
 
 typedef struct {
