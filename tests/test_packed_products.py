@@ -152,6 +152,7 @@ def test_a_training_run_through_packed_copies_is_numpy_s(fixture, request):
     np.testing.assert_allclose(losses_p, losses_n, rtol=1e-5)
     np.testing.assert_allclose(w_p, w_n, rtol=1e-4, atol=2e-5)  # AdamW moves each by ~lr: 3e-3 in all
     assert packed_run.float_copies.used <= packed_run.float_copies.budget
+    assert packed_run.float_copies.arrays == {}  # QLoRA: the packed forms replace the float copies
 
 
 @needs_packed

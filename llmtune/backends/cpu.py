@@ -263,13 +263,17 @@ def _bind_qlinear(out, x, w, qtype, round_x):
 
 
 def _bind_packed_copy(out, x, w, qtype, transposed: bool):
-    """x @ W^T (transposed: the input gradient x @ W) over the packed form of W's float copy, as
-    qlinear / qlinear_back compute it when both are kept, pre-bound; None otherwise."""
+    """x @ W^T (transposed: the input gradient x @ W) over the packed form of W's decode, as
+    qlinear / qlinear_back compute it when it is kept (FloatCopies.stored_pack), pre-bound; None
+    otherwise."""
     rows = _native_rows(out, x)
     if rows is None or w.copies is None or x.dtype != np.float32:
         return None
-    dense = w.copies.get(w.raw, qtype, x.shape[-1] if not transposed else out.shape[-1])
-    return None if dense is None else qmatmul.bind_packed_product(*rows, dense, w.copies, transposed)
+    n_out, n_in = w.raw.shape[0], (out if transposed else x).shape[-1]
+    packed = w.copies.stored_pack(w.raw, qtype, n_in, transposed)
+    if packed is None:
+        return None
+    return native.bind_sgemm_packed(*rows, packed, *((n_in, n_out) if transposed else (n_out, n_in)))
 
 
 k_qlinear.bind = _bind_qlinear

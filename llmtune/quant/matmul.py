@@ -315,7 +315,9 @@ class FloatCopies:
         self.budget, self.used, self.arrays = budget, 0, {}
         self.block_mins: dict = {}  # beside a kept copy: its Q4_1 / Q5_1 block mins (mins)
         self.lock = threading.Lock()
-        self.pack = pack  # a training run's: also the packed forms of its frozen float32 matrices
+        # a training run's: the packed forms of its frozen float32 matrices, and of its stored
+        # ones instead of their float copies (stored_pack)
+        self.pack = pack
         self.packs: dict = {}
 
     def packing(self) -> bool:
@@ -351,8 +353,34 @@ class FloatCopies:
                         self.used += packed.nbytes
         return packed
 
+    def stored_pack(self, raw: np.ndarray, qtype: str, n_in: int, transposed: bool = False) -> np.ndarray | None:
+        """The packed form of a stored matrix's float32 decode (QLoRA's frozen base; transposed:
+        for g @ W), both directions made at its first product from one decode that is not kept:
+        with packing the packed forms replace the float copies (get keeps none), a third less
+        memory. None without `pack`, over budget, or without the kernel."""
+        key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, qtype)
+        packed = self.packs.get(key + (transposed,))
+        if packed is not None or not self.pack:
+            return packed
+        shape = (raw.shape[0], n_in)
+        nbytes = self.packed_bytes(shape)
+        if 0 < nbytes and self.used + nbytes <= self.budget:
+            with self.lock:  # one decode per matrix, whichever worker gets here first
+                packed = self.packs.get(key + (transposed,))
+                if packed is None and self.used + nbytes <= self.budget:
+                    dense = dequantize_rows(raw, qtype, np.empty(shape, F32))
+                    both = native.pack_wt(dense), native.pack_wt(dense, transposed=True)
+                    if all(p is not None for p in both):
+                        self.packs[key + (False,)], self.packs[key + (True,)] = both
+                        self.used += both[0].nbytes + both[1].nbytes
+                        packed = both[transposed]
+        return packed
 
     def get(self, raw: np.ndarray, qtype: str, n_in: int) -> np.ndarray | None:
+        """The float32 copy of a stored matrix, made at its first product while it fits the
+        budget; None over budget, or where packed forms replace the copies (stored_pack)."""
+        if self.pack:
+            return None
         key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, qtype)
         dense = self.arrays.get(key)
         if dense is None and self.used + raw.shape[0] * n_in * 4 <= self.budget:
@@ -449,10 +477,12 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
         xr = xr.astype(x.dtype, copy=False)
     else:
         xr = np.ascontiguousarray(x2)
+        packed = copies.stored_pack(raw, qtype, n_in) if copies is not None and x.dtype == F32 else None
+        if packed is not None and native.sgemm_packed(o2, xr, packed, n_out, n_in):
+            return out
     dense = copies.get(raw, qtype, n_in) if copies is not None and x.dtype == F32 else None
     if dense is not None:
-        if not packed_product(o2, xr, dense, copies):
-            np.matmul(xr, dense.T, out=o2)
+        np.matmul(xr, dense.T, out=o2)
         if corr is not None and qt.has_min:
             o2 += (corr @ copies.mins(raw, qtype)).astype(x.dtype, copy=False)
         return out
@@ -491,9 +521,10 @@ def qlinear_back(out: np.ndarray, g: np.ndarray, raw: np.ndarray, qtype: str,
     `copies` keeps one (a training run's frozen base, Trainer)."""
     n_in, n_out = out.shape[-1], g.shape[-1]
     g2, o2 = g.reshape(-1, n_out), out.reshape(-1, n_in)
-    dense = copies.get(raw, qtype, n_in) if copies is not None and out.dtype == F32 else None
-    if dense is not None and packed_product(o2, g2, dense, copies, transposed=True):
+    packed = copies.stored_pack(raw, qtype, n_in, transposed=True) if copies is not None and out.dtype == F32 else None
+    if packed is not None and native.sgemm_packed(o2, g2, packed, n_in, n_out):
         return out
+    dense = copies.get(raw, qtype, n_in) if copies is not None and out.dtype == F32 else None
     rb = _block_rows(n_out, n_in)
     w = _scratch(rb * n_in, out.dtype) if dense is None else None
     part = None

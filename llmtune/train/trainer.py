@@ -21,7 +21,7 @@ from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import ArenaTooLarge, Program, ProgramCache, Replay
 from llmtune.model.loaded import Model
 from llmtune.quant.matmul import FloatCopies
-from llmtune.quant.qtensor import QTensor, float_copy_bytes, shape_only, training_budget
+from llmtune.quant.qtensor import QTensor, shape_only, training_budget
 from llmtune.resources import available_memory
 from llmtune.train.optim import Optimizer
 
@@ -177,11 +177,12 @@ class Trainer:
             gguf.drop_pages()  # the trained tensors now live in flat_w; frozen ones fault back in
 
     def _budget_float_copies(self) -> None:
-        """The frozen quantized matrices' float32 copies: as many as fit (qtensor.training_budget),
-        made at their first product; those only looked up (a token table) keep none. Float32
-        passes only (the copies are float32). The packed copies of the compiled product come on
-        top, all of them or none: a step with some products packed would run the others on a
-        single-threaded OpenBLAS (see __init__)."""
+        """Where the compiled product is built: packed copies of every frozen matrix multiplied
+        (a stored one's decode, in place of its float copy: FloatCopies.stored_pack), all of
+        them or none, since a step with some products packed would run the others on a
+        single-threaded OpenBLAS (see __init__). Otherwise the frozen quantized matrices' float32
+        copies: as many as fit (qtensor.training_budget), made at their first product; those only
+        looked up (a token table) keep none. Float32 passes only (the copies are float32)."""
         self._packed_bytes = 0
         if self.float_copies is None or np.dtype(self.backend.dtype) != np.float32:
             if self.float_copies is not None:
@@ -190,14 +191,14 @@ class Trainer:
         order = self._train_progs[0].order
         multiplied = {n.inputs[1].name for n in order if n.op in ("qlinear", "qlinear_back")}
         quantized = {n: w for n, w in self._frozen.items() if n in multiplied}
-        # packed copies for the compiled products (forward and backward): of the float copies, and
-        # of the frozen float32 weights multiplied
+        # packed copies for the compiled products (forward and backward) of the frozen matrices
+        # multiplied, stored (in place of their float copies) or float32
         weights = {n.inputs[1].name for n in order if n.op in ("qlinear", "matmul")}
         packed = sum(self.float_copies.packed_bytes(w.shape) for n, w in self._frozen.items()
                      if n in weights and (n in quantized or w.dtype == np.float32))
         need, available = sum(self.memory_bytes().values()), available_memory(self.backend)
-        budget = training_budget(quantized, need, available, packed) if self.float_copies.packing() else 0
-        if budget < float_copy_bytes(quantized) + packed:  # not all of them: no packed copies
+        budget = training_budget({}, need, available, packed) if self.float_copies.packing() else 0
+        if budget < packed:  # not all of them: no packed copies (the float copies then, as they fit)
             self.float_copies.pack = False
             budget = training_budget(quantized, need, available)
         self.float_copies.budget, self._packed_bytes = budget, packed
