@@ -156,6 +156,41 @@ def test_a_training_run_through_packed_copies_is_numpy_s(fixture, request):
 
 
 @needs_packed
+@pytest.mark.parametrize("fixture", ["stories_path", "stories_q8_path"])
+def test_packed_matrices_give_their_file_pages_back(fixture, request, monkeypatch):
+    """Once a frozen matrix has both packed forms, the file pages under it are released (one
+    drop_pages per packed matrix, its own view of the mapping), and what the run reads from the
+    file afterwards (a token table's rows) faults back in intact: the same losses."""
+    from llmtune.gguf.file import GGUFFile
+
+    path = request.getfixturevalue(fixture)
+    released, real_drop = [], GGUFFile.drop_pages
+    monkeypatch.setattr(GGUFFile, "drop_pages", lambda self, part=None: released.append(part) or real_drop(self, part))
+    tr = _lora_trainer(path, True)
+    losses, _ = _steps(tr)
+    parts = [p for p in released if p is not None]
+    assert len(parts) == len(tr.float_copies.packs) // 2 > 0
+    assert all(np.shares_memory(p, tr.model.gguf._mm) for p in parts)
+    monkeypatch.undo()
+    assert losses == _steps(_lora_trainer(path, True))[0]
+
+
+def test_dropping_pages_touches_only_the_file_s_own(stories_path):
+    """drop_pages(part) hands back the whole pages under a view of the file's mapping (read back
+    from the file on the next access) and leaves memory of its own alone: MADV_DONTNEED would
+    zero that."""
+    from llmtune.gguf.file import GGUFFile
+
+    f = GGUFFile(stories_path)
+    info = max(f.tensors.values(), key=lambda t: t.raw.nbytes)
+    before = np.array(info.raw)
+    own = before.copy()
+    for part in (info.raw, own, np.ones(1 << 16, np.float32)):
+        f.drop_pages(part)
+    assert np.array_equal(np.asarray(info.raw), before) and np.array_equal(own, before)
+
+
+@needs_packed
 def test_no_budget_no_packed_copies(stories_path):
     tr = _lora_trainer(stories_path, True, budget=0)
     _steps(tr, 1)

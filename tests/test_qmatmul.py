@@ -70,7 +70,8 @@ def test_lora_on_a_quantized_base(exports, wikitext_ids):
     types = tr.base_types()
     stored = sum(w.nbytes for w in model.weights.values() if isinstance(w, QTensor))
     assert types["Q8_0"] + types.get("F16", 0) == stored
-    assert tr.memory_bytes()["base"] == sum(types.values()) < 4 * model.n_params() / 2
+    # the estimate's base: as stored, less the file pages of the matrices packed copies replace
+    assert tr.memory_bytes()["base"] + tr._released_base == sum(types.values()) < 4 * model.n_params() / 2
     x, y = _windows(wikitext_ids, 2)
     stats = RunningStats()
     losses = [tr.train_step(x, y, 1e-2, stats) for _ in range(3)]

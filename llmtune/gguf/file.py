@@ -271,13 +271,27 @@ class GGUFFile:
             self.tensors[d.name] = self._tensor_info(d)
         _check_no_overlap(self.path, descriptors, self.tensors)
 
-    def drop_pages(self) -> None:
+    def drop_pages(self, part: np.ndarray | None = None) -> None:
         """Let the kernel drop the mapped pages read so far (madvise MADV_DONTNEED): they are clean
         file pages, read back on the next access. A full finetune copies every tensor into its
-        trained buffer; without this the copied pages stay resident and count twice."""
+        trained buffer; without this the copied pages stay resident and count twice. part: only
+        the whole pages under that array, when it is a view of this file's mapping (a frozen
+        matrix now multiplied through its packed copies); anything else is left alone, since
+        MADV_DONTNEED would zero memory of its own."""
         mm = getattr(self._mm, "_mmap", None)
-        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap_module, "MADV_DONTNEED"):
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap_module, "MADV_DONTNEED"):
+            return
+        if part is None:
             mm.madvise(mmap_module.MADV_DONTNEED)
+            return
+        start = part.__array_interface__["data"][0] - self._mm.__array_interface__["data"][0]
+        stop = start + part.nbytes
+        if not (part.flags.c_contiguous and 0 <= start and stop <= self._mm.nbytes):
+            return
+        page = mmap_module.PAGESIZE
+        first, last = -(-start // page) * page, stop // page * page
+        if first < last:
+            mm.madvise(mmap_module.MADV_DONTNEED, first, last - first)
 
     def _tensor_info(self, d: _Descriptor) -> TensorInfo:
         qtype = _tensor_type(self.path, d)

@@ -319,6 +319,10 @@ class FloatCopies:
         # ones instead of their float copies (stored_pack)
         self.pack = pack
         self.packs: dict = {}
+        # called with a frozen matrix (float32, or stored blocks) once both its packed forms
+        # exist: the file pages under it may go (GGUFFile.drop_pages, which ignores arrays
+        # outside its own mapping), so the peak holds the packs and not the file besides
+        self.releases: list = []
 
     def packing(self) -> bool:
         """Whether packed() can keep copies: a training run's, with the compiled product built."""
@@ -333,25 +337,11 @@ class FloatCopies:
 
     def packed(self, dense: np.ndarray, transposed: bool = False) -> np.ndarray | None:
         """A frozen float32 matrix packed for the compiled product (native.pack_wt; transposed:
-        for g @ W), made at its first product while it fits the budget and kept while bound;
-        None without `pack`, over budget, or without the kernel. On a training pass's rows the
-        compiled product runs ~1.3-1.7x numpy's BLAS (BENCHMARKS)."""
-        if not self.pack:
-            return None
-        key = (dense.__array_interface__["data"][0], dense.shape, dense.strides, transposed)
-        packed = self.packs.get(key)
-        if packed is not None:
-            return packed
-        nbytes = native.pack_wt_bytes(dense.shape, transposed)  # (at its first product only)
-        if 0 < nbytes and self.used + nbytes <= self.budget:
-            with self.lock:
-                packed = self.packs.get(key)
-                if packed is None and self.used + nbytes <= self.budget:
-                    packed = native.pack_wt(dense, transposed)
-                    if packed is not None:
-                        self.packs[key] = packed
-                        self.used += packed.nbytes
-        return packed
+        for g @ W), both directions made at its first product while they fit the budget and kept
+        while bound; None without `pack`, over budget, or without the kernel. On a training
+        pass's rows the compiled product runs ~1.3-1.7x numpy's BLAS (BENCHMARKS)."""
+        key = (dense.__array_interface__["data"][0], dense.shape, dense.strides)
+        return self._packs(key, transposed, dense.shape, lambda: dense, dense)
 
     def stored_pack(self, raw: np.ndarray, qtype: str, n_in: int, transposed: bool = False) -> np.ndarray | None:
         """The packed form of a stored matrix's float32 decode (QLoRA's frozen base; transposed:
@@ -359,21 +349,28 @@ class FloatCopies:
         with packing the packed forms replace the float copies (get keeps none), a third less
         memory. None without `pack`, over budget, or without the kernel."""
         key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, qtype)
+        shape = (raw.shape[0], n_in)
+        return self._packs(key, transposed, shape, lambda: dequantize_rows(raw, qtype, np.empty(shape, F32)), raw)
+
+    def _packs(self, key: tuple, transposed: bool, shape: tuple, decoded, source: np.ndarray) -> np.ndarray | None:
+        """The packed form (`transposed` or not) of the matrix under `key`: at the first call
+        both directions from decoded() (float32 [n_out, n_in]), then `source` released."""
         packed = self.packs.get(key + (transposed,))
         if packed is not None or not self.pack:
             return packed
-        shape = (raw.shape[0], n_in)
         nbytes = self.packed_bytes(shape)
         if 0 < nbytes and self.used + nbytes <= self.budget:
-            with self.lock:  # one decode per matrix, whichever worker gets here first
+            with self.lock:  # one pack per matrix, whichever worker gets here first
                 packed = self.packs.get(key + (transposed,))
                 if packed is None and self.used + nbytes <= self.budget:
-                    dense = dequantize_rows(raw, qtype, np.empty(shape, F32))
+                    dense = decoded()
                     both = native.pack_wt(dense), native.pack_wt(dense, transposed=True)
                     if all(p is not None for p in both):
                         self.packs[key + (False,)], self.packs[key + (True,)] = both
                         self.used += both[0].nbytes + both[1].nbytes
                         packed = both[transposed]
+                        for release in self.releases:
+                            release(source)
         return packed
 
     def get(self, raw: np.ndarray, qtype: str, n_in: int) -> np.ndarray | None:
@@ -411,7 +408,8 @@ def register_frozen(w: np.ndarray, copies: FloatCopies) -> None:
     """Mark w, a float32 matrix that stays unchanged while it is alive (a training run's frozen
     base), so its products may use a packed copy kept in `copies` (frozen_copies)."""
     key = id(w)
-    _FROZEN[key] = (weakref.ref(w, lambda _, key=key: _FROZEN.pop(key, None)), copies)
+    # (the callback holds the dict itself: at interpreter exit the module's globals may be gone)
+    _FROZEN[key] = (weakref.ref(w, lambda _, key=key, frozen=_FROZEN: frozen.pop(key, None)), copies)
 
 
 def frozen_copies(w) -> FloatCopies | None:

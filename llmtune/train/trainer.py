@@ -175,6 +175,8 @@ class Trainer:
         gguf = getattr(self.model, "gguf", None)
         if self.trainable and gguf is not None:
             gguf.drop_pages()  # the trained tensors now live in flat_w; frozen ones fault back in
+        if self.float_copies is not None and gguf is not None:
+            self.float_copies.releases.append(gguf.drop_pages)  # a packed frozen matrix: its pages too
 
     def _budget_float_copies(self) -> None:
         """Where the compiled product is built: packed copies of every frozen matrix multiplied
@@ -183,7 +185,7 @@ class Trainer:
         single-threaded OpenBLAS (see __init__). Otherwise the frozen quantized matrices' float32
         copies: as many as fit (qtensor.training_budget), made at their first product; those only
         looked up (a token table) keep none. Float32 passes only (the copies are float32)."""
-        self._packed_bytes = 0
+        self._packed_bytes = self._released_base = 0
         if self.float_copies is None or np.dtype(self.backend.dtype) != np.float32:
             if self.float_copies is not None:
                 self.float_copies.pack = False
@@ -194,8 +196,10 @@ class Trainer:
         # packed copies for the compiled products (forward and backward) of the frozen matrices
         # multiplied, stored (in place of their float copies) or float32
         weights = {n.inputs[1].name for n in order if n.op in ("qlinear", "matmul")}
-        packed = sum(self.float_copies.packed_bytes(w.shape) for n, w in self._frozen.items()
-                     if n in weights and (n in quantized or w.dtype == np.float32))
+        packs = {n: w for n, w in self._frozen.items() if n in weights and (n in quantized or w.dtype == np.float32)}
+        packed = sum(self.float_copies.packed_bytes(w.shape) for w in packs.values())
+        # once packed, their file pages go back (FloatCopies.releases): not resident at the peak
+        self._released_base = sum(w.nbytes for w in packs.values()) if self.float_copies.releases else 0
         need, available = sum(self.memory_bytes().values()), available_memory(self.backend)
         budget = training_budget({}, need, available, packed) if self.float_copies.packing() else 0
         if budget < packed:  # not all of them: no packed copies (the float copies then, as they fit)
@@ -348,6 +352,7 @@ class Trainer:
                 memory["float copies"] = copies.budget - packed
             if packed:
                 memory["packed copies"] = packed
+                memory["base"] -= self._released_base  # the packed matrices' file pages, given back
         if self.model.adapters and self.model.adapters[0].magnitudes:  # DoRA's output: its merged matrices, F32
             memory["merged output"] = sum(self.model.weights[n].size for n in self.model.adapters[0].pairs) * 4
         return memory
