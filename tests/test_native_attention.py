@@ -1,8 +1,9 @@
-"""The compiled blockwise causal attention (native/qdot.c lt_flash_attn, the float32 forward of
-ops.flash_attn without a softcap) against numpy's block walk (backends/cpu.py k_flash_attn, its
-reference) and float64: outputs within float32 summation order and the vector exp, the same bits
-whatever the thread count, and a model's logits and gradients past PLAIN_ATTENTION_MAX_T as
-numpy's. Skips where this build has no compiled attention (no compiler, no AVX-512)."""
+"""The compiled blockwise causal attention (native/qdot.c lt_flash_attn and lt_flash_attn_back,
+ops.flash_attn's float32 forward and backward without a softcap) against numpy's block walk
+(backends/cpu.py k_flash_attn / k_flash_attn_back, the reference) and float64: within float32
+summation order and the vector exp, the same bits whatever the thread count, and a model's logits
+and gradients past PLAIN_ATTENTION_MAX_T as numpy's. Skips where this build has no compiled
+attention (no compiler, no AVX-512)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import numpy as np
 import pytest
 
 from llmtune.backends import cpu
-from llmtune.backends.threads import blas_threads
 from llmtune.native import kernels
 
 
@@ -76,16 +76,67 @@ def test_matches_numpy_and_float64(B, T, H, Hkv, d, window, monkeypatch):
     assert np.abs(o - ref_o).max() < 4e-6 * v_max
 
 
+def _exact_grads(q, k, v, g, scale, window):
+    """dq, dk, dv of sum(O * g) in float64 from the whole [T, T] score matrix."""
+    B, T, H, d = q.shape
+    Hkv = k.shape[2]
+    G = H // Hkv
+    q64, g64 = q.astype(np.float64), g.astype(np.float64)
+    kk, vv = (np.repeat(a.astype(np.float64), G, axis=2) for a in (k, v))
+    s = np.einsum("bthd,bshd->bhts", q64, kk) * scale
+    t, p = np.arange(T)[:, None], np.arange(T)[None, :]
+    visible = (p <= t) & ((t - p < window) if window else True)
+    s = np.where(visible, s, -np.inf)
+    prob = np.exp(s - np.logaddexp.reduce(s, axis=-1)[..., None])
+    dprob = np.einsum("bthd,bshd->bhts", g64, vv)
+    ds = prob * (dprob - (prob * dprob).sum(-1, keepdims=True)) * scale
+    dq = np.einsum("bhts,bshd->bthd", ds, kk)
+    dk = np.einsum("bhts,bthd->bshd", ds, q64).reshape(B, T, Hkv, G, d).sum(3)
+    dv = np.einsum("bhts,bthd->bshd", prob, g64).reshape(B, T, Hkv, G, d).sum(3)
+    return dq, dk, dv
+
+
+@needs_attention
+@pytest.mark.parametrize("B,T,H,Hkv,d,window", CASES)
+def test_gradients_match_numpy_and_float64(B, T, H, Hkv, d, window, monkeypatch):
+    """The compiled backward (two passes: dK, dV per key block; dQ per query block) against numpy's
+    block walk and float64, from the same forward."""
+    q, k, v = _inputs(B, T, H, Hkv, d, seed=T * 5 + d)
+    g = np.random.default_rng(T).standard_normal(q.shape, dtype=np.float32)
+    scale = 1 / math.sqrt(d)
+    packed = np.zeros(q.size + B * H * T, np.float32)
+    cpu.k_flash_attn(packed, q, k, v, scale=scale, softcap=0.0, window=window)
+    n = q.size + 2 * k.size
+    got = np.full(n, np.nan, np.float32)
+    calls = []
+    real = kernels.flash_attn_back
+    monkeypatch.setattr(kernels, "flash_attn_back", lambda *a: calls.append(1) or real(*a))
+    cpu.k_flash_attn_back(got, q, k, v, packed, g, scale=scale, softcap=0.0, window=window)
+    assert calls
+    monkeypatch.setattr(kernels, "flash_attn_back", lambda *a: False)
+    ref = np.zeros(n, np.float32)
+    cpu.k_flash_attn_back(ref, q, k, v, packed, g, scale=scale, softcap=0.0, window=window)
+    exact = np.concatenate([a.reshape(-1) for a in _exact_grads(q, k, v, g, scale, window)])
+    size = float(np.abs(exact).max())
+    assert np.abs(ref - exact).max() < 2e-6 * size * max(1.0, math.log2(T))
+    assert np.abs(got - exact).max() < 2e-6 * size * max(1.0, math.log2(T))
+
+
 @needs_attention
 def test_same_bits_whatever_the_threads():
-    """Each output is one task's, in one order: one thread and all of them write the same bits."""
+    """Each output is one task's, in one order: one thread and all of them write the same bits,
+    forward and backward."""
     q, k, v = _inputs(2, 257, 9, 3, 64, seed=3)
-    with blas_threads(1):
-        one = _compiled(q, k, v, 0.125, 0)
-    with blas_threads(max(2, kernels.threads())):
-        many = _compiled(q, k, v, 0.125, 0)
-    assert one[0] and many[0]
-    assert one[1].tobytes() == many[1].tobytes() and one[2].tobytes() == many[2].tobytes()
+    g = np.random.default_rng(4).standard_normal(q.shape, dtype=np.float32)
+    results = []
+    for compiled_threads in (1, max(2, kernels.threads())):
+        kernels.library().lt_set_gemm_threads(compiled_threads)
+        ok, o, lse = _compiled(q, k, v, 0.125, 0)
+        grads = [np.empty_like(a) for a in (q, k, v)]
+        assert ok and kernels.flash_attn_back(*grads, q, k, v, o, lse, g, 0.125, 0)
+        results.append([a.tobytes() for a in [o, lse] + grads])
+    kernels.library().lt_set_gemm_threads(kernels.threads())
+    assert results[0] == results[1]
 
 
 @needs_attention
@@ -102,15 +153,19 @@ def test_strided_inputs_are_taken():
 def test_declines_what_it_does_not_compute(monkeypatch):
     """float64 (gradient checks) and a softcap (Gemma 2) stay on numpy's path: the kernel is not
     called, and the numpy result is the exact one."""
-    calls = []
+    calls, back_calls = [], []
     monkeypatch.setattr(kernels, "flash_attn", lambda *a: calls.append(a) or False)
+    monkeypatch.setattr(kernels, "flash_attn_back", lambda *a: back_calls.append(a) or False)
     q, k, v = (a.astype(np.float64) for a in _inputs(1, 40, 2, 1, 8, seed=9))
     out = np.zeros(q.size + 2 * 40)
     cpu.k_flash_attn(out, q, k, v, scale=0.3, softcap=0.0, window=0)
     assert len(calls) == 1  # asked, declined (float64)
     q32, k32, v32 = _inputs(1, 40, 2, 1, 8, seed=9)
-    cpu.k_flash_attn(np.zeros(q32.size + 80, np.float32), q32, k32, v32, scale=0.3, softcap=1.5, window=0)
-    assert len(calls) == 1  # a softcap: not asked
+    packed = np.zeros(q32.size + 80, np.float32)
+    cpu.k_flash_attn(packed, q32, k32, v32, scale=0.3, softcap=1.5, window=0)
+    cpu.k_flash_attn_back(np.zeros(q32.size + 2 * k32.size, np.float32), q32, k32, v32, packed, q32, scale=0.3,
+                          softcap=1.5, window=0)
+    assert len(calls) == 1 and not back_calls  # a softcap: not asked
     exact_o, _ = _exact(q, k, v, 0.3, 0)
     assert np.abs(cpu._fa_split(out, q, k)[0] - exact_o).max() < 1e-12
     if _built:

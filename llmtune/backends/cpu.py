@@ -690,9 +690,15 @@ def k_flash_attn_back(out, q, k, v, packed, g, *, scale, softcap, window):
     """dq | dk | dv of ops.flash_attn (FlashAttention-2's backward): per block P = exp(S - lse),
     dV += P^T dO, dP = dO V^T, dS = P (dP - D) with D = rowsum(dO * O), then through the softcap
     (1 - tanh^2) and the scale, dQ += dS K, dK += dS^T Q. The rows of a block are every query head
-    of a KV group, so dK and dV sum over the group by the products themselves."""
-    fb = _FlashBlocks(q, k, v, scale, softcap, window)
+    of a KV group, so dK and dV sum over the group by the products themselves. Without a softcap,
+    float32 runs in one compiled call (native.flash_attn_back); this is its reference."""
     o, lse = _fa_split(packed, q, k)
+    n_q, n_kv = q.size, k.size
+    if not softcap and native.flash_attn_back(out[:n_q].reshape(q.shape), out[n_q : n_q + n_kv].reshape(k.shape),
+                                              out[n_q + n_kv : n_q + 2 * n_kv].reshape(k.shape), q, k, v, o, lse, g,
+                                              scale, window):
+        return out
+    fb = _FlashBlocks(q, k, v, scale, softcap, window)
     B, T, H, d = q.shape
     Hkv, G = fb.Hkv, fb.G
     gh = np.ascontiguousarray(g.reshape(B, T, Hkv, G, d).transpose(0, 2, 3, 1, 4))  # dO [B, Hkv, G, T, d]
@@ -723,7 +729,6 @@ def k_flash_attn_back(out, q, k, v, packed, g, *, scale, softcap, window):
             dq_b += np.matmul(ds, fb.kh[:, :, s0:s1])
             dk[:, :, s0:s1] += np.matmul(ds.swapaxes(-1, -2), qb)
         dq[:, :, :, t0:t1] = dq_b.reshape(B, Hkv, G, t1 - t0, d)
-    n_q, n_kv = q.size, k.size
     out[:n_q].reshape(B, T, Hkv, G, d)[...] = dq.transpose(0, 3, 1, 2, 4)
     out[n_q : n_q + n_kv].reshape(k.shape)[...] = dk.transpose(0, 2, 1, 3)
     out[n_q + n_kv :].reshape(v.shape)[...] = dv.transpose(0, 2, 1, 3)

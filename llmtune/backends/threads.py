@@ -92,7 +92,7 @@ def run_in_order(fn, make_state, items, n_workers: int):
 
     pool = ThreadPoolExecutor(n_workers, thread_name_prefix="llmtune-ppl")
     try:
-        with blas_threads(1):
+        with blas_threads(1, compiled=True):  # and the compiled kernels' pool (attention, products)
             futures = [pool.submit(task, item) for item in items]
             for fut in futures:
                 yield fut.result()
@@ -159,11 +159,6 @@ class _BlasThreads:
 
     def available(self) -> bool:
         return bool(self._load())
-
-    def current(self) -> int:
-        """OpenBLAS's thread count now (one inside run_in_order's workers), else the cores."""
-        funcs = self._load()
-        return int(funcs[0]()) if funcs else n_cores()
 
     # products of a training step's shapes (stories260K's and SmolLM2's widths), checked once
     _PROBE_SHAPES = ((256, 64, 512), (256, 288, 768), (512, 288, 2048), (128, 576, 1536))

@@ -73,6 +73,8 @@ def _load():
                 lib.lt_set_gemm_threads.restype = None
                 lib.lt_flash_attn.argtypes = [_PTR] * 5 + [_I64] * 5 + [ctypes.c_float, _I64, _INT]
                 lib.lt_flash_attn.restype = _INT
+                lib.lt_flash_attn_back.argtypes = [_PTR] * 9 + [_I64] * 5 + [ctypes.c_float, _I64, _INT]
+                lib.lt_flash_attn_back.restype = _INT
             except build.BuildError as e:
                 lib, reason = None, str(e)
         threads = os.environ.get("LLMTUNE_NATIVE_THREADS", "")
@@ -294,22 +296,40 @@ def bind_sgemm_packed(out2: np.ndarray, x2: np.ndarray, packed: np.ndarray, n: i
     return _bound(lib.lt_sgemm_packed, args, (out2, x2, packed))
 
 
+def _attention_ok(lib, q, k, v, outputs) -> bool:
+    return (lib is not None and q.ndim == 4 and k.shape == v.shape and q.dtype == k.dtype == v.dtype == np.float32
+            and all(a.dtype == np.float32 and a.flags.c_contiguous for a in outputs))
+
+
 def flash_attn(o: np.ndarray, lse: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
                window: int) -> bool:
     """The forward of ops.flash_attn without a softcap (cpu.k_flash_attn's O [B, T, H, d] and row
-    logsumexp [B, Hkv, G, T]) in one call over the threads OpenBLAS has now (one inside a worker
-    per core); each output computed by one task, so the bits do not depend on the threads. False
-    (nothing usable written) where the compiled kernel does not take the case."""
+    logsumexp [B, Hkv, G, T]) in one call, over the compiled products' threads (one inside a
+    worker per core: threads.blas_threads(1, compiled=True)); each output computed by one task,
+    so the bits do not depend on the threads. False (nothing usable written) where the compiled
+    kernel does not take the case."""
     lib = _load()
-    arrays = (o, lse, q, k, v)
-    if (lib is None or q.ndim != 4 or k.shape != v.shape or any(a.dtype != np.float32 for a in arrays)
-            or not (o.flags.c_contiguous and lse.flags.c_contiguous)):
+    if not _attention_ok(lib, q, k, v, (o, lse)):
         return False
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
     (B, T, H, d), Hkv = q.shape, k.shape[2]
-    nth = min(blas_threads.current(), _state["threads"])
     return lib.lt_flash_attn(_addr(q), _addr(k), _addr(v), _addr(o), _addr(lse), B, T, H, Hkv, d, float(scale),
-                             int(window), nth) == 0
+                             int(window), 0) == 0
+
+
+def flash_attn_back(dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                    o: np.ndarray, lse: np.ndarray, g: np.ndarray, scale: float, window: int) -> bool:
+    """dq, dk, dv of flash_attn from its inputs, its outputs o and lse and the output gradient g
+    (cpu.k_flash_attn_back without a softcap) in one call, threads as flash_attn; every output
+    written by one task. False (nothing usable written) where the compiled kernel does not take it."""
+    lib = _load()
+    if not _attention_ok(lib, q, k, v, (dq, dk, dv)) or o.dtype != np.float32 or g.dtype != np.float32 \
+            or lse.dtype != np.float32:
+        return False
+    q, k, v, o, lse, g = (np.ascontiguousarray(a) for a in (q, k, v, o, lse, g))
+    (B, T, H, d), Hkv = q.shape, k.shape[2]
+    return lib.lt_flash_attn_back(_addr(q), _addr(k), _addr(v), _addr(o), _addr(lse), _addr(g), _addr(dq), _addr(dk),
+                                  _addr(dv), B, T, H, Hkv, d, float(scale), int(window), 0) == 0
 
 
 def _bound(fn, args, keep):
