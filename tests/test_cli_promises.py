@@ -417,3 +417,26 @@ def test_finetune_summary_and_elapsed_cover_a_resumed_run(small_text, tmp_path, 
     half = len(before) // 2
     assert after[:half] == before[:half] and after[half] >= after[half - 1] > 0
     assert "all epochs done" in err and "all 2 epochs" not in err
+
+
+def test_a_signal_between_a_pass_and_its_report_still_shows_its_chunks():
+    """Interrupted after a pass's sums but before its values streamed: the line gets the values of
+    every chunk the partial estimate counts before it closes (no estimate over unseen chunks)."""
+    import io
+
+    from rich.console import Console
+
+    from llmtune.errors import Interrupted
+    from llmtune.eval.perplexity import PerplexityProgress, PerplexityResult
+    from llmtune.ui.perplexity import perplexity_progress
+
+    buf = io.StringIO()
+    out, err = Console(file=buf, force_terminal=False), Console(file=io.StringIO(), force_terminal=False)
+    with pytest.raises(Interrupted):
+        with perplexity_progress(err, out) as on_progress:
+            on_progress(PerplexityProgress(2, 9, 128, 576, 70.1, 0.1, (98.3865, 70.0978)))
+            exc = Interrupted(2)
+            exc.partial = PerplexityResult(chunks=[98.3865, 70.0978, 61.2914], ppl=61.29, ppl_err=19.9, n_tokens=192,
+                                           tokens_per_s=1.0)
+            raise exc
+    assert buf.getvalue() == "[1]98.3865,[2]70.0978,[3]61.2914,\n"

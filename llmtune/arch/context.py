@@ -64,10 +64,11 @@ class BuildContext:
     """
 
     def __init__(self, hp: HParams, weights: dict[str, Node], batch: Batch, logits_start: int = 0, lora=None,
-                 cache=None, prefix=None, packing=None, round_x: bool = True):
+                 cache=None, prefix=None, packing=None, round_x: bool = True, plain_attention_max: int | None = None):
         self.hp, self.weights, self.batch, self.logits_start = hp, weights, batch, logits_start
         self.lora, self.round_x = lora, round_x
         self.cache, self.prefix, self.packing = cache, prefix, packing
+        self.plain_attention_max = plain_attention_max  # causal_attention's; None: its default
 
     @property
     def n_ctx(self) -> int:
@@ -216,7 +217,8 @@ class BuildContext:
         elif self.packing is not None:
             out = self.packing.attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
         else:
-            out = causal_attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window)
+            out = causal_attention(q, k, v, hp.kq_scale, softcap=hp.attn_softcap, window=window,
+                                   plain_max=self.plain_attention_max)
         out = self.cb(ops.reshape(out, (b.n_seq * b.n_tok, hp.n_embd_q)), "kqv_out", il)
         return self.mm(out, f"{blk}.attn_output")
 
@@ -292,7 +294,8 @@ class BuildContext:
         return self.cb(ops.softcap(logits, cap) if cap else logits, "result_output")
 
 
-def causal_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float = 0.0, window: int = 0) -> Node:
+def causal_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float = 0.0, window: int = 0,
+                     plain_max: int | None = None) -> Node:
     """Causal scaled-dot-product attention, q [B, T, H, d], k/v [B, T, Hkv, d] -> [B, T, H, d].
 
     softcap > 0: scores -> softcap * tanh(kq_scale * scores / softcap) before the softmax (gemma2);
@@ -304,9 +307,10 @@ def causal_attention(q: Node, k: Node, v: Node, kq_scale: float, softcap: float 
     it, the plain composition: its [T, T] scores are small there and its few large products run
     faster (T=256: stories260K steps 17 %, the 15M shape's 8 % faster than blockwise). The
     KV-cached path (arch/kvcache.py) keeps the plain composition, whose query positions are given
-    at run time.
+    at run time. plain_max: another bound (a backend's plain_attention_max: 0 where the compiled
+    blockwise kernels run every length faster).
     """
-    if q.shape[1] > PLAIN_ATTENTION_MAX_T:
+    if q.shape[1] > (PLAIN_ATTENTION_MAX_T if plain_max is None else plain_max):
         return ops.flash_attn(q, k, v, kq_scale, softcap, window)
     T = q.shape[1]
     mask = {"window": window} if window else {}

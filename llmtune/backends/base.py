@@ -105,6 +105,11 @@ class Backend:
         """dst += src (gradient accumulation into parameter-gradient buffers)."""
         raise NotImplementedError
 
+    # The longest causal attention a graph for this backend computes with the plain [T, T]
+    # composition (its few large products); longer ones blockwise (ops.flash_attn). None: the
+    # graph builder's default (arch/context.py PLAIN_ATTENTION_MAX_T).
+    plain_attention_max: Optional[int] = None
+
     def sum_squares(self, flat: Any) -> float:
         """sum(flat^2) as a host float (a step's gradient norm squared; not finite exactly where
         some element is not, or where the sum overflows the backend's accumulator)."""

@@ -33,7 +33,8 @@ class ChunkScorer:
 
     def _compile(self, key: tuple) -> Program:
         n_seq, n_tok, first, prefix = key
-        _, nodes, logits = self.model.build(n_seq, n_tok, logits_start=first, prefix=prefix)
+        _, nodes, logits = self.model.build(n_seq, n_tok, logits_start=first, prefix=prefix,
+                                            plain_attention_max=self.backend.plain_attention_max)
         return Program([logits], self.backend, params={nodes[n]: a for n, a in self.weights.items()})
 
     def _program(self, n_seq: int, n_tok: int, first: int, prefix=None) -> Program:
@@ -169,7 +170,8 @@ def pass_bytes(model, backend, n_seq: int, n_tok: int, first: int, prefix=None) 
     """The arena one forward pass of this shape needs (planned, not allocated)."""
     from llmtune.graph.planner import Program
 
-    _, nodes, logits = model.build(n_seq, n_tok, logits_start=first, prefix=prefix)
+    _, nodes, logits = model.build(n_seq, n_tok, logits_start=first, prefix=prefix,
+                                   plain_attention_max=backend.plain_attention_max)
     return Program([logits], backend, params={n: None for n in nodes.values()}, allocate=False).memory.planned_bytes
 
 

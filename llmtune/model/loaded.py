@@ -83,7 +83,7 @@ class Model:
 
     def build(self, n_seq: int, n_tok: int, *, logits_start: int = 0, trainable=(), lora_dropout: float = 0.0,
               cache=None, prefix: PrefixShape | None = None, packed: bool = False, round_x: bool = True,
-              n_out: int | None = None):
+              n_out: int | None = None, plain_attention_max: int | None = None):
         """Forward graph for n_seq x n_tok tokens -> (batch inputs, tensor nodes by name, logits).
         Nodes cover `tensors()` (adapters included); lora_dropout > 0 (training) adds the adapters'
         dropout-mask inputs (adapter.dropout_masks). cache: an arch/kvcache.py KVCache (generation);
@@ -94,7 +94,9 @@ class Model:
         block-diagonal masks given at run time. round_x=False: products with weights kept in their
         file type leave the activations unrounded (training; arch/context.py BuildContext).
         n_out: only n_out rows, picked at run time by the input "out_ids", produce logits (a
-        training pass's loss-carrying targets; Batch.out_ids); None or all rows: every row."""
+        training pass's loss-carrying targets; Batch.out_ids); None or all rows: every row.
+        plain_attention_max: the longest causal attention built as the plain composition (the
+        backend's Backend.plain_attention_max; None: arch/context.py's default)."""
         if n_out is not None and (logits_start or prefix is not None or cache is not None):
             raise ValueError("build: n_out selects the logit rows itself (no logits_start, prefix or cache)")
         trainable = set(trainable)
@@ -108,7 +110,7 @@ class Model:
             shared = SharedPrefix(prefix, swa=self.hp.has_swa)
         packing = Packing(n_seq, n_tok, swa=self.hp.has_swa) if packed else None
         context = BuildContext(self.hp, nodes, batch, logits_start, lora=lora, cache=cache, prefix=shared,
-                               packing=packing, round_x=round_x)
+                               packing=packing, round_x=round_x, plain_attention_max=plain_attention_max)
         logits = self.family.build(context)
         order = topo_order([logits])
         self._check_reached(nodes, order)

@@ -75,6 +75,8 @@ def _load():
                 lib.lt_flash_attn.restype = _INT
                 lib.lt_flash_attn_back.argtypes = [_PTR] * 9 + [_I64] * 5 + [ctypes.c_float, _I64, _INT]
                 lib.lt_flash_attn_back.restype = _INT
+                lib.lt_attention_built.argtypes = []
+                lib.lt_attention_built.restype = _INT
             except build.BuildError as e:
                 lib, reason = None, str(e)
         threads = os.environ.get("LLMTUNE_NATIVE_THREADS", "")
@@ -294,6 +296,12 @@ def bind_sgemm_packed(out2: np.ndarray, x2: np.ndarray, packed: np.ndarray, n: i
         return None
     args = (_addr(x2), x2.strides[0] // 4, x2.shape[0], _addr(packed), n, k, _addr(out2), out2.strides[0] // 4, 0)
     return _bound(lib.lt_sgemm_packed, args, (out2, x2, packed))
+
+
+def attention_available() -> bool:
+    """Whether this build has the compiled blockwise attention (AVX-512: its vector exp)."""
+    lib = _load()
+    return lib is not None and bool(lib.lt_attention_built())
 
 
 def _attention_ok(lib, q, k, v, outputs) -> bool:

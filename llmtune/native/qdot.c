@@ -1494,6 +1494,9 @@ static int64_t run_step(const lt_step *s, int nth) {
 
 int64_t lt_step_size(void) { return (int64_t)sizeof(lt_step); }
 
+/* The compiled blockwise attention (lt_flash_attn, lt_flash_attn_back) is built in (1) or not (0). */
+int lt_attention_built(void) { return LT_VEXP; }
+
 /* This file's AVX2 path is compiled in (1) or the portable one (0). */
 int lt_simd(void) { return LT_AVX2; }
 

@@ -223,7 +223,8 @@ class Trainer:
         """The model's graph of n_seq windows, as every training program builds it: round_x=False,
         a quantized base multiplies the activations as they are (QLoRA's dequantized product;
         evaluation keeps llama.cpp's rounding to report its numbers)."""
-        return self.model.build(n_seq, self.n_ctx, round_x=False, **kwargs)
+        return self.model.build(n_seq, self.n_ctx, round_x=False, plain_attention_max=self.backend.plain_attention_max,
+                                **kwargs)
 
     def _build_train_program(self, grad_views: dict, n_out: int | None = None, arena=None) -> Program:
         """A training pass; n_out: only that many rows, picked by the input "out_ids", produce

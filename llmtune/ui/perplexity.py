@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from llmtune.errors import Interrupted
 from llmtune.eval.perplexity import PerplexityProgress, PerplexityResult
 from llmtune.gguf.file import check_output_path
 from llmtune.ui.progress import progress_bar
@@ -41,7 +42,9 @@ def perplexity_progress(console: Console, out: Console = None) -> Iterator[Calla
     """A transient bar over the tokens evaluated, with speed and running perplexity; yields the
     `progress` callback of perplexity(). With `out`, llama.cpp's running values ([1]5.1234,...)
     stream there as each pass ends; the bar then shows only when `out` is not a terminal (on a
-    terminal the values themselves are the progress)."""
+    terminal the values themselves are the progress). Stopped by a signal between a pass's sums
+    and its report, the values of the chunks its partial estimate holds are written first, so
+    the line shows every chunk the estimate counts."""
     columns = (TextColumn("tokens"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
                TimeRemainingColumn(), TextColumn("{task.fields[ppl]}"))
     write, end = stream_writer(out) if out is not None else (None, None)
@@ -51,14 +54,23 @@ def perplexity_progress(console: Console, out: Console = None) -> Iterator[Calla
                           **({"disable": True} if hide else {})) as bar:
             task = bar.add_task("perplexity", total=None, rate="", ppl="")
 
+            written = [0]  # chunks whose running value is out
+
             def on_progress(p: PerplexityProgress) -> None:
                 if write is not None:
                     first = p.chunks_done - len(p.running) + 1
                     write(running_values(p.running, first))
+                    written[0] = p.chunks_done
                 bar.update(task, completed=p.tokens_done, total=p.n_tokens, ppl=f"ppl {p.ppl:.4f}",
                            rate=f"{p.tokens_done / max(p.seconds, 1e-9):,.0f} tok/s")
 
-            yield on_progress
+            try:
+                yield on_progress
+            except Interrupted as exc:
+                missing = exc.partial.chunks[written[0]:] if exc.partial is not None else []
+                if write is not None and missing:
+                    write(running_values(missing, written[0] + 1))
+                raise
     finally:
         if end is not None:
             end()
