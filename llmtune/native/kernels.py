@@ -380,40 +380,33 @@ def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:
     return out
 
 
-def _load_dequant():
-    """dequant.c's library (built beside qdot.c's, under the same switch), or None."""
+def _load_beside(name: str, signatures: dict):
+    """The library built from `name`.c beside qdot.c's (under the same switch), its functions
+    typed from signatures {function: (argtypes, restype)}; None where it is not available."""
     if not available():
         return None
     with _lock:
-        if "dequant" not in _state:
+        if name not in _state:
             try:
-                lib = build.load("dequant")
-                lib.lt_dequant.argtypes = [_INT, _PTR, _I64, _I64, _I64, _PTR, _I64]
-                lib.lt_dequant.restype = _INT
-                lib.lt_round_q8.argtypes = [_PTR, _I64, _I64, _INT, _PTR, _PTR]
-                lib.lt_round_q8.restype = _INT
+                lib = build.load(name)
+                for fn, (argtypes, restype) in signatures.items():
+                    getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
             except build.BuildError:
                 lib = None
-            _state["dequant"] = lib
-        return _state["dequant"]
+            _state[name] = lib
+        return _state[name]
+
+
+def _load_dequant():
+    """dequant.c's block decoders, or None."""
+    return _load_beside("dequant", {"lt_dequant": ([_INT, _PTR, _I64, _I64, _I64, _PTR, _I64], _INT),
+                                    "lt_round_q8": ([_PTR, _I64, _I64, _INT, _PTR, _PTR], _INT)})
 
 
 def _load_optim():
-    """optim.c's library (built beside qdot.c's, under the same switch), or None."""
-    if not available():
-        return None
-    with _lock:
-        if "optim" not in _state:
-            try:
-                lib = build.load("optim")
-                lib.lt_adamw.argtypes = [_PTR] * 4 + [_I64] + [ctypes.c_float] * 8 + [_INT]
-                lib.lt_adamw.restype = None
-                lib.lt_sum_squares.argtypes = [_PTR, _I64, _I64, _PTR]
-                lib.lt_sum_squares.restype = None
-            except build.BuildError:
-                lib = None
-            _state["optim"] = lib
-        return _state["optim"]
+    """optim.c's optimizer updates, or None."""
+    return _load_beside("optim", {"lt_adamw": ([_PTR] * 4 + [_I64] + [ctypes.c_float] * 8 + [_INT], None),
+                                  "lt_sum_squares": ([_PTR, _I64, _I64, _PTR], None)})
 
 
 def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, lr: float, beta1: float, beta2: float,
