@@ -1,0 +1,111 @@
+"""The compiled kernels of a training step and an evaluation pass beside their numpy references,
+on SmolLM2-135M's shapes: blockwise causal attention (native/qdot.c lt_flash_attn /
+lt_flash_attn_back against backends/cpu.py's block walk) and the AdamW update (native/optim.c
+lt_adamw against the blocked numpy update) with the step's gradient sum of squares.
+
+    python bench/bench_step_kernels.py [--lengths 128,512,1024] [--reps 11] [--threads 1,2]
+
+Attention: 9 query heads over 3 KV heads of 64, one sequence; milliseconds per call (medians of
+--reps) and the compiled kernel's speed-up, at each thread count (the compiled pool's; numpy's
+BLAS takes the same). AdamW: 135M float32 values (a full finetune's), milliseconds per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from llmtune.backends import cpu
+from llmtune.backends.threads import blas_threads
+from llmtune.native import kernels
+
+H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _numpy_only(fn):
+    """fn with the compiled attention and AdamW declined (numpy's path)."""
+    def run():
+        saved = kernels.flash_attn, kernels.flash_attn_back, kernels.adamw, kernels.sum_squares
+        kernels.flash_attn = kernels.flash_attn_back = kernels.adamw = lambda *a, **k: False
+        kernels.sum_squares = lambda *a: None
+        try:
+            fn()
+        finally:
+            kernels.flash_attn, kernels.flash_attn_back, kernels.adamw, kernels.sum_squares = saved
+    return run
+
+
+def attention_rows(lengths, reps: int, threads: int) -> None:
+    rng = np.random.default_rng(0)
+    for T in lengths:
+        q = rng.standard_normal((1, T, H, D), dtype=np.float32)
+        k, v = (rng.standard_normal((1, T, HKV, D), dtype=np.float32) for _ in range(2))
+        g = rng.standard_normal(q.shape, dtype=np.float32)
+        packed = np.zeros(q.size + H * T, np.float32)
+        grads = np.zeros(q.size + 2 * k.size, np.float32)
+
+        def fwd():
+            cpu.k_flash_attn(packed, q, k, v, scale=0.125, softcap=0.0, window=0)
+
+        def back():
+            cpu.k_flash_attn_back(grads, q, k, v, packed, g, scale=0.125, softcap=0.0, window=0)
+
+        fwd()
+        row = {name: (_median_ms(_numpy_only(f), reps), _median_ms(f, reps)) for name, f in (("forward", fwd), ("backward", back))}
+        print(f"| attention, T {T}, {threads} thread(s) | " + " | ".join(
+            f"{n} {a:.2f} -> {b:.2f} ms ({a / b:.1f}x)" for n, (a, b) in row.items()) + " |")
+
+
+def adamw_row(reps: int, threads: int) -> None:
+    n = 135_000_000
+    rng = np.random.default_rng(1)
+    w, g = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    be = cpu.CPUBackend()
+
+    def step():
+        be.adamw_step(w, g, m, v, lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.0, t=1)
+
+    def norm():
+        be.sum_squares(g)
+
+    reps = max(3, reps // 3)
+    a, b = _median_ms(_numpy_only(step), reps), _median_ms(step, reps)
+    c, d = _median_ms(_numpy_only(norm), reps), _median_ms(norm, reps)
+    print(f"| AdamW over 135M, {threads} thread(s) | update {a:.0f} -> {b:.0f} ms ({a / b:.1f}x) | "
+          f"sum of squares {c:.0f} -> {d:.0f} ms ({c / d:.1f}x) |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="128,512,1024")
+    ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--threads", default="1,2")
+    args = ap.parse_args()
+    if not kernels.attention_available():
+        raise SystemExit(f"no compiled attention in this build: {kernels.reason() or 'no AVX-512'}")
+    print("| kernel | numpy -> compiled | |")
+    print("| --- | --- | --- |")
+    for threads in (int(t) for t in args.threads.split(",")):
+        kernels.library().lt_set_gemm_threads(threads)
+        with blas_threads(threads):
+            attention_rows([int(t) for t in args.lengths.split(",")], args.reps, threads)
+    kernels.library().lt_set_gemm_threads(kernels.threads())
+    adamw_row(args.reps, kernels.threads())
+
+
+if __name__ == "__main__":
+    main()
