@@ -185,7 +185,7 @@ class Trainer:
         single-threaded OpenBLAS (see __init__). Otherwise the frozen quantized matrices' float32
         copies: as many as fit (qtensor.training_budget), made at their first product; those only
         looked up (a token table) keep none. Float32 passes only (the copies are float32)."""
-        self._packed_bytes = self._released_base = 0
+        self._packed_bytes, self._packed_names = 0, set()
         if self.float_copies is None or np.dtype(self.backend.dtype) != np.float32:
             if self.float_copies is not None:
                 self.float_copies.pack = False
@@ -198,14 +198,15 @@ class Trainer:
         weights = {n.inputs[1].name for n in order if n.op in ("qlinear", "matmul")}
         packs = {n: w for n, w in self._frozen.items() if n in weights and (n in quantized or w.dtype == np.float32)}
         packed = sum(self.float_copies.packed_bytes(w.shape) for w in packs.values())
-        # once packed, their file pages go back (FloatCopies.releases): not resident at the peak
-        self._released_base = sum(w.nbytes for w in packs.values()) if self.float_copies.releases else 0
+
         need, available = sum(self.memory_bytes().values()), available_memory(self.backend)
         budget = training_budget({}, need, available, packed) if self.float_copies.packing() else 0
         if budget < packed:  # not all of them: no packed copies (the float copies then, as they fit)
             self.float_copies.pack = False
             budget = training_budget(quantized, need, available)
         self.float_copies.budget, self._packed_bytes = budget, packed
+        if self.float_copies.pack and self.float_copies.releases:  # once packed, their file pages go back
+            self._packed_names = set(packs)
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
@@ -353,18 +354,21 @@ class Trainer:
                 memory["float copies"] = copies.budget - packed
             if packed:
                 memory["packed copies"] = packed
-                memory["base"] -= self._released_base  # the packed matrices' file pages, given back
         if self.model.adapters and self.model.adapters[0].magnitudes:  # DoRA's output: its merged matrices, F32
             memory["merged output"] = sum(self.model.weights[n].size for n in self.model.adapters[0].pairs) * 4
         return memory
 
     def base_types(self) -> dict[str, int]:
         """Bytes of the base weights by how they are held: frozen matrices in their file type
-        ("Q4_K", "F16", ...), everything else (trained or float) in the backend's float type."""
+        ("Q4_K", "F16", ...), everything else (trained or float) in the backend's float type;
+        not those multiplied through packed copies, whose file pages are given back once packed
+        (they are the estimate's "packed copies")."""
         itemsize = np.dtype(self.backend.dtype).itemsize
-        trained = set(self.trainable)
+        trained, packed = set(self.trainable), getattr(self, "_packed_names", set())
         out: dict[str, int] = {}
         for name in self.model.weights:  # adapters' tensors are not the base
+            if name in packed:
+                continue
             w = self.tensors[name]
             if isinstance(w, QTensor) and name not in trained:
                 key, nbytes = w.qtype, w.nbytes
