@@ -1654,7 +1654,7 @@ static void fa_task(void *arg, int64_t chunk) {
 
 /* The backward (cpu.k_flash_attn_back, FlashAttention-2's): per block P = exp(S - lse), dP = dO V^T,
  * dS = (dP - D) P scale with D = rowsum(dO * O), then dV = P^T dO, dK = dS^T Q, dQ = dS K. Two
- * passes, so that no output has two writers: one task per FA_KB keys of a KV head (its dK and dV
+ * passes, so that no output has two writers: one task per FAB_KB keys of a KV head (its dK and dV
  * over every query of the group that sees them), one per FA_QB queries of a head (its dQ); both
  * recompute their scores, in the forward's key-major layout (queries in vector lanes). */
 typedef struct {
@@ -1744,13 +1744,17 @@ static void fa_rows_acc(float *acc, const float *coef, int64_t nk, const float *
 /* floats of a thread's scratch for the backward: dQ^T, P^T, dS^T, dK and dV tiles */
 static int64_t fab_floats(int64_t d) { return d * FA_QB + 2 * FA_KB * FA_QB + 2 * FA_KB * d; }
 
-static void fab_keys_task(void *arg, int64_t chunk) {  /* dK, dV of FA_KB keys of one KV head */
+/* keys per dK/dV task: a block of its own, smaller than the forward's, so that a short sequence's
+ * few KV heads still give every thread tasks (the first block sees every query, the last few) */
+#define FAB_KB 32
+
+static void fab_keys_task(void *arg, int64_t chunk) {  /* dK, dV of FAB_KB keys of one KV head */
     fab_job_t *j = arg;
     float *pt = fa_scratch(fab_floats(j->d));
     if (!pt) { atomic_store(&j->failed, 1); return; }
     const int64_t d = j->d, T = j->T, G = j->H / j->Hkv, ks = j->Hkv * d, qs = j->H * d;
-    const int64_t b = chunk / (j->Hkv * j->n_kblk), kvh = chunk / j->n_kblk % j->Hkv, s0 = chunk % j->n_kblk * FA_KB;
-    const int64_t nk = T - s0 < FA_KB ? T - s0 : FA_KB;
+    const int64_t b = chunk / (j->Hkv * j->n_kblk), kvh = chunk / j->n_kblk % j->Hkv, s0 = chunk % j->n_kblk * FAB_KB;
+    const int64_t nk = T - s0 < FAB_KB ? T - s0 : FAB_KB;
     float *dst = pt + FA_KB * FA_QB, *dk = dst + FA_KB * FA_QB, *dv = dk + FA_KB * d;
     const float *k = j->k + (b * T * j->Hkv + kvh) * d, *v = j->v + (b * T * j->Hkv + kvh) * d;
     memset(dk, 0, (size_t)(2 * FA_KB * d) * sizeof(float));
@@ -1810,7 +1814,7 @@ int lt_flash_attn_back(const float *q, const float *k, const float *v, const flo
     if (B <= 0 || T <= 0 || d <= 0 || Hkv <= 0 || H % Hkv) return -1;
     if (nth <= 0) nth = atomic_load(&gemm_threads);
     fab_job_t job = {q, k, v, o, lse, g, dq, dk, dv, B, T, H, Hkv, d, window, (T + FA_QB - 1) / FA_QB,
-                     (T + FA_KB - 1) / FA_KB, scale, 0, NULL, NULL, NULL};
+                     (T + FAB_KB - 1) / FAB_KB, scale, 0, NULL, NULL, NULL};
     const int64_t blocks = B * H * job.n_qblk, tile = d * FA_QB;
     float *prep = aligned_alloc(64, (size_t)(blocks * (2 * tile + 2 * FA_QB)) * sizeof(float));
     if (!prep) return -2;
