@@ -545,3 +545,26 @@ def test_activation_rounding_matches_numpy_bit_for_bit(act):
         np.testing.assert_array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
     else:
         assert got[1] is None and want[1] is None
+
+
+@needs_library
+@pytest.mark.parametrize("shape", [(1, 128, 9, 64), (2, 33, 3, 64), (1, 7, 4, 8), (1, 5, 2, 6)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_pairs_is_numpy_s_bit_for_bit(shape, inverse, monkeypatch):
+    """Norm-mode rope of a contiguous float32 [B, T, H, d] (training and evaluation passes): the
+    compiled pass (vector pairs, then the tail) writes numpy's _rope_pairs values exactly, forward
+    and inverse (the backward's); a permuted view still takes numpy's path."""
+    from llmtune.backends import cpu
+
+    x = np.random.default_rng(shape[1]).standard_normal(shape, dtype=np.float32)
+    pos = np.arange(shape[1], dtype=np.int32) + 3
+    args = dict(n_rot=shape[-1], base=10000.0, freq_scale=1.0, mode="norm", inverse=inverse)
+    calls, real = [], kernels.rope_pairs
+    monkeypatch.setattr(kernels, "rope_pairs", lambda *a: calls.append(1) or real(*a))
+    got = cpu.k_rope(np.empty_like(x), x, pos, **args)
+    assert calls
+    monkeypatch.setattr(kernels, "rope_pairs", lambda *a: False)
+    want = cpu.k_rope(np.empty_like(x), x, pos, **args)
+    assert got.tobytes() == want.tobytes()
+    view = np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [B, T, H, d] over [B, H, T, d]
+    assert not real(np.empty_like(x), view, *cpu._ROPE_TABLES.get(pos, shape[-1], 10000.0, 1.0, x.dtype, None)[2:4])

@@ -516,6 +516,8 @@ def k_rope(out, x, pos, freq_factors=None, *, n_rot, base, freq_scale, mode, inv
             rotated = _rope_pairs(np.empty_like(heads_first), heads_first, cos2, sin2)
             out.transpose(0, 2, 1, 3)[...] = rotated
             return out
+        if native.rope_pairs(out, x, cos2, sin2):  # contiguous float32: one compiled pass, the same bits
+            return out
         if x.shape[-1] <= _ROPE_EXPAND_MAX_D and x.ndim == 4:  # small heads: whole [T, H, d] tables
             return _rope_pairs(out, x, *_ROPE_TABLES.expanded(cos2, sin2, x.shape[2]))
         return _rope_pairs(out, x, cos2[:, None, :], sin2[:, None, :])

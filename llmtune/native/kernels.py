@@ -75,6 +75,8 @@ def _load():
                 lib.lt_flash_attn.restype = _INT
                 lib.lt_flash_attn_back.argtypes = [_PTR] * 9 + [_I64] * 5 + [ctypes.c_float, _I64, _INT]
                 lib.lt_flash_attn_back.restype = _INT
+                lib.lt_rope_pairs.argtypes = [_PTR] * 4 + [_I64] * 4 + [_INT]
+                lib.lt_rope_pairs.restype = None
                 lib.lt_attention_built.argtypes = []
                 lib.lt_attention_built.restype = _INT
             except build.BuildError as e:
@@ -296,6 +298,20 @@ def bind_sgemm_packed(out2: np.ndarray, x2: np.ndarray, packed: np.ndarray, n: i
         return None
     args = (_addr(x2), x2.strides[0] // 4, x2.shape[0], _addr(packed), n, k, _addr(out2), out2.strides[0] // 4, 0)
     return _bound(lib.lt_sgemm_packed, args, (out2, x2, packed))
+
+
+def rope_pairs(out: np.ndarray, x: np.ndarray, cos2: np.ndarray, sin2: np.ndarray) -> bool:
+    """Norm-mode rope of x [B, T, H, d] (float32, contiguous) with tables [T, d] as cpu.py's
+    _rope_pairs computes it, bit for bit, over the compiled pool; False (nothing written) where
+    the compiled kernel does not take the arrays."""
+    lib = _load()
+    if (lib is None or x.ndim != 4 or x.shape != out.shape or x.shape[-1] % 2 or cos2.shape != (x.shape[1], x.shape[3])
+            or cos2.shape != sin2.shape or not all(a.dtype == np.float32 and a.flags.c_contiguous
+                                                   for a in (out, x, cos2, sin2))):
+        return False
+    B, T, H, d = x.shape
+    lib.lt_rope_pairs(_addr(x), _addr(cos2), _addr(sin2), _addr(out), B, T, H, d, 0)
+    return True
 
 
 def attention_available() -> bool:
