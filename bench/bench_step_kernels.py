@@ -13,8 +13,8 @@ BLAS takes the same). AdamW: 135M float32 values (a full finetune's), millisecon
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -22,17 +22,14 @@ from llmtune.backends import cpu
 from llmtune.backends.threads import blas_threads
 from llmtune.native import kernels
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm import median_s  # noqa: E402
+
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
 
 
 def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return median_s(fn, reps) * 1e3
 
 
 def _numpy_only(fn):
