@@ -6,8 +6,8 @@ lt_adamw against the blocked numpy update) with the step's gradient sum of squar
     python bench/bench_step_kernels.py [--lengths 128,512,1024] [--reps 11] [--threads 1,2]
 
 Attention: 9 query heads over 3 KV heads of 64, one sequence; milliseconds per call (medians of
---reps) and the compiled kernel's speed-up, at each thread count (the compiled pool's; numpy's
-BLAS takes the same). AdamW: 135M float32 values (a full finetune's), milliseconds per step.
+--reps) and the compiled kernel's speed-up, at each thread count (numpy's BLAS at it; the
+compiled pool at it with OpenBLAS single-threaded, as a packed-product step runs them). AdamW: 135M float32 values (a full finetune's), milliseconds per step.
 """
 
 from __future__ import annotations
@@ -45,6 +45,19 @@ def _numpy_only(fn):
     return run
 
 
+def _numpy_ms(fn, reps: int, threads: int) -> float:
+    with blas_threads(threads):
+        return _median_ms(_numpy_only(fn), reps)
+
+
+def _compiled_ms(fn, reps: int, threads: int) -> float:
+    """fn's compiled kernels on `threads` of the pool, OpenBLAS single-threaded (as in a step with
+    packed products: with OpenBLAS's threads spinning, the kernels keep to the calling thread)."""
+    kernels.library().lt_set_gemm_threads(threads)
+    with blas_threads(1):
+        return _median_ms(fn, reps)
+
+
 def attention_rows(lengths, reps: int, threads: int) -> None:
     rng = np.random.default_rng(0)
     for T in lengths:
@@ -61,7 +74,8 @@ def attention_rows(lengths, reps: int, threads: int) -> None:
             cpu.k_flash_attn_back(grads, q, k, v, packed, g, scale=0.125, softcap=0.0, window=0)
 
         fwd()
-        row = {name: (_median_ms(_numpy_only(f), reps), _median_ms(f, reps)) for name, f in (("forward", fwd), ("backward", back))}
+        row = {name: (_numpy_ms(f, reps, threads), _compiled_ms(f, reps, threads))
+               for name, f in (("forward", fwd), ("backward", back))}
         print(f"| attention, T {T}, {threads} thread(s) | " + " | ".join(
             f"{n} {a:.2f} -> {b:.2f} ms ({a / b:.1f}x)" for n, (a, b) in row.items()) + " |")
 
@@ -97,9 +111,7 @@ def main():
     print("| kernel | numpy -> compiled | |")
     print("| --- | --- | --- |")
     for threads in (int(t) for t in args.threads.split(",")):
-        kernels.library().lt_set_gemm_threads(threads)
-        with blas_threads(threads):
-            attention_rows([int(t) for t in args.lengths.split(",")], args.reps, threads)
+        attention_rows([int(t) for t in args.lengths.split(",")], args.reps, threads)
     kernels.library().lt_set_gemm_threads(kernels.threads())
     adamw_row(args.reps, kernels.threads())
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from llmtune.backends import cpu
+from llmtune.backends.threads import blas_threads
 from llmtune.native import kernels
 
 
@@ -129,12 +130,13 @@ def test_same_bits_whatever_the_threads():
     q, k, v = _inputs(2, 257, 9, 3, 64, seed=3)
     g = np.random.default_rng(4).standard_normal(q.shape, dtype=np.float32)
     results = []
-    for compiled_threads in (1, max(2, kernels.threads())):
-        kernels.library().lt_set_gemm_threads(compiled_threads)
-        ok, o, lse = _compiled(q, k, v, 0.125, 0)
-        grads = [np.empty_like(a) for a in (q, k, v)]
-        assert ok and kernels.flash_attn_back(*grads, q, k, v, o, lse, g, 0.125, 0)
-        results.append([a.tobytes() for a in [o, lse] + grads])
+    with blas_threads(1):  # OpenBLAS single-threaded: the kernels take the compiled count
+        for compiled_threads in (1, max(2, kernels.threads())):
+            kernels.library().lt_set_gemm_threads(compiled_threads)
+            ok, o, lse = _compiled(q, k, v, 0.125, 0)
+            grads = [np.empty_like(a) for a in (q, k, v)]
+            assert ok and kernels.flash_attn_back(*grads, q, k, v, o, lse, g, 0.125, 0)
+            results.append([a.tobytes() for a in [o, lse] + grads])
     kernels.library().lt_set_gemm_threads(kernels.threads())
     assert results[0] == results[1]
 
@@ -226,3 +228,14 @@ def test_training_past_plain_attention_is_numpy_s(stories_path, monkeypatch):
     losses_n, w_n = run()
     np.testing.assert_allclose(losses_c, losses_n, rtol=1e-5)
     np.testing.assert_allclose(w_c, w_n, rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_between_products_leave_openblas_s_threads_the_cores():
+    """With OpenBLAS multi-threaded (a step tuned to its threads) attention and rope run on the
+    calling thread only; with OpenBLAS at one thread they take the compiled pool's count."""
+    if not blas_threads.available():
+        pytest.skip("no OpenBLAS found to set")
+    with blas_threads(2):
+        assert kernels._pool_threads() == 1
+    with blas_threads(1):
+        assert kernels._pool_threads() == 0

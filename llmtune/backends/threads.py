@@ -160,6 +160,11 @@ class _BlasThreads:
     def available(self) -> bool:
         return bool(self._load())
 
+    def current(self) -> int:
+        """OpenBLAS's thread count now (0 where it cannot be read)."""
+        funcs = self._load()
+        return int(funcs[0]()) if funcs else 0
+
     # products of a training step's shapes (stories260K's and SmolLM2's widths), checked once
     _PROBE_SHAPES = ((256, 64, 512), (256, 288, 768), (512, 288, 2048), (128, 576, 1536))
     _keeps_bits = None

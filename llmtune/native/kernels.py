@@ -310,7 +310,7 @@ def rope_pairs(out: np.ndarray, x: np.ndarray, cos2: np.ndarray, sin2: np.ndarra
                                                    for a in (out, x, cos2, sin2))):
         return False
     B, T, H, d = x.shape
-    lib.lt_rope_pairs(_addr(x), _addr(cos2), _addr(sin2), _addr(out), B, T, H, d, 0)
+    lib.lt_rope_pairs(_addr(x), _addr(cos2), _addr(sin2), _addr(out), B, T, H, d, _pool_threads())
     return True
 
 
@@ -318,6 +318,14 @@ def attention_available() -> bool:
     """Whether this build has the compiled blockwise attention (AVX-512: its vector exp)."""
     lib = _load()
     return lib is not None and bool(lib.lt_attention_built())
+
+
+def _pool_threads() -> int:
+    """The thread count of a compiled kernel between BLAS products (attention, rope): the compiled
+    products' (0) while OpenBLAS runs single-threaded (a packed-product step, a worker per core),
+    else 1. OpenBLAS's threads spin after each product; the pool's workers beside them took the
+    cores from a full finetune's products (its matmuls 640 -> 928 ms a step)."""
+    return 0 if blas_threads.current() <= 1 else 1
 
 
 def _attention_ok(lib, q, k, v, outputs) -> bool:
@@ -328,8 +336,7 @@ def _attention_ok(lib, q, k, v, outputs) -> bool:
 def flash_attn(o: np.ndarray, lse: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
                window: int) -> bool:
     """The forward of ops.flash_attn without a softcap (cpu.k_flash_attn's O [B, T, H, d] and row
-    logsumexp [B, Hkv, G, T]) in one call, over the compiled products' threads (one inside a
-    worker per core: threads.blas_threads(1, compiled=True)); each output computed by one task,
+    logsumexp [B, Hkv, G, T]) in one call, over _pool_threads(); each output computed by one task,
     so the bits do not depend on the threads. False (nothing usable written) where the compiled
     kernel does not take the case."""
     lib = _load()
@@ -338,7 +345,7 @@ def flash_attn(o: np.ndarray, lse: np.ndarray, q: np.ndarray, k: np.ndarray, v: 
     q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
     (B, T, H, d), Hkv = q.shape, k.shape[2]
     return lib.lt_flash_attn(_addr(q), _addr(k), _addr(v), _addr(o), _addr(lse), B, T, H, Hkv, d, float(scale),
-                             int(window), 0) == 0
+                             int(window), _pool_threads()) == 0
 
 
 def flash_attn_back(dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -353,7 +360,7 @@ def flash_attn_back(dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, q: np.ndarra
     q, k, v, o, lse, g = (np.ascontiguousarray(a) for a in (q, k, v, o, lse, g))
     (B, T, H, d), Hkv = q.shape, k.shape[2]
     return lib.lt_flash_attn_back(_addr(q), _addr(k), _addr(v), _addr(o), _addr(lse), _addr(g), _addr(dq), _addr(dk),
-                                  _addr(dv), B, T, H, Hkv, d, float(scale), int(window), 0) == 0
+                                  _addr(dv), B, T, H, Hkv, d, float(scale), int(window), _pool_threads()) == 0
 
 
 def _bound(fn, args, keep):
