@@ -198,7 +198,6 @@ class Trainer:
         weights = {n.inputs[1].name for n in order if n.op in ("qlinear", "matmul")}
         packs = {n: w for n, w in self._frozen.items() if n in weights and (n in quantized or w.dtype == np.float32)}
         packed = sum(self.float_copies.packed_bytes(w.shape) for w in packs.values())
-
         need, available = sum(self.memory_bytes().values()), available_memory(self.backend)
         budget = training_budget({}, need, available, packed) if self.float_copies.packing() else 0
         if budget < packed:  # not all of them: no packed copies (the float copies then, as they fit)
@@ -364,7 +363,7 @@ class Trainer:
         not those multiplied through packed copies, whose file pages are given back once packed
         (they are the estimate's "packed copies")."""
         itemsize = np.dtype(self.backend.dtype).itemsize
-        trained, packed = set(self.trainable), getattr(self, "_packed_names", set())
+        trained, packed = set(self.trainable), self._packed_names  # (_budget_float_copies runs first)
         out: dict[str, int] = {}
         for name in self.model.weights:  # adapters' tensors are not the base
             if name in packed:
