@@ -158,6 +158,20 @@ def log_softmax(x):
 
 
 # ------------------------------------------------------------------------------ forward
+def test_lora_term(name):
+    """ops.lora: y + ((s x A^T) B^T) over x's rows, rank 1 to 20 and widths past a vector's 16
+    lanes (the compiled kernel's tails), its packed gradients against float64."""
+    for lead, n_in, n_out, rank in (((2, 37), 50, 70, 3), ((5,), 16, 16, 20), ((3, 1), 100, 37, 1)):
+        y, x, g = randn(*lead, n_out), randn(*lead, n_in), randn(*lead, n_out)
+        a, b = randn(rank, n_in), randn(n_out, rank)
+        t, u = 0.4 * (x @ a.T), 0.4 * (g @ b)
+        rows = (lambda v: v.reshape(-1, v.shape[-1]))
+        grads = np.concatenate([(u @ a).ravel(), (rows(u).T @ rows(x)).ravel(), (rows(g).T @ rows(t)).ravel()])
+        check_forward(name, lambda y, x, a, b, g: [ops.lora(y, x, a, b, 0.4), ops.lora_back(x, a, b, g, 0.4, True),
+                                                   ops.lora_back(x, a, b, g, 0.4, False)],
+                      [y + t @ b.T, grads, grads[x.size:]], rel=1e-5, y=y, x=x, a=a, b=b, g=g)
+
+
 def test_elementwise_broadcasting(name):
     a, b, c = randn(3, 5, 7), randn(5, 1), randn(7)
     check_forward(name, lambda a, b, c: [ops.add(a, b), ops.add(b, a), ops.mul(a, c), ops.scale(a, -0.37)],
@@ -637,6 +651,12 @@ GRAD_CASES = {
     # a scheduling view: the value and gradient of its first input, none for the dependency
     "after": (lambda a, b: ops.add(ops.after(ops.scale(a, 2.0), ops.silu(b)), b), {"a": (2, 3), "b": (2, 3)}, {}),
     "attention_gqa": (_attn, {"q": (1, 3, 4, 2), "k": (1, 3, 2, 2), "v": (1, 3, 2, 2)}, {}),
+    # an adapter's term over a computed base product (in place over it) and a computed input
+    "lora": (lambda y, x, a, b: ops.lora(ops.scale(y, 2.0), ops.silu(x), a, b, 0.6),
+             {"y": (2, 3, 5), "x": (2, 3, 4), "a": (3, 4), "b": (5, 3)}, {}),
+    # the first layer's: its input (the embedding of frozen rows) has no gradient, so no dx is computed
+    "lora_no_dx": (lambda y, a, b, ids: ops.lora(y, ops.get_rows(ops.const(0.5, (4, 4)), ids), a, b, -1.3),
+                   {"y": (3, 2), "a": (1, 4), "b": (2, 1)}, {"ids": np.array([0, 3, 3])}),
     "attention_softcap_window": (lambda q, k, v: _attn(q, k, v, softcap=1.5, window=2),
                                  {"q": (1, 4, 4, 2), "k": (1, 4, 2, 2), "v": (1, 4, 2, 2)}, {}),
 }

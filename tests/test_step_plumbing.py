@@ -80,6 +80,32 @@ def test_replay_matches_run(stories_path, checkpoint):
         assert g1[n].tobytes() == g2[n].tobytes()
 
 
+def test_replay_accumulates_gradients_that_are_views():
+    """ops.lora's A and B gradients are views of one packed buffer (no kernel of their own): a
+    replay still adds each run's into its sink, as Program.run does."""
+    be = CPUBackend()
+    x, w = ops.input((6, 8), name="x"), ops.param((5, 8), name="w", requires_grad=False)
+    a, b = ops.param((2, 8), name="a"), ops.param((5, 2), name="b")
+    loss = ops.cross_entropy(ops.lora(ops.linear(x, w), x, a, b, 0.5), ops.input((6,), "i32", name="targets"))
+    grads = grad(loss, [a, b])
+    rng = np.random.default_rng(0)
+    params = {n: rng.standard_normal(n.shape).astype(np.float32) for n in (w, a, b)}
+
+    def run(replayed: bool):
+        sinks = {n: np.zeros(n.shape, np.float32) for n in (a, b)}
+        prog = Program([loss], be, params=params, accumulate={grads[n]: sinks[n] for n in (a, b)})
+        feed = {"x": np.zeros((6, 8), np.float32), "targets": np.zeros(6, np.int32)}
+        replays = {assign: Replay(prog, feed, assign=assign) for assign in (True, False)}
+        for step, assign in enumerate([True, False, False, True, False]):
+            feed["x"][...] = np.random.default_rng(step).standard_normal((6, 8))
+            feed["targets"][...] = np.arange(step, step + 6) % 5
+            replays[assign].run() if replayed else prog.run(assign=assign, **feed)
+        return sinks
+
+    plain, replayed = run(False), run(True)
+    assert all(plain[n].any() and plain[n].tobytes() == replayed[n].tobytes() for n in (a, b))
+
+
 def test_blas_tuner_keeps_the_faster_count(monkeypatch):
     """Trial runs alternate; the faster count runs; the other is probed after 8 runs, then 16."""
     monkeypatch.setattr(threads.blas_threads, "_load", lambda: (lambda: 2, lambda n: None))

@@ -218,6 +218,59 @@ def k_matmul(out, a, b, ta, tb):
     return np.matmul(a, b, out=out)
 
 
+def _lora_rows(out, y, x):
+    x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+    return out2, y.reshape(out2.shape), x2
+
+
+def k_lora(out, y, x, a, b, s):
+    """y + ((s x A^T) B^T) over x's rows (ops.lora); float32 in one compiled call (native.lora),
+    this its reference."""
+    out2, y2, x2 = _lora_rows(out, y, x)
+    if native.lora(out2, y2, x2, a, b, s=s):
+        return out
+    t = x2 @ a.T
+    t *= t.dtype.type(s)
+    return np.add(y, (t @ b.T).reshape(out.shape), out=out)
+
+
+def _lora_grads(out, x, a, b, g, dx):
+    """ops.lora_back's packed buffer as (dx or None, dA, dB), and x, g as rows."""
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    n_dx = x.size if dx else 0
+    d_x = out[:n_dx].reshape(x2.shape) if dx else None
+    return (d_x, out[n_dx : n_dx + a.size].reshape(a.shape), out[n_dx + a.size :].reshape(b.shape)), x2, g2
+
+
+def k_lora_back(out, x, a, b, g, s, dx):
+    """[dx | dA | dB] of ops.lora (ops.lora_back): u = s (g B), t = s (x A^T), dx = u A,
+    dA = u^T x, dB = g^T t; float32 in one compiled call (native.lora_back), this its reference."""
+    (d_x, d_a, d_b), x2, g2 = _lora_grads(out, x, a, b, g, dx)
+    if native.lora_back(d_x, d_a, d_b, x2, a, b, g2, s=s):
+        return out
+    scale = x.dtype.type(s)
+    u = g2 @ b
+    u *= scale
+    t = x2 @ a.T
+    t *= scale
+    if dx:
+        np.matmul(u, a, out=d_x)
+    np.matmul(u.T, x2, out=d_a)
+    np.matmul(g2.T, t, out=d_b)
+    return out
+
+
+k_lora.bind = lambda out, y, x, a, b, s: native.bind_lora(*_lora_rows(out, y, x), a, b, s)
+
+
+def _bind_lora_back(out, x, a, b, g, s, dx):
+    grads, x2, g2 = _lora_grads(out, x, a, b, g, dx)
+    return native.bind_lora_back(*grads, x2, a, b, g2, s)
+
+
+k_lora_back.bind = _bind_lora_back
+
+
 # a stored matrix is bound as its block bytes, or (an evaluation's weights, CPUBackend.bind) as
 # qmatmul.WithCopies: the bytes and the float copies its products may keep
 def _raw(w):

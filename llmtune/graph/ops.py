@@ -565,6 +565,45 @@ _register("flash_attn", _flash_attn_backward)
 _register("flash_attn_back", None)
 
 
+# --------------------------------------------------------------------------- adapters
+def lora(y: Node, x: Node, a: Node, b: Node, s: float) -> Node:
+    """y + ((s x A^T) B^T): an adapter's term added to its base product y = x W^T, x [..., in],
+    A [r, in], B [out, r] (model/adapter.py LoraGraph, training graphs). One op where the graph
+    would otherwise hold two rank-r products, a scale and an add (and six products, a scale and
+    their adds backward): every one of them is small, so a training step of 210 adapted matrices
+    spent more in calls than in arithmetic. The scale multiplies the rank-r product x A^T, n_out / r
+    times less work than after B."""
+    r, n_in = a.shape
+    if len(b.shape) != 2 or b.shape[1] != r or x.shape[-1] != n_in or y.shape != x.shape[:-1] + (b.shape[0],):
+        raise ValueError(f"lora: y {y.shape}, x {x.shape}, A {a.shape}, B {b.shape}")
+    x, y = (t if t.contiguous else cont(t) for t in (x, y))
+    return _node("lora", (y, x, a, b), {"s": float(s)}, y.shape)
+
+
+def lora_back(x: Node, a: Node, b: Node, g: Node, s: float, dx: bool) -> Node:
+    """The gradients of lora's x (when `dx`), A and B, packed in one buffer in that order:
+    with u = s (g B) and t = s (x A^T) recomputed, dx = u A, dA = u^T x, dB = g^T t."""
+    n = (x.size if dx else 0) + a.size + b.size
+    return _node("lora_back", (x, a, b, g if g.contiguous else cont(g)), {"s": float(s), "dx": bool(dx)}, (n,))
+
+
+def _lora_backward(n: Node, g: Node):
+    y, x, a, b = n.inputs
+    if not (x.requires_grad or a.requires_grad or b.requires_grad):
+        return g, None, None, None
+    back = lora_back(x, a, b, g, n.attrs["s"], x.requires_grad)
+
+    def part(t: Node, start: int):
+        return reshape(slice_axis(back, 0, start, start + t.size), t.shape) if t.requires_grad else None
+
+    start_a = x.size if x.requires_grad else 0
+    return g, part(x, 0), part(a, start_a), part(b, start_a + a.size)
+
+
+_register("lora", _lora_backward, inplace=True)
+_register("lora_back", None)
+
+
 # --------------------------------------------------------------------------- scheduling
 def after(x: Node, dep: Node) -> Node:
     """x itself (a view), computed only once `dep` is: gradient checkpointing (autodiff.py) hangs

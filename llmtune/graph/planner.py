@@ -314,7 +314,9 @@ class Replay:
             val = vals[nid] = kernel(out, *args, **attrs)
             if sink is not None:
                 sink_call(sink, val)
-            if op in _PURE_VIEWS:
+            if op in _PURE_VIEWS:  # the same view every run; its sink (a gradient sliced from a
+                if sink is not None:  # packed buffer, ops.lora_back) still takes each run's value
+                    calls.append((functools.partial(sink_call, sink, val), None, "accumulate", None, ()))
                 continue
             if not (val is out or (op == "cache_write" and val is args[0])):
                 fixed = False

@@ -480,11 +480,15 @@ class LoraGraph:
         """y + sum of scale * (x A^T) B^T (llama.cpp adds each to the base product in turn).
         Evaluation scales the product as llama.cpp's build_lora_mm does, after B; a training graph
         (round_x False) scales the rank-r product x A^T instead, n_out / r times less work forward
-        and backward, the same value up to float32 rounding."""
+        and backward, the same value up to float32 rounding, as one op (ops.lora) where the term is
+        plain LoRA."""
         for t in self.terms.get(name, ()):
             xin = x
             if self.dropout > 0:
                 xin = ops.mul(x, ops.input(x.shape, name=f"{t.key}.dropout"))
+            if not self.round_x and t.magnitude is None:
+                y = ops.lora(y, xin, t.a, t.b, t.scale)
+                continue
             if self.round_x:
                 term = ops.scale(ops.linear(ops.linear(xin, t.a), t.b), t.scale)
             else:

@@ -77,6 +77,10 @@ def _load():
                 lib.lt_flash_attn_back.restype = _INT
                 lib.lt_rope_pairs.argtypes = [_PTR] * 4 + [_I64] * 4 + [_INT]
                 lib.lt_rope_pairs.restype = None
+                lib.lt_lora.argtypes = [_PTR] * 5 + [_I64] * 4 + [ctypes.c_float, _INT]
+                lib.lt_lora.restype = _INT
+                lib.lt_lora_back.argtypes = [_PTR] * 7 + [_I64] * 4 + [ctypes.c_float, _INT]
+                lib.lt_lora_back.restype = _INT
                 lib.lt_attention_built.argtypes = []
                 lib.lt_attention_built.restype = _INT
             except build.BuildError as e:
@@ -312,6 +316,68 @@ def rope_pairs(out: np.ndarray, x: np.ndarray, cos2: np.ndarray, sin2: np.ndarra
     B, T, H, d = x.shape
     lib.lt_rope_pairs(_addr(x), _addr(cos2), _addr(sin2), _addr(out), B, T, H, d, _pool_threads())
     return True
+
+
+LORA_MAX_RANK = 128  # qdot.c LR_MAX_RANK
+
+
+def _lora_ok(lib, b, *arrays) -> bool:
+    return (lib is not None and 1 <= b.shape[1] <= LORA_MAX_RANK
+            and all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous) for a in arrays))
+
+
+def _lora_call(fn, args, keep):
+    """fn(*args, threads) as a call with no arguments (a replayed step binds it once; the thread
+    count is read at each call, as the step runs OpenBLAS single- or multi-threaded)."""
+    bound = functools.partial(fn, *args)
+
+    def call():
+        if bound(_pool_threads()) != 0:  # its scratch (a few rows of rank-r values) not allocated
+            raise MemoryError("the compiled adapter product could not allocate its scratch")
+
+    call.keep = keep
+    return call
+
+
+def bind_lora(out2: np.ndarray, y2: np.ndarray, x2: np.ndarray, a: np.ndarray, b: np.ndarray, s: float):
+    """out2 = y2 + ((s x2 A^T) B^T) over rows (cpu.k_lora; out2 may be y2) as one call over
+    _pool_threads(); each output summed by one task in a fixed order, so the bits do not depend on the threads. None where the compiled
+    kernel does not take the arrays."""
+    lib = _load()
+    if not _lora_ok(lib, b, out2, y2, x2, a, b):
+        return None
+    (M, n_in), (n_out, r) = x2.shape, b.shape
+    args = (_addr(y2), _addr(x2), _addr(a), _addr(b), _addr(out2), M, n_in, n_out, r, s)
+    return _lora_call(lib.lt_lora, args, (out2, y2, x2, a, b))
+
+
+def bind_lora_back(dx: np.ndarray | None, da: np.ndarray, db: np.ndarray, x2: np.ndarray, a: np.ndarray,
+                   b: np.ndarray, g2: np.ndarray, s: float):
+    """lora's gradients (cpu.k_lora_back; dx None: not wanted) as one call, as bind_lora."""
+    lib = _load()
+    if not _lora_ok(lib, b, dx, da, db, x2, a, b, g2):
+        return None
+    (M, n_in), (n_out, r) = x2.shape, b.shape
+    args = (_addr(x2), _addr(a), _addr(b), _addr(g2), None if dx is None else _addr(dx), _addr(da), _addr(db), M,
+            n_in, n_out, r, s)
+    return _lora_call(lib.lt_lora_back, args, (dx, da, db, x2, a, b, g2))
+
+
+def _run_once(call) -> bool:
+    if call is None:
+        return False
+    call()
+    return True
+
+
+def lora(*arrays, s: float) -> bool:
+    """bind_lora's product run once; False (nothing written) where it is not taken."""
+    return _run_once(bind_lora(*arrays, s))
+
+
+def lora_back(*arrays, s: float) -> bool:
+    """bind_lora_back's gradients run once; False (nothing written) where they are not taken."""
+    return _run_once(bind_lora_back(*arrays, s))
 
 
 def attention_available() -> bool:

@@ -137,3 +137,28 @@ class GemmKernels:
         """c = a @ op(b) for row-contiguous 2-D views (c may be a column slice of a wider matrix)."""
         plan = self._plan(a, b, c, False, tb)
         self.rt.gemm(c.dtype, plan, self.rt.ptr(b), self.rt.ptr(a), self.rt.ptr(c), self.precision)
+
+    def _k_lora(self, out, y, x, a, b, s):
+        """ops.lora on cuBLAS: t = s (x A^T), then y + t B^T (out may be y's buffer)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        t = self.xp.empty((x2.shape[0], a.shape[0]), out.dtype)
+        self._k_matmul(t, x2, a, False, True)
+        self._k_scale(t, t, s)
+        term = self.xp.empty(out.shape, out.dtype)
+        self._k_matmul(term.reshape(-1, out.shape[-1]), t, b, False, True)
+        return self.xp.add(y, term, out=out)
+
+    def _k_lora_back(self, out, x, a, b, g, s, dx):
+        """ops.lora_back on cuBLAS: u = s (g B), t = s (x A^T); [dx = u A | dA = u^T x | dB = g^T t]."""
+        x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+        n_dx, rank = (x.size if dx else 0), a.shape[0]
+        u, t = (self.xp.empty((x2.shape[0], rank), out.dtype) for _ in range(2))
+        self._k_matmul(u, g2, b, False, False)
+        self._k_scale(u, u, s)
+        self._k_matmul(t, x2, a, False, True)
+        self._k_scale(t, t, s)
+        if dx:
+            self._k_matmul(out[:n_dx].reshape(x2.shape), u, a, False, False)
+        self._k_matmul(out[n_dx : n_dx + a.size].reshape(a.shape), u, x2, True, False)
+        self._k_matmul(out[n_dx + a.size :].reshape(b.shape), g2, t, True, False)
+        return out
