@@ -1545,11 +1545,14 @@ void lt_rope_pairs(const float *x, const float *cos2, const float *sin2, float *
 #define LR_LANES 16
 #define LR_MAX_RANK 128
 #define LR_ROWS 8      /* rows of x per task */
-#define LR_GROUP 8     /* rank values summed at once (independent chains) */
+#define LR_GROUP 4     /* rank values summed at once (independent chains) */
 #define LR_BLOCKS 4    /* output vectors at a time (independent chains) */
-#define LR_DOT_ROWS 2  /* rows sharing each loaded vector of A (B^T) in a rank-r product */
+#define LR_DOT_ROWS 4  /* rows sharing each loaded vector of A (B^T) in a rank-r product */
 #define LR_COMBINE_ROWS 4  /* rows sharing each loaded vector in a product back to n columns */
-#define LR_COLS (LR_BLOCKS * LR_LANES)  /* columns of dA / dB^T per task */
+#define LR_COLS (LR_BLOCKS * LR_LANES)
+#define LR_OUTER_J 8   /* rank values of dA / dB^T summed at once */
+#define LR_OUTER_V 2   /* vectors of their columns summed at once */
+#define LR_OUTER_COLS (LR_OUTER_V * LR_LANES)  /* columns of dA / dB^T per task */
 
 /* LR_LANES floats: one zmm where AVX-512 is built (fused multiply-adds, as OpenBLAS's products:
  * the reference's order is not kept anyway, and a multiply-add a cycle halves a rank-8 term's
@@ -1581,13 +1584,21 @@ static inline lr_vec lr_fma(lr_vec acc, lr_vec x, lr_vec w) {
 }
 #endif
 
-/* the lanes' sum in a fixed tree (halves added pairwise) */
+/* the lanes' sum in a fixed tree: halves added pairwise (lane i + lane i + 8, then + 4, + 2, + 1) */
 static inline float lr_sum(lr_vec v) {
+#if defined(__AVX512F__)
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+#else
     float l[LR_LANES];
     lr_store(l, v);
     for (int w = LR_LANES / 2; w > 0; w /= 2)
         for (int i = 0; i < w; i++) l[i] += l[i + w];
     return l[0];
+#endif
 }
 
 /* out[i * ld_out + q] = s * sum over k of v[i * ld_v + k] w[q, k] for rows i < nr of v and q < ng
@@ -1672,27 +1683,37 @@ static void lr_combine(const float *c, int nr, const float *w, int64_t r, int64_
         }
 }
 
-/* acc[j][i] = sum over m ascending of c[m, j] v[m, k0 + i] for j < r, i < kn <= LR_COLS (c [M, r],
- * v [M, n]): the columns of dA (c = u, v = x) or of dB^T (c = t, v = g), two rank values at a time */
+/* acc[j0 + jj][q * LR_LANES ...] for jj < nj <= LR_OUTER_J, q < nb <= LR_OUTER_V: sums over m
+ * ascending of c[m, j] v[m, k0 + ...], one pass over v's rows; inlined with constants so the
+ * sums stay in registers */
+static inline __attribute__((always_inline)) void lr_outer_n(const float *c, const float *v, int64_t M, int64_t r,
+                                                             int64_t n, int64_t k0, int64_t j0, const int nj,
+                                                             const int nb, float acc[][LR_OUTER_COLS]) {
+    lr_vec s[LR_OUTER_J][LR_OUTER_V];
+    for (int jj = 0; jj < nj; jj++)
+        for (int q = 0; q < nb; q++) s[jj][q] = lr_zero();
+    for (int64_t m = 0; m < M; m++) {
+        const float *vm = v + m * n + k0, *cm = c + m * r + j0;
+        lr_vec vq[LR_OUTER_V];
+        for (int q = 0; q < nb; q++) vq[q] = lr_load(vm + q * LR_LANES);
+        for (int jj = 0; jj < nj; jj++)
+            for (int q = 0; q < nb; q++) s[jj][q] = lr_axpy(s[jj][q], cm[jj], vq[q]);
+    }
+    for (int jj = 0; jj < nj; jj++)
+        for (int q = 0; q < nb; q++) lr_store(acc[j0 + jj] + q * LR_LANES, s[jj][q]);
+}
+
+/* acc[j][i] = sum over m ascending of c[m, j] v[m, k0 + i] for j < r, i < kn <= LR_OUTER_COLS
+ * (c [M, r], v [M, n]): the columns of dA (c = u, v = x) or of dB^T (c = t, v = g) */
 static void lr_outer_cols(const float *c, const float *v, int64_t M, int64_t r, int64_t n, int64_t k0, int64_t kn,
-                          float acc[][LR_COLS]) {
+                          float acc[][LR_OUTER_COLS]) {
     const int nb = (int)(kn / LR_LANES);
-    for (int64_t j0 = 0; j0 < r; j0 += 2) {
-        const int pair = r - j0 >= 2;
-        lr_vec s0[LR_BLOCKS], s1[LR_BLOCKS];
-        for (int q = 0; q < LR_BLOCKS; q++) s0[q] = s1[q] = lr_zero();
-        for (int64_t m = 0; m < M; m++) {
-            const float *vm = v + m * n + k0, c0 = c[m * r + j0], c1 = pair ? c[m * r + j0 + 1] : 0;
-            for (int q = 0; q < nb; q++) {
-                const lr_vec vq = lr_load(vm + q * LR_LANES);
-                s0[q] = lr_axpy(s0[q], c0, vq);
-                s1[q] = lr_axpy(s1[q], c1, vq);
-            }
-        }
-        for (int q = 0; q < nb; q++) {
-            lr_store(acc[j0] + q * LR_LANES, s0[q]);
-            if (pair) lr_store(acc[j0 + 1] + q * LR_LANES, s1[q]);
-        }
+    for (int64_t j0 = 0; j0 < r; j0 += LR_OUTER_J) {
+        const int nj = r - j0 < LR_OUTER_J ? (int)(r - j0) : LR_OUTER_J;
+        if (nj == LR_OUTER_J && nb == LR_OUTER_V)
+            lr_outer_n(c, v, M, r, n, k0, j0, LR_OUTER_J, LR_OUTER_V, acc);
+        else if (nb > 0)
+            lr_outer_n(c, v, M, r, n, k0, j0, nj, nb, acc);
     }
     for (int64_t i = (int64_t)nb * LR_LANES; i < kn; i++)  /* columns past the last whole vector */
         for (int64_t j = 0; j < r; j++) {
@@ -1759,14 +1780,14 @@ static void lora_rows_task(void *arg, int64_t c) {
     }
 }
 
-/* dA [r, n_in] by LR_COLS columns (sum over m of u[m, j] x[m, :]), then dB [n_out, r] by LR_COLS
+/* dA [r, n_in] by LR_OUTER_COLS columns (sum over m of u[m, j] x[m, :]), then dB [n_out, r] by LR_OUTER_COLS
  * of its rows (sum over m of t[m, j] g[m, :], stored transposed) */
 static void lora_weights_task(void *arg, int64_t c) {
     const lora_job_t *j = arg;
-    float acc[LR_MAX_RANK][LR_COLS];
+    float acc[LR_MAX_RANK][LR_OUTER_COLS];
     const int for_a = c < j->n_col_tasks;
-    const int64_t n = for_a ? j->n_in : j->n_out, k0 = (for_a ? c : c - j->n_col_tasks) * LR_COLS;
-    const int64_t kn = k0 + LR_COLS < n ? LR_COLS : n - k0;
+    const int64_t n = for_a ? j->n_in : j->n_out, k0 = (for_a ? c : c - j->n_col_tasks) * LR_OUTER_COLS;
+    const int64_t kn = k0 + LR_OUTER_COLS < n ? LR_OUTER_COLS : n - k0;
     lr_outer_cols(for_a ? j->u : j->t, for_a ? j->x : j->g, j->M, j->r, n, k0, kn, acc);
     for (int64_t jr = 0; jr < j->r; jr++)
         for (int64_t i = 0; i < kn; i++) {
@@ -1791,9 +1812,9 @@ int lt_lora_back(const float *x, const float *a, const float *b, const float *g,
     }
     lora_job_t job = {.x = x, .a = a, .bT = bT, .g = g, .t = tu, .u = tu + M * r, .dx = dx, .da = da, .db = db,
                       .M = M, .n_in = n_in, .n_out = n_out, .r = r, .s = s,
-                      .n_col_tasks = (n_in + LR_COLS - 1) / LR_COLS};
+                      .n_col_tasks = (n_in + LR_OUTER_COLS - 1) / LR_OUTER_COLS};
     pool_run(lora_rows_task, &job, (M + LR_ROWS - 1) / LR_ROWS, nth);
-    pool_run(lora_weights_task, &job, job.n_col_tasks + (n_out + LR_COLS - 1) / LR_COLS, nth);
+    pool_run(lora_weights_task, &job, job.n_col_tasks + (n_out + LR_OUTER_COLS - 1) / LR_OUTER_COLS, nth);
     free(bT);
     free(tu);
     return 0;
