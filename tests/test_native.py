@@ -390,6 +390,26 @@ def test_training_swiglu_and_its_gradients_match_numpy(monkeypatch, n):
 
 
 @needs_library
+def test_training_swiglu_is_the_same_on_any_thread_count():
+    """The passes run in chunks over the pool (a multiple of the vector width): one thread and all
+    of them write the same bits."""
+    from llmtune.backends.threads import blas_threads
+
+    rng = np.random.default_rng(3)
+    gate, up, g = (rng.standard_normal(128 * 1536 + 9).astype(np.float32) for _ in range(3))
+    results = []
+    with blas_threads(1):  # OpenBLAS single-threaded: the passes take the compiled count
+        for threads in (1, max(2, kernels.threads())):
+            kernels.library().lt_set_gemm_threads(threads)
+            outs = [np.empty_like(gate) for _ in range(3)]
+            assert kernels.swiglu(outs[0], gate, up)
+            assert all(kernels.swiglu_back(o, gate, up, g, w) for o, w in zip(outs[1:], (0, 1)))
+            results.append([o.tobytes() for o in outs])
+    kernels.library().lt_set_gemm_threads(kernels.threads())
+    assert results[0] == results[1]
+
+
+@needs_library
 def test_compiled_steps_decline_and_fail_in_one_line():
     """Encoders decline what the compiled ops do not take (float64, a broadcast they do not know),
     and a position past the cache is an IndexError naming the op, not a write out of bounds."""

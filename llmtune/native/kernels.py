@@ -59,9 +59,9 @@ def _load():
                 lib.lt_pack.restype = None
                 lib.lt_qlinear_packed.argtypes = [_INT, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT]
                 lib.lt_run.restype = _I64
-                lib.lt_swiglu.argtypes = [_PTR, _PTR, _PTR, _I64]
+                lib.lt_swiglu.argtypes = [_PTR, _PTR, _PTR, _I64, _INT]
                 lib.lt_swiglu.restype = None
-                lib.lt_swiglu_back.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _INT]
+                lib.lt_swiglu_back.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT]
                 lib.lt_swiglu_back.restype = None
                 lib.lt_pack_wt_floats.argtypes = [_I64, _I64]
                 lib.lt_pack_wt_floats.restype = _I64
@@ -148,22 +148,22 @@ def _elementwise_ok(*arrays: np.ndarray) -> bool:
 
 
 def swiglu(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> bool:
-    """out = silu(gate) * up in one pass, exp vectorized (within ~1 ulp of numpy's); False
-    (nothing written) where the compiled kernel does not take the arrays."""
+    """out = silu(gate) * up in one pass over _pool_threads(), exp vectorized (within ~1 ulp of
+    numpy's); False (nothing written) where the compiled kernel does not take the arrays."""
     lib = _load()
     if lib is None or not _elementwise_ok(out, gate, up):
         return False
-    lib.lt_swiglu(_addr(gate), _addr(up), _addr(out), out.size)
+    lib.lt_swiglu(_addr(gate), _addr(up), _addr(out), out.size, _pool_threads())
     return True
 
 
 def swiglu_back(out: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray, wrt: int) -> bool:
     """swiglu's gradient with respect to gate (wrt 0) or up (wrt 1), as cpu.k_swiglu_back, in one
-    pass; False where the compiled kernel does not take the arrays."""
+    pass over _pool_threads(); False where the compiled kernel does not take the arrays."""
     lib = _load()
     if lib is None or not _elementwise_ok(out, gate, up, g):
         return False
-    lib.lt_swiglu_back(_addr(gate), _addr(up), _addr(g), _addr(out), out.size, int(wrt))
+    lib.lt_swiglu_back(_addr(gate), _addr(up), _addr(g), _addr(out), out.size, int(wrt), _pool_threads())
     return True
 
 

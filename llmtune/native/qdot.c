@@ -1216,12 +1216,9 @@ static void swiglu(const float *g, const float *u, float *o, int64_t n) {
     for (; i < n; i++) o[i] = (sigmoid1(g[i]) * g[i]) * u[i];
 }
 
-/* The entry of training's swiglu (arrays of any size: the same kernel as a decode step's). */
-void lt_swiglu(const float *g, const float *u, float *o, int64_t n) { swiglu(g, u, o, n); }
-
 /* swiglu's gradients as numpy's k_swiglu_back writes them, s = sigmoid(gate):
  * wrt 1 (up): (s gate) dy; wrt 0 (gate): (((1 - s) gate + 1) s) up dy. */
-void lt_swiglu_back(const float *g, const float *u, const float *dy, float *o, int64_t n, int wrt) {
+static void swiglu_back(const float *g, const float *u, const float *dy, float *o, int64_t n, int wrt) {
     int64_t i = 0;
 #if LT_VEXP
     const __m512 one = _mm512_set1_ps(1.0f);
@@ -1237,6 +1234,43 @@ void lt_swiglu_back(const float *g, const float *u, const float *dy, float *o, i
         const float sg = sigmoid1(g[i]);
         o[i] = (wrt == 1 ? sg * g[i] : (((1.0f - sg) * g[i] + 1.0f) * sg) * u[i]) * dy[i];
     }
+}
+
+/* Training's swiglu passes (arrays of any size) over the pool, in chunks of EW_CHUNK elements: a
+ * multiple of the 16 lanes, so every element takes the path it takes in one call and the thread
+ * count moves no bit. (A pooled add measured slower in a step than numpy's on one core: memory
+ * bound, its operands in the other core's cache half the time.) */
+#define EW_CHUNK 8192
+enum { EW_SWIGLU, EW_SWIGLU_BACK };
+
+typedef struct {
+    const float *a, *b, *c;
+    float *o;
+    int64_t n;
+    int kind, wrt;
+} ew_job_t;
+
+static void ew_task(void *arg, int64_t chunk) {
+    const ew_job_t *j = arg;
+    const int64_t i0 = chunk * EW_CHUNK, n = j->n - i0 < EW_CHUNK ? j->n - i0 : EW_CHUNK;
+    if (j->kind == EW_SWIGLU)
+        swiglu(j->a + i0, j->b + i0, j->o + i0, n);
+    else
+        swiglu_back(j->a + i0, j->b + i0, j->c + i0, j->o + i0, n, j->wrt);
+}
+
+static void ew_run(ew_job_t job, int nth) {
+    if (nth <= 0) nth = atomic_load(&gemm_threads);
+    pool_run(ew_task, &job, (job.n + EW_CHUNK - 1) / EW_CHUNK, nth);
+}
+
+/* training's swiglu (the same kernel as a decode step's) */
+void lt_swiglu(const float *g, const float *u, float *o, int64_t n, int nth) {
+    ew_run((ew_job_t){.a = g, .b = u, .o = o, .n = n, .kind = EW_SWIGLU}, nth);
+}
+
+void lt_swiglu_back(const float *g, const float *u, const float *dy, float *o, int64_t n, int wrt, int nth) {
+    ew_run((ew_job_t){.a = g, .b = u, .c = dy, .o = o, .n = n, .kind = EW_SWIGLU_BACK, .wrt = wrt}, nth);
 }
 
 static void op_rope(const lt_step *s) {
