@@ -588,3 +588,32 @@ def test_rope_pairs_is_numpy_s_bit_for_bit(shape, inverse, monkeypatch):
     assert got.tobytes() == want.tobytes()
     view = np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [B, T, H, d] over [B, H, T, d]
     assert not real(np.empty_like(x), view, *cpu._ROPE_TABLES.get(pos, shape[-1], 10000.0, 1.0, x.dtype, None)[2:4])
+
+
+@needs_library
+@pytest.mark.parametrize("shape", [(128, 576), (2, 5, 37), (1, 16)])  # a training pass's rows; tails
+def test_rms_norm_gradient_matches_numpy_on_any_thread_count(shape, monkeypatch):
+    """cpu.k_rms_norm_back compiled (its sums in float32 lanes) against numpy's passes and
+    float64 within float32 rounding, and the same bits on one thread and all of them."""
+    from llmtune.backends import cpu
+    from llmtune.backends.threads import blas_threads
+
+    rng = np.random.default_rng(5)
+    x, g = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    x[0, ..., :3] *= 1e3  # one row's scale far from the others'
+    x64, g64 = x.astype(np.float64), g.astype(np.float64)
+    r = 1 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5)
+    exact = r * (g64 - x64 * r * r * (g64 * x64).mean(-1, keepdims=True))
+    bits = []
+    with blas_threads(1):  # OpenBLAS single-threaded: the pass takes the compiled count
+        for threads in (1, max(2, kernels.threads())):
+            kernels.library().lt_set_gemm_threads(threads)
+            bits.append(cpu.k_rms_norm_back(np.empty_like(x), x, g, 1e-5).tobytes())
+    kernels.library().lt_set_gemm_threads(kernels.threads())
+    assert bits[0] == bits[1]
+    compiled = np.frombuffer(bits[0], np.float32).reshape(shape)
+    monkeypatch.setattr(kernels, "_elementwise_ok", lambda *a: False)  # numpy's passes
+    numpy_ = cpu.k_rms_norm_back(np.empty_like(x), x, g, 1e-5)
+    scale = np.abs(exact).max(axis=-1, keepdims=True)
+    assert (np.abs(compiled - exact) <= 1e-6 * scale).all()
+    assert (np.abs(compiled - numpy_) <= 2e-6 * scale).all()

@@ -63,6 +63,8 @@ def _load():
                 lib.lt_swiglu.restype = None
                 lib.lt_swiglu_back.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT]
                 lib.lt_swiglu_back.restype = None
+                lib.lt_rms_norm_back.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _INT]
+                lib.lt_rms_norm_back.restype = None
                 lib.lt_pack_wt_floats.argtypes = [_I64, _I64]
                 lib.lt_pack_wt_floats.restype = _I64
                 lib.lt_pack_wt.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
@@ -164,6 +166,18 @@ def swiglu_back(out: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray
     if lib is None or not _elementwise_ok(out, gate, up, g):
         return False
     lib.lt_swiglu_back(_addr(gate), _addr(up), _addr(g), _addr(out), out.size, int(wrt), _pool_threads())
+    return True
+
+
+def rms_norm_back(out: np.ndarray, x: np.ndarray, g: np.ndarray, eps: float) -> bool:
+    """rms_norm's input gradient over rows of the last axis (cpu.k_rms_norm_back) in one pass
+    over _pool_threads(), its sums in float32 lanes (within float32 rounding of numpy's); False
+    (nothing written) where the compiled kernel does not take the arrays."""
+    lib = _load()
+    if lib is None or x.shape != g.shape or x.shape != out.shape or not _elementwise_ok(out, x, g):
+        return False
+    n = x.shape[-1]
+    lib.lt_rms_norm_back(_addr(x), _addr(g), _addr(out), x.size // n, n, eps, _pool_threads())
     return True
 
 

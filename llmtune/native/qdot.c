@@ -1273,6 +1273,52 @@ void lt_swiglu_back(const float *g, const float *u, const float *dy, float *o, i
     ew_run((ew_job_t){.a = g, .b = u, .c = dy, .o = o, .n = n, .kind = EW_SWIGLU_BACK, .wrt = wrt}, nth);
 }
 
+/* rms_norm's input gradient for rows of n floats, as numpy's k_rms_norm_back writes it:
+ * r = 1 / sqrt(sum(x^2) / n + eps), dx = (g - x (sum(g x) r^2 / n)) r; the two sums in float32
+ * lanes (in a fixed order, so not numpy's bits: within float32 rounding of them). Rows in tasks of
+ * RB_ROWS over the pool. */
+#define RB_ROWS 8
+
+typedef struct {
+    const float *x, *g;
+    float *out;
+    int64_t rows, n;
+    float eps;
+} rms_back_job_t;
+
+static float rb_dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static void rms_back_task(void *arg, int64_t c) {
+    const rms_back_job_t *j = arg;
+    const int64_t n = j->n, r1 = (c + 1) * RB_ROWS < j->rows ? (c + 1) * RB_ROWS : j->rows;
+    for (int64_t row = c * RB_ROWS; row < r1; row++) {
+        const float *x = j->x + row * n, *g = j->g + row * n;
+        float *o = j->out + row * n;
+        const float r = 1.0f / sqrtf(rb_dot(x, x, n) / (float)n + j->eps);
+        const float gx = rb_dot(g, x, n) * (r * r / (float)n);
+        for (int64_t i = 0; i < n; i++) o[i] = (g[i] - x[i] * gx) * r;
+    }
+}
+
+void lt_rms_norm_back(const float *x, const float *g, float *out, int64_t rows, int64_t n, float eps, int nth) {
+    if (nth <= 0) nth = atomic_load(&gemm_threads);
+    rms_back_job_t job = {x, g, out, rows, n, eps};
+    pool_run(rms_back_task, &job, (rows + RB_ROWS - 1) / RB_ROWS, nth);
+}
+
 static void op_rope(const lt_step *s) {
     const float *x = s->p[0];
     const int32_t *pos = s->p[1];
