@@ -927,10 +927,21 @@ def _compiled_alone(encode, out, *args, **attrs):
     return native_program.compile_steps([step]) if step is not None else None
 
 
+def _bind_rope(out, x, pos, freq_factors=None, **attrs):
+    """A replayed rope: k_rope itself where it runs the pooled pairs pass (norm mode over whole
+    contiguous float32 heads: a training pass's q and k, ~2.5x the single-threaded compiled step,
+    its tables looked up per run since positions change), else its compiled step bound once.
+    Both are numpy's bits, so a program's first run and its replays agree."""
+    if (attrs["mode"] == "norm" and attrs["n_rot"] == x.shape[-1] and x.ndim == 4 and x.dtype == np.float32
+            and x.flags.c_contiguous and out.flags.c_contiguous and native.available()):
+        return None
+    return _compiled_alone(native_program.rope, out, x, pos, freq_factors, **attrs)
+
+
 # replayed (planner.Replay), rope over contiguous rows and the causal softmax are their compiled
 # steps bound once; k_softmax_causal runs the same step when called directly, so a program's first
 # run and its replays compute the same bits (rope's compiled op is numpy's bit for bit)
-k_rope.bind = functools.partial(_compiled_alone, native_program.rope)
+k_rope.bind = _bind_rope
 k_softmax_causal.bind = functools.partial(_compiled_alone, native_program.softmax_causal)
 
 
