@@ -617,3 +617,47 @@ def test_rms_norm_gradient_matches_numpy_on_any_thread_count(shape, monkeypatch)
     scale = np.abs(exact).max(axis=-1, keepdims=True)
     assert (np.abs(compiled - exact) <= 1e-6 * scale).all()
     assert (np.abs(compiled - numpy_) <= 2e-6 * scale).all()
+
+
+@needs_library
+@pytest.mark.parametrize("rows, n", [(88, 49152), (5, 37), (3, 16), (1, 1)])  # a step's scored rows x SmolLM2's vocabulary; tails
+def test_the_loss_over_the_vocabulary_matches_numpy_on_any_thread_count(rows, n, monkeypatch):
+    """cpu.k_logsumexp, k_cross_entropy_back and k_token_nll_back compiled (one pass a row, the
+    vector exp, float32 lane sums) against numpy's passes and float64, a masked row included, and
+    the same bits on one thread and all of them."""
+    from llmtune.backends import cpu
+    from llmtune.backends.threads import blas_threads
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((rows, n)) * 4).astype(np.float32)
+    t = rng.integers(0, n, rows).astype(np.int32)
+    t[rows // 2] = -1
+    w = rng.standard_normal(rows).astype(np.float32)
+
+    def run():
+        lse = cpu.k_logsumexp(np.empty(rows, np.float32), x)
+        return [lse, cpu.k_cross_entropy_back(np.empty_like(x), x, t, lse, np.float32(0.7)),
+                cpu.k_token_nll_back(x.copy(), x.copy(), t, lse, w)]  # (out over its logits, as in a step)
+
+    bits = []
+    with blas_threads(1):  # OpenBLAS single-threaded: the passes take the compiled count
+        for threads in (1, max(2, kernels.threads())):
+            kernels.library().lt_set_gemm_threads(threads)
+            bits.append([a.tobytes() for a in run()])
+    kernels.library().lt_set_gemm_threads(kernels.threads())
+    assert bits[0] == bits[1]
+    compiled = run()
+    monkeypatch.setattr(kernels, "logsumexp", lambda *a: False)
+    monkeypatch.setattr(kernels, "loss_back", lambda *a: False)
+    numpy_ = run()
+    x64 = x.astype(np.float64)
+    lse = np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1)) + x64.max(1)
+    keep = t >= 0
+    p = np.exp(x64 - lse[:, None])
+    p[np.flatnonzero(keep), t[keep]] -= 1
+    p[~keep] = 0
+    exact = [lse, p * 0.7 / (keep.sum() or rows), p * w[:, None]]  # (every row masked: the mean over all)
+    for got, ref, want in zip(compiled, numpy_, exact):
+        scale = max(np.abs(want).max(), 1e-30)
+        assert np.abs(got - want).max() <= 1e-5 * scale  # the row's lse (float32) sets every exponent
+        assert np.abs(got - ref).max() <= 1e-5 * scale

@@ -65,6 +65,10 @@ def _load():
                 lib.lt_swiglu_back.restype = None
                 lib.lt_rms_norm_back.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _INT]
                 lib.lt_rms_norm_back.restype = None
+                lib.lt_logsumexp.argtypes = [_PTR, _I64, _I64, _PTR, _INT]
+                lib.lt_logsumexp.restype = None
+                lib.lt_loss_back.argtypes = [_PTR, _PTR, _PTR, _PTR, ctypes.c_float, _PTR, _I64, _I64, _INT]
+                lib.lt_loss_back.restype = None
                 lib.lt_pack_wt_floats.argtypes = [_I64, _I64]
                 lib.lt_pack_wt_floats.restype = _I64
                 lib.lt_pack_wt.argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _INT]
@@ -178,6 +182,36 @@ def rms_norm_back(out: np.ndarray, x: np.ndarray, g: np.ndarray, eps: float) -> 
         return False
     n = x.shape[-1]
     lib.lt_rms_norm_back(_addr(x), _addr(g), _addr(out), x.size // n, n, eps, _pool_threads())
+    return True
+
+
+def logsumexp(out: np.ndarray, x2: np.ndarray) -> bool:
+    """out[r] = logsumexp of row r of float32 x2 [rows, n] (cpu.k_logsumexp) in one pass a row
+    over _pool_threads(): the vector exp, float32 lane sums (within float32 rounding of numpy's);
+    False (nothing written) where the compiled kernel does not take the arrays."""
+    lib = _load()
+    if (lib is None or x2.ndim != 2 or out.size != x2.shape[0] or x2.dtype != np.float32 or out.dtype != np.float32
+            or not (x2.flags.c_contiguous and out.flags.c_contiguous)):
+        return False
+    lib.lt_logsumexp(_addr(x2), x2.shape[0], x2.shape[1], _addr(out), _pool_threads())
+    return True
+
+
+def loss_back(out2: np.ndarray, x2: np.ndarray, lse: np.ndarray, targets: np.ndarray, weights: np.ndarray | None,
+              weight: float = 0.0) -> bool:
+    """out2 = (exp(x2 - lse) - onehot(targets)) * w per row, 0 on rows whose target is negative:
+    w the row's weights[r], or `weight` for all (cpu.k_cross_entropy_back, k_token_nll_back); one
+    pass a row over _pool_threads(); out2 may be x2. False (nothing written) where the compiled
+    kernel does not take the arrays."""
+    lib = _load()
+    rows = x2.shape[0] if x2.ndim == 2 else -1
+    if (lib is None or rows < 0 or out2.shape != x2.shape or lse.size != rows or targets.size != rows
+            or targets.dtype != np.int32 or (weights is not None and (weights.size != rows or weights.dtype != np.float32))
+            or not all(a.dtype == np.float32 for a in (out2, x2, lse))
+            or not all(a is None or a.flags.c_contiguous for a in (out2, x2, lse, targets, weights))):
+        return False
+    lib.lt_loss_back(_addr(x2), _addr(lse), _addr(targets), None if weights is None else _addr(weights), weight,
+                     _addr(out2), rows, x2.shape[1], _pool_threads())
     return True
 
 
