@@ -591,6 +591,41 @@ def test_rope_pairs_is_numpy_s_bit_for_bit(shape, inverse, monkeypatch):
 
 
 @needs_library
+@pytest.mark.parametrize("shape", [(1024, 576), (2, 5, 37), (1, 16)])  # an evaluation pass's rows; tails
+def test_pass_rms_norm_is_a_decode_step_s_on_any_thread_count(shape, monkeypatch):
+    """cpu.k_rms_norm over a pass's float32 rows is the compiled decode step's norm (ggml's double
+    sums) row for row, the same bits on any thread count, and within float32 rounding of numpy's
+    float32 sums and of float64."""
+    from llmtune.backends import cpu
+    from llmtune.backends.threads import blas_threads
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[0, ..., :3] *= 1e3
+    one_row = np.stack([_decode_norm(r) for r in x.reshape(-1, shape[-1])]).reshape(shape)
+    bits = []
+    with blas_threads(1):
+        for threads in (1, max(2, kernels.threads())):
+            kernels.library().lt_set_gemm_threads(threads)
+            bits.append(cpu.k_rms_norm(np.empty_like(x), x, 1e-5).tobytes())
+    kernels.library().lt_set_gemm_threads(kernels.threads())
+    assert bits[0] == bits[1] == one_row.tobytes()
+    monkeypatch.setattr(kernels, "_elementwise_ok", lambda *a: False)  # numpy's passes
+    numpy_ = cpu.k_rms_norm(np.empty_like(x), x, 1e-5)
+    x64 = x.astype(np.float64)
+    exact = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(one_row, exact, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(one_row, numpy_, rtol=2e-6, atol=0)
+
+
+def _decode_norm(row):
+    """One row through native.bind_rms_norm, the decode step's norm."""
+    out = np.empty_like(row)
+    kernels.bind_rms_norm(out, row, 1e-5)()
+    return out
+
+
+@needs_library
 @pytest.mark.parametrize("shape", [(128, 576), (2, 5, 37), (1, 16)])  # a training pass's rows; tails
 def test_rms_norm_gradient_matches_numpy_on_any_thread_count(shape, monkeypatch):
     """cpu.k_rms_norm_back compiled (its sums in float32 lanes) against numpy's passes and

@@ -50,6 +50,8 @@ def _load():
                 lib.lt_act_row_bytes.restype = _I64
                 lib.lt_rms_norm.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _PTR]
                 lib.lt_rms_norm.restype = None
+                lib.lt_rms_norm_rows.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _PTR, _INT]
+                lib.lt_rms_norm_rows.restype = None
                 lib.lt_run.argtypes = [_PTR, _I64, _INT]
                 lib.lt_profile.argtypes = [_INT, _PTR]
                 lib.lt_profile.restype = None
@@ -170,6 +172,18 @@ def swiglu_back(out: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray
     if lib is None or not _elementwise_ok(out, gate, up, g):
         return False
     lib.lt_swiglu_back(_addr(gate), _addr(up), _addr(g), _addr(out), out.size, int(wrt), _pool_threads())
+    return True
+
+
+def rms_norm(out: np.ndarray, x: np.ndarray, eps: float) -> bool:
+    """out = x / sqrt(mean(x^2, last axis) + eps) over a pass's float32 rows (cpu.k_rms_norm) as a
+    decode step computes them (ggml's: the squares summed in double), the rows over
+    _pool_threads(); False (nothing written) where the compiled kernel does not take the arrays."""
+    lib = _load()
+    if lib is None or x.shape != out.shape or not _elementwise_ok(out, x) or x.size == 0:
+        return False
+    n = x.shape[-1]
+    lib.lt_rms_norm_rows(_addr(x), x.size // n, n, eps, _addr(out), _pool_threads())
     return True
 
 

@@ -1100,6 +1100,28 @@ void lt_rms_norm(const float *x, int64_t rows, int64_t n, float eps, float *out)
     }
 }
 
+/* lt_rms_norm over a pass's rows, RMS_ROWS a task over the pool (each row as one call computes it) */
+#define RMS_ROWS 8
+
+typedef struct {
+    const float *x;
+    float *out;
+    int64_t rows, n;
+    float eps;
+} rms_job_t;
+
+static void rms_task(void *arg, int64_t c) {
+    const rms_job_t *j = arg;
+    const int64_t r0 = c * RMS_ROWS, nr = j->rows - r0 < RMS_ROWS ? j->rows - r0 : RMS_ROWS;
+    lt_rms_norm(j->x + r0 * j->n, nr, j->n, j->eps, j->out + r0 * j->n);
+}
+
+void lt_rms_norm_rows(const float *x, int64_t rows, int64_t n, float eps, float *out, int nth) {
+    if (nth <= 0) nth = atomic_load(&gemm_threads);
+    rms_job_t job = {x, out, rows, n, eps};
+    pool_run(rms_task, &job, (rows + RMS_ROWS - 1) / RMS_ROWS, nth);
+}
+
 /* ------------------------------------------------------------------ compiled programs
  * A replayed decode step (graph/planner.py Replay) as one call: lt_run executes a list of steps,
  * each one graph op on fixed buffers (llmtune/native/program.py encodes them), so the ~600
