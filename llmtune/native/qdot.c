@@ -2097,6 +2097,12 @@ static inline __mmask16 fa_visible(int64_t s, int64_t t0, int64_t lane0, int64_t
     return (__mmask16)((((uint32_t)1 << b) - 1) & ~(((uint32_t)1 << a) - 1));
 }
 
+/* dst[c][r] = src row r's element c for r < nq (rows rs floats apart), 0 past them */
+static void fa_pack_t(float *dst, const float *src, int64_t rs, int64_t nq, int64_t d) {
+    for (int64_t c = 0; c < d; c++)
+        for (int64_t r = 0; r < FA_QB; r++) dst[c * FA_QB + r] = r < nq ? src[r * rs + c] : 0.f;
+}
+
 static __thread float *fa_buf = NULL;
 static __thread int64_t fa_cap = 0;
 
@@ -2124,8 +2130,7 @@ static void fa_task(void *arg, int64_t chunk) {
     const float *q = j->q + (b * T * j->H + h) * d;
     const float *k = j->k + (b * T * j->Hkv + kvh) * d, *v = j->v + (b * T * j->Hkv + kvh) * d;
     float *ot = qt + d * FA_QB, *st = ot + d * FA_QB;
-    for (int64_t jj = 0; jj < d; jj++)
-        for (int64_t r = 0; r < FA_QB; r++) qt[jj * FA_QB + r] = r < nq ? q[(t0 + r) * qs + jj] : 0.f;
+    fa_pack_t(qt, q + t0 * qs, qs, nq, d);
     memset(ot, 0, (size_t)(d * FA_QB) * sizeof(float));
     const __m512 ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps(), scale = _mm512_set1_ps(j->scale);
     __m512 m0 = ninf, m1 = ninf, l0 = zero, l1 = zero;
@@ -2166,9 +2171,13 @@ static void fa_task(void *arg, int64_t chunk) {
     float m[FA_QB], l[FA_QB];
     _mm512_storeu_ps(m, m0); _mm512_storeu_ps(m + 16, m1);
     _mm512_storeu_ps(l, l0); _mm512_storeu_ps(l + 16, l1);
+    for (int64_t c = 0; c < d; c++) {  /* O / l a vector of queries at a time (a division is one either way) */
+        _mm512_store_ps(ot + c * FA_QB, _mm512_div_ps(_mm512_load_ps(ot + c * FA_QB), l0));
+        _mm512_store_ps(ot + c * FA_QB + 16, _mm512_div_ps(_mm512_load_ps(ot + c * FA_QB + 16), l1));
+    }
     float *o = j->o + (b * T * j->H + h) * d, *lse = j->lse + (b * j->H + h) * T;
     for (int64_t r = 0; r < nq; r++) {
-        for (int64_t c = 0; c < d; c++) o[(t0 + r) * qs + c] = ot[c * FA_QB + r] / l[r];
+        for (int64_t c = 0; c < d; c++) o[(t0 + r) * qs + c] = ot[c * FA_QB + r];
         lse[t0 + r] = m[r] + logf(l[r]);
     }
 }
@@ -2191,12 +2200,6 @@ typedef struct {
 } fab_job_t;
 
 #if LT_VEXP
-/* dst[c][r] = src row r's element c for r < nq (rows rs floats apart), 0 past them */
-static void fa_pack_t(float *dst, const float *src, int64_t rs, int64_t nq, int64_t d) {
-    for (int64_t c = 0; c < d; c++)
-        for (int64_t r = 0; r < FA_QB; r++) dst[c * FA_QB + r] = r < nq ? src[r * rs + c] : 0.f;
-}
-
 /* One query block of one head, packed for both passes: Q^T, dO^T, and its lanes' lse (+inf past
  * the rows: P = 0 there) and D = rowsum(dO * O). */
 static void fab_prep_task(void *arg, int64_t chunk) {
