@@ -24,7 +24,7 @@ from cli_helpers import run_cli
 import llmtune
 from llmtune.errors import Interrupted, LlmtuneError
 from llmtune.train import checkpoint as ckpts
-from llmtune.train.signals import StopRequest
+from llmtune.train.signals import StopRequest, signals_held
 
 CTX, BATCH, EPOCHS, LR = 16, 32, 2, 1e-3
 ARGS = ["-c", CTX, "-b", BATCH, "--epochs", EPOCHS, "--lr", LR, "--seed", 3]
@@ -181,6 +181,29 @@ def test_stop_request_handlers():
                 pass
     assert exc.value.exit_code == 130
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_signals_held_deliver_after_the_block():
+    """A signal inside signals_held() waits for the block's end, then reaches the handler installed
+    before (here raising Interrupted), which is back in place; none: the block just ends."""
+    def raising(signum, frame):
+        raise Interrupted(signum, "interrupted")
+
+    before = signal.signal(signal.SIGINT, raising)
+    try:
+        done = []
+        with pytest.raises(Interrupted):
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(1000):  # where an unheld signal's handler would have run
+                    pass
+                done.append("whole block")
+        assert done == ["whole block"] and signal.getsignal(signal.SIGINT) is raising
+        with signals_held():
+            done.append("quiet block")
+        assert done[-1] == "quiet block"
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_ctrl_c_in_other_commands_says_interrupted(stories_path, monkeypatch, capsys):

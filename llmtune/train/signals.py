@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 from llmtune.errors import Interrupted
@@ -48,3 +49,23 @@ class StopRequest:
         self.signum = signum
         if self.on_request is not None:
             self.on_request(signum)
+
+
+@contextmanager
+def signals_held():
+    """SIGINT and SIGTERM that arrive inside are held until its end, then handled as they would
+    have been (the handler installed before, usually raising Interrupted): what the block does, a
+    write and the record of what it wrote, happens whole or not at all. In the main thread only
+    (Python delivers signals there); elsewhere a plain block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if held:
+            signal.raise_signal(held[0])  # delivered again, to the handler now back in place

@@ -15,6 +15,7 @@ from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from llmtune.errors import Interrupted
 from llmtune.eval.perplexity import PerplexityProgress, PerplexityResult
 from llmtune.gguf.file import check_output_path
+from llmtune.train.signals import signals_held
 from llmtune.ui.progress import progress_bar
 
 
@@ -59,8 +60,9 @@ def perplexity_progress(console: Console, out: Console = None) -> Iterator[Calla
             def on_progress(p: PerplexityProgress) -> None:
                 if write is not None:
                     first = p.chunks_done - len(p.running) + 1
-                    write(running_values(p.running, first))
-                    written[0] = p.chunks_done
+                    with signals_held():  # a signal between the two would write these values twice
+                        write(running_values(p.running, first))
+                        written[0] = p.chunks_done
                 bar.update(task, completed=p.tokens_done, total=p.n_tokens, ppl=f"ppl {p.ppl:.4f}",
                            rate=f"{p.tokens_done / max(p.seconds, 1e-9):,.0f} tok/s")
 
