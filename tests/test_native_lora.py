@@ -94,6 +94,8 @@ def test_declines_what_it_does_not_take():
     big = kernels.LORA_MAX_RANK + 1
     assert not kernels.lora(np.empty_like(y), y, x, np.zeros((big, 32), np.float32), np.zeros((16, big), np.float32),
                             s=1.0)
+    assert not kernels.lora(np.empty_like(y), y, x, a, b[:8], s=1.0)  # B's rows are not y's columns
+    assert not kernels.lora_back(None, np.empty_like(a), np.empty((16, 4), np.float32), x, a, b, y[:4], s=1.0)
     assert kernels.bind_lora(np.empty_like(y), y, x, a, b, 1.0) is not None
 
 

@@ -383,9 +383,14 @@ def rope_pairs(out: np.ndarray, x: np.ndarray, cos2: np.ndarray, sin2: np.ndarra
 LORA_MAX_RANK = 128  # qdot.c LR_MAX_RANK
 
 
-def _lora_ok(lib, b, *arrays) -> bool:
-    return (lib is not None and 1 <= b.shape[1] <= LORA_MAX_RANK
-            and all(a is None or (a.dtype == np.float32 and a.flags.c_contiguous) for a in arrays))
+def _lora_ok(lib, x2, a, b, rows_out, *arrays) -> bool:
+    """Whether the compiled adapter kernels take x2 [M, n_in], A [r, n_in], B [n_out, r] with the
+    [M, n_out] arrays `rows_out` and the others (None: absent), all float32 and contiguous."""
+    M, n_in = x2.shape
+    r, n_out = a.shape[0], b.shape[0]
+    return (lib is not None and 1 <= r <= LORA_MAX_RANK and a.shape == (r, n_in) and b.shape == (n_out, r)
+            and all(o.shape == (M, n_out) for o in rows_out)
+            and all(t is None or (t.dtype == np.float32 and t.flags.c_contiguous) for t in (x2, a, b, *rows_out, *arrays)))
 
 
 def _lora_call(fn, args, keep):
@@ -403,10 +408,10 @@ def _lora_call(fn, args, keep):
 
 def bind_lora(out2: np.ndarray, y2: np.ndarray, x2: np.ndarray, a: np.ndarray, b: np.ndarray, s: float):
     """out2 = y2 + ((s x2 A^T) B^T) over rows (cpu.k_lora; out2 may be y2) as one call over
-    _pool_threads(); each output summed by one task in a fixed order, so the bits do not depend on the threads. None where the compiled
-    kernel does not take the arrays."""
+    _pool_threads(); each output summed by one task in a fixed order, so the bits do not depend on
+    the threads. None where the compiled kernel does not take the arrays."""
     lib = _load()
-    if not _lora_ok(lib, b, out2, y2, x2, a, b):
+    if not _lora_ok(lib, x2, a, b, (out2, y2)):
         return None
     (M, n_in), (n_out, r) = x2.shape, b.shape
     args = (_addr(y2), _addr(x2), _addr(a), _addr(b), _addr(out2), M, n_in, n_out, r, s)
@@ -417,7 +422,8 @@ def bind_lora_back(dx: np.ndarray | None, da: np.ndarray, db: np.ndarray, x2: np
                    b: np.ndarray, g2: np.ndarray, s: float):
     """lora's gradients (cpu.k_lora_back; dx None: not wanted) as one call, as bind_lora."""
     lib = _load()
-    if not _lora_ok(lib, b, dx, da, db, x2, a, b, g2):
+    if not (_lora_ok(lib, x2, a, b, (g2,), dx, da, db) and da.shape == a.shape and db.shape == b.shape
+            and (dx is None or dx.shape == x2.shape)):
         return None
     (M, n_in), (n_out, r) = x2.shape, b.shape
     args = (_addr(x2), _addr(a), _addr(b), _addr(g2), None if dx is None else _addr(dx), _addr(da), _addr(db), M,
