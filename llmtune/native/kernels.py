@@ -189,7 +189,7 @@ def rms_norm(out: np.ndarray, x: np.ndarray, eps: float) -> bool:
 
 def rms_norm_back(out: np.ndarray, x: np.ndarray, g: np.ndarray, eps: float) -> bool:
     """rms_norm's input gradient over rows of the last axis (cpu.k_rms_norm_back) in one pass
-    over _pool_threads(), its sums in float32 lanes (within float32 rounding of numpy's); False
+    over _pool_threads(), its sums in float32 vector lanes (within float32 rounding of numpy's); False
     (nothing written) where the compiled kernel does not take the arrays."""
     lib = _load()
     if lib is None or x.shape != g.shape or x.shape != out.shape or not _elementwise_ok(out, x, g):
@@ -455,9 +455,9 @@ def attention_available() -> bool:
 
 
 def _pool_threads() -> int:
-    """The thread count of a compiled kernel between BLAS products (attention, rope): the compiled
-    products' (0) while OpenBLAS runs single-threaded (a packed-product step, a worker per core),
-    else 1. OpenBLAS's threads spin after each product; the pool's workers beside them took the
+    """The thread count of a compiled kernel between BLAS products (attention, rope, the adapter
+    terms, the norms, swiglu, the loss): the compiled products' (0) while OpenBLAS runs
+    single-threaded (a packed-product step, a worker per core), else 1. OpenBLAS's threads spin after each product; the pool's workers beside them took the
     cores from a full finetune's products (its matmuls 640 -> 928 ms a step)."""
     return 0 if blas_threads.current() <= 1 else 1
 

@@ -1100,11 +1100,17 @@ void lt_rms_norm(const float *x, int64_t rows, int64_t n, float eps, float *out)
     }
 }
 
-/* lt_rms_norm over a pass's rows, RMS_ROWS a task over the pool (each row as one call computes it) */
+/* The end of task c's range when tasks take `per` of n items (rows of a pass, elements). */
+static inline int64_t task_end(int64_t c, int64_t per, int64_t n) { return (c + 1) * per < n ? (c + 1) * per : n; }
+
+/* rms_norm over a pass's rows (lt_rms_norm, each row as one call computes it) and its input
+ * gradient as numpy's k_rms_norm_back writes it, r = 1 / sqrt(sum(x^2) / n + eps),
+ * dx = (g - x (sum(g x) r^2 / n)) r, its sums dot_f32's (a fixed order, so not numpy's bits:
+ * within float32 rounding of them); RMS_ROWS rows a task over the pool. */
 #define RMS_ROWS 8
 
 typedef struct {
-    const float *x;
+    const float *x, *g;  /* g: the output gradient (NULL: the forward) */
     float *out;
     int64_t rows, n;
     float eps;
@@ -1112,14 +1118,31 @@ typedef struct {
 
 static void rms_task(void *arg, int64_t c) {
     const rms_job_t *j = arg;
-    const int64_t r0 = c * RMS_ROWS, nr = j->rows - r0 < RMS_ROWS ? j->rows - r0 : RMS_ROWS;
-    lt_rms_norm(j->x + r0 * j->n, nr, j->n, j->eps, j->out + r0 * j->n);
+    const int64_t n = j->n, r0 = c * RMS_ROWS, r1 = task_end(c, RMS_ROWS, j->rows);
+    if (!j->g) {
+        lt_rms_norm(j->x + r0 * n, r1 - r0, n, j->eps, j->out + r0 * n);
+        return;
+    }
+    for (int64_t row = r0; row < r1; row++) {
+        const float *x = j->x + row * n, *g = j->g + row * n;
+        float *o = j->out + row * n;
+        const float r = 1.0f / sqrtf(dot_f32(x, x, n) / (float)n + j->eps);
+        const float gx = dot_f32(g, x, n) * (r * r / (float)n);
+        for (int64_t i = 0; i < n; i++) o[i] = (g[i] - x[i] * gx) * r;
+    }
+}
+
+static void rms_run(rms_job_t job, int nth) {
+    if (nth <= 0) nth = atomic_load(&gemm_threads);
+    pool_run(rms_task, &job, (job.rows + RMS_ROWS - 1) / RMS_ROWS, nth);
 }
 
 void lt_rms_norm_rows(const float *x, int64_t rows, int64_t n, float eps, float *out, int nth) {
-    if (nth <= 0) nth = atomic_load(&gemm_threads);
-    rms_job_t job = {x, out, rows, n, eps};
-    pool_run(rms_task, &job, (rows + RMS_ROWS - 1) / RMS_ROWS, nth);
+    rms_run((rms_job_t){.x = x, .out = out, .rows = rows, .n = n, .eps = eps}, nth);
+}
+
+void lt_rms_norm_back(const float *x, const float *g, float *out, int64_t rows, int64_t n, float eps, int nth) {
+    rms_run((rms_job_t){.x = x, .g = g, .out = out, .rows = rows, .n = n, .eps = eps}, nth);
 }
 
 /* ------------------------------------------------------------------ compiled programs
@@ -1274,7 +1297,7 @@ typedef struct {
 
 static void ew_task(void *arg, int64_t chunk) {
     const ew_job_t *j = arg;
-    const int64_t i0 = chunk * EW_CHUNK, n = j->n - i0 < EW_CHUNK ? j->n - i0 : EW_CHUNK;
+    const int64_t i0 = chunk * EW_CHUNK, n = task_end(chunk, EW_CHUNK, j->n) - i0;
     if (j->kind == EW_SWIGLU)
         swiglu(j->a + i0, j->b + i0, j->o + i0, n);
     else
@@ -1293,52 +1316,6 @@ void lt_swiglu(const float *g, const float *u, float *o, int64_t n, int nth) {
 
 void lt_swiglu_back(const float *g, const float *u, const float *dy, float *o, int64_t n, int wrt, int nth) {
     ew_run((ew_job_t){.a = g, .b = u, .c = dy, .o = o, .n = n, .kind = EW_SWIGLU_BACK, .wrt = wrt}, nth);
-}
-
-/* rms_norm's input gradient for rows of n floats, as numpy's k_rms_norm_back writes it:
- * r = 1 / sqrt(sum(x^2) / n + eps), dx = (g - x (sum(g x) r^2 / n)) r; the two sums in float32
- * lanes (in a fixed order, so not numpy's bits: within float32 rounding of them). Rows in tasks of
- * RB_ROWS over the pool. */
-#define RB_ROWS 8
-
-typedef struct {
-    const float *x, *g;
-    float *out;
-    int64_t rows, n;
-    float eps;
-} rms_back_job_t;
-
-static float rb_dot(const float *a, const float *b, int64_t n) {
-    int64_t i = 0;
-    float sum = 0.f;
-#if defined(__AVX512F__)
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
-    }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-#endif
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-static void rms_back_task(void *arg, int64_t c) {
-    const rms_back_job_t *j = arg;
-    const int64_t n = j->n, r1 = (c + 1) * RB_ROWS < j->rows ? (c + 1) * RB_ROWS : j->rows;
-    for (int64_t row = c * RB_ROWS; row < r1; row++) {
-        const float *x = j->x + row * n, *g = j->g + row * n;
-        float *o = j->out + row * n;
-        const float r = 1.0f / sqrtf(rb_dot(x, x, n) / (float)n + j->eps);
-        const float gx = rb_dot(g, x, n) * (r * r / (float)n);
-        for (int64_t i = 0; i < n; i++) o[i] = (g[i] - x[i] * gx) * r;
-    }
-}
-
-void lt_rms_norm_back(const float *x, const float *g, float *out, int64_t rows, int64_t n, float eps, int nth) {
-    if (nth <= 0) nth = atomic_load(&gemm_threads);
-    rms_back_job_t job = {x, g, out, rows, n, eps};
-    pool_run(rms_back_task, &job, (rows + RB_ROWS - 1) / RB_ROWS, nth);
 }
 
 /* The loss over the vocabulary, rows of logits x [rows, n]: the row logsumexp max + log(sum(exp(x -
@@ -1388,7 +1365,7 @@ static float loss_row_sum_exp(const float *x, float sub, int64_t n) {
 
 static void lse_task(void *arg, int64_t c) {
     const loss_job_t *j = arg;
-    const int64_t r1 = (c + 1) * LOSS_ROWS < j->rows ? (c + 1) * LOSS_ROWS : j->rows;
+    const int64_t r1 = task_end(c, LOSS_ROWS, j->rows);
     for (int64_t r = c * LOSS_ROWS; r < r1; r++) {
         const float *x = j->x + r * j->n, m = loss_row_max(x, j->n);
         j->out[r] = logf(loss_row_sum_exp(x, m, j->n)) + m;
@@ -1397,7 +1374,7 @@ static void lse_task(void *arg, int64_t c) {
 
 static void loss_back_task(void *arg, int64_t c) {
     const loss_job_t *j = arg;
-    const int64_t r1 = (c + 1) * LOSS_ROWS < j->rows ? (c + 1) * LOSS_ROWS : j->rows, n = j->n;
+    const int64_t r1 = task_end(c, LOSS_ROWS, j->rows), n = j->n;
     for (int64_t r = c * LOSS_ROWS; r < r1; r++) {
         const float *x = j->x + r * n;
         float *o = j->out + r * n;
@@ -1938,7 +1915,7 @@ static float *lr_transpose_b(const float *b, int64_t n_out, int64_t r) {
 static void lora_fwd_task(void *arg, int64_t c) {
     const lora_job_t *j = arg;
     float t[LR_ROWS * LR_MAX_RANK];
-    for (int64_t m0 = c * LR_ROWS, m1 = m0 + LR_ROWS < j->M ? m0 + LR_ROWS : j->M; m0 < m1; m0 += LR_COMBINE_ROWS) {
+    for (int64_t m0 = c * LR_ROWS, m1 = task_end(c, LR_ROWS, j->M); m0 < m1; m0 += LR_COMBINE_ROWS) {
         const int nr = m1 - m0 < LR_COMBINE_ROWS ? (int)(m1 - m0) : LR_COMBINE_ROWS;
         for (int i = 0; i < nr; i += LR_DOT_ROWS)
             lr_dots(j->x + (m0 + i) * j->n_in, nr - i < LR_DOT_ROWS ? nr - i : LR_DOT_ROWS, j->a, j->r, j->n_in, j->s,
@@ -1965,7 +1942,7 @@ int lt_lora(const float *y, const float *x, const float *a, const float *b, floa
 /* rows of x: u = s (g B), t = s (x A^T) (kept for dA, dB), dx = u A */
 static void lora_rows_task(void *arg, int64_t c) {
     const lora_job_t *j = arg;
-    for (int64_t m0 = c * LR_ROWS, m1 = m0 + LR_ROWS < j->M ? m0 + LR_ROWS : j->M; m0 < m1; m0 += LR_COMBINE_ROWS) {
+    for (int64_t m0 = c * LR_ROWS, m1 = task_end(c, LR_ROWS, j->M); m0 < m1; m0 += LR_COMBINE_ROWS) {
         const int nr = m1 - m0 < LR_COMBINE_ROWS ? (int)(m1 - m0) : LR_COMBINE_ROWS;
         for (int i = 0; i < nr; i += LR_DOT_ROWS) {
             const int n2 = nr - i < LR_DOT_ROWS ? nr - i : LR_DOT_ROWS;
