@@ -320,13 +320,10 @@ def _bind_packed_copy(out, x, w, qtype, transposed: bool):
     qlinear / qlinear_back compute it when it is kept (FloatCopies.stored_pack), pre-bound; None
     otherwise."""
     rows = _native_rows(out, x)
-    if rows is None or w.copies is None or x.dtype != np.float32:
+    if rows is None:
         return None
-    n_out, n_in = w.raw.shape[0], (out if transposed else x).shape[-1]
-    packed = w.copies.stored_pack(w.raw, qtype, n_in, transposed)
-    if packed is None:
-        return None
-    return native.bind_sgemm_packed(*rows, packed, *((n_in, n_out) if transposed else (n_out, n_in)))
+    n_in = (out if transposed else x).shape[-1]
+    return qmatmul.stored_packed_product(*rows, w.raw, qtype, n_in, w.copies, transposed, bind=True)
 
 
 k_qlinear.bind = _bind_qlinear

@@ -434,9 +434,24 @@ def bind_packed_product(out2: np.ndarray, x2: np.ndarray, dense: np.ndarray, cop
 
 def _packed_call(out2, x2, dense, copies, transposed: bool, bind: bool):
     packed = copies.packed(dense, transposed) if copies is not None else None
+    return _sgemm(out2, x2, packed, dense.shape, transposed, bind)
+
+
+def stored_packed_product(out2: np.ndarray, x2: np.ndarray, raw: np.ndarray, qtype: str, n_in: int,
+                          copies: FloatCopies | None, transposed: bool = False, bind: bool = False):
+    """out2 = x2 @ W^T (transposed: x2 @ W) for W stored as `qtype` blocks raw [n_out, row bytes]
+    through its decode's packed form in `copies` (FloatCopies.stored_pack): True (bind: a call
+    with no arguments, for a replayed program) where it is kept and the compiled product takes
+    the case, else False (None)."""
+    packed = copies.stored_pack(raw, qtype, n_in, transposed) if copies is not None and x2.dtype == F32 else None
+    return _sgemm(out2, x2, packed, (raw.shape[0], n_in), transposed, bind)
+
+
+def _sgemm(out2, x2, packed, shape: tuple, transposed: bool, bind: bool):
+    """native.sgemm_packed (bind: its bound form) with W [n_out, n_in] = `shape`'s packed form."""
     if packed is None:
-        return None
-    n, k = dense.shape[::-1] if transposed else dense.shape
+        return None if bind else False
+    n, k = shape[::-1] if transposed else shape
     return (native.bind_sgemm_packed if bind else native.sgemm_packed)(out2, x2, packed, n, k)
 
 
@@ -475,8 +490,7 @@ def qlinear(out: np.ndarray, x: np.ndarray, raw: np.ndarray, qtype: str, round_x
         xr = xr.astype(x.dtype, copy=False)
     else:
         xr = np.ascontiguousarray(x2)
-        packed = copies.stored_pack(raw, qtype, n_in) if copies is not None and x.dtype == F32 else None
-        if packed is not None and native.sgemm_packed(o2, xr, packed, n_out, n_in):
+        if stored_packed_product(o2, xr, raw, qtype, n_in, copies):
             return out
     dense = copies.get(raw, qtype, n_in) if copies is not None and x.dtype == F32 else None
     if dense is not None:
@@ -519,8 +533,7 @@ def qlinear_back(out: np.ndarray, g: np.ndarray, raw: np.ndarray, qtype: str,
     `copies` keeps one (a training run's frozen base, Trainer)."""
     n_in, n_out = out.shape[-1], g.shape[-1]
     g2, o2 = g.reshape(-1, n_out), out.reshape(-1, n_in)
-    packed = copies.stored_pack(raw, qtype, n_in, transposed=True) if copies is not None and out.dtype == F32 else None
-    if packed is not None and native.sgemm_packed(o2, g2, packed, n_in, n_out):
+    if stored_packed_product(o2, g2, raw, qtype, n_in, copies, transposed=True):
         return out
     dense = copies.get(raw, qtype, n_in) if copies is not None and out.dtype == F32 else None
     rb = _block_rows(n_out, n_in)
