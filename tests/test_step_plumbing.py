@@ -4,6 +4,8 @@ the faster count while still probing the other."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -125,6 +127,32 @@ def test_blas_tuner_keeps_the_faster_count(monkeypatch):
         tuner._record(n, cost[n])
     assert tuner.best == 2
     assert threads.BlasTuner(enabled=False).candidates == ()
+
+
+def test_blas_bits_probe_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """keeps_bits measures once per machine, library and thread count, then reads the cache
+    folder; a damaged or unwritable cache only means measuring again."""
+    monkeypatch.setenv("LLMTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    probes = []
+
+    def fresh(cores: int):
+        monkeypatch.setattr(threads, "n_cores", lambda: cores)
+        bt = threads._BlasThreads()
+        funcs = (lambda: cores, lambda n: None)
+        bt._load = lambda: funcs
+        bt._probe_bits = lambda n: probes.append(n) or False
+        return bt
+
+    assert fresh(2).keeps_bits() is False and probes == [2]
+    assert fresh(2).keeps_bits() is False and probes == [2]  # a new process: the cache answers
+    assert fresh(3).keeps_bits() is False and probes == [2, 3]  # another thread count: measured
+    cached = tmp_path / "cache" / "blas-bits.json"
+    assert len(json.loads(cached.read_text())) == 2
+    cached.write_text("{not json")
+    assert fresh(2).keeps_bits() is False and probes == [2, 3, 2]
+    assert json.loads(cached.read_text()) == {threads.ProbeCache("blas-bits", threads._blas_identity(2)).key: False}
+    monkeypatch.setenv("LLMTUNE_CACHE_DIR", str(cached / "not-a-folder"))
+    assert fresh(2).keeps_bits() is False and probes == [2, 3, 2, 2]
 
 
 def test_blas_thread_count_does_not_change_products_where_the_tuner_runs():

@@ -172,25 +172,36 @@ class _BlasThreads:
     def keeps_bits(self) -> bool:
         """Whether this OpenBLAS gives the same bits with one thread as with all of them (BlasTuner's
         premise). It splits a product's rows and columns over its threads on some CPUs and a sum on
-        others (the same 0.3.31 build, Intel AVX-512 and AMD AVX2 machines), so it is measured, once
-        per process, on a few products of training shapes."""
+        others (the same 0.3.31 build, Intel AVX-512 and AMD AVX2 machines), so it is measured on a
+        few products of training shapes: once per machine, library and thread count (the answer is
+        kept in the cache folder, ProbeCache: the probe took ~70 ms of every command's start-up),
+        and once per process where the cache cannot be read or written."""
         funcs = self._load()
         if self._keeps_bits is None or self._keeps_bits[0] is not funcs:
-            import numpy as np
-
             n = max(2, n_cores()) if funcs else 1
             same = True
             if n > 1:
-                rng = np.random.default_rng(0)
-                for m, k, c in self._PROBE_SHAPES:
-                    a = rng.standard_normal((m, k)).astype(np.float32)
-                    b = rng.standard_normal((c, k)).astype(np.float32)
-                    with self(1):
-                        one = a @ b.T
-                    with self(n):
-                        same = same and (a @ b.T).tobytes() == one.tobytes()
+                cache = ProbeCache("blas-bits", _blas_identity(n))
+                same = cache.get()
+                if same is None:
+                    same = self._probe_bits(n)
+                    cache.put(same)
             self._keeps_bits = (funcs, same)  # per library handles (a test may fake them)
         return self._keeps_bits[1]
+
+    def _probe_bits(self, n: int) -> bool:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        for m, k, c in self._PROBE_SHAPES:
+            a = rng.standard_normal((m, k)).astype(np.float32)
+            b = rng.standard_normal((c, k)).astype(np.float32)
+            with self(1):
+                one = a @ b.T
+            with self(n):
+                if (a @ b.T).tobytes() != one.tobytes():
+                    return False
+        return True
 
     @contextmanager
     def __call__(self, n: int, compiled: bool = False):
@@ -288,6 +299,84 @@ class BlasTuner:
         with blas_threads(n):
             yield
         self._record(n, time.perf_counter() - start)
+
+
+class ProbeCache:
+    """One measured fact about this machine (a bool), kept in the cache folder (native/build.py's
+    cache_dir: $LLMTUNE_CACHE_DIR, else ~/.cache/llmtune) as `<name>.json`, under a key that hashes
+    everything the fact depends on. A cache that cannot be read or written (a read-only home, a
+    damaged file) only means measuring again: get() says None, put() does nothing."""
+
+    def __init__(self, name: str, identity: str):
+        import hashlib
+
+        from llmtune.native.build import cache_dir
+
+        self.path = cache_dir() / f"{name}.json"
+        self.key = hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+    def _read(self) -> dict:
+        import json
+
+        try:
+            facts = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return facts if isinstance(facts, dict) else {}
+
+    def get(self) -> Optional[bool]:
+        value = self._read().get(self.key)
+        return value if isinstance(value, bool) else None
+
+    def put(self, value: bool) -> None:
+        import json
+        import tempfile
+
+        facts = self._read()
+        facts[self.key] = bool(value)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}-", suffix=".tmp", dir=self.path.parent)
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(facts, fh)
+                os.replace(tmp, self.path)  # whole or not at all, as concurrent processes may write it
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def _blas_identity(n_threads: int) -> str:
+    """What OpenBLAS's threaded summation order depends on: the library files numpy loaded (path,
+    size, modification time), the kernel it picked (its config and OPENBLAS_CORETYPE), the CPU
+    (model and flags) and the thread count."""
+    parts = [f"threads {n_threads}", f"coretype {os.environ.get('OPENBLAS_CORETYPE', '')}"]
+    for lib in _loaded_openblas():
+        path = Path(lib._name)
+        try:
+            st = path.stat()
+            parts.append(f"{path} {st.st_size} {st.st_mtime_ns}")
+        except OSError:
+            parts.append(str(path))
+        for name in ("scipy_openblas_get_config64_", "scipy_openblas_get_config", "openblas_get_config64_",
+                     "openblas_get_config"):
+            if hasattr(lib, name):
+                import ctypes
+
+                getter = getattr(lib, name)
+                getter.restype = ctypes.c_char_p
+                parts.append((getter() or b"").decode(errors="replace"))
+                break
+    try:
+        cpu = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith(("model name", "flags"))]
+        parts.extend(sorted(set(cpu)))
+    except OSError:
+        import platform
+
+        parts.append(platform.processor())
+    return "\n".join(parts)
 
 
 def _loaded_openblas() -> list:
