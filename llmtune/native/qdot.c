@@ -1091,10 +1091,22 @@ int lt_sgemm_packed(const float *a, int64_t lda, int64_t m, const float *bp, int
 
 /* out[i] = x[i] / sqrt(mean(x[i]^2) + eps) for rows of n floats (ggml_compute_forward_rms_norm_f32:
  * the squares summed in double; the division as llmtune's numpy kernel writes it). */
+/* The sum of x[i]^2 (each square rounded to float, as ggml's rms_norm) in double: eight running
+ * sums a lane each, so the additions do not wait on one another (one chain of 576 dependent double
+ * adds was most of a pass's norm), then a fixed tree. The order differs from ggml's one running
+ * sum only in the double's last bits, which the float mean rounds away. */
+static inline double sum_squares_f64(const float *x, int64_t n) {
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0}, tail = 0.0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) s[l] += (double)(x[i + l] * x[i + l]);
+    for (; i < n; i++) tail += (double)(x[i] * x[i]);
+    return (((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]))) + tail;
+}
+
 void lt_rms_norm(const float *x, int64_t rows, int64_t n, float eps, float *out) {
     for (int64_t r = 0; r < rows; r++, x += n, out += n) {
-        double sum = 0.0;
-        for (int64_t i = 0; i < n; i++) sum += (double)(x[i] * x[i]);
+        const double sum = sum_squares_f64(x, n);
         const float d = sqrtf((float)(sum / (double)n) + eps);
         for (int64_t i = 0; i < n; i++) out[i] = x[i] / d;
     }
