@@ -45,6 +45,7 @@ compare ratios within one run.
 from __future__ import annotations
 
 import argparse
+import compileall
 import gzip
 import json
 import os
@@ -87,6 +88,16 @@ print(json.dumps({"tok_s": res.tokens_per_s, "ttft_s": first[0], "prompt_s": res
 """
 
 
+def llmtune_env(**extra: str) -> dict:
+    """An llmtune child's environment: the checkout on PYTHONPATH, and Python's bytecode cache on,
+    as an installed llmtune has it (pip compiles a package's modules when it installs them). A
+    shell with PYTHONDONTWRITEBYTECODE set (this sandbox's) would make every start-up compile
+    llmtune's modules again (~0.1 s of each perplexity run); main() compiles them once first."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def llama_decode(bin_dir: Path, model: Path, n: int, ctx: int, threads: int) -> float:
     cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", PROMPT, "-n", str(n), "--temp", "0",
            "--ignore-eos", "-no-cnv", "--no-display-prompt", "-c", str(ctx), "-t", str(threads)]
@@ -100,7 +111,7 @@ def llama_decode(bin_dir: Path, model: Path, n: int, ctx: int, threads: int) -> 
 
 
 def llmtune_decode(model: Path, n: int, ctx: int, native: bool = True) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LLMTUNE_NATIVE="1" if native else "0")
+    env = llmtune_env(LLMTUNE_NATIVE="1" if native else "0")
     done = subprocess.run([sys.executable, "-c", _LLMTUNE_DECODE, str(model), str(n), str(ctx), PROMPT],
                           capture_output=True, text=True, env=env)
     if done.returncode:
@@ -296,7 +307,7 @@ def train_side(side: str, model: Path, windows: Path, kind: str, args, threads: 
     median timed step."""
     cmd = [sys.executable, __file__, "--child", side, "--model", str(model), "--windows", str(windows), "--kind", kind,
            "--ctx", str(args.ctx), "--batch", str(args.batch), "--steps", str(args.steps), "--threads", str(threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=llmtune_env(**(env or {})))
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if done.returncode or line is None:
         raise RuntimeError(f"{side} {kind} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
@@ -394,7 +405,7 @@ def ab_row(label: str, q4: Path, f32: Path, args, out: list) -> None:
     windows = chat_windows(str(f32), args.ctx, max(16, args.batch * (max(args.steps, args.ab_steps) + 8)), args.work)
     cmd = [sys.executable, __file__, "--child", "ab", "--model", f"{q4},{f32}", "--windows", str(windows),
            "--ctx", str(args.ctx), "--batch", str(args.batch), "--steps", str(args.ab_steps)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=llmtune_env())
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if done.returncode or line is None:
         raise RuntimeError(f"qlora-ab failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
@@ -437,7 +448,7 @@ def ppl_rows(label: str, files: list[tuple[str, Path]], args, out: list) -> None
     text = args.work / "wiki.test.raw"
     if not text.exists():
         text.write_bytes(gzip.decompress(TEXT.read_bytes()))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = llmtune_env()
     n_tok = 512 * args.chunks
     for kind, path in files:
         best, ours, theirs = None, [], []
@@ -499,6 +510,7 @@ def main():
         ap.error("the ppl row needs GNU time at /usr/bin/time (peak RSS)")
     args.torch_threads = [int(t) for t in args.torch_threads.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
+    compileall.compile_dir(str(ROOT / "llmtune"), quiet=1)  # the children's bytecode cache (llmtune_env)
     load0, t0 = os.getloadavg(), time.time()
     out: list = []
     for shape in shapes:
