@@ -133,12 +133,18 @@ EXP_SAFE = 60.0  # |row max| below this: exp needs no shift (32000 * e^60 is far
 
 
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """-log softmax(logits)[target] per row, float64. logits [..., V] float32 is overwritten.
+    """-log softmax(logits)[target] per row, float64. logits [..., V] float32 may be overwritten.
 
-    One exp pass over the logits in float32 (rows are shifted by their max only when some max is
-    outside +-EXP_SAFE), float32 pairwise row sums (relative error ~1e-7), the rest in float64.
+    The compiled logsumexp where it takes the rows (each [rows, V] block of the leading index
+    contiguous: a pass's logits, or their scored rows): one pass a row, its max and then the
+    vector exp summed in double lanes (as perplexity.cpp sums in a double). Else one exp pass over the logits in float32 (rows are shifted
+    by their max only when some max is outside +-EXP_SAFE), float32 pairwise row sums (relative
+    error ~1e-7), the rest in float64.
     """
     target_logit = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(np.float64)
+    lse = _compiled_logsumexp(logits)
+    if lse is not None:
+        return lse - target_logit
     row_max = logits.max(axis=-1, keepdims=True)
     shift = np.zeros_like(row_max)
     if np.abs(row_max).max() > EXP_SAFE:
@@ -147,6 +153,20 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     np.exp(logits, out=logits)
     lse = np.log(logits.sum(axis=-1).astype(np.float64)) + shift[..., 0]
     return lse - target_logit
+
+
+def _compiled_logsumexp(logits: np.ndarray) -> Optional[np.ndarray]:
+    """Row logsumexps (float64 [...]) by the compiled kernel, a contiguous [rows, V] block of
+    logits [..., V] at a time; None (nothing computed) where it does not take them."""
+    from llmtune.native import kernels as native
+
+    if logits.dtype != np.float32 or logits.ndim not in (2, 3) or not native.available():
+        return None
+    out = np.empty(logits.shape[:-1], np.float32)
+    blocks = zip(out, logits) if logits.ndim == 3 else [(out, logits)]
+    if not all(native.logsumexp(dst, block) for dst, block in blocks):
+        return None
+    return out.astype(np.float64)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

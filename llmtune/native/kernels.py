@@ -201,7 +201,7 @@ def rms_norm_back(out: np.ndarray, x: np.ndarray, g: np.ndarray, eps: float) -> 
 
 def logsumexp(out: np.ndarray, x2: np.ndarray) -> bool:
     """out[r] = logsumexp of row r of float32 x2 [rows, n] (cpu.k_logsumexp) in one pass a row
-    over _pool_threads(): the vector exp, float32 lane sums (within float32 rounding of numpy's);
+    over _pool_threads(): the vector exp, double lane sums (within float32 rounding of numpy's);
     False (nothing written) where the compiled kernel does not take the arrays."""
     lib = _load()
     if (lib is None or x2.ndim != 2 or out.size != x2.shape[0] or x2.dtype != np.float32 or out.dtype != np.float32

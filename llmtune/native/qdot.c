@@ -1335,7 +1335,7 @@ void lt_swiglu_back(const float *g, const float *u, const float *dy, float *o, i
  * onehot(target)) w with w the row's weight (0 on a row whose target is negative), as numpy's
  * k_logsumexp, k_cross_entropy_back and k_token_nll_back write them, one pass a row over the pool
  * (LOSS_ROWS rows a task): a training step's 49,152-wide rows took numpy three to four passes
- * each. The exp is the vector one (within ~1 ulp of numpy's), the sum in float32 lanes in a fixed
+ * each. The exp is the vector one (within ~1 ulp of numpy's), the sum in double lanes in a fixed
  * order, so every value is within float32 rounding of numpy's and the same on any thread count. */
 #define LOSS_ROWS 4
 
@@ -1359,19 +1359,25 @@ static float loss_row_max(const float *x, int64_t n) {
     return m;
 }
 
-static float loss_row_sum_exp(const float *x, float sub, int64_t n) {
+/* sum(exp(x - sub)) in double lanes (perplexity.cpp sums its floats' exps in a double too): a
+ * 49,152-wide row summed in float32 lanes drifted by a few 1e-7 of the total, one way. */
+static double loss_row_sum_exp(const float *x, float sub, int64_t n) {
     int64_t i = 0;
-    float sum = 0.f;
+    double sum = 0.0;
 #if LT_VEXP
     const __m512 s = _mm512_set1_ps(sub);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd(), acc2 = _mm512_setzero_pd(), acc3 = _mm512_setzero_pd();
     for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_add_ps(acc0, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s)));
-        acc1 = _mm512_add_ps(acc1, exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), s)));
+        const __m512 e0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s));
+        const __m512 e1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16), s));
+        acc0 = _mm512_add_pd(acc0, _mm512_cvtps_pd(_mm512_castps512_ps256(e0)));
+        acc1 = _mm512_add_pd(acc1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e0), 1))));
+        acc2 = _mm512_add_pd(acc2, _mm512_cvtps_pd(_mm512_castps512_ps256(e1)));
+        acc3 = _mm512_add_pd(acc3, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e1), 1))));
     }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    sum = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(acc0, acc1), _mm512_add_pd(acc2, acc3)));
 #endif
-    for (; i < n; i++) sum += expf(x[i] - sub);
+    for (; i < n; i++) sum += (double)expf(x[i] - sub);
     return sum;
 }
 
@@ -1380,7 +1386,7 @@ static void lse_task(void *arg, int64_t c) {
     const int64_t r1 = task_end(c, LOSS_ROWS, j->rows);
     for (int64_t r = c * LOSS_ROWS; r < r1; r++) {
         const float *x = j->x + r * j->n, m = loss_row_max(x, j->n);
-        j->out[r] = logf(loss_row_sum_exp(x, m, j->n)) + m;
+        j->out[r] = (float)(log(loss_row_sum_exp(x, m, j->n)) + (double)m);
     }
 }
 
