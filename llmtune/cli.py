@@ -535,8 +535,10 @@ def main() -> None:
     130 / 143 after saying what was kept; a reader that closes the pipe stops the output only."""
     import threading
 
-    from llmtune.resources import out_of_memory_message
+    from llmtune.resources import out_of_memory_message, prefer_small_pages
     from llmtune.ui.usage import errors, usage_error_line
+
+    prefer_small_pages()  # before any big array: numpy's huge-page advice stalls first touches
 
     in_main = threading.current_thread() is threading.main_thread()  # only there can handlers be set
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}

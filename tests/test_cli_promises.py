@@ -440,3 +440,27 @@ def test_a_signal_between_a_pass_and_its_report_still_shows_its_chunks():
                                            tokens_per_s=1.0)
             raise exc
     assert buf.getvalue() == "[1]98.3865,[2]70.0978,[3]61.2914,\n"
+
+
+def test_commands_take_no_huge_page_advice_unless_asked(monkeypatch):
+    """A command turns off numpy's transparent-huge-page advice before any big array (first
+    touches of advised memory compact fragmented memory: seconds), unless the user set
+    NUMPY_MADVISE_HUGEPAGE, which then decides."""
+    from numpy._core.multiarray import _set_madvise_hugepage
+
+    from llmtune.resources import prefer_small_pages
+
+    previous = _set_madvise_hugepage(True)
+    try:
+        monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
+        assert prefer_small_pages() and _set_madvise_hugepage(True) is False
+        monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", "1")
+        assert not prefer_small_pages() and _set_madvise_hugepage(True) is True
+    finally:
+        _set_madvise_hugepage(previous)
+    env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    probe = ("import sys; from numpy._core.multiarray import _set_madvise_hugepage as hp; from llmtune import cli\n"
+             "sys.argv = ['llmtune', '--version']\n"
+             "try:\n    cli.main()\nexcept SystemExit:\n    pass\nprint('advice', hp(True))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert done.stdout.strip().splitlines()[-1] == "advice False", done.stdout + done.stderr
