@@ -74,6 +74,8 @@ LORA_RANK, LORA_ALPHA, LR = 8, 16.0, 1e-4
 _LLMTUNE_DECODE = r"""
 import json, sys, time
 t0 = time.perf_counter()
+from llmtune.resources import prefer_small_pages
+prefer_small_pages()  # as `llmtune generate` starts (cli.main)
 from llmtune.eval.generate import Generator, load_for_generation
 from llmtune.eval.sampling import Sampler, SamplerConfig
 from llmtune.native import kernels
@@ -291,6 +293,10 @@ def run_llmtune_ab(q4_path: str, f32_path: str, windows_path: str, ctx: int, bat
 
 
 def child(args) -> None:
+    if args.child in ("ab", "llmtune"):
+        from llmtune.resources import prefer_small_pages
+
+        prefer_small_pages()  # as llmtune's commands start (cli.main)
     if args.child == "ab":
         q4, f32 = args.model.split(",")
         print("RESULT " + json.dumps(run_llmtune_ab(q4, f32, args.windows, args.ctx, args.batch, args.steps)), flush=True)
