@@ -107,6 +107,9 @@ def profile(model: Path, n: int) -> None:
 
 
 def main() -> int:
+    from llmtune.resources import prefer_small_pages
+
+    prefer_small_pages()  # llmtune measured as its commands run (cli.main)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+", type=Path)
     ap.add_argument("--bin", type=Path, help="llama.cpp's build/bin (without it: llmtune only)")

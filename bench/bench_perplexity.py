@@ -74,6 +74,9 @@ def report(case: str, runs: list[dict]) -> str:
 
 
 def main() -> None:
+    from llmtune.resources import prefer_small_pages
+
+    prefer_small_pages()  # llmtune measured as its commands run (cli.main)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("cases", nargs="*", choices=[*CASES, []], default=[])
     ap.add_argument("--repeat", type=int, default=3)

@@ -138,6 +138,9 @@ def quant(bin_dir: Path, tmp: Path) -> None:
 
 
 def main() -> None:
+    from llmtune.resources import prefer_small_pages
+
+    prefer_small_pages()  # llmtune measured as its commands run (cli.main)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", nargs="*", choices=["speed", "files", "quant", []], default=[])
     ap.add_argument("--bin", required=True, type=Path, help="folder holding llama-perplexity and llama-quantize")
