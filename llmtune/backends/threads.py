@@ -330,21 +330,16 @@ class ProbeCache:
 
     def put(self, value: bool) -> None:
         import json
-        import tempfile
+
+        from llmtune.resources import write_atomically
 
         facts = self._read()
         facts[self.key] = bool(value)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.stem}-", suffix=".tmp", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as fh:
-                    json.dump(facts, fh)
-                os.replace(tmp, self.path)  # whole or not at all, as concurrent processes may write it
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        except OSError:
+            # whole or not at all, as concurrent processes may write it
+            write_atomically(self.path, lambda fh: fh.write(json.dumps(facts).encode()))
+        except (OSError, LlmtuneError):
             pass
 
 
@@ -352,6 +347,8 @@ def _blas_identity(n_threads: int) -> str:
     """What OpenBLAS's threaded summation order depends on: the library files numpy loaded (path,
     size, modification time), the kernel it picked (its config and OPENBLAS_CORETYPE), the CPU
     (model and flags) and the thread count."""
+    import ctypes
+
     parts = [f"threads {n_threads}", f"coretype {os.environ.get('OPENBLAS_CORETYPE', '')}"]
     for lib in _loaded_openblas():
         path = Path(lib._name)
@@ -363,8 +360,6 @@ def _blas_identity(n_threads: int) -> str:
         for name in ("scipy_openblas_get_config64_", "scipy_openblas_get_config", "openblas_get_config64_",
                      "openblas_get_config"):
             if hasattr(lib, name):
-                import ctypes
-
                 getter = getattr(lib, name)
                 getter.restype = ctypes.c_char_p
                 parts.append((getter() or b"").decode(errors="replace"))
