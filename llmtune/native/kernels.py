@@ -177,7 +177,7 @@ def swiglu_back(out: np.ndarray, gate: np.ndarray, up: np.ndarray, g: np.ndarray
 
 def rms_norm(out: np.ndarray, x: np.ndarray, eps: float) -> bool:
     """out = x / sqrt(mean(x^2, last axis) + eps) over a pass's float32 rows (cpu.k_rms_norm) as a
-    decode step computes them (ggml's: the squares summed in double), the rows over
+    decode step computes them (the squares summed in double, as ggml does), the rows over
     _pool_threads(); False (nothing written) where the compiled kernel does not take the arrays."""
     lib = _load()
     if lib is None or x.shape != out.shape or not _elementwise_ok(out, x) or x.size == 0:
