@@ -301,6 +301,7 @@ def test_training_tracks_f32_adamw(stories_path, text, tmp_path):
     assert 0.3 < est8 / est32 < 0.45 and memory["adamw8bit"]["gradients"] == memory["adamw"]["gradients"]
 
 
+@pytest.mark.determinism
 def test_resume_is_byte_identical_and_the_checkpoint_holds_8bit_state(stories_path, text, tmp_path):
     ref = tmp_path / "ref.gguf"
     llmtune.finetune(stories_path, text, ref, optimizer="adamw8bit", **SETTINGS)

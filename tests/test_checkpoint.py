@@ -95,6 +95,7 @@ def metrics_records(path: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- resume
 
 
+@pytest.mark.determinism
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_resume_after_sigkill_is_byte_identical(kind, stories_path, text, reference, tmp_path):
     """SIGKILL at a random step after a checkpoint, then --resume: the same sha256 as a run that
@@ -221,6 +222,7 @@ def test_ctrl_c_in_other_commands_says_interrupted(stories_path, monkeypatch, ca
     assert code == 130 and "interrupted by Ctrl-C (SIGINT)" in err
 
 
+@pytest.mark.determinism
 def test_resume_from_the_final_checkpoint_only_writes_the_model(stories_path, text, reference, tmp_path):
     out = tmp_path / "run.gguf"
     llmtune.finetune(stories_path, text, out, keep_checkpoints=1, **SETTINGS)

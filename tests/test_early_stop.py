@@ -78,6 +78,7 @@ def test_early_stop_and_save_best_on_a_rising_validation_loss(stopped):
     assert not np.array_equal(last, flat)  # the last step's weights were not written
 
 
+@pytest.mark.determinism
 def test_a_resumed_run_keeps_the_best_and_writes_the_same_bytes(stopped, stories_path, rising, tmp_path):
     d, res = stopped
     steps = [r["global_step"] for r in records(d / "m.jsonl", "validation")]

@@ -78,6 +78,7 @@ def test_ubatch_does_not_change_the_result(stories_path, wikitext_ids):
     assert rel < 5e-5, rel
 
 
+@pytest.mark.determinism
 def test_training_and_validation_loss_fall_and_output_is_deterministic(stories_path, small_text, tmp_path):
     outs = []
     for i in range(2):
@@ -162,7 +163,8 @@ def test_help_shows_the_config_defaults(monkeypatch):
 
 
 def test_cpu_workers_rule(monkeypatch):
-    """One worker off the cpu, for a single item, or without OpenBLAS thread control; else one per core up to 4."""
+    """One worker off the cpu, for a single item, or without OpenBLAS thread control; else one per
+    core up to 4, whether or not OpenBLAS's bits follow its thread count."""
     from llmtune.backends import threads
     from llmtune.backends.base import Backend
     from llmtune.backends.cpu import CPUBackend
@@ -173,9 +175,9 @@ def test_cpu_workers_rule(monkeypatch):
             be.workers(0, 8)
     monkeypatch.setattr(threads.blas_threads, "available", lambda: True)
     monkeypatch.setattr(threads, "n_cores", lambda: 16)
-    monkeypatch.setattr(threads.blas_threads, "keeps_bits", lambda: False)
-    assert cpu.workers(None, 8) == 1 and cpu.workers(3, 8) == 3  # its bits follow its thread count
-    monkeypatch.setattr(threads.blas_threads, "keeps_bits", lambda: True)
+    for keeps_bits in (False, True):  # passes run OpenBLAS single-threaded where its bits follow its count
+        monkeypatch.setattr(threads.blas_threads, "keeps_bits", lambda: keeps_bits)
+        assert cpu.workers(None, 8) == threads.MAX_CPU_WORKERS and cpu.workers(3, 8) == 3
     assert Backend().workers(None, 8) == 1  # a backend that queues its own work (cuda)
     assert cpu.workers(None, 1) == 1
     assert cpu.workers(None, 8) == threads.MAX_CPU_WORKERS

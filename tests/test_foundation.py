@@ -475,6 +475,7 @@ def test_init_15m_loads_as_a_trainable_model(model_15m):
     assert model.n_params() == 24_407_712
 
 
+@pytest.mark.determinism
 def test_init_is_deterministic(model_15m, tmp_path):
     same = init_model(CONFIG_15M, SPM_VOCAB, tmp_path / "same.gguf", seed=7)
     assert same.read_bytes() == model_15m.read_bytes()

@@ -245,6 +245,7 @@ def test_validation_loss_falls(stories, wikitext_ids):
     assert all(np.array_equal(tr.values[n], stories.weights[n]) for n in stories.weights)  # the base never moved
 
 
+@pytest.mark.determinism
 def test_finetune_writes_a_lora_adapter_same_seed_same_bytes(stories_path, small_text, tmp_path):
     kw = dict(ctx=32, batch=128, ubatch=32, epochs=1, lr=1e-2, val_split=0.1, lora_rank=4, lora_dropout=0.05)
     a = llmtune.finetune(stories_path, small_text, tmp_path / "a.gguf", seed=1, **kw)

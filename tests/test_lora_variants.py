@@ -282,6 +282,7 @@ def test_bad_variant_flags(args, words, stories_path, small_text, tmp_path, monk
 # ------------------------------------------------------------------------------ resume
 @pytest.mark.parametrize("variant", [dict(lora_init_method="pissa", rslora=True, lora_plus=4.0),
                                      dict(dora=True, lora_plus=2.0, lora_dropout=0.1)])
+@pytest.mark.determinism
 def test_resume_of_a_variant_run_is_byte_identical(variant, stories_path, wiki100k_path, tmp_path):
     """The epoch-1 checkpoint resumed writes the uninterrupted run's bytes: the SVD and the magnitudes
     are made again from the same base, the LoRA+ groups laid out alike."""

@@ -389,6 +389,7 @@ def test_training_swiglu_and_its_gradients_match_numpy(monkeypatch, n):
         assert (np.abs(got - want) <= 1e-6 * np.abs(want) + 1e-6 * scale + 1e-30).all()
 
 
+@pytest.mark.determinism
 @needs_library
 def test_training_swiglu_is_the_same_on_any_thread_count():
     """The passes run in chunks over the pool (a multiple of the vector width): one thread and all

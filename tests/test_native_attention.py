@@ -123,6 +123,7 @@ def test_gradients_match_numpy_and_float64(B, T, H, Hkv, d, window, monkeypatch)
     assert np.abs(got - exact).max() < 2e-6 * size * max(1.0, math.log2(T))
 
 
+@pytest.mark.determinism
 @needs_attention
 def test_same_bits_whatever_the_threads():
     """Each output is one task's, in one order: one thread and all of them write the same bits,

@@ -69,6 +69,7 @@ def test_without_dx_and_in_place():
     assert into_y.tobytes() == _forward(y, x, a, b, 0.5).tobytes()
 
 
+@pytest.mark.determinism
 @needs_native
 def test_same_bits_whatever_the_threads():
     """Each output is one task's sum in one order: one thread and all of them write the same bits."""

@@ -62,6 +62,7 @@ def test_declines_what_it_does_not_take():
     assert not kernels.adamw(np.zeros(16, np.float32)[::2], w, w.copy(), w.copy(), t=1, wd=0.0, **HP)  # strided
 
 
+@pytest.mark.determinism
 @pytest.mark.parametrize("compiled", [True, False])
 def test_sum_squares_in_float64_and_the_same_bits_on_any_core_count(compiled, monkeypatch):
     """The step's gradient norm squared: float64 (the compiled pass and numpy's agree to ~1e-15),

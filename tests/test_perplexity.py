@@ -95,6 +95,7 @@ def test_batch_larger_than_ctx_gives_same_numbers(stories, ids):
     assert several.ppl_err == pytest.approx(one.ppl_err, rel=1e-6)
 
 
+@pytest.mark.determinism
 def test_workers_give_same_numbers_and_restore_blas_threads(stories, ids):
     from llmtune.backends.threads import blas_threads
 

@@ -221,6 +221,7 @@ def _run(stories_path, data, out, crash_at=None, **kw):
     return finetune(stories_path, data, out, hooks=lambda cfg, model: [CrashAt()], **RUN, **kw)
 
 
+@pytest.mark.determinism
 @pytest.mark.parametrize("method,kind", [("dpo", "lora"), ("dpo", "full")])
 def test_resume_is_byte_identical(stories_path, tmp_path, method, kind):
     """A run stopped after its step-2 checkpoint and resumed from it writes the uninterrupted

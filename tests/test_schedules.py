@@ -90,6 +90,7 @@ def _lrs(path) -> list[tuple[int, float]]:
     return [(r["global_step"], r["lr"]) for r in map(json.loads, path.read_text().splitlines()) if r["type"] == "train_step"]
 
 
+@pytest.mark.determinism
 def test_a_run_follows_cosine_and_a_resume_continues_it(stories_path, tmp_path, wiki100k_path):
     """Every step's lr in --metrics is transformers' cosine over epochs x steps per epoch; a run
     resumed from a mid-run checkpoint logs the same rates and writes the same bytes."""
@@ -114,6 +115,7 @@ def test_a_run_follows_cosine_and_a_resume_continues_it(stories_path, tmp_path, 
     assert resumed.read_bytes() == whole.read_bytes()
 
 
+@pytest.mark.determinism
 def test_a_checkpoint_from_before_these_settings_resumes(stories_path, tmp_path, wiki100k_path):
     """A checkpoint written before --lr-schedule, --eval-every, ... existed (its config and settings
     hash without them, as the earlier llmtune wrote them) resumes, and writes the same bytes."""

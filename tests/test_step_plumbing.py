@@ -108,9 +108,12 @@ def test_replay_accumulates_gradients_that_are_views():
     assert all(plain[n].any() and plain[n].tobytes() == replayed[n].tobytes() for n in (a, b))
 
 
+@pytest.mark.determinism
 def test_blas_tuner_keeps_the_faster_count(monkeypatch):
-    """Trial runs alternate; the faster count runs; the other is probed after 8 runs, then 16."""
+    """Trial runs alternate; the faster count runs; the other is probed after 8 runs, then 16 (on a
+    machine where OpenBLAS's count does not change its bits: pinned, whatever this one's are)."""
     monkeypatch.setattr(threads.blas_threads, "_load", lambda: (lambda: 2, lambda n: None))
+    monkeypatch.setattr(threads.blas_threads, "keeps_bits", lambda: True)
     tuner = threads.BlasTuner()
     cost = {2: 5.0, 1: 1.0}  # a busy machine: one thread is faster
     picks = []
@@ -155,13 +158,14 @@ def test_blas_bits_probe_is_measured_once_per_machine(monkeypatch, tmp_path):
     assert fresh(2).keeps_bits() is False and probes == [2, 3, 2, 2]
 
 
+@pytest.mark.determinism
 def test_blas_thread_count_does_not_change_products_where_the_tuner_runs():
     """The tuner's premise: OpenBLAS gives the same bits with one thread and with several, on
     the machines where it tunes (keeps_bits); elsewhere it keeps one count."""
     if not threads.blas_threads.available():
         pytest.skip("no OpenBLAS thread control")
     if not threads.blas_threads.keeps_bits():
-        assert threads.BlasTuner().candidates == ()
+        assert threads.BlasTuner().candidates == ()  # tests/test_reproducible.py: it then runs one thread
         pytest.skip("this OpenBLAS splits sums over its threads: the tuner keeps one thread count")
     rng = np.random.default_rng(0)
     for m, k, n in [(256, 64, 512), (256, 288, 768), (512, 288, 2048)]:

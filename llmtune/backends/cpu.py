@@ -1116,8 +1116,9 @@ class CPUBackend(Backend):
         def part(start, stop):
             got = native.sum_squares(flat[start:stop], _SUMSQ_BLOCK)
             if got is None:
-                got = [np.dot(b, b) for b in (flat[s : min(s + _SUMSQ_BLOCK, stop)].astype(np.float64)
-                                              for s in range(start, stop, _SUMSQ_BLOCK))]
+                # not np.dot: OpenBLAS splits a long dot over its threads, and the sum would follow their count
+                got = [np.square(b).sum() for b in (flat[s : min(s + _SUMSQ_BLOCK, stop)].astype(np.float64)
+                                                    for s in range(start, stop, _SUMSQ_BLOCK))]
             parts[start // _SUMSQ_BLOCK : start // _SUMSQ_BLOCK + len(got)] = got
 
         parallel_ranges(part, flat.size, _SUMSQ_BLOCK)

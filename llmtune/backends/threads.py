@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -52,14 +52,13 @@ def cpu_workers(requested: Optional[int], n_items: int) -> int:
 
     With at least two items, and where OpenBLAS's thread count can be set (else its threads and
     ours would fight over the cores): `requested`, or one per core up to MAX_CPU_WORKERS, never
-    more than there are items. Otherwise one -- also, unless `requested`, where OpenBLAS's bits
-    change with its thread count (blas_threads.keeps_bits): workers run it single-threaded and
-    the caller's thread does not, so which pass ran where would show in the numbers (a resumed
-    run's validation loss differed from the uninterrupted run's in the 7th digit).
+    more than there are items. Otherwise one. Workers run OpenBLAS single-threaded, and so does
+    the caller's thread where its bits follow its thread count (blas_threads.reproducible), so
+    which pass ran where never shows in the numbers.
     """
     if requested is not None and requested < 1:
         raise LlmtuneError(f"workers: must be positive (got {requested})")
-    if n_items < 2 or not blas_threads.available() or (requested is None and not blas_threads.keeps_bits()):
+    if n_items < 2 or not blas_threads.available():
         return 1
     n = requested or min(n_cores(), MAX_CPU_WORKERS)
     return max(1, min(n, n_items))
@@ -75,7 +74,9 @@ def run_in_order(fn, make_state, items, n_workers: int):
     if n_workers <= 1:
         state = make_state()
         for item in items:
-            yield fn(state, item)
+            with blas_threads.reproducible():  # as a worker runs it, where that changes the bits
+                result = fn(state, item)
+            yield result
         return
     states: queue.SimpleQueue = queue.SimpleQueue()
     for _ in range(n_workers):
@@ -203,6 +204,15 @@ class _BlasThreads:
                     return False
         return True
 
+    def reproducible(self):
+        """The block of a pass whose bits llmtune promises to reproduce (a training step, a
+        validation, perplexity or eval pass, PiSSA's SVDs) on the caller's thread: where OpenBLAS's
+        bits follow its thread count (not keeps_bits: its Haswell kernels at 1 and 2 threads), it
+        runs single-threaded, the one count that every worker, rank and process shares (ranks
+        sharing a machine run one thread each, share_cores); elsewhere its count is left as it is
+        (any count gives the same bits, and BlasTuner picks the faster)."""
+        return nullcontext() if self.keeps_bits() else self(1)
+
     @contextmanager
     def __call__(self, n: int, compiled: bool = False):
         """OpenBLAS's thread count n for the block; compiled: the compiled products' too (a worker
@@ -234,10 +244,10 @@ class BlasTuner:
     1 at load 5 on 2 cores), so neither choice is right everywhere. Each run is timed: the first
     runs alternate between one thread and all of them, then the faster one runs, and the other is
     probed after `interval` runs (doubled each time it loses, so slow probes cost little; it takes
-    over after two wins in a row, so one lucky run does not). OpenBLAS splits a product's rows and
-    columns over its threads, never a sum, so the choice does not change a bit of the result
-    (products at 1 and 2 threads compare equal, tests/test_step_plumbing.py) -- on the CPUs where
-    that holds (_BlasThreads.keeps_bits); elsewhere the tuner keeps OpenBLAS's own count.
+    over after two wins in a row, so one lucky run does not). It tunes only where OpenBLAS splits a
+    product's rows and columns over its threads, never a sum (_BlasThreads.keeps_bits: products at
+    1 and all threads compare equal), so the choice never changes a bit of the result; elsewhere
+    every run is single-threaded (_BlasThreads.reproducible), as every rank and worker runs it.
     """
 
     FIRST_INTERVAL, MAX_INTERVAL, WINDOW = 8, 128, 3
@@ -246,7 +256,7 @@ class BlasTuner:
     def __init__(self, enabled: bool = True):
         funcs = blas_threads._load() if enabled else ()
         n = funcs[0]() if funcs else 1
-        # where the count changes the bits, it stays OpenBLAS's own: the same seed, the same file
+        # counts to choose from: none where one is all there is, or where the count changes the bits
         self.candidates = (n, 1) if n > 1 and blas_threads.keeps_bits() else ()
         self.times: dict[int, list[float]] = {c: [] for c in self.candidates}
         self.best = n
@@ -292,7 +302,8 @@ class BlasTuner:
     @contextmanager
     def __call__(self):
         if not self.candidates:
-            yield
+            with blas_threads.reproducible():
+                yield
             return
         n = self._pick()
         start = time.perf_counter()

@@ -236,6 +236,24 @@ def remove_checkpoints(run, keep: int = 0) -> None:
             pass
 
 
+def resume_workers(meta: dict, ranks: int) -> int:
+    """The workers per rank of a run resumed from a checkpoint written with meta's layout: as many
+    gradient buffers in all (workers x ranks) as the checkpoint's run summed, where `ranks` divides
+    them (2 ranks x 1 worker -> 1 process x 2 workers), else the checkpoint's workers per rank."""
+    lanes = int(meta.get("workers") or 1) * int(meta.get("ranks", 1))
+    return lanes // ranks if lanes % ranks == 0 else int(meta.get("workers") or 1)
+
+
+def same_gradient_sum(meta: dict, backend: str, workers: int, ranks: int) -> bool:
+    """Whether a resumed run sums each step's gradient as the checkpoint's run did, bit for bit:
+    the same backend and layout, or two buffers either way (two workers' buffers or two ranks'
+    all-reduce: a + b whatever holds them; with more, the order of an all-reduce is MPI's)."""
+    was = (int(meta.get("workers") or 1), int(meta.get("ranks", 1)))
+    if meta.get("backend") != backend:
+        return False
+    return was == (workers, ranks) or was[0] * was[1] == workers * ranks == 2
+
+
 def restore(run, ckpt: Checkpoint) -> None:
     """Continue `run` from `ckpt` after checking it belongs to the run's inputs and settings."""
     from llmtune.train.events import EpochResult, Resumed
@@ -270,7 +288,7 @@ def restore(run, ckpt: Checkpoint) -> None:
     run.run_id, run.last_checkpoint = meta.get("run_id") or uuid.uuid4().hex, ckpt.path
     tr = run.trainer
     ranks, now = meta.get("ranks", 1), tr.comm.size  # a checkpoint resumes on any number of ranks
-    if meta.get("workers") != tr.n_workers or meta.get("backend") != tr.backend.name or ranks != now:
+    if not same_gradient_sum(meta, tr.backend.name, tr.n_workers, now):
         run.warn(f"{where}: written on {meta.get('backend')} with {meta.get('workers')} worker(s) x {ranks} rank(s), "
                  f"continued on {tr.backend.name} with {tr.n_workers} x {now}: the result "
                  f"may differ from an uninterrupted run in float rounding")

@@ -138,7 +138,8 @@ def _trainer(model: Model, trainable: list[str], cfg: FinetuneConfig, ckpt) -> T
     if cfg.method != "sft":
         objective = Objective(cfg.method, cfg.beta, cfg.label_smoothing, cfg.gamma)
         return PreferenceTrainer(model, backend, objective=objective, **kw)
-    return Trainer(model, backend, workers=ckpt.meta.get("workers") if ckpt is not None else None, packed=cfg.pack, **kw)
+    workers = ckpts.resume_workers(ckpt.meta, world().size) if ckpt is not None else None
+    return Trainer(model, backend, workers=workers, packed=cfg.pack, **kw)
 
 
 def _hooks(cfg: FinetuneConfig, model: Model, hooks: Optional[HookFactory]) -> list[Hook]:
