@@ -191,6 +191,37 @@ def test_dropping_pages_touches_only_the_file_s_own(stories_path):
 
 
 @needs_packed
+def test_a_pack_another_worker_makes_meanwhile_is_found_not_refused():
+    """Two workers reach a frozen matrix's first product together, the budget's last: the one that
+    finds no pack waits for the other's and multiplies through it. (It used to read the budget as
+    full once the other had packed, and ran that product on numpy's BLAS: other bits, in about one
+    two-worker LoRA run in ten.)"""
+    import threading
+
+    from llmtune.quant.matmul import FloatCopies
+
+    w = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
+    copies = FloatCopies(FloatCopies.packed_bytes(w.shape), pack=True)
+    other_packed = threading.Event()
+
+    class Packs(dict):  # the first look-up of worker "late" returns before the other worker packs
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            if found is None and threading.current_thread().name == "late":
+                other_packed.wait(10)
+            return found
+
+    copies.packs = Packs()
+    got = {}
+    late = threading.Thread(target=lambda: got.update(late=copies.packed(w)), name="late")
+    late.start()
+    got["first"] = copies.packed(w)
+    other_packed.set()
+    late.join(10)
+    assert got["first"] is not None and got["late"] is got["first"]
+
+
+@needs_packed
 def test_no_budget_no_packed_copies(stories_path):
     tr = _lora_trainer(stories_path, True, budget=0)
     _steps(tr, 1)

@@ -359,8 +359,11 @@ class FloatCopies:
         if packed is not None or not self.pack:
             return packed
         nbytes = self.packed_bytes(shape)
-        if 0 < nbytes and self.used + nbytes <= self.budget:
-            with self.lock:  # one pack per matrix, whichever worker gets here first
+        if nbytes > 0:
+            # one pack per matrix, whichever worker gets here first; the budget read under the lock
+            # too: read before it, the other worker's pack of this very matrix (the budget's last)
+            # made it look full, and this product ran on numpy's BLAS, other bits, now and then
+            with self.lock:
                 packed = self.packs.get(key + (transposed,))
                 if packed is None and self.used + nbytes <= self.budget:
                     dense = decoded()
@@ -380,8 +383,8 @@ class FloatCopies:
             return None
         key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, qtype)
         dense = self.arrays.get(key)
-        if dense is None and self.used + raw.shape[0] * n_in * 4 <= self.budget:
-            with self.lock:  # one decode per matrix, whichever worker gets here first
+        if dense is None and self.budget:
+            with self.lock:  # one decode per matrix, whichever worker gets here first (budget: as in _packs)
                 dense = self.arrays.get(key)
                 if dense is None and self.used + raw.shape[0] * n_in * 4 <= self.budget:
                     dense = dequantize_rows(raw, qtype, np.empty((raw.shape[0], n_in), F32))
