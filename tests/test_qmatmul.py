@@ -155,6 +155,29 @@ def test_float_copies_follow_the_memory_left(exports, wikitext_ids, monkeypatch)
     assert 0 < tr.memory_bytes()["float copies"] <= dense // 2 + 1 and "packed copies" not in tr.memory_bytes()
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_build_without_the_packed_product_keeps_float_copies(exports, monkeypatch, packing):
+    """QLoRA's frozen matrices: packed copies where the compiled product is built, else float32
+    copies (numpy's products then skip the per-block decode). A build without it used to plan
+    packed copies of 0 bytes and keep neither."""
+    from llmtune.model.adapter import attach, init_adapter
+    from llmtune.native import kernels
+    from llmtune.train.trainer import Trainer
+
+    if packing and not kernels.pack_wt_available():
+        pytest.skip("this build has no packed product")
+    monkeypatch.setattr(kernels, "pack_wt_available", lambda: packing)
+    if not packing:
+        monkeypatch.setattr(kernels, "pack_wt_bytes", lambda shape, transposed=False: 0)  # as such a build says
+    model = load_model(exports["q8_0"])
+    adapter = init_adapter(model, 4, seed=0)
+    tr = Trainer(attach(model, [adapter]), CPUBackend(), n_ctx=64, n_batch=64, n_ubatch=64,
+                 trainable=list(adapter.tensors()))
+    kept = {k for k in tr.memory_bytes() if k.endswith("copies")}
+    assert kept == ({"packed copies"} if packing else {"float copies"})
+    assert tr.base_products() == ("packed" if packing else "blas")
+
+
 def test_evaluation_copies_follow_the_decoder_and_the_model_size(exports, monkeypatch):
     """An evaluation keeps no float copies where the compiled decoders run (its peak stays near
     the file's size), else at most the stored size (and a quarter of the free memory)."""

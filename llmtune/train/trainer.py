@@ -199,13 +199,22 @@ class Trainer:
         packs = {n: w for n, w in self._frozen.items() if n in weights and (n in quantized or w.dtype == np.float32)}
         packed = sum(self.float_copies.packed_bytes(w.shape) for w in packs.values())
         need, available = sum(self.memory_bytes().values()), available_memory(self.backend)
-        budget = training_budget({}, need, available, packed) if self.float_copies.packing() else 0
-        if budget < packed:  # not all of them: no packed copies (the float copies then, as they fit)
+        packing = self.float_copies.packing() and packed > 0
+        budget = training_budget({}, need, available, packed) if packing else 0
+        if not packing or budget < packed:  # none, or not all of them: the float copies then, as they fit
             self.float_copies.pack = False
             budget = training_budget(quantized, need, available)
         self.float_copies.budget, self._packed_bytes = budget, packed
         if self.float_copies.pack and self.float_copies.releases:  # once packed, their file pages go back
             self._packed_names = set(packs)
+
+    def base_products(self) -> str:
+        """Which product multiplies the frozen matrices: "packed" (the compiled product over their
+        packed copies, when all of them fit the memory budget) or "blas" (numpy's, on float32
+        weights or copies). The two round differently, so a checkpoint records it (a resume
+        with the other says its result may differ)."""
+        fc = self.float_copies
+        return "packed" if fc is not None and fc.pack and self._packed_bytes and fc.budget >= self._packed_bytes else "blas"
 
     def _flat_views(self, flat) -> dict:
         """Per-tensor views of a flat buffer laid out in trainable order."""
