@@ -327,6 +327,9 @@ def test_a_resume_keeps_the_gradient_sum_of_its_checkpoint():
     assert same_gradient_sum(four, "cpu", 2, 2)
     assert resume_workers({"workers": 3, "ranks": 1, "backend": "cpu"}, 2) == 3  # 3 buffers do not split over 2 ranks
     assert resume_workers({"backend": "cpu"}, 1) == 1  # a checkpoint from before the layout was kept
+    # the frozen matrices' products: their packed copies did or did not fit the memory
+    assert not same_gradient_sum({**two_ranks, "base_products": "packed"}, "cpu", 2, 1, "blas")
+    assert same_gradient_sum({**two_ranks, "base_products": "packed"}, "cpu", 2, 1, "packed")
 
 
 def test_launcher_detection():

@@ -187,6 +187,7 @@ def save_checkpoint(run) -> Path | None:
         "config": dataclasses.asdict(run.cfg), "fingerprint": run_fingerprint(run), "run_id": run.run_id,
         "inputs": {k: str(v) for k, v in run.inputs.items()}, "output": str(res.output),
         "trainable": tr.trainable, "n_trainable": tr.n_trainable, "workers": tr.n_workers, "ranks": tr.comm.size,
+        "base_products": tr.base_products(),
         "backend": tr.backend.name, "optimizer": {"kind": tr.optimizer.kind, "t": tr.optimizer.t},
         "rng": {"order": "numpy default_rng([seed, epoch])", "dropout": "(seed, step)", "seed": run.cfg.seed},
         "stats": {"losses": run.stats.losses, "correct": run.stats.correct, "tokens": run.stats.tokens},
@@ -244,12 +245,14 @@ def resume_workers(meta: dict, ranks: int) -> int:
     return lanes // ranks if lanes % ranks == 0 else int(meta.get("workers") or 1)
 
 
-def same_gradient_sum(meta: dict, backend: str, workers: int, ranks: int) -> bool:
-    """Whether a resumed run sums each step's gradient as the checkpoint's run did, bit for bit:
-    the same backend and layout, or two buffers either way (two workers' buffers or two ranks'
-    all-reduce: a + b whatever holds them; with more, the order of an all-reduce is MPI's)."""
+def same_gradient_sum(meta: dict, backend: str, workers: int, ranks: int, base_products: str = "blas") -> bool:
+    """Whether a resumed run computes each step's gradient as the checkpoint's run did, bit for
+    bit: the same backend and products of the frozen matrices (Trainer.base_products: whether
+    their packed copies fit the memory), and the same layout or two buffers either way (two
+    workers' buffers or two ranks' all-reduce: a + b whatever holds them; with more, the order of
+    an all-reduce is MPI's)."""
     was = (int(meta.get("workers") or 1), int(meta.get("ranks", 1)))
-    if meta.get("backend") != backend:
+    if meta.get("backend") != backend or meta.get("base_products", base_products) != base_products:
         return False
     return was == (workers, ranks) or was[0] * was[1] == workers * ranks == 2
 
@@ -288,8 +291,9 @@ def restore(run, ckpt: Checkpoint) -> None:
     run.run_id, run.last_checkpoint = meta.get("run_id") or uuid.uuid4().hex, ckpt.path
     tr = run.trainer
     ranks, now = meta.get("ranks", 1), tr.comm.size  # a checkpoint resumes on any number of ranks
-    if not same_gradient_sum(meta, tr.backend.name, tr.n_workers, now):
-        run.warn(f"{where}: written on {meta.get('backend')} with {meta.get('workers')} worker(s) x {ranks} rank(s), "
-                 f"continued on {tr.backend.name} with {tr.n_workers} x {now}: the result "
-                 f"may differ from an uninterrupted run in float rounding")
+    if not same_gradient_sum(meta, tr.backend.name, tr.n_workers, now, tr.base_products()):
+        was = f", {meta['base_products']} base products" if meta.get("base_products") else ""
+        run.warn(f"{where}: written on {meta.get('backend')} with {meta.get('workers')} worker(s) x {ranks} rank(s)"
+                 f"{was}, continued on {tr.backend.name} with {tr.n_workers} x {now}, {tr.base_products()} base "
+                 f"products: the result may differ from an uninterrupted run in float rounding")
     run.emit(Resumed(str(ckpt.path), run.step, run.where(), tuple(run.result.epochs)))
