@@ -25,8 +25,10 @@ needs_library = pytest.mark.skipif(not kernels.available(), reason=f"no compiled
 
 @pytest.fixture()
 def fresh(monkeypatch, tmp_path):
-    """The library state forgotten before and after, the cache in tmp_path."""
+    """The library state forgotten before and after, the cache in tmp_path, the kernels not turned
+    off (these tests build them: a suite run with LLMTUNE_NATIVE=0 checks the rest without)."""
     monkeypatch.setenv("LLMTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LLMTUNE_NATIVE", raising=False)
     kernels.reset()
     yield tmp_path
     kernels.reset()
