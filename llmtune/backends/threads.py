@@ -354,6 +354,26 @@ class ProbeCache:
             pass
 
 
+def blas_kernel() -> str:
+    """The OpenBLAS numpy runs and the kernel it picked for this CPU ("OpenBLAS 0.3.31 Haswell";
+    threadpoolctl's `architecture`): benchmarks print it beside their figures, since
+    OPENBLAS_CORETYPE can make a current OpenBLAS run older, slower kernels. "" where none is loaded."""
+    import ctypes
+
+    import numpy  # noqa: F401 - loads its OpenBLAS
+
+    for lib in _loaded_openblas():
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", ""):
+                core, config = getattr(lib, f"{prefix}_get_corename{suffix}", None), getattr(lib, f"{prefix}_get_config{suffix}", None)
+                if core is None or config is None:
+                    continue
+                core.restype = config.restype = ctypes.c_char_p
+                version = next((w for w in (config() or b"").decode(errors="replace").split() if w[:1].isdigit()), "")
+                return f"OpenBLAS {version} {(core() or b'?').decode(errors='replace')}".replace("  ", " ")
+    return ""
+
+
 def _blas_identity(n_threads: int) -> str:
     """What OpenBLAS's threaded summation order depends on: the library files numpy loaded (path,
     size, modification time), the kernel it picked (its config and OPENBLAS_CORETYPE), the CPU
