@@ -21,6 +21,10 @@ best of 5 steps after one (adamw's fused step in the same run as the yardstick).
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import sys
 import tempfile

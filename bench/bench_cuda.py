@@ -13,6 +13,10 @@ context); utilization is that rate over the measured matmul peak of the same pre
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import json
 import sys

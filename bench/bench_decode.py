@@ -19,6 +19,10 @@ checks that both greedy continuations are the same bytes (reported, not asserted
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import os
 import re

@@ -13,6 +13,10 @@ ppl15m   a 15M-shape model (configs/llama-15m.toml, random init, 32000-token voc
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import gzip
 import subprocess
 import sys

@@ -10,6 +10,10 @@ init   median wall time of `llmtune init` for the 15M and 110M configs (32000-to
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import statistics
 import subprocess
 import sys

@@ -12,6 +12,10 @@ first one not timed; medians over the repeats (the machine may be shared).
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import json
 import statistics

@@ -14,6 +14,10 @@ numba is optional (the row is skipped without it).
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import os
 import timeit

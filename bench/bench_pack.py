@@ -20,6 +20,10 @@ load average before and after.
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import json
 import os

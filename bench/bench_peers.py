@@ -21,6 +21,10 @@ PyTorch is a bench-only dependency; nothing in llmtune or its tests imports it.
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import gzip
 import json

@@ -14,6 +14,10 @@ timings do; "best" is the fastest of --repeat runs (the machine is shared), "med
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import json
 import resource

@@ -24,6 +24,10 @@ thread can stall). The PyTorch side needs `pip install peft` (bench only; not a 
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import gzip
 import json

@@ -10,6 +10,10 @@ rate alone (ns per weight value).
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import sys
 import time

@@ -44,6 +44,10 @@ compare ratios within one run.
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import compileall
 import gzip

@@ -16,6 +16,10 @@ forward and backward). AdamW: 135M float32 values (a full finetune's), milliseco
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import sys
 from pathlib import Path

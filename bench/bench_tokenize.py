@@ -11,6 +11,10 @@ Exits non-zero if the ids differ from llama-tokenize's (tests/data/...stories260
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import gzip
 import sys

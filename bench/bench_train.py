@@ -11,6 +11,10 @@ several optimizer steps after one warm-up step.
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import json
 import subprocess
 import sys

@@ -15,10 +15,18 @@ import sys
 KNOBS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 
+_named = False
+
+
 def at_its_best() -> None:
-    """Restart this script without KNOBS where any is set (and LLMTUNE_BENCH_BLAS_ENV is not 'keep')."""
+    """Restart this script without KNOBS where any is set (and LLMTUNE_BENCH_BLAS_ENV is not
+    'keep'); else name the kernel on stderr, once per process (stdout may be a child's JSON)."""
+    global _named
     present = [k for k in KNOBS if k in os.environ]
     if not present or os.environ.get("LLMTUNE_BENCH_BLAS_ENV") == "keep":
+        if not _named:
+            _named = True
+            print(f"numpy's BLAS: {kernel()}", file=sys.stderr, flush=True)
         return
     print(f"(restarting without {' and '.join(present)}: numpy's OpenBLAS at its best kernel; "
           f"LLMTUNE_BENCH_BLAS_ENV=keep measures with them)", file=sys.stderr, flush=True)

@@ -16,6 +16,10 @@ in PyPI's llama-cpp-python sdist: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE
 
 from __future__ import annotations
 
+import blas_env  # first, before numpy: its OpenBLAS at its best kernel, named (bench/blas_env.py)
+
+blas_env.at_its_best()
+
 import argparse
 import gzip
 import re
