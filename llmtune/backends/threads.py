@@ -365,7 +365,8 @@ def blas_kernel() -> str:
     for lib in _loaded_openblas():
         for prefix in ("scipy_openblas", "openblas"):
             for suffix in ("64_", ""):
-                core, config = getattr(lib, f"{prefix}_get_corename{suffix}", None), getattr(lib, f"{prefix}_get_config{suffix}", None)
+                core = getattr(lib, f"{prefix}_get_corename{suffix}", None)
+                config = getattr(lib, f"{prefix}_get_config{suffix}", None)
                 if core is None or config is None:
                     continue
                 core.restype = config.restype = ctypes.c_char_p
