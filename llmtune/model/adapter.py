@@ -15,7 +15,7 @@ Applied (build_lora_mm): y = x W^T + s (x A^T) B^T for every adapter in order, w
 s = user_scale * alpha / r when alpha != 0, else user_scale (r = B's last numpy axis, the rank);
 token_embd: rows = W[t] + s A[t] B^T. Merged (llama-export-lora): W + s B A (token_embd: W + s A B^T).
 
-Variants (PEFT's, for training; README "LoRA variants"):
+Variants (PEFT's, for training; docs/finetune.md "LoRA variants"):
 - rsLoRA: s = alpha / sqrt(r); the file stores alpha * sqrt(r), so llama.cpp's alpha / r is that scale;
 - DoRA: a magnitude m [n_out] per matrix, W' = m * (W + s B A) / ||W + s B A||_row with the norm
   detached (PEFT's DoraLinearLayer); llama.cpp has no DoRA, so a DoRA adapter is written merged;

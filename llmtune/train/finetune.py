@@ -165,7 +165,7 @@ def start_event(run: Run) -> ev.Start:
 
 def _lora_info(model: Model, cfg: FinetuneConfig) -> Optional[dict]:
     """What the Start event says about the adapter being trained (None for a full finetune);
-    "variants": the LoRA variants in words (README "LoRA variants")."""
+    "variants": the LoRA variants in words (docs/finetune.md "LoRA variants")."""
     if not model.adapters:
         return None
     a = model.adapters[0]
