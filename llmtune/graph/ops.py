@@ -242,6 +242,16 @@ def qweight(shape, qtype: str, name: str = "") -> Node:
     return Node("param", (), {"qtype": qtype}, shape, "q", requires_grad=False, name=name)
 
 
+def leaf(name: str, w, trainable: bool = False) -> Node:
+    """The graph leaf of model tensor `name`: a frozen stored matrix (a quant/qtensor.QTensor, which
+    carries its `qtype`) as its block bytes (qweight: products and row lookups read them as they
+    are), anything else (and whatever trains) a float param."""
+    qtype = getattr(w, "qtype", None)
+    if qtype is not None and not trainable:
+        return qweight(w.shape, qtype, name=name)
+    return param(w.shape, name=name, requires_grad=trainable)
+
+
 def _check_q(w: Node, op: str) -> str:
     if w.dtype != "q":
         raise ValueError(f"{op}: {w} is not a qweight")

@@ -17,9 +17,10 @@ from llmtune.arch.packing import Packing
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, load_gguf
+from llmtune.graph import ops
 from llmtune.graph.node import name_intermediates, topo_order
 from llmtune.model.adapter import LoraGraph
-from llmtune.quant.qtensor import graph_leaf, stored
+from llmtune.quant.qtensor import stored
 
 
 @dataclass
@@ -100,7 +101,7 @@ class Model:
         if n_out is not None and (logits_start or prefix is not None or cache is not None):
             raise ValueError("build: n_out selects the logit rows itself (no logits_start, prefix or cache)")
         trainable = set(trainable)
-        nodes = {name: graph_leaf(name, w, name in trainable) for name, w in self.tensors().items()}
+        nodes = {name: ops.leaf(name, w, name in trainable) for name, w in self.tensors().items()}
         lora = LoraGraph.of(self.adapters, nodes, lora_dropout, round_x) if self.adapters else None
         batch = Batch.make(n_seq, n_tok, packed, n_out)
         shared = None

@@ -64,17 +64,6 @@ def stored(info, keep: bool = True):
     return None
 
 
-def graph_leaf(name: str, w, trainable: bool = False):
-    """The graph leaf of model tensor `name`: a frozen QTensor as its stored blocks (ops.qweight:
-    products and row lookups read them as they are), anything else (and whatever trains) a float
-    ops.param."""
-    from llmtune.graph import ops
-
-    if isinstance(w, QTensor) and not trainable:
-        return ops.qweight(w.shape, w.qtype, name=name)
-    return ops.param(w.shape, name=name, requires_grad=trainable)
-
-
 def backend_array(backend, w):
     """The array a backend binds for a model tensor: the raw bytes of a QTensor, else the float
     values in the backend's dtype."""
