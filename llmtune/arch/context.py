@@ -50,7 +50,7 @@ class BuildContext:
 
     logits_start: only positions logits_start.. of each sequence produce logits (perplexity
     scores the second half of a chunk); the last layer drops the other rows early.
-    lora: the adapters' terms (model/adapter.py LoraGraph: `apply(x, y, name)` in mm,
+    lora: the adapters' terms (model/adapter/terms.py LoraGraph: `apply(x, y, name)` in mm,
     `apply_rows(tokens, x, name)` in the embedding lookup), or None.
     cache: a KV cache (arch/kvcache.py KVCache) the attention writes the new k/v into and reads
     back, the batch's positions given at run time (generation), or None.

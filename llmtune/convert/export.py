@@ -6,7 +6,7 @@ All metadata is kept; general.file_type and general.quantization_version are set
 sets them.
 
 With `lora` (adapter GGUFs, llama.cpp's llama-export-lora): each adapted tensor is merged in float32,
-W + scale * B A per adapter in order (model/adapter.py), then stored as `type` like any other: one
+W + scale * B A per adapter in order (model/adapter/merge.py), then stored as `type` like any other: one
 command from a trained adapter to a deployable quantized file.
 """
 

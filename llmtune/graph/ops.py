@@ -415,7 +415,7 @@ _register("layer_norm_back", None)
 def row_rnorm(x: Node, detach: bool = False) -> Node:
     """1 / ||x||_2 over the last axis: x.shape[:-1] (no eps: torch.linalg.norm has none).
     detach: the result carries no gradient (torch's .detach()), as DoRA's weight norm in PEFT's
-    DoraLinearLayer.forward; model/adapter.py divides the magnitude by it."""
+    DoraLinearLayer.forward; model/adapter/terms.py divides the magnitude by it."""
     node = _node("row_rnorm", (x,), {}, x.shape[:-1])
     if detach:
         node.requires_grad = False
@@ -578,7 +578,7 @@ _register("flash_attn_back", None)
 # --------------------------------------------------------------------------- adapters
 def lora(y: Node, x: Node, a: Node, b: Node, s: float) -> Node:
     """y + ((s x A^T) B^T): an adapter's term added to its base product y = x W^T, x [..., in],
-    A [r, in], B [out, r] (model/adapter.py LoraGraph, training graphs). One op where the graph
+    A [r, in], B [out, r] (model/adapter/terms.py LoraGraph, training graphs). One op where the graph
     would otherwise hold two rank-r products, a scale and an add (and six products, a scale and
     their adds backward): every one of them is small, so a training step of 210 adapted matrices
     spent more in calls than in arithmetic. The scale multiplies the rank-r product x A^T, n_out / r

@@ -1,6 +1,6 @@
 """A GGUF model ready for graphs: its family, hyper-parameters, weights (float32, or matrices kept
 in the file's quantized / 16-bit type: quant/qtensor.py) and the LoRA adapters applied to them
-(model/adapter.py)."""
+(model/adapter/)."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ class FinetuneConfig:
     lora_init: Optional[str] = setting(None, "Continue training this adapter GGUF (llmtune's or "
                                              "convert_lora_to_gguf.py's); it fixes rank and targets.",
                                        metavar="FILE", path=True)
-    # LoRA variants (model/adapter.py; docs/finetune.md "LoRA variants")
+    # LoRA variants (model/adapter/initialise.py; docs/finetune.md "LoRA variants")
     rslora: bool = setting(False, "Rank-stabilised LoRA (PEFT's use_rslora): scale alpha / sqrt(rank), not alpha / rank; "
                                   "the adapter file stores alpha * sqrt(rank), so llama.cpp applies the same scale.")
     dora: bool = setting(False, "Weight-decomposed LoRA (PEFT's use_dora): each adapted matrix is a trained per-row "

@@ -1,0 +1,154 @@
+"""llama.cpp's adapter GGUF: read and checked against a base as llama_adapter_lora_init does,
+written as convert_lora_to_gguf.py writes it, and attached to a model."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
+
+from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import GGUFFile, MetaValue, load_gguf, write_gguf
+from llmtune.model.adapter.core import _SKIPPED_SUFFIX, EMBD, A, B, LoraAdapter, LoraPair
+from llmtune.model.adapter.targets import _tied_note, adaptable
+from llmtune.quant import blocks as quants
+
+# annotations name model/loaded.py's Model, which imports this package (no import here: no circle)
+
+
+def _fail(flag: str, path, msg: str) -> LlmtuneError:
+    return LlmtuneError(f"{flag} {path}: {msg}")
+
+
+def _meta_str(gf: GGUFFile, key: str) -> str:
+    v = gf.get(key)
+    return v if isinstance(v, str) else ""
+
+
+def load_adapter(path, model: "Model", scale: float = 1.0, flag: str = "--lora") -> LoraAdapter:
+    """An adapter GGUF checked against `model` as llama_adapter_lora_init does (and a little more:
+    every pair must be applied by the graph). Errors are one line naming `flag` and the file."""
+    if not np.isfinite(scale):
+        raise LlmtuneError(f"--lora-scale: must be a finite number, got {scale}")
+    gf = load_gguf(path)
+    kind = _meta_str(gf, "general.type")
+    if kind != "adapter":
+        found = f"general.type is {kind!r}" if kind else "it has no general.type"
+        raise _fail(flag, path, f"not a LoRA adapter ({found}; an adapter has 'adapter'): give one written by "
+                                "llmtune finetune --lora-rank or llama.cpp's convert_lora_to_gguf.py")
+    if _meta_str(gf, "adapter.type") != "lora":
+        raise _fail(flag, path, f"adapter.type is {_meta_str(gf, 'adapter.type') or 'missing'!r}, expected 'lora'")
+    arch = _meta_str(gf, "general.architecture")
+    if arch != model.hp.arch:
+        raise _fail(flag, path, f"adapter for architecture {arch or 'missing'!r}, but {model.path.name} is {model.hp.arch!r}")
+    alpha_mv = gf.meta.get("adapter.lora.alpha")
+    if alpha_mv is not None and alpha_mv.type != VT.FLOAT32:
+        raise _fail(flag, path, f"adapter.lora.alpha must be a float32 (it is {alpha_mv.type.name})")
+    alpha = float(alpha_mv.value) if alpha_mv is not None else 0.0
+    if not np.isfinite(alpha):
+        raise _fail(flag, path, f"adapter.lora.alpha is {alpha}")
+    ok = adaptable(model)
+    halves: dict[str, dict[str, str]] = {}
+    extra = {}
+    for name in gf.tensors:
+        for part in (A, B):
+            if name.endswith("." + part):
+                halves.setdefault(name[: -len(part) - 1], {})[part] = name
+                break
+        else:
+            if not name.endswith(_SKIPPED_SUFFIX):
+                raise _fail(flag, path, f"tensor {name!r} is neither a .lora_a nor a .lora_b tensor")
+            extra[name] = (np.asarray(gf.tensors[name].raw), gf.tensors[name].type)
+    if not halves:
+        raise _fail(flag, path, "holds no LoRA tensors")
+    pairs = {}
+    for base in [n for n in model.weights if n in halves] + [n for n in halves if n not in model.weights]:
+        found = halves[base]
+        if len(found) < 2:
+            raise _fail(flag, path, f"tensor pair for {base!r} lacks its {B if A in found else A} half")
+        if base not in model.weights:
+            raise _fail(flag, path, f"adapts {base!r}, which {model.path.name} does not have (adapter for another model?)")
+        if base not in ok:
+            raise _fail(flag, path, f"adapts {base!r}, which takes no adapter in {model.path.name}{_tied_note(model, base)}")
+        a, b = (_float_tensor(gf, found[p], flag, path) for p in (A, B))
+        _check_pair_shape(base, model.weights[base].shape, a, b, flag, path)
+        pairs[base] = LoraPair(a, b)
+    types = {n: info.type for n, info in gf.tensors.items()}
+    return LoraAdapter(arch, alpha, pairs, float(scale), Path(path), dict(gf.meta), types, list(gf.tensors), extra)
+
+
+def _float_tensor(gf: GGUFFile, name: str, flag: str, path) -> np.ndarray:
+    info = gf.tensors[name]
+    if len(info.shape) != 2:
+        raise _fail(flag, path, f"tensor {name!r} has {len(info.shape)} dimensions, expected 2")
+    try:
+        return np.array(gf.tensor(name), dtype=np.float32)
+    except LlmtuneError:
+        raise _fail(flag, path, f"tensor {name!r} has unsupported type {info.type.name}") from None
+
+
+def _check_pair_shape(base: str, w_shape, a: np.ndarray, b: np.ndarray, flag: str, path) -> None:
+    """llama.cpp's checks, in numpy terms (GGUF ne reversed)."""
+    n_out, n_in = w_shape
+    if base == EMBD:  # A [n_vocab, r], B [n_embd, r]
+        good = a.shape[0] == n_out and b.shape[0] == n_in and a.shape[1] == b.shape[1]
+        want = f"lora_a ne [r, {n_out}] and lora_b ne [r, {n_in}]"
+    else:  # A [r, n_in], B [n_out, r]
+        good = a.shape[1] == n_in and b.shape[0] == n_out and a.shape[0] == b.shape[1]
+        want = f"lora_a ne [{n_in}, r] and lora_b ne [r, {n_out}]"
+    if not good:
+        got = f"lora_a ne {list(a.shape[::-1])}, lora_b ne {list(b.shape[::-1])}"
+        raise _fail(flag, path, f"{base} has the wrong shape for this base ({got}; expected {want})")
+    if min(a.shape + b.shape) < 1:
+        raise _fail(flag, path, f"{base} has rank 0")
+
+
+def adapter_tensors(adapter: LoraAdapter) -> Iterable[tuple[str, np.ndarray, QT]]:
+    """The tensors to write: the source file's order and types when the adapter came from one
+    (extras verbatim), else A then B per pair in F32."""
+    values = {}
+    for name, p in adapter.pairs.items():
+        values[f"{name}.{A}"], values[f"{name}.{B}"] = p.a, p.b
+    order = [n for n in adapter.order if n in values or n in adapter.extra]
+    order += [n for n in values if n not in order]
+    for name in order:
+        if name in adapter.extra:
+            data, qtype = adapter.extra[name]
+            yield name, data, qtype
+            continue
+        qtype = adapter.types.get(name, QT.F32)
+        try:
+            yield name, quants.quantize(values[name], qtype), qtype
+        except (NotImplementedError, ValueError) as exc:
+            raise LlmtuneError(f"{adapter.path}: cannot re-encode {name} as {qtype.name} ({exc})") from None
+
+
+def write_adapter(path, adapter: LoraAdapter, inputs: Iterable = ()) -> Path:
+    """Write `adapter` as llama.cpp's adapter GGUF (atomically); the metadata of the file it came
+    from is kept, with adapter.lora.alpha set to the adapter's alpha (PiSSA: its plain rank-2r
+    form, as_plain)."""
+    adapter = adapter.as_plain()
+    meta = dict(adapter.meta)
+    meta["adapter.lora.alpha"] = MetaValue(float(adapter.alpha), VT.FLOAT32)
+    return write_gguf(path, adapter.arch, meta, adapter_tensors(adapter), inputs=list(inputs))
+
+
+def attach(model: "Model", paths, scales=None, flag: str = "--lora") -> "Model":
+    """A copy of `model` with the adapters in `paths` applied (each with its --lora-scale: one
+    value for all, or one per adapter)."""
+    paths = [paths] if isinstance(paths, (str, Path, LoraAdapter)) else list(paths or [])
+    scales = [] if scales is None else [scales] if isinstance(scales, (int, float)) else list(scales)
+    if not paths:
+        if scales:
+            raise LlmtuneError(f"--lora-scale: needs {flag} (the adapter it scales)")
+        return model
+    scales = [float(s) for s in scales] or [1.0]
+    if len(scales) == 1:
+        scales = scales * len(paths)
+    if len(scales) != len(paths):
+        raise LlmtuneError(f"--lora-scale: give one value, or one per --lora ({len(paths)} adapters, {len(scales)} scales)")
+    loaded = [p if isinstance(p, LoraAdapter) else load_adapter(p, model, s, flag) for p, s in zip(paths, scales)]
+    return dataclasses.replace(model, adapters=list(model.adapters) + loaded)
