@@ -286,7 +286,7 @@ def test_validation_with_more_workers_than_the_default_cap(stories_path, wikitex
     y = np.stack([wikitext_ids[s + 1 : s + 17] for s in range(0, 16 * n, 16)])
     stats = RunningStats()
     tr.evaluate(x, y, stats)
-    assert stats.tokens == 16 * n and len(tr._eval_caches) == n
+    assert stats.tokens == 16 * n and len(tr.programs.eval_caches) == n
 
 
 def test_parallel_micro_batches_match_sequential(stories_path, wikitext_ids):

@@ -65,7 +65,7 @@ def test_logits_start_only_skips_work(stories, wikitext_ids):
 def test_planner_reuses_memory_on_training_graph(stories):
     """Training graph of stories260K at ctx 256: planned buffers far below the sum of intermediates."""
     tr = Trainer(stories, CPUBackend(), n_ctx=256, n_batch=256, n_ubatch=256, trainable=list(stories.weights))
-    mem = tr._train_progs[0].memory
+    mem = tr.programs.train[0].memory
     assert mem.planned_bytes < 0.5 * mem.naive_bytes, mem
 
 
@@ -178,7 +178,7 @@ def test_checkpoint_segments_are_the_residual_stream(stories):
 def test_weight_gradients_run_as_soon_as_their_inputs_exist(stories):
     """Accumulated weight gradients are scheduled right after their inputs (not after the whole
     backward, which kept every activation they read alive): a valid order, each node once."""
-    prog = _trainer(stories, False)._train_progs[0]
+    prog = _trainer(stories, False).programs.train[0]
     pos = {n.id: i for i, n in enumerate(prog.order)}
     assert len(pos) == len(prog.order)
     assert all(pos[i.id] < pos[n.id] for n in prog.order for i in n.inputs if not i.is_leaf)  # leaves are bound

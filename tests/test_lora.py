@@ -191,7 +191,7 @@ def test_frozen_base_has_no_gradient_or_optimizer_state(stories):
     assert mem["base"] + 4 * packed == 4 * stories.n_params()
     assert mem["adapters"] == mem["gradients"] == 4 * adapter.n_params()
     frozen_shapes = {w.shape for w in stories.weights.values() if w.ndim == 2}
-    prog = tr._train_progs[0]
+    prog = tr.programs.train[0]
     computed = [n for n in prog.order if not n.is_leaf]
     assert not [n for n in computed if n.op in ("matmul", "sum_to", "add_rows") and n.shape in frozen_shapes]
     assert not [n for n in computed if n.op == "add_rows"]  # no gradient into token_embd
@@ -217,9 +217,9 @@ def test_lora_training_is_ubatch_invariant(optimizer, tol, stories, wikitext_ids
 
 def test_dropout_only_in_training_programs(stories):
     tr = _lora_trainer(stories, dropout=0.2)
-    masks = [n for n in tr._train_progs[0].inputs if n.endswith(".dropout")]
+    masks = [n for n in tr.programs.train[0].inputs if n.endswith(".dropout")]
     assert len(masks) == 35 and "dropout masks" in tr.memory_bytes()
-    assert not [n for n in tr._make_eval_program(2).inputs if n.endswith(".dropout")]
+    assert not [n for n in tr.programs.eval_program(2).inputs if n.endswith(".dropout")]
     m = lora.dropout_masks({"m": (48, 1000)}, 0.2, 0, 0, range(2))["m"]
     assert set(np.unique(m)) == {0.0, np.float32(1.25)} and abs((m == 0).mean() - 0.2) < 0.01
     one = lora.dropout_masks({"m": (24, 1000)}, 0.2, 0, 0, range(1, 2))["m"]

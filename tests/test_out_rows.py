@@ -43,8 +43,8 @@ def test_scored_rows_give_the_gradient_of_every_row(stories_path, kind, kw):
     x, y = _masked_batch(a.model.hp.n_vocab)
     sa, sb = RunningStats(), RunningStats()
     la, lb = a.train_step(x, y, 0.0, sa), b.train_step(x, y, 0.0, sb)
-    assert sorted(a._out_passes) == [(0, 8), (0, 16)]  # 12 and 7 counted targets, in buckets of 8
-    assert not b._out_passes
+    assert sorted(a.programs.out_passes) == [(0, 8), (0, 16)]  # 12 and 7 counted targets, in buckets of 8
+    assert not b.programs.out_passes
     assert la == pytest.approx(lb, rel=1e-6)
     assert (sa.correct, sa.tokens) == (sb.correct, sb.tokens)
     ga, gb = np.asarray(a.flat_g), np.asarray(b.flat_g)
@@ -55,18 +55,22 @@ def test_out_row_passes_share_the_arena_and_the_estimate(stories_path):
     tr = _trainer(stories_path, "lora")
     before = tr.memory_bytes()
     tr.train_step(*_masked_batch(tr.model.hp.n_vocab), 1e-3, RunningStats())
-    for prog, _, _ in tr._out_passes.values():
-        assert not prog.owns_arena and prog.arena is tr._train_progs[0].arena
-        assert prog.memory.planned_bytes < tr._train_progs[0].memory.planned_bytes
+    for prog, _, _ in tr.programs.out_passes.values():
+        assert not prog.owns_arena and prog.arena is tr.programs.train[0].arena
+        assert prog.memory.planned_bytes < tr.programs.train[0].memory.planned_bytes
     assert tr.memory_bytes() == before
 
 
 def test_out_rows_buckets():
-    tr = Trainer.__new__(Trainer)
-    tr.n_ubatch = 512
-    assert [tr.out_rows(n) for n in (0, 1, 32, 33, 480, 481, 512)] == [32, 32, 32, 64, 480, 512, 512]
-    tr.n_ubatch = 32
-    assert [tr.out_rows(n) for n in (0, 9, 25, 32)] == [8, 16, 32, 32]
+    from llmtune.train.programs import NextTokenLoss, StepPrograms, WeightedTokenNLL
+
+    progs = StepPrograms.__new__(StepPrograms)
+    progs.loss, progs.n_ubatch = NextTokenLoss, 512
+    assert [progs.out_rows(n) for n in (0, 1, 32, 33, 480, 481, 512)] == [32, 32, 32, 64, 480, 512, 512]
+    progs.n_ubatch = 32
+    assert [progs.out_rows(n) for n in (0, 9, 25, 32)] == [8, 16, 32, 32]
+    progs.loss = WeightedTokenNLL  # a loss of every token's NLL reads every row
+    assert [progs.out_rows(n) for n in (0, 9, 32)] == [32, 32, 32]
 
 
 def test_fully_counted_windows_run_the_plain_pass(stories_path):
@@ -75,7 +79,7 @@ def test_fully_counted_windows_run_the_plain_pass(stories_path):
     rng = np.random.default_rng(1)
     x, y = (rng.integers(0, tr.model.hp.n_vocab, (2, CTX)).astype(np.int32) for _ in range(2))
     tr.train_step(x, y, 1e-3, RunningStats())
-    assert not tr._out_passes and "out_ids" not in tr._train_progs[0].inputs
+    assert not tr.programs.out_passes and "out_ids" not in tr.programs.train[0].inputs
 
 
 def test_validation_scores_only_loss_carrying_rows(stories_path):
@@ -89,9 +93,9 @@ def test_validation_scores_only_loss_carrying_rows(stories_path):
     b.evaluate(x, y, sb)
     assert (sa.correct, sa.tokens) == (sb.correct, sb.tokens) and sa.tokens == int((y >= 0).sum())
     np.testing.assert_allclose(sa.losses, sb.losses, rtol=1e-6)
-    keys = {k for c in a._eval_caches for k in c._programs}
+    keys = {k for c in a.programs.eval_caches for k in c._programs}
     assert keys == {(1, 16), (1, 8), (1, CTX)}  # 12 and 7 counted targets; the full pass lends its arena
-    for cache in a._eval_caches:
+    for cache in a.programs.eval_caches:
         progs = cache._programs
         for (n_seq, n_out), prog in progs.items():
             if n_out < n_seq * CTX:

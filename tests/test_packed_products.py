@@ -145,8 +145,8 @@ def test_a_training_run_through_packed_copies_is_numpy_s(fixture, request):
     packed_run, numpy_run = _lora_trainer(path, True), _lora_trainer(path, False)
     (losses_p, w_p), (losses_n, w_n) = _steps(packed_run), _steps(numpy_run)
     assert numpy_run.float_copies.packs == {}
-    multiplied = {n.inputs[1].name for n in packed_run._train_progs[0].order if n.op in ("matmul", "qlinear")}
-    frozen = [n for n in multiplied if n in packed_run._frozen]
+    multiplied = {n.inputs[1].name for n in packed_run.programs.train[0].order if n.op in ("matmul", "qlinear")}
+    frozen = [n for n in multiplied if n in packed_run.frozen]
     directions = [key[-1] for key in packed_run.float_copies.packs]  # transposed: an input gradient's
     assert frozen and directions.count(False) == len(frozen) and directions.count(True) > len(frozen) // 2
     np.testing.assert_allclose(losses_p, losses_n, rtol=1e-5)
@@ -245,17 +245,17 @@ def test_packed_copies_all_or_none(stories_path, monkeypatch):
     """A budget that holds only some of the packed copies keeps none of them (a step with some
     products packed would run the rest on a single-threaded OpenBLAS), and OpenBLAS's thread
     count is tuned by timing again."""
-    import llmtune.train.trainer as trainer_module
+    import llmtune.train.memory as memory_module
     from llmtune.backends.threads import BlasTuner
 
-    monkeypatch.setattr(trainer_module, "training_budget", lambda quantized, need, available, packed=0: packed // 2)
+    monkeypatch.setattr(memory_module, "training_budget", lambda quantized, need, available, packed=0: packed // 2)
     tr = _lora_trainer(stories_path, None)
-    assert not tr.float_copies.pack and not tr._packed_products and isinstance(tr._blas_tuner, BlasTuner)
+    assert not tr.float_copies.pack and not tr.packed_products and isinstance(tr.blas_tuner, BlasTuner)
     _steps(tr, 1)
     assert tr.float_copies.packs == {}
     monkeypatch.undo()
     tr = _lora_trainer(stories_path, None)  # two micro-batches: a worker per core (single-threaded) on 2+ cores
-    assert tr.float_copies.pack and tr._packed_products == (tr.n_workers == 1)
+    assert tr.float_copies.pack and tr.packed_products == (tr.n_workers == 1)
     _steps(tr, 1)
     assert tr.float_copies.packs
 
@@ -265,4 +265,4 @@ def test_turned_off_by_the_environment(stories_path, monkeypatch):
     monkeypatch.setenv("LLMTUNE_PACKED", "0")
     assert not kernels.pack_wt_available() and kernels.pack_wt(np.zeros((4, 4), np.float32)) is None
     tr = _lora_trainer(stories_path, None)
-    assert not tr._packed_products and not {"float copies", "packed copies"} & set(tr.memory_bytes())
+    assert not tr.packed_products and not {"float copies", "packed copies"} & set(tr.memory_bytes())

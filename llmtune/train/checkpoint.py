@@ -43,6 +43,7 @@ import numpy as np
 
 from llmtune.errors import LlmtuneError
 from llmtune.resources import write_atomically
+from llmtune.train import guard
 
 FORMAT = "llmtune-finetune-checkpoint"
 VERSION = 1
@@ -179,7 +180,7 @@ def save_checkpoint(run) -> Path | None:
     from llmtune.train.events import Checkpoint as CheckpointEvent
 
     tr, res = run.trainer, run.result
-    tr.check_finite(run.step)  # never a NaN checkpoint: the step that did this stops the run
+    guard.check_finite(tr, run.step)  # never a NaN checkpoint: the step that did this stops the run
     if not tr.comm.is_root:  # rank 0 alone writes checkpoints (every rank holds the same state)
         return None
     meta = {

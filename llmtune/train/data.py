@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmtune.errors import LlmtuneError, plural
+from llmtune.errors import LlmtuneError
 
 
 def tokenize_documents(tokenizer, docs: list[str], jsonl: bool) -> np.ndarray:

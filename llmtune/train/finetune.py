@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
-from pathlib import Path
 from typing import Callable, Optional
 
 from llmtune.backends import get_backend
@@ -28,7 +27,8 @@ from llmtune.train.selection import Selection
 from llmtune.train.output import write_output
 from llmtune.train.preference import Objective, PreferenceTrainer, build_pairs
 from llmtune.train.signals import StopRequest, signal_name
-from llmtune.train.trainer import Diverged, Trainer
+from llmtune.train.guard import Diverged
+from llmtune.train.trainer import Trainer
 
 DIVERGENCE_FACTOR = 10.0  # a step's loss above 10 x ln(n_vocab) (uniform guessing scores 1 x) stops the run
 

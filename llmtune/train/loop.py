@@ -22,7 +22,8 @@ from llmtune.train.metrics import LossWatch, MetricsLog
 from llmtune.train.optim import LRSchedule
 from llmtune.train.selection import Selection
 from llmtune.train.signals import StopRequest, signal_name
-from llmtune.train.trainer import Diverged, RunningStats, Trainer
+from llmtune.train.guard import Diverged
+from llmtune.train.trainer import RunningStats, Trainer
 
 
 class Hook:

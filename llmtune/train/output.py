@@ -26,6 +26,7 @@ from llmtune.errors import LlmtuneError, TrainingStopped
 from llmtune.gguf.file import load_gguf, write_gguf
 from llmtune.model.loaded import Model
 from llmtune.train import checkpoint as ckpts
+from llmtune.train import guard
 from llmtune.train.events import OutputChecked, Saved
 from llmtune.train.trainer import RunningStats, Trainer
 
@@ -96,7 +97,7 @@ def write_output(run) -> None:
     unless --keep-checkpoints, the run's checkpoints go (the model holds the weights). A failed
     write keeps them and says so."""
     out = run.result.output
-    run.trainer.check_finite(run.step)
+    guard.check_finite(run.trainer, run.step)
     if run.trainer.comm.is_root:  # rank 0 alone writes the model
         try:
             write_model(run.trainer, out, inputs=list(run.inputs.values()), out_type=run.cfg.out_type)

@@ -29,11 +29,11 @@ from typing import Optional
 
 import numpy as np
 
+from llmtune.arch.packing import pair_inputs
 from llmtune.errors import LlmtuneError
-from llmtune.graph import ops
-from llmtune.graph.autodiff import grad
-from llmtune.graph.planner import Program
+from llmtune.train import guard
 from llmtune.train.data import TrainValSplit, held_out
+from llmtune.train.programs import WeightedTokenNLL
 from llmtune.train.trainer import RunningStats, Trainer
 
 METHODS = ("sft", "dpo", "orpo", "simpo")
@@ -287,49 +287,22 @@ class Objective:
 # ------------------------------------------------------------------------------------ trainer
 class PreferenceTrainer(Trainer):
     """The trainer of --method dpo|orpo|simpo: one pair per window (PairDataset), each step a
-    forward pass for the pairs' log-probabilities, then the training pass whose backward starts from
-    every token's weight (Objective.token_weights). train_step / evaluate take the windows' layout
-    where the packed trainer takes segments; step_metrics / eval_metrics hold TRL's metrics."""
+    forward pass for the pairs' log-probabilities, then the same micro-batch passes as any step,
+    ending in every token's NLL seeded by its weight (programs.WeightedTokenNLL, the weights from
+    Objective.token_weights). train_step / evaluate take the windows' layout where the packed
+    trainer takes segments; step_metrics / eval_metrics hold TRL's metrics."""
 
     def __init__(self, model, backend, *, objective: Objective, **kw):
         self.objective = objective
         if kw.get("lora_dropout"):
             raise LlmtuneError("--lora-dropout: preference methods train without dropout (as TRL's disable_dropout)")
-        super().__init__(model, backend, packed=True, workers=1, **kw)
+        super().__init__(model, backend, packed=True, workers=1, loss=WeightedTokenNLL, layout_inputs=_pair_inputs,
+                         forward_pass=True, **kw)
         if self.comm.size > 1:
             raise LlmtuneError(f"--method {objective.method}: preference tuning runs in one process (no data parallel)")
         # OpenBLAS threads by timing, per forward pass (single-threaded beside packed base products:
         # Trainer.__init__ chose the same for the step)
-        self._forward_tuner = self._blas_tuner if self._packed_products else backend.step_tuner(1)
-
-    def _budget_float_copies(self) -> None:
-        """One forward program of a micro-batch's windows (a short last chunk is padded to it),
-        made before the frozen matrices' float copies are budgeted, so that the budget and the
-        memory estimate count its arena."""
-        self._forward = self._make_eval_program(self.seqs_per_ubatch)
-        super()._budget_float_copies()
-
-    def _build_train_program(self, grad_views: dict) -> Program:
-        _, nodes, logits = self._build_graph(self.seqs_per_ubatch, trainable=self.trainable, packed=True)
-        targets = ops.input((self.n_ubatch,), "i32", name="targets")
-        weights = ops.input((self.n_ubatch,), name="token_weights")
-        nll = ops.token_nll(logits, targets)
-        grads = grad(nll, [nodes[n] for n in self.trainable], seed=weights, checkpoint=self.grad_checkpoint)
-        sinks = {grads[nodes[n]]: grad_views[n] for n in self.trainable if nodes[n] in grads}
-        return self._program([nll], nodes, accumulate=sinks)
-
-    def _make_eval_program(self, n_seq: int) -> Program:
-        _, nodes, logits = self._build_graph(n_seq, packed=True)
-        return self._program([ops.token_nll(logits, ops.input((n_seq * self.n_ctx,), "i32", name="targets"))], nodes)
-
-    def _layout_inputs(self, parts) -> dict:
-        from llmtune.arch.packing import pair_inputs
-
-        return pair_inputs(self.model.hp, parts.parts if isinstance(parts, PairLayout) else parts)
-
-    def memory_bytes(self) -> dict[str, int]:
-        """The trainer's parts plus the arena of the forward pass that scores the pairs."""
-        return {**super().memory_bytes(), "forward pass": self._forward.memory.planned_bytes}
+        self._forward_tuner = self.blas_tuner if self.packed_products else backend.step_tuner(1)
 
     def token_nll(self, inputs: np.ndarray, targets: np.ndarray, layout: PairLayout) -> np.ndarray:
         """Every token's NLL under the current weights [n, n_ctx] (forward passes of n_ubatch
@@ -342,7 +315,7 @@ class PreferenceTrainer(Trainer):
                 pad = ((0, k - n), (0, 0))
                 x, y, parts = np.pad(x, pad), np.pad(y, pad, constant_values=-1), np.pad(parts, pad, constant_values=PAD)
             with self._forward_tuner():
-                (nll,) = self._forward.run(**self._feed(x, y, segments=parts))
+                (nll,) = self.forward.run(**self.batches.feed(x, y, segments=parts))
             out.append(np.asarray(self.backend.to_numpy(nll), dtype=np.float64).reshape(k, -1)[:n])
         return np.concatenate(out)
 
@@ -353,24 +326,16 @@ class PreferenceTrainer(Trainer):
     def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats,
                    layout: PairLayout = None) -> float:
         """One optimizer step over the batch's pairs; returns the step's loss (the mean over its pairs)."""
-        be, k = self.backend, self.seqs_per_ubatch
+        be = self.backend
         lp, (loss, d_c, d_r, nll_w, metrics) = self._score(inputs, targets, layout)
         weights = self.objective.token_weights(lp, d_c, d_r, nll_w, targets, layout.parts)
-        bufs = self._train_inputs[0]
-        with self._blas_tuner():
-            for j, s in enumerate(range(0, len(inputs), k)):
-                feed = self._feed(inputs[s : s + k], targets[s : s + k], segments=layout.parts[s : s + k])
-                feed["token_weights"] = be.asarray(weights[s : s + k].reshape(-1).astype(be.dtype))
-                for name, value in feed.items():
-                    if bufs[name] is not value:
-                        bufs[name][...] = value
-                self._run_train(0, assign=j == 0)
-        sum_squares = self._check_step(loss)
+        per_pass = weights.reshape(self.ubatches_per_step, -1).astype(be.dtype)
+        self.batches.run(inputs, targets, layout.parts, lambda u: {"token_weights": be.asarray(per_pass[u])},
+                        lambda u, out: None)
+        sum_squares = guard.check_step(self, loss)
         stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
         self.step_metrics = metrics
-        self.grad_norm = self.clip_gradients(sum_squares)
-        self.optimizer.step(self.flat_w, self.flat_g, lr)
-        self.steps_done += 1
+        self.update(lr, sum_squares)
         return loss
 
     def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats,
@@ -393,3 +358,8 @@ class PreferenceTrainer(Trainer):
             lp = SeqLogps.of(self.token_nll(x, y, layout), y, layout.parts)
             out[idx, 0], out[idx, 1] = lp.chosen, lp.rejected
         return out
+
+
+def _pair_inputs(hp, parts) -> dict:
+    """Positions and masks of pair windows (arch/packing.py pair_inputs) from a PairLayout or its parts."""
+    return pair_inputs(hp, parts.parts if isinstance(parts, PairLayout) else parts)
