@@ -232,7 +232,7 @@ class Trainer:
         data parallel, all-reduced: every rank sees the same) before clipping; with grad_clip > 0
         the gradient is then scaled as torch.nn.utils.clip_grad_norm_ scales it, by
         grad_clip / (norm + 1e-6) when that is below 1. sum_squares: the gradient's, when the
-        caller has it already (_check_step: one read of the buffer for both)."""
+        caller has it already (guard.check_step: one read of the buffer for both)."""
         g = self.flat_g
         if self.n_trainable == 0:
             return 0.0
