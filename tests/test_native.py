@@ -13,8 +13,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from llmtune.native import build, kernels
-from llmtune.quant import blocks
-from llmtune.quant import matmul as qmatmul
+from llmtune.quant import blocks, matmul as qmatmul
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 QTYPES = tuple(kernels.TYPE_CODES)
@@ -227,6 +226,47 @@ def test_library_is_cached_per_source_and_written_whole(fresh):
     assert build.library_key(b"int x;", ident, build.FLAGS) != build.library_key(b"int x;", ident + "2", build.FLAGS)
 
 
+def test_sources_share_one_header_and_the_type_registry(tmp_path, monkeypatch):
+    """The kernel library is one C file per op family (none over 800 lines) sharing common.h; no C
+    file keeps type codes of its own: build.py generates them (lt_types.h) from quant/types.py,
+    which kernels.py and program.py read too, and the library key covers every source, every
+    header and the generated one."""
+    import re
+
+    from llmtune.native import program
+    from llmtune.quant.types import ACT_TYPES, QTYPES as REGISTRY
+
+    c_files = sorted([*build.HERE.glob("*.c"), *build.HERE.glob("*.h")])
+    assert {p.name for p in build.sources("qdot")} <= {p.name for p in c_files}
+    for path in c_files:
+        text = path.read_text()
+        assert len(text.splitlines()) <= 800, path.name
+        assert not re.search(r"#define (QT|ACT)_\w+ \d|enum \{ *ACT_", text), f"{path.name} keeps its own type codes"
+        assert ("float f16_to_f32(" in text) == (path.name == "common.h"), f"{path.name}: one fp16 decoder"
+    assert not (build.HERE / build.TYPES_HEADER).exists()  # generated into each build's folder only
+    header = build.types_header()
+    for t in REGISTRY.values():
+        assert f"#define QT_{t.name.upper()} {t.ggml_id}\n" in header
+    for a in ACT_TYPES.values():
+        assert f"#define ACT_{a.name.upper()} {a.kind}\n" in header
+    assert kernels.TYPE_CODES == {name: REGISTRY[name].ggml_id for name in kernels.TYPE_CODES}
+    assert kernels.ACT_CODES == {name: ACT_TYPES[name].kind for name in ("q8_0", "q8_1", "q8_K")}
+    assert program.QGET_TYPES == {name: REGISTRY[name].ggml_id for name in ("Q8_0", "Q4_0", "Q4_1")}
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in c_files:
+        (src / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(build, "HERE", src)
+    seen = {build._build_input("qdot")[2]}
+    for name in ("common.h", "pool.h", "rope.c", "loss.c"):  # a header, a source: another key
+        (src / name).write_text((src / name).read_text() + "\n")
+        seen.add(build._build_input("qdot")[2])
+    monkeypatch.setattr(build, "types_header", lambda: "#define QT_Q8_0 9\n")
+    seen.add(build._build_input("qdot")[2])
+    assert len(seen) == 6
+
+
 def test_no_compiler_falls_back_to_numpy(fresh, monkeypatch, stories_path):
     """A machine without a C compiler: the kernels say why, every entry declines, and a quantized
     model generates on the numpy path the tokens it generates with the kernels."""
@@ -260,6 +300,8 @@ def test_a_failed_build_is_a_reason_not_an_error(fresh, monkeypatch):
         pytest.skip(str(e))
     src = fresh / "src"
     src.mkdir()
+    for f in list(build.HERE.glob("*.c")) + list(build.HERE.glob("*.h")):  # the library's other sources as they are
+        (src / f.name).write_bytes(f.read_bytes())
     (src / "qdot.c").write_text("this is not C\n")
     monkeypatch.setattr(build, "HERE", src)
     assert not kernels.available()
@@ -334,7 +376,8 @@ def test_compiled_elementwise_ops_are_numpy_bit_for_bit():
 def test_compiled_attention_ops_match_numpy():
     """The decode step's attention, cache write and activations: cache_write exactly; the softmax
     (its pairwise sum numpy's; exp the C library's, or where AVX-512 is built a polynomial within
-    ~1 ulp) and swiglu within 1e-6 relative (a few float32 ulps); the small matmuls to float summation order (relative to |a| |b|: below 1e-6); rms_norm within 1e-6."""
+    ~1 ulp) and swiglu within 1e-6 relative (a few float32 ulps); the small matmuls to float summation
+    order (relative to |a| |b|: below 1e-6); rms_norm within 1e-6."""
     from llmtune.backends import cpu
     from llmtune.native import program
 
@@ -491,7 +534,6 @@ def test_scores_only_a_causal_softmax_reads_are_computed_for_visible_keys():
     q = rng.standard_normal((1, 3, 4, 64)).astype(np.float32)
     keys = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
     pos = np.array([37, 200], np.int32)
-    probs = []
     values = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
     visible = np.arange(256)[None, :] <= pos[np.arange(4) % 2][:, None]
     outs = []
@@ -658,7 +700,8 @@ def test_rms_norm_gradient_matches_numpy_on_any_thread_count(shape, monkeypatch)
 
 
 @needs_library
-@pytest.mark.parametrize("rows, n", [(88, 49152), (5, 37), (3, 16), (1, 1)])  # a step's scored rows x SmolLM2's vocabulary; tails
+# a step's scored rows x SmolLM2's vocabulary; tails
+@pytest.mark.parametrize("rows, n", [(88, 49152), (5, 37), (3, 16), (1, 1)])
 def test_the_loss_over_the_vocabulary_matches_numpy_on_any_thread_count(rows, n, monkeypatch):
     """cpu.k_logsumexp, k_cross_entropy_back and k_token_nll_back compiled (one pass a row, the
     vector exp, double lane sums) against numpy's passes and float64, a masked row included, and

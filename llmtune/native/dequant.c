@@ -3,39 +3,19 @@
  * rounded to float32 (built with -ffp-contract=off, so no fused multiply-add), so every value is
  * the numpy path's, bit for bit. Single-threaded: the callers run one per core already (training
  * and evaluation workers). */
-#include <stdint.h>
-#include <string.h>
-
-static inline float fp16_to_f32(const uint8_t *p) {
-    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
-    if (exp == 0x1Fu) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {  /* subnormal half: normalise (exact in float32) */
-        int e = -1;
-        do { man <<= 1; e++; } while (!(man & 0x400u));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FFu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+#include "common.h"  /* h2f: the fp16 decode every kernel uses; QT_*: ggml's type ids */
 
 static void row_q8_0(const uint8_t *b, int64_t nb, float *o) {
-    for (int64_t i = 0; i < nb; i++, b += 34, o += 32) {
-        const float d = fp16_to_f32(b);
+    for (int64_t i = 0; i < nb; i++, b += QT_Q8_0_BYTES, o += QT_Q8_0_BLOCK) {
+        const float d = h2f(b);
         const int8_t *q = (const int8_t *)(b + 2);
         for (int l = 0; l < 32; l++) o[l] = (float)q[l] * d;
     }
 }
 
 static void row_q4_0(const uint8_t *b, int64_t nb, float *o) {
-    for (int64_t i = 0; i < nb; i++, b += 18, o += 32) {
-        const float d = fp16_to_f32(b);
+    for (int64_t i = 0; i < nb; i++, b += QT_Q4_0_BYTES, o += QT_Q4_0_BLOCK) {
+        const float d = h2f(b);
         for (int l = 0; l < 16; l++) {
             o[l] = ((float)(b[2 + l] & 15) - 8.0f) * d;
             o[l + 16] = ((float)(b[2 + l] >> 4) - 8.0f) * d;
@@ -44,8 +24,8 @@ static void row_q4_0(const uint8_t *b, int64_t nb, float *o) {
 }
 
 static void row_q4_1(const uint8_t *b, int64_t nb, float *o) {
-    for (int64_t i = 0; i < nb; i++, b += 20, o += 32) {
-        const float d = fp16_to_f32(b), m = fp16_to_f32(b + 2);
+    for (int64_t i = 0; i < nb; i++, b += QT_Q4_1_BYTES, o += QT_Q4_1_BLOCK) {
+        const float d = h2f(b), m = h2f(b + 2);
         for (int l = 0; l < 16; l++) {
             o[l] = (float)(b[4 + l] & 15) * d + m;
             o[l + 16] = (float)(b[4 + l] >> 4) * d + m;
@@ -58,8 +38,8 @@ static inline uint32_t le32(const uint8_t *p) {
 }
 
 static void row_q5_0(const uint8_t *b, int64_t nb, float *o) {
-    for (int64_t i = 0; i < nb; i++, b += 22, o += 32) {
-        const float d = fp16_to_f32(b);
+    for (int64_t i = 0; i < nb; i++, b += QT_Q5_0_BYTES, o += QT_Q5_0_BLOCK) {
+        const float d = h2f(b);
         const uint32_t qh = le32(b + 2);
         for (int l = 0; l < 16; l++) {
             const int lo = (b[6 + l] & 15) | (((qh >> l) & 1) << 4);
@@ -71,8 +51,8 @@ static void row_q5_0(const uint8_t *b, int64_t nb, float *o) {
 }
 
 static void row_q5_1(const uint8_t *b, int64_t nb, float *o) {
-    for (int64_t i = 0; i < nb; i++, b += 24, o += 32) {
-        const float d = fp16_to_f32(b), m = fp16_to_f32(b + 2);
+    for (int64_t i = 0; i < nb; i++, b += QT_Q5_1_BYTES, o += QT_Q5_1_BLOCK) {
+        const float d = h2f(b), m = h2f(b + 2);
         const uint32_t qh = le32(b + 4);
         for (int l = 0; l < 16; l++) {
             const int lo = (b[8 + l] & 15) | (((qh >> l) & 1) << 4);
@@ -104,8 +84,8 @@ static inline void k_pair(const uint8_t *b, float d, float dmin, int j, float *d
 }
 
 static void row_q4_k(const uint8_t *b, int64_t nb, float *o) {
-    for (int64_t i = 0; i < nb; i++, b += 144, o += 256) {
-        const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
+    for (int64_t i = 0; i < nb; i++, b += QT_Q4_K_BYTES, o += QT_Q4_K_BLOCK) {
+        const float d = h2f(b), dmin = h2f(b + 2);
         const uint8_t *qs = b + 16;
         for (int j = 0; j < 4; j++) {
             float d0, mm0, d1, mm1;
@@ -120,8 +100,8 @@ static void row_q4_k(const uint8_t *b, int64_t nb, float *o) {
 }
 
 static void row_q5_k(const uint8_t *b, int64_t nb, float *o) {
-    for (int64_t i = 0; i < nb; i++, b += 176, o += 256) {
-        const float d = fp16_to_f32(b), dmin = fp16_to_f32(b + 2);
+    for (int64_t i = 0; i < nb; i++, b += QT_Q5_K_BYTES, o += QT_Q5_K_BLOCK) {
+        const float d = h2f(b), dmin = h2f(b + 2);
         const uint8_t *qh = b + 16, *qs = b + 48;
         for (int j = 0; j < 4; j++) {
             float d0, mm0, d1, mm1;
@@ -138,8 +118,8 @@ static void row_q5_k(const uint8_t *b, int64_t nb, float *o) {
 }
 
 static void row_q6_k(const uint8_t *b, int64_t nb, float *o) {
-    for (int64_t i = 0; i < nb; i++, b += 210, o += 256) {
-        const float d = fp16_to_f32(b + 208);
+    for (int64_t i = 0; i < nb; i++, b += QT_Q6_K_BYTES, o += QT_Q6_K_BLOCK) {
+        const float d = h2f(b + 208);
         const int8_t *sc = (const int8_t *)(b + 192);
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
@@ -158,17 +138,24 @@ static void row_q6_k(const uint8_t *b, int64_t nb, float *o) {
 }
 
 typedef void (*row_fn)(const uint8_t *, int64_t, float *);
-/* index: kernels.py DEQUANT_CODES */
-static const row_fn ROWS[] = {row_q8_0, row_q4_0, row_q4_1, row_q5_0, row_q5_1, row_q4_k, row_q5_k, row_q6_k};
-static const int BLOCK[] = {32, 32, 32, 32, 32, 256, 256, 256};
+/* code: ggml's type id (QT_*, kernels.py TYPE_CODES) */
+static const struct { int code, block; row_fn row; } ROWS[] = {
+    {QT_Q8_0, QT_Q8_0_BLOCK, row_q8_0}, {QT_Q4_0, QT_Q4_0_BLOCK, row_q4_0}, {QT_Q4_1, QT_Q4_1_BLOCK, row_q4_1},
+    {QT_Q5_0, QT_Q5_0_BLOCK, row_q5_0}, {QT_Q5_1, QT_Q5_1_BLOCK, row_q5_1}, {QT_Q4_K, QT_Q4_K_BLOCK, row_q4_k},
+    {QT_Q5_K, QT_Q5_K_BLOCK, row_q5_k}, {QT_Q6_K, QT_Q6_K_BLOCK, row_q6_k},
+};
 
 /* out[r, :n_cols] (row stride out_stride floats) = rows r of raw (row stride raw_stride bytes);
  * returns 0, or -1 for an unknown type or a width that is no whole number of blocks. */
 int lt_dequant(int code, const uint8_t *raw, int64_t raw_stride, int64_t rows, int64_t n_cols, float *out,
                int64_t out_stride) {
-    if (code < 0 || code >= (int)(sizeof(ROWS) / sizeof(ROWS[0])) || n_cols % BLOCK[code]) return -1;
-    for (int64_t r = 0; r < rows; r++) ROWS[code](raw + r * raw_stride, n_cols / BLOCK[code], out + r * out_stride);
-    return 0;
+    for (size_t k = 0; k < sizeof(ROWS) / sizeof(ROWS[0]); k++) {
+        if (ROWS[k].code != code) continue;
+        if (n_cols % ROWS[k].block) return -1;
+        for (int64_t r = 0; r < rows; r++) ROWS[k].row(raw + r * raw_stride, n_cols / ROWS[k].block, out + r * out_stride);
+        return 0;
+    }
+    return -1;
 }
 
 /* Activation rows rounded as ggml-cpu's quantize_row_q8_0 / q8_1 (x86) and decoded back, step for

@@ -1,6 +1,7 @@
-"""The compiled CPU kernels of qdot.c, loaded with ctypes: products of a few activation rows with
-a matrix in its ggml block type (Q4_0 ... Q6_K, activations rounded to the vec_dot type as ggml
-rounds them) or in float32, the output rows split over the machine's cores.
+"""The compiled CPU kernels (one library that build.py makes of qdot.c and its sibling sources),
+loaded with ctypes: products of a few activation rows with a matrix in its ggml block type (Q4_0
+... Q6_K, activations rounded to the vec_dot type as ggml rounds them) or in float32, the output
+rows split over the machine's cores.
 
 Optional: the library is built at first use (native/build.py). When it cannot be (no compiler, a
 failed build) or `LLMTUNE_NATIVE=0` is set, `available()` is False and every entry returns False,
@@ -19,11 +20,14 @@ import numpy as np
 
 from llmtune.backends.threads import blas_threads, n_cores
 from llmtune.native import build
+from llmtune.quant.types import ACT_TYPES, QTYPES
 
-# ggml type -> index in qdot.c's QTYPES; activation type -> its code
-TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
-ACT_CODES = {"q8_0": 0, "q8_1": 1, "q8_K": 2}
-QTYPE_BLOCK_BYTES = {"Q8_0": 34, "Q4_1": 20}  # bytes per block of 32 of the types pack() takes
+# The codes the C kernels switch on are the registry's (quant/types.py; build.py generates their
+# QT_* / ACT_* #defines from it): a block type's ggml id, a vec_dot type's kind. qdot.c and
+# dequant.c take every block type whose activations are rounded to a q8 type (not F16 / BF16).
+TYPE_CODES = {t.name: t.ggml_id for t in QTYPES.values() if t.act.startswith("q8")}
+ACT_CODES = {a.name: a.kind for a in ACT_TYPES.values() if a.name.startswith("q8")}
+QTYPE_BLOCK_BYTES = {t: QTYPES[t].size for t in ("Q8_0", "Q4_1")}  # bytes per block of 32 of the types pack() takes
 MAX_ROWS = 16  # activation rows a native product takes: a decode step, a short prompt; more go to BLAS
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -94,7 +98,8 @@ def _load():
             except build.BuildError as e:
                 lib, reason = None, str(e)
         threads = os.environ.get("LLMTUNE_NATIVE_THREADS", "")
-        _state.update(lib=lib, reason=reason, threads=int(threads) if threads.isdigit() and int(threads) > 0 else n_cores())
+        count = int(threads) if threads.isdigit() and int(threads) > 0 else n_cores()
+        _state.update(lib=lib, reason=reason, threads=count)
         if lib is not None:
             lib.lt_set_gemm_threads(_state["threads"])
             blas_threads.follow(_follow_blas)
@@ -220,7 +225,8 @@ def loss_back(out2: np.ndarray, x2: np.ndarray, lse: np.ndarray, targets: np.nda
     lib = _load()
     rows = x2.shape[0] if x2.ndim == 2 else -1
     if (lib is None or rows < 0 or out2.shape != x2.shape or lse.size != rows or targets.size != rows
-            or targets.dtype != np.int32 or (weights is not None and (weights.size != rows or weights.dtype != np.float32))
+            or targets.dtype != np.int32
+            or (weights is not None and (weights.size != rows or weights.dtype != np.float32))
             or not all(a.dtype == np.float32 for a in (out2, x2, lse))
             or not all(a is None or a.flags.c_contiguous for a in (out2, x2, lse, targets, weights))):
         return False
@@ -243,7 +249,7 @@ def qlinear(out2: np.ndarray, x2: np.ndarray, raw: np.ndarray, qtype: str) -> bo
 
 
 def profile(on: bool) -> dict:
-    """The compiled programs' per-op timers (qdot.c lt_profile): {op code: (seconds, calls)} so far;
+    """The compiled programs' per-op timers (program.c lt_profile): {op code: (seconds, calls)} so far;
     on=True clears them and keeps them running, False stops them."""
     lib = _load()
     if lib is None:
@@ -322,7 +328,7 @@ def pack_wt_bytes(shape: tuple, transposed: bool = False) -> int:
 
 def pack_wt(w: np.ndarray, transposed: bool = False) -> np.ndarray | None:
     """A frozen float32 matrix w [n, k] packed for sgemm_packed (W^T in panels of 48 columns,
-    k-major; qdot.c lt_pack_wt), 64-byte aligned; transposed: w^T's packed form (for g @ w).
+    k-major; sgemm.c lt_pack_wt), 64-byte aligned; transposed: w^T's packed form (for g @ w).
     None where this build has no packed product."""
     lib = _load()
     if not pack_wt_available() or w.dtype != np.float32 or w.ndim != 2 or w.strides[-1] != 4 or w.strides[0] % 4:
@@ -335,7 +341,7 @@ def pack_wt(w: np.ndarray, transposed: bool = False) -> np.ndarray | None:
         return None
     buf = np.empty(floats + 16, np.float32)
     out = buf[(-_addr(buf) % 64) // 4:][:floats]
-    lib.lt_pack_wt(_addr(w), s_n, s_k, n, k, _addr(out), _state["threads"])  # every core: see qdot.c
+    lib.lt_pack_wt(_addr(w), s_n, s_k, n, k, _addr(out), _state["threads"])  # every core: see sgemm.c
     return out
 
 
@@ -380,7 +386,7 @@ def rope_pairs(out: np.ndarray, x: np.ndarray, cos2: np.ndarray, sin2: np.ndarra
     return True
 
 
-LORA_MAX_RANK = 128  # qdot.c LR_MAX_RANK
+LORA_MAX_RANK = 128  # lora.c LR_MAX_RANK
 
 
 def _lora_ok(lib, x2, a, b, rows_out, *arrays) -> bool:
@@ -390,7 +396,8 @@ def _lora_ok(lib, x2, a, b, rows_out, *arrays) -> bool:
     r, n_out = a.shape[0], b.shape[0]
     return (lib is not None and 1 <= r <= LORA_MAX_RANK and a.shape == (r, n_in) and b.shape == (n_out, r)
             and all(o.shape == (M, n_out) for o in rows_out)
-            and all(t is None or (t.dtype == np.float32 and t.flags.c_contiguous) for t in (x2, a, b, *rows_out, *arrays)))
+            and all(t is None or (t.dtype == np.float32 and t.flags.c_contiguous)
+                    for t in (x2, a, b, *rows_out, *arrays)))
 
 
 def _lora_call(fn, args, keep):
@@ -457,8 +464,9 @@ def attention_available() -> bool:
 def _pool_threads() -> int:
     """The thread count of a compiled kernel between BLAS products (attention, rope, the adapter
     terms, the norms, swiglu, the loss): the compiled products' (0) while OpenBLAS runs
-    single-threaded (a packed-product step, a worker per core), else 1. OpenBLAS's threads spin after each product; the pool's workers beside them took the
-    cores from a full finetune's products (its matmuls 640 -> 928 ms a step)."""
+    single-threaded (a packed-product step, a worker per core), else 1. OpenBLAS's threads spin after
+    each product; the pool's workers beside them took the cores from a full finetune's products (its
+    matmuls 640 -> 928 ms a step)."""
     return 0 if blas_threads.current() <= 1 else 1
 
 
@@ -538,7 +546,7 @@ def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:
 
 
 def _load_beside(name: str, signatures: dict):
-    """The library built from `name`.c beside qdot.c's (under the same switch), its functions
+    """The library built from `name`.c beside the kernel library (under the same switch), its functions
     typed from signatures {function: (argtypes, restype)}; None where it is not available."""
     if not available():
         return None
@@ -611,7 +619,8 @@ def dequantize_rows(raw: np.ndarray, qtype: str, out: np.ndarray) -> bool:
     lib = _load_dequant()
     if lib is None:
         return False
-    return lib.lt_dequant(code, _addr(raw), raw.strides[0], out.shape[0], out.shape[1], _addr(out), out.strides[0] // 4) == 0
+    rows, cols = out.shape
+    return lib.lt_dequant(code, _addr(raw), raw.strides[0], rows, cols, _addr(out), out.strides[0] // 4) == 0
 
 
 def round_q8(x: np.ndarray, with_sum: bool):

@@ -1,4 +1,4 @@
-"""A replayed program's kernels as steps of one compiled call (qdot.c lt_run).
+"""A replayed program's kernels as steps of one compiled call (program.c lt_run).
 
 A decode step of a small model is ~600 kernel calls (norms, rope, attention, products, adds); as
 Python calls each costs a few microseconds of interpreter and numpy dispatch, as much as the
@@ -6,7 +6,7 @@ arithmetic. graph/planner.py Replay asks each kernel for its step (`kernel.encod
 **attrs)`: one of the encoders below, attached in backends/cpu.py) and runs every run of
 consecutive encoded steps as one `lt_run` over fixed buffers. An encoder returns None where the
 compiled op does not take the case (a dtype, a layout, an attribute): that kernel stays a Python
-call. Each compiled op computes what the numpy kernel computes (qdot.c says where the rounding
+call. Each compiled op computes what the numpy kernel computes (program.c says where the rounding
 can differ).
 """
 
@@ -18,15 +18,16 @@ import numpy as np
 
 from llmtune.graph.ops import rope_inv_freq
 from llmtune.native import kernels
+from llmtune.quant.types import QTYPES
 
 OPS = {"add": 0, "mul": 1, "rms_norm": 2, "qlinear": 3, "f32_linear": 4, "rope": 5, "cache_write": 6,
        "matmul": 7, "softmax_causal": 8, "swiglu": 9, "get_rows": 10, "qget_rows": 11, "scale": 12}
-QGET_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # the embedding row types op_qget_rows decodes
-MAX_ROPE = 1024  # rotated dims (qdot.c's tables)
+QGET_TYPES = {t: QTYPES[t].ggml_id for t in ("Q8_0", "Q4_0", "Q4_1")}  # the embedding row types op_qget_rows decodes
+MAX_ROPE = 1024  # rotated dims (program.c's tables)
 
 
 class Step(ctypes.Structure):
-    """qdot.c lt_step: an op code, integer arguments, pointers, float arguments."""
+    """program.c lt_step: an op code, integer arguments, pointers, float arguments."""
 
     _fields_ = [("op", ctypes.c_int64), ("n", ctypes.c_int64 * 16), ("p", ctypes.c_void_p * 6),
                 ("f", ctypes.c_double * 2)]
@@ -76,7 +77,9 @@ add, mul = _binary("add"), _binary("mul")
 
 
 def scale(out, a, s):
-    return _step("scale", (a, None, out), (a.size,), (np.float32(s),)) if _f32(out, a) and a.shape == out.shape else None
+    if not (_f32(out, a) and a.shape == out.shape):
+        return None
+    return _step("scale", (a, None, out), (a.size,), (np.float32(s),))
 
 
 def rms_norm(out, x, eps):
@@ -184,7 +187,8 @@ def get_rows(out, w, ids):
 
 def qget_rows(out, w, ids, qtype):
     if not (qtype in QGET_TYPES and _f32(out) and _i32(ids) and isinstance(w, np.ndarray) and w.dtype == np.uint8
-            and w.ndim == 2 and w.strides[-1] == 1 and out.shape[-1] % 32 == 0 and out.size == ids.size * out.shape[-1]):
+            and w.ndim == 2 and w.strides[-1] == 1 and out.shape[-1] % 32 == 0
+            and out.size == ids.size * out.shape[-1]):
         return None
     return _step("qget_rows", (w, ids, out), (ids.size, out.shape[-1], w.strides[0], w.shape[0], QGET_TYPES[qtype]))
 
