@@ -1,7 +1,8 @@
 """--optimizer adamw8bit against float32 AdamW (issue 25 part 5): loss curves, memory, what fits.
 
     python bench/bench_adam8.py curves [--model 15m|PATH] [--steps 30] [--ctx 128] [--lr 1e-4,1e-3]
-    python bench/bench_adam8.py fits   [--config configs/llama-1b.toml] [--vocab 128256] [--gib 24] [--activations-gib 4]
+    python bench/bench_adam8.py fits   [--config configs/llama-1b.toml] [--vocab 128256] [--gib 24]
+                                       [--activations-gib 4]
     python bench/bench_adam8.py speed  [--values 4000000]
 
 curves: a full finetune of the model (15m: the 15M shape, configs/llama-15m.toml, random weights as
@@ -80,7 +81,8 @@ def curves(args) -> None:
             for k in ("adamw", "adamw8bit"):
                 m = res[k]["memory_mib"]
                 print(f"{k:<10} estimate {sum(m.values()):8.1f} MiB (optimizer {m['optimizer']:.1f}, gradients "
-                      f"{m['gradients']:.1f}, activations {m['activations']:.1f}); peak RSS {res[k]['peak_rss_mib']:.1f} MiB")
+                      f"{m['gradients']:.1f}, activations {m['activations']:.1f}); peak RSS "
+                      f"{res[k]['peak_rss_mib']:.1f} MiB")
 
 
 def shape_tensors(config: Path, n_vocab: int, n_layer: int | None = None) -> list[tuple[str, int]]:
@@ -125,7 +127,8 @@ def fits(args) -> None:
     # the deepest stack of the config's blocks whose weights + gradients + state + activations fit
     for kind in ("adamw", "adamw8bit"):
         layers = 1
-        while resident_gib(shape_tensors(Path(args.config), args.vocab, layers + 1), kind)[1] + args.activations_gib <= args.gib:
+        while (resident_gib(shape_tensors(Path(args.config), args.vocab, layers + 1), kind)[1]
+               + args.activations_gib <= args.gib):
             layers += 1
         n_l = sum(s for _, s in shape_tensors(Path(args.config), args.vocab, layers))
         print(f"  {kind:<10} deepest that fits with {args.activations_gib:g} GiB of activations: {layers} blocks "

@@ -157,7 +157,8 @@ def main() -> None:
                        matmul_peak_tflops=peak, ffn_matmul_tflops=layer_mm, mfu=mfu)
             print(f"[{precision}] llama-{shape} ({run['n_params'] / 1e6:.1f}M params) ctx {args.ctx} x {args.seqs}: "
                   f"{run['tokens_per_s']:,.0f} tokens/s ({run['step_s'] * 1e3:.1f} ms/step), MFU {100 * mfu:.1f}% "
-                  f"of {peak:.1f} TFLOP/s; ffn-shaped matmul {layer_mm:.1f} TFLOP/s; loss {run['loss']:.3f}", flush=True)
+                  f"of {peak:.1f} TFLOP/s; ffn-shaped matmul {layer_mm:.1f} TFLOP/s; loss {run['loss']:.3f}",
+                  flush=True)
             if args.profile:
                 prof = profile_ops(CUDABackend(np.float32, precision=precision), model, args.ctx, args.seqs)
                 run["profile_ms"] = {op: ms for op, ms, _ in prof}

@@ -144,7 +144,8 @@ def main() -> int:
             record("llmtune", ours(model, args.n))
             if args.fallback:
                 record("fallback", ours(model, args.n, {"LLMTUNE_NATIVE": "0"}))
-        med = {k: {f: statistics.median(r[f] for r in v) for f in ("tok_s", "ttft", "prompt_s")} for k, v in runs.items()}
+        med = {k: {f: statistics.median(r[f] for r in v) for f in ("tok_s", "ttft", "prompt_s")}
+               for k, v in runs.items()}
         same = None
         if args.bin:
             same = runs["llmtune"][0]["text"] == runs[f"llama -t {args.threads[0]}"][0]["text"]
@@ -159,7 +160,8 @@ def main() -> int:
         cells = [name, f"{l1['tok_s']:.1f} tok/s" if l1 else "-", f"{l2['tok_s']:.1f} tok/s" if l2 else "-",
                  f"{o['tok_s']:.1f} tok/s", f"**{o['tok_s'] / l2['tok_s']:.2f}x**" if l2 else "-",
                  f"{o['tok_s'] / l1['tok_s']:.2f}x" if l1 else "-", f"{l2['ttft']:.2f} s" if l2 else "-",
-                 f"{o['ttft']:.2f} s ({o['prompt_s'] * 1e3:.0f} ms)", "-" if same is None else ("yes" if same else "no")]
+                 f"{o['ttft']:.2f} s ({o['prompt_s'] * 1e3:.0f} ms)", "-" if same is None
+                 else ("yes" if same else "no")]
         if args.fallback:
             f = med["fallback"]
             cells.append(f"{f['tok_s']:.1f} tok/s (first token {f['ttft']:.2f} s)")

@@ -99,7 +99,7 @@ def main() -> None:
     mpiexec = shutil.which("mpiexec", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
     subprocess.run([mpiexec, "-n", str(args.ranks), *me], check=True, env=env)
     one, many = (json.loads((OUT / f"result-{n}.json").read_text()) for n in (1, args.ranks))
-    print(f"| ranks | tokens/s | speed-up | all-reduce per step (in training) | all-reduce alone | final loss |")
+    print("| ranks | tokens/s | speed-up | all-reduce per step (in training) | all-reduce alone | final loss |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in (one, many):
         pure = r["pure_allreduce"]

@@ -94,7 +94,8 @@ def _ppl_rows(src: Path, types: list[str], tmp: Path, text: Path, label: str) ->
         r = llmtune.perplexity(out, text, ctx=128, chunks=40, kl_base=src)
         mix = ", ".join(f"{k} {v}" for k, v in summary.type_counts().most_common())
         print(f"| {label} | {type_name} | {r.ppl:.4f} ± {r.ppl_err:.4f} | {100 * (r.ppl / base.ppl - 1):+.4f}% | "
-              f"{r.kl:.6f} | {100 * r.same_top:.2f}% | {summary.quantized_bpw:.2f} | {_layer_bpw(summary):.2f} | {mix} |")
+              f"{r.kl:.6f} | {100 * r.same_top:.2f}% | {summary.quantized_bpw:.2f} | "
+              f"{_layer_bpw(summary):.2f} | {mix} |")
 
 
 def _layer_bpw(summary) -> float:
@@ -104,7 +105,8 @@ def _layer_bpw(summary) -> float:
 
 
 _PPL_HEADER = ("| model | type | PPL (ctx 128, 40 chunks) | vs f32 | KL(f32 ‖ type) | same top token | "
-               "quantized bits/weight | in blk.* | tensor types |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+               "quantized bits/weight | in blk.* | tensor types |\n| --- | --- | ---: | ---: | ---: | ---: | "
+               "---: | ---: | --- |")
 
 
 def bench_ppl260k(tmp: Path) -> None:
@@ -118,7 +120,8 @@ def bench_ppl15m(tmp: Path) -> None:
     config = ROOT / "configs" / "llama-15m.toml"
     aligned = tmp / "llama-15m-e256.toml"  # same shape with rows that split into 256-value super-blocks
     text = config.read_text().replace("n_embd = 288", "n_embd = 256").replace("n_head = 6 ", "n_head = 4 ")
-    aligned.write_text(text.replace("n_head_kv = 6 ", "n_head_kv = 4 ").replace('name = "llama-15m"', 'name = "llama-15m-e256"'))
+    text = text.replace("n_head_kv = 6 ", "n_head_kv = 4 ")
+    aligned.write_text(text.replace('name = "llama-15m"', 'name = "llama-15m-e256"'))
     print(_PPL_HEADER)
     for cfg, label in ((config, "llama-15m (n_embd 288)"), (aligned, "llama-15m, n_embd 256")):
         src = init_model(cfg, VOCAB_32K, tmp / f"{cfg.stem}.gguf")

@@ -51,9 +51,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--cold", type=int, default=1, help="copies of each weight to cycle through (1: warm)")
     args = ap.parse_args()
-    from llmtune.native import kernels
-
     from llmtune.backends.threads import blas_threads
+    from llmtune.native import kernels
 
     packed_ok = kernels.pack_wt_available()
     import torch
@@ -68,7 +67,8 @@ def main() -> None:
     except ImportError:
         limits = None
         print("numpy BLAS: (pip install threadpoolctl to name it; OPENBLAS_NUM_THREADS sets its threads)")
-    print("torch:", torch.__version__, "MKL" if torch.backends.mkl.is_available() else "no MKL", f"{args.threads} threads")
+    print("torch:", torch.__version__, "MKL" if torch.backends.mkl.is_available() else "no MKL",
+          f"{args.threads} threads")
     rng = np.random.default_rng(0)
     print("| M | N x K | product | numpy GFLOP/s | llmtune packed | torch GFLOP/s | torch / numpy | packed / numpy |\n"
           "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
@@ -104,7 +104,8 @@ def main() -> None:
                 print(f"| {m} | {n} x {k} | {name} | {a:.0f} | {cs} | {b:.0f} | {b / a:.2f}x | {cr} |", flush=True)
     print(f"median torch / numpy over the shapes: {statistics.median(ratios):.2f}x")
     if packed_ratios:
-        print(f"median llmtune packed / numpy over the forward and input-gradient shapes: {statistics.median(packed_ratios):.2f}x")
+        print("median llmtune packed / numpy over the forward and input-gradient shapes: "
+              f"{statistics.median(packed_ratios):.2f}x")
     if limits is not None:
         limits.restore_original_limits()
 

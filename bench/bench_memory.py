@@ -65,7 +65,8 @@ def fresh_process(module: str, call: str):
 
 
 def run(model: Path, text: Path, ctx: int, steps: int, checkpoint: bool, lora: bool = False) -> dict:
-    return fresh_process("bench_memory", f"_worker({str(model)!r}, {str(text)!r}, {ctx}, {steps}, {checkpoint}, {lora})")
+    return fresh_process("bench_memory",
+                         f"_worker({str(model)!r}, {str(text)!r}, {ctx}, {steps}, {checkpoint}, {lora})")
 
 
 def text_for(tmp: Path, model: Path, ctx: int, steps: int) -> Path:
@@ -155,7 +156,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = model_15m(tmp)
-        print("| ctx | --grad-checkpoint | estimate MiB | peak RSS MiB | estimate / RSS | RSS per token KiB | tokens/s |")
+        print("| ctx | --grad-checkpoint | estimate MiB | peak RSS MiB | estimate / RSS | RSS per token "
+              "KiB | tokens/s |")
         print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
         for ctx in map(int, args.ctx.split(",")):
             text = text_for(tmp, model, ctx, args.steps)

@@ -26,8 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from llmtune.native import kernels
-from llmtune.quant import blocks
-from llmtune.quant import matmul as qmatmul
+from llmtune.quant import blocks, matmul as qmatmul
 
 SHAPES = (  # (name, n_out, n_in, type) of SmolLM2-135M-Instruct.Q4_1
     ("attn_q / attn_output 576x576", 576, 576, "Q4_1"),
@@ -89,7 +88,8 @@ def main():
     rng = np.random.default_rng(0)
     nb_kernels = _numba_kernels()
     print(f"load average {os.getloadavg()[0]:.2f}; C library: {kernels.reason() or 'built'}, AVX2 {kernels.simd()}")
-    print("| shape | weight MB | numpy f32 copy | numpy stored | numba 1 thread | numba 2 threads | C 1 thread | C 2 threads |")
+    print("| shape | weight MB | numpy f32 copy | numpy stored | numba 1 thread | numba 2 threads | C 1 "
+          "thread | C 2 threads |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, n_out, n_in, qtype in SHAPES:
         w = rng.standard_normal((n_out, n_in)).astype(np.float32)

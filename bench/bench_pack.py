@@ -14,8 +14,8 @@ and FFN matrices, the Q4_1 base frozen in its file type), --batch tokens per opt
 Each repeat is --steps optimizer steps of each layout after one warm-up step of each (compilation,
 BLAS tuning), timed on the steps alone, the two layouts' steps interleaved (unpacked then packed,
 packed then unpacked, ...) so a load that drifts slows both alike; the figure is the loss-carrying
-tokens (assistant turns and their <|im_end|>) of those steps per second; the medians and their ratio are printed, with the
-load average before and after.
+tokens (assistant turns and their <|im_end|>) of those steps per second; the medians and their ratio
+are printed, with the load average before and after.
 """
 
 from __future__ import annotations
@@ -126,13 +126,15 @@ def main(argv=None) -> int:
         for pack in (False, True):
             rates[pack].append(tokens[pack] / seconds[pack])
             print(f"  repeat {r + 1} {'packed' if pack else 'unpacked'}: {tokens[pack]} loss tokens in "
-                  f"{seconds[pack]:.2f} s ({seconds[pack] / args.steps:.2f} s/step) = {rates[pack][-1]:,.1f} loss tokens/s",
+                  f"{seconds[pack]:.2f} s ({seconds[pack] / args.steps:.2f} s/step) = "
+                  f"{rates[pack][-1]:,.1f} loss tokens/s",
                   flush=True)
     med = {pack: statistics.median(v) for pack, v in rates.items()}
     print(f"load average after: {load_average()}")
     print(f"median loss tokens/s: unpacked {med[False]:,.1f}, packed {med[True]:,.1f}: {med[True] / med[False]:.2f}x")
     if args.json:
-        args.json.write_text(json.dumps({"rates": {str(k): v for k, v in rates.items()}, "ratio": med[True] / med[False]}))
+        args.json.write_text(json.dumps({"rates": {str(k): v for k, v in rates.items()},
+                                         "ratio": med[True] / med[False]}))
     return 0
 
 

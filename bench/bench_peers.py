@@ -212,7 +212,8 @@ def train_row(path: Path, ctx: int, batch: int, ubatch: int, reps: int, steps: i
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()
-    return {side: {"tokens_per_s": batch / statistics.median(t), "first_loss": first[side]} for side, t in times.items()}
+    return {side: {"tokens_per_s": batch / statistics.median(t), "first_loss": first[side]}
+            for side, t in times.items()}
 
 
 def best_torch(r: dict) -> tuple[float, int]:
@@ -239,8 +240,10 @@ def ppl_row(llama_bin: Path, model: Path, text: Path, ctx: int, chunks: int, rep
     llama.cpp runs at its fastest setting: the first round tries -b ctx / 2048 and -t cores / 1
     (its threads busy-wait, and on a busy machine one thread can beat two) and keeps the best,
     which the later rounds run."""
-    ours = [sys.executable, "-m", "llmtune", "perplexity", str(model), str(text), "--ctx", str(ctx), "--chunks", str(chunks)]
-    theirs = [str(llama_bin / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks)]
+    ours = [sys.executable, "-m", "llmtune", "perplexity", str(model), str(text), "--ctx", str(ctx), "--chunks",
+            str(chunks)]
+    theirs = [str(llama_bin / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks",
+              str(chunks)]
     settings = [(b, t) for t in sorted({n_threads(), 1}, reverse=True) for b in (ctx, 2048)]
     walls: dict = {"llmtune": [], "llama.cpp": []}
     for r in range(reps):
@@ -270,7 +273,8 @@ def make_models(tmp: Path, need_q8: bool) -> dict[str, Path]:
     models = {"stories": STORIES, "m15": m15}
     if need_q8:
         models["m15q8"] = tmp / "llama-15m-q8_0.gguf"
-        subprocess.run([sys.executable, "-m", "llmtune", "export", str(m15), "--type", "q8_0", "-o", str(models["m15q8"])],
+        subprocess.run([sys.executable, "-m", "llmtune", "export", str(m15), "--type", "q8_0", "-o",
+                        str(models["m15q8"])],
                        check=True, capture_output=True)
     return models
 
@@ -312,14 +316,16 @@ def main(argv: list[str]) -> None:
                 print(f"  {label}: " + ", ".join(
                     f"{side if side == 'llmtune' else f'{side} {t} thr'} {fmt(v['tokens_per_s'])} tokens/s "
                     f"(first loss {v['first_loss']:.6f})" for (side, t), v in r.items()), flush=True)
-                rows.append((label, ours["tokens_per_s"], f"PyTorch {fmt(peer)} ({threads} thr)", ours["tokens_per_s"] / peer))
+                rows.append((label, ours["tokens_per_s"], f"PyTorch {fmt(peer)} ({threads} thr)",
+                             ours["tokens_per_s"] / peer))
         if "ppl" in what:
             text = tmp / "wiki.test.raw"
             text.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
             for label, key, ctx, chunks in PPL_ROWS:
                 r = ppl_row(llama_bin, models[key], text, ctx, chunks, args.reps)
                 rows.append((label + ", wall clock incl. start-up", r["llmtune"],
-                             f"llama.cpp {fmt(r['llama.cpp'])} ({r['llama.cpp setting']})", r["llmtune"] / r["llama.cpp"]))
+                             f"llama.cpp {fmt(r['llama.cpp'])} ({r['llama.cpp setting']})",
+                             r["llmtune"] / r["llama.cpp"]))
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end\n")
     print("| workload | llmtune tokens/s | peer tokens/s | ratio |")

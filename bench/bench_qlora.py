@@ -235,7 +235,8 @@ def main() -> int:
         child(args.child, args.model, args.tokens, args.steps, args.rank, args.ctx)
         return 0
     files = prepare(args.work, max(args.steps, 4), args.ctx)
-    runs = {"llmtune": files["q4_k_m"], "llmtune-gc": files["q4_k_m"], "peft": files["f32"], "llmtune-f32": files["f32"]}
+    runs = {"llmtune": files["q4_k_m"], "llmtune-gc": files["q4_k_m"], "peft": files["f32"],
+            "llmtune-f32": files["f32"]}
     results = {}
     for kind in args.only or ["llmtune", "llmtune-gc", "peft"]:
         results[kind] = spawn(kind, runs[kind], files["tokens"], args)

@@ -53,7 +53,8 @@ def main() -> int:
     with blas_threads(args.threads):
         f32 = flops / best(lambda: np.matmul(x, w.T, out=out)) / 1e9
         print(f"x [{m}, {k}] @ W^T, W [{n}, {k}]; {args.threads} BLAS thread(s); float32 matmul {f32:.1f} GFLOP/s")
-        print("| type | forward GFLOP/s | vs f32 | input gradient GFLOP/s | dequantize ns/value | round activations ns/value |")
+        print("| type | forward GFLOP/s | vs f32 | input gradient GFLOP/s | dequantize ns/value | round "
+              "activations ns/value |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for name in args.types.split(","):
             raw = np.ascontiguousarray(blocks.quantize(w, QT[name])).view(np.uint8).reshape(n, -1)
@@ -62,7 +63,8 @@ def main() -> int:
             rows = min(n, 256)
             deq = best(lambda: qmatmul.dequantize_rows(raw[:rows], name, np.empty((rows, k), np.float32))) / (rows * k)
             act = best(lambda: qmatmul.round_activations(x, qmatmul.QTYPES[name].act)) / (m * k)
-            print(f"| {name} | {fwd:.1f} | {fwd / f32:.2f} | {bwd:.1f} | {deq * 1e9:.2f} | {act * 1e9:.2f} |", flush=True)
+            print(f"| {name} | {fwd:.1f} | {fwd / f32:.2f} | {bwd:.1f} | {deq * 1e9:.2f} | {act * 1e9:.2f} |",
+                  flush=True)
     return 0
 
 

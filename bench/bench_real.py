@@ -26,9 +26,9 @@ sides back to back; the table shows medians over the rounds):
   for T in 1, 2 (the faster is the peer) against llmtune in a fresh process (load, prompt, N greedy tokens); its time to
   first token (process start to the first sampled token) and prompt time; on the Q4_1 file and
   the f32 export.
-- ppl: `llmtune perplexity FILE TEXT -c 512 --chunks 8` (the Q4_1 file and the f32 export) against `llama-perplexity -c 512 --chunks
-  8` at its fastest of -b 512 / 2048 and -t 1 / 2 (picked in the first round), wall clock of the
-  whole command (start-up included) and each side's peak RSS (GNU time's maximum resident set),
+- ppl: `llmtune perplexity FILE TEXT -c 512 --chunks 8` (the Q4_1 file and the f32 export) against
+  `llama-perplexity -c 512 --chunks 8` at its fastest of -b 512 / 2048 and -t 1 / 2 (picked in the first round),
+  wall clock of the whole command (start-up included) and each side's peak RSS (GNU time's maximum resident set),
   compared at both tools' default batch (2048 tokens in flight: llama.cpp's -b 2048, llmtune's
   1024-token passes one per core), the fastest setting's beside it.
 
@@ -146,7 +146,8 @@ def llama_ppl_cmd(bin_dir: Path, model: Path, text: Path, ctx: int, chunks: int,
 
 
 def llmtune_ppl_cmd(model: Path, text: Path, ctx: int, chunks: int) -> list[str]:
-    return [sys.executable, "-m", "llmtune", "perplexity", str(model), str(text), "--ctx", str(ctx), "--chunks", str(chunks)]
+    return [sys.executable, "-m", "llmtune", "perplexity", str(model), str(text), "--ctx", str(ctx), "--chunks",
+            str(chunks)]
 
 
 # ------------------------------------------------------------------------------------ training (children)
@@ -256,7 +257,8 @@ def run_llmtune_train(model_path: str, windows_path: str, kind: str, ctx: int, b
     return {"step_s": times, "losses": losses, "memory": tr.memory_bytes()}
 
 
-def run_torch_train(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int, threads: int) -> dict:
+def run_torch_train(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int,
+                    threads: int) -> dict:
     windows = dict(np.load(windows_path))
     step, losses = torch_step(model_path, kind, threads), []
     return {"step_s": _steps(lambda x, y: losses.append(step(x, y)), windows, batch, steps), "losses": losses}
@@ -303,7 +305,8 @@ def child(args) -> None:
         prefer_small_pages()  # as llmtune's commands start (cli.main)
     if args.child == "ab":
         q4, f32 = args.model.split(",")
-        print("RESULT " + json.dumps(run_llmtune_ab(q4, f32, args.windows, args.ctx, args.batch, args.steps)), flush=True)
+        print("RESULT " + json.dumps(run_llmtune_ab(q4, f32, args.windows, args.ctx, args.batch, args.steps)),
+              flush=True)
         return
     if args.child == "llmtune":
         res = run_llmtune_train(args.model, args.windows, args.kind, args.ctx, args.batch, args.steps)
@@ -312,7 +315,8 @@ def child(args) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def train_side(side: str, model: Path, windows: Path, kind: str, args, threads: int = 0, env: dict | None = None) -> float:
+def train_side(side: str, model: Path, windows: Path, kind: str, args, threads: int = 0,
+               env: dict | None = None) -> float:
     """Tokens/s of one side in a fresh process (env: its extra variables): ctx * batch / the
     median timed step."""
     cmd = [sys.executable, __file__, "--child", side, "--model", str(model), "--windows", str(windows), "--kind", kind,
@@ -384,7 +388,8 @@ def train_rows(label: str, q4: Path, f32: Path, rows: list[str], args, out: list
             runs.setdefault("full", []).append(train_side("llmtune", f32, windows, "full", args))
             for t in args.torch_threads:
                 runs.setdefault(f"torch t{t}", []).append(train_side("torch", f32, windows, "full", args, t))
-    peft = max(med(runs[f"peft t{t}"]) for t in args.torch_threads) if f"peft t{args.torch_threads[0]}" in runs else None
+    peft = max(med(runs[f"peft t{t}"])
+               for t in args.torch_threads) if f"peft t{args.torch_threads[0]}" in runs else None
     best_t = lambda key: max(args.torch_threads, key=lambda t: med(runs[f"{key} t{t}"]))  # noqa: E731
     ctxs = f"ctx {args.ctx}, {args.batch} seq/step"
     if "qlora" in runs:
@@ -475,7 +480,8 @@ def ppl_rows(label: str, files: list[tuple[str, Path]], args, out: list) -> None
         ow, orss = med(w for w, _ in ours), med(m for _, m in ours)
         tw, trss = med(w for w, _ in theirs), med(m for _, m in theirs)
         out.append((f"{label}: perplexity, {kind}, ctx 512, {args.chunks} chunks (wall clock, start-up included)",
-                    f"{n_tok / ow:.0f} tok/s", f"llama-perplexity -b {best[0]} -t {best[1]}: {n_tok / tw:.0f}", tw / ow))
+                    f"{n_tok / ow:.0f} tok/s", f"llama-perplexity -b {best[0]} -t {best[1]}: {n_tok / tw:.0f}",
+                    tw / ow))
         # memory at the same tokens in flight: llmtune's default (1024-token passes, one per core)
         # against llama.cpp's default -b 2048 (RSS measured in round 1), and at the fastest setting
         default_rss = tried[(2048, best[1])][1]

@@ -134,7 +134,8 @@ def quality():
             secs = time.perf_counter() - t
             ppl = llmtune.perplexity(out, text, ctx=256)
             epochs = "; ".join(f"epoch {e.epoch}: train {e.train_loss:.3f}+/-{e.train_loss_err:.3f} "
-                               f"val {e.val_loss:.3f}+/-{e.val_loss_err:.3f} (acc {e.val_accuracy:.3f})" for e in res.epochs)
+                               f"val {e.val_loss:.3f}+/-{e.val_loss_err:.3f} (acc {e.val_accuracy:.3f})"
+                               for e in res.epochs)
             print(f"lr {lr:g}: first step {res.first_loss:.4f}; {epochs}; perplexity {ppl.ppl:.2f} "
                   f"(base {base.ppl:.2f}); {secs:.0f} s wall")
 
@@ -150,7 +151,8 @@ def main(argv):
               f"{r['naive_mib']:.1f} MiB ({r['planned_mib'] / r['naive_mib']:.0%})")
         for batch in (128, 2048):
             f = run("forward", STORIES, 128, batch, batch, 30)
-            print(f"forward ctx 128, {batch // 128} seq/pass: {f['tokens_per_s']:,.0f} tokens/s ({f['ms_per_pass']:.1f} ms/pass)")
+            print(f"forward ctx 128, {batch // 128} seq/pass: {f['tokens_per_s']:,.0f} tokens/s "
+                  f"({f['ms_per_pass']:.1f} ms/pass)")
     if "train" in what:
         peak = sgemm_peak()
         print(f"## train (numpy sgemm peak in this run: {peak:.0f} GFLOP/s)")
@@ -166,7 +168,8 @@ def main(argv):
                 r = run("train", path, ctx, batch, ubatch, 20 if "stories" in name else (3 if batch > 1024 else 6))
                 print(f"{name:12s} ctx {ctx} batch {batch:5d} ubatch {ubatch:5d}: {r['tokens_per_s']:8,.0f} tokens/s, "
                       f"{r['gflops']:6.1f} GFLOP/s ({r['gflops'] / peak:.0%} of sgemm peak), "
-                      f"{r['workers']} worker(s), activations {r['planned_mib']:.0f} MiB, peak RSS {r['peak_rss_mib']:.0f} MiB")
+                      f"{r['workers']} worker(s), activations {r['planned_mib']:.0f} MiB, peak RSS "
+                      f"{r['peak_rss_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from llmtune.eval.benchmarks import evaluate  # noqa: E402
-from llmtune.eval.tasks import (MultipleChoiceTask, multiple_choice_bytes, read_multiple_choice,  # noqa: E402
-                                select_tasks)
+from llmtune.eval.tasks import MultipleChoiceTask, multiple_choice_bytes, read_multiple_choice, select_tasks  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 STORIES = DATA / "stories260K.gguf"
@@ -204,7 +203,8 @@ def llama_hellaswag(bin_dir, model, blocks, work: Path, extra=()) -> tuple[list[
     for label in (0, 1, 2, None):
         f = work / f"hs-pad-{label}.txt"
         task_of = padded_hellaswag(blocks, f, label)
-        out, w = llama(bin_dir, model, ["-f", str(f), "--hellaswag", "-c", "128", "--hellaswag-tasks", str(n + PAD), *extra])
+        out, w = llama(bin_dir, model,
+                       ["-f", str(f), "--hellaswag", "-c", "128", "--hellaswag-tasks", str(n + PAD), *extra])
         wall += w
         for line, hit in enumerate(running_hits(out, n)):
             t = task_of[line]
@@ -217,7 +217,8 @@ def llama_hellaswag(bin_dir, model, blocks, work: Path, extra=()) -> tuple[list[
 
 def padded_mc(tasks: list[MultipleChoiceTask], dst: Path, label: int | None = None) -> Path:
     """The tasks (every label at answer `label` when given) plus PAD copies of the first, as binary."""
-    out = [t if label is None else MultipleChoiceTask(t.question, t.answers, [int(k == label) for k in range(len(t.answers))])
+    out = [t if label is None
+           else MultipleChoiceTask(t.question, t.answers, [int(k == label) for k in range(len(t.answers))])
            for t in tasks]
     dst.write_bytes(multiple_choice_bytes(out + [tasks[0]] * PAD))
     return dst
@@ -274,7 +275,8 @@ def recheck(row: dict, ours, llama_choices_of) -> None:
         exact = llama_choices_of(idx)
         mine = {t.index: t.choice for t in ours.tasks}
         row["differ_same_with_exact"] = sum(mine[i] == c for i, c in zip(idx, exact))
-        print(json.dumps({"check": row["check"], "differ": idx, "differ_same_with_exact": row["differ_same_with_exact"]}),
+        print(json.dumps({"check": row["check"], "differ": idx,
+                          "differ_same_with_exact": row["differ_same_with_exact"]}),
               flush=True)
 
 

@@ -47,7 +47,8 @@ TEMPLATES = {  # name -> (llama.cpp template file, vocabulary, the copy the test
     "qwen2.5": ("Qwen-Qwen2.5-7B-Instruct.jinja", "ggml-vocab-qwen2.gguf",
                 "tests/data/chat_templates/ggml-vocab-qwen2.chat.gguf.gz"),
     "gemma2": ("google-gemma-2-2b-it.jinja", "ggml-vocab-llama-spm.gguf", "tests/data/vocab/ggml-vocab-llama-spm.gguf"),
-    "phi3.5": ("microsoft-Phi-3.5-mini-instruct.jinja", "ggml-vocab-phi-3.gguf", "tests/data/vocab/ggml-vocab-phi-3.gguf"),
+    "phi3.5": ("microsoft-Phi-3.5-mini-instruct.jinja", "ggml-vocab-phi-3.gguf",
+               "tests/data/vocab/ggml-vocab-phi-3.gguf"),
     "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "ggml-vocab-llama-spm.gguf",
                      "tests/data/vocab/ggml-vocab-llama-spm.gguf"),
 }
@@ -116,7 +117,6 @@ def llmtune_results(template_path: Path, vocab: Path) -> dict:
 def slim_chat_vocab(vocab: Path, out: Path, texts: list[str]) -> None:
     """bench/check_tokenizers.py's slim copy, for chat text (special-token strings parsed)."""
     import check_tokenizers as ct
-
     from llmtune.tokenizer import tokenizer as tk
 
     class Tok(tk.Tokenizer):  # slim_vocab tokenizes its texts without parsing special tokens
@@ -133,7 +133,8 @@ def slim_chat_vocab(vocab: Path, out: Path, texts: list[str]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp's source tree (models/, models/templates/)")
+    ap.add_argument("--llama-cpp", required=True, type=Path,
+                    help="llama.cpp's source tree (models/, models/templates/)")
     ap.add_argument("--record", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
@@ -155,9 +156,11 @@ def main() -> int:
                     print(f"| {name} | {vocab_name} | {conv} | both raise: {same} ({t['error'][:50]}) | | |")
                 else:
                     t["ids_llama.cpp"] = llama_tokenize(args.llama_cpp / "build" / "bin", vocab, t["text"], tmp)
-                    print(f"| {name} | {vocab_name} | {conv} | {t['text'] == o.get('text')} | {t['ids'] == o.get('ids')} "
+                    print(f"| {name} | {vocab_name} | {conv} | {t['text'] == o.get('text')} | "
+                          f"{t['ids'] == o.get('ids')} "
                           f"| {t['ids_llama.cpp'] == o.get('ids')} |")
-            fixture["templates"][name] = {"file": f"tests/data/chat_templates/{file}", "source": f"llama.cpp models/templates/{file}",
+            fixture["templates"][name] = {"file": f"tests/data/chat_templates/{file}",
+                                          "source": f"llama.cpp models/templates/{file}",
                                           "vocab": test_vocab, "transformers": theirs}
             if args.record:
                 OUT_DIR.mkdir(exist_ok=True)
@@ -165,7 +168,8 @@ def main() -> int:
                 slim = ROOT / test_vocab
                 if slim.parent == OUT_DIR:
                     texts = [r["text"] for t in TEMPLATES.values() if t[1] == vocab_name
-                             for r in llmtune_results(args.llama_cpp / "models" / "templates" / t[0], vocab).values() if "text" in r]
+                             for r in llmtune_results(args.llama_cpp / "models" / "templates" / t[0], vocab).values()
+                             if "text" in r]
                     slim_chat_vocab(vocab, slim, texts)
                 slimmed = llmtune_results(src, family_check.local_copy(slim, tmp))
                 assert slimmed == ours, f"{name}: the slim vocabulary {test_vocab} tokenizes differently"

@@ -116,7 +116,8 @@ def compare_ppl(bin_dir: Path, model: Path, text: Path, ctx: int = 128, chunks: 
     if not any(isinstance(w, QTensor) for w in loaded.weights.values()):
         return theirs[-1], ours[-1], diff, None, None
     decoded = llmtune.perplexity(load_model(model, quantized=False), text, ctx=ctx, chunks=chunks).chunks
-    return theirs[-1], ours[-1], diff, family_check.max_rel_diff(decoded, theirs), ulp_noise_floor(model, text, ctx, chunks, ours)
+    return (theirs[-1], ours[-1], diff, family_check.max_rel_diff(decoded, theirs),
+            ulp_noise_floor(model, text, ctx, chunks, ours))
 
 
 def ulp_noise_floor(model: Path, text: Path, ctx: int, chunks: int, ours: list[float], seeds: int = 3) -> float:
@@ -126,7 +127,6 @@ def ulp_noise_floor(model: Path, text: Path, ctx: int, chunks: int, ours: list[f
     activations turns a 1-ulp difference at a rounding boundary into a whole quantization step, so
     two correct implementations that sum in different orders (llama.cpp's SIMD blocks, llmtune's
     BLAS) agree on a quantized file only to about this level."""
-    import numpy as np
 
     import llmtune
     import llmtune.quant.matmul as qm
@@ -217,7 +217,8 @@ def main() -> int:
     ap.add_argument("--parts", default="ppl,finetune,export")
     ap.add_argument("--record", action="store_true", help="write tests/data/families/FAMILY.json fixtures")
     ap.add_argument("--f32-kv", action="store_true",
-                    help=f"run llama-perplexity with {' '.join(F32_ARGS)} (its default f16 KV cache and flash attention "
+                    help=f"run llama-perplexity with {' '.join(F32_ARGS)} (its default f16 KV cache and "
+                         "flash attention "
                          "round K, V and the attention to f16)")
     args = ap.parse_args()
     parts = args.parts.split(",")

@@ -51,7 +51,8 @@ def llama_completion(bin_dir: Path, model: Path, prompt: str, n: int, ctx: int, 
     for _ in range(8):
         done = subprocess.run(cmd, capture_output=True)
         if done.returncode:
-            raise RuntimeError(f"llama-completion failed: {' '.join(cmd)}\n{done.stderr.decode(errors='replace')[-2000:]}")
+            raise RuntimeError("llama-completion failed: "
+                               f"{' '.join(cmd)}\n{done.stderr.decode(errors='replace')[-2000:]}")
         out = done.stdout
         if out.endswith(b"\n\n"):
             out = out[:-2]
@@ -64,7 +65,8 @@ def llama_completion(bin_dir: Path, model: Path, prompt: str, n: int, ctx: int, 
 
 
 def command_line(prompt: str, n: int, ctx: int, extra) -> str:
-    return f"llama-completion -m MODEL -p {json.dumps(prompt)} -n {n} -c {ctx} -no-cnv --no-display-prompt {' '.join(extra)}"
+    return (f"llama-completion -m MODEL -p {json.dumps(prompt)} -n {n} -c {ctx} -no-cnv --no-display-prompt "
+            f"{' '.join(extra)}")
 
 
 def text_cases(bin_dir: Path, tmp: Path) -> dict:
@@ -96,7 +98,8 @@ def decode_speed_llama(bin_dir: Path, model: Path, n: int, threads: int | None) 
         cmd += ["-t", str(threads)]
     for _ in range(8):  # the logger may drop the perf lines at exit (issue 22142): run again
         done = subprocess.run(cmd, capture_output=True, text=True)
-        m = re.search(r" eval time =\s+[0-9.]+ ms /\s+(\d+) runs.*?([0-9.]+) tokens per second", done.stdout + done.stderr)
+        m = re.search(r" eval time =\s+[0-9.]+ ms /\s+(\d+) runs.*?([0-9.]+) tokens per second",
+                      done.stdout + done.stderr)
         if m:
             return float(m.group(2))
     raise RuntimeError(f"no eval time from llama-completion:\n{(done.stdout + done.stderr)[-2000:]}")
@@ -115,7 +118,8 @@ def decode_speed_ours(model: Path, n: int) -> float:
 def speed(bin_dir: Path, tmp: Path, repeats: int = 3, n: int = 128) -> None:
     from llmtune.convert.init import init_model
 
-    m15 = init_model(ROOT / "configs" / "llama-15m.toml", family_check.local_copy(DATA / "vocab" / "ggml-vocab-llama-spm.gguf", tmp),
+    m15 = init_model(ROOT / "configs" / "llama-15m.toml",
+                     family_check.local_copy(DATA / "vocab" / "ggml-vocab-llama-spm.gguf", tmp),
                      tmp / "llama-15m.gguf", seed=0)
     print("| model | llama.cpp -t 1 | llama.cpp default threads | llmtune (cpu) | llmtune / llama.cpp -t 1 |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -50,7 +50,8 @@ std = 0.02
 
 def llama_ppl(bin_dir: Path, model: Path, text: Path, ctx: int, batch: int, chunks: int | None) -> tuple[float, float]:
     """(final PPL, wall seconds) of one llama-perplexity run."""
-    cmd = [str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(batch), "-t", "2"]
+    cmd = [str(bin_dir / "llama-perplexity"), "-m", str(model), "-f", str(text), "-c", str(ctx), "-b", str(batch), "-t",
+           "2"]
     if chunks:
         cmd += ["--chunks", str(chunks)]
     for _ in range(3):  # llama.cpp's asynchronous logger can drop the last lines at exit: run again
@@ -76,7 +77,8 @@ def speed(bin_dir: Path, text: Path, tmp: Path) -> None:
     import llmtune
     from llmtune.convert.init import init_model
 
-    m15 = init_model(ROOT / "configs" / "llama-15m.toml", DATA / "vocab" / "ggml-vocab-llama-spm.gguf", tmp / "m15.gguf")
+    m15 = init_model(ROOT / "configs" / "llama-15m.toml", DATA / "vocab" / "ggml-vocab-llama-spm.gguf",
+                     tmp / "m15.gguf")
     print("| model | ctx | chunks | llama.cpp tokens/s | llmtune tokens/s | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     n_stories = len(llmtune.perplexity(STORIES, text, ctx=128).chunks)
@@ -113,8 +115,8 @@ def files(bin_dir: Path, text: Path, tmp: Path) -> None:
 
 def quant(bin_dir: Path, tmp: Path) -> None:
     import llmtune
-    from llmtune.gguf.file import load_gguf
     from llmtune.convert.init import init_model
+    from llmtune.gguf.file import load_gguf
 
     cfg = tmp / "m256.toml"
     cfg.write_text(CHECK_MODEL)

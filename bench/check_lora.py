@@ -185,7 +185,6 @@ STORIES_HF_CONFIG = {  # stories260K's shape as a transformers config (convert_l
 def make_convert_fixture(llama_cpp_src: Path, tmp: Path) -> None:
     """Rewrite CONVERT_FIXTURE with llama.cpp's own converter (needs torch, transformers, safetensors):
     a PEFT-layout adapter (rank 2, alpha 4, q_proj / v_proj / down_proj, torch seed 0) of stories260K."""
-    import subprocess
 
     import torch
     from safetensors.torch import save_file
@@ -195,7 +194,8 @@ def make_convert_fixture(llama_cpp_src: Path, tmp: Path) -> None:
     (tmp / "base" / "config.json").write_text(json.dumps(STORIES_HF_CONFIG))
     g, tensors = torch.Generator().manual_seed(0), {}
     for layer in range(5):
-        for module, (n_in, n_out) in (("self_attn.q_proj", (64, 64)), ("self_attn.v_proj", (64, 32)), ("mlp.down_proj", (172, 64))):
+        for module, (n_in, n_out) in (("self_attn.q_proj", (64, 64)), ("self_attn.v_proj", (64, 32)),
+                                      ("mlp.down_proj", (172, 64))):
             prefix = f"base_model.model.model.layers.{layer}.{module}"
             tensors[prefix + ".lora_A.weight"] = torch.randn(2, n_in, generator=g) * 0.1
             tensors[prefix + ".lora_B.weight"] = torch.randn(n_out, 2, generator=g) * 0.1
@@ -216,7 +216,8 @@ PEFT_CASES = [
     ("LoRA", {}, {}, None, []),
     ("LoRA, token_embd and output too", {}, {}, r"weight$", ["embed_tokens", "lm_head"]),
     ("rsLoRA", {"rslora": True}, {"use_rslora": True}, None, []),
-    ("rsLoRA, token_embd and output too", {"rslora": True}, {"use_rslora": True}, r"weight$", ["embed_tokens", "lm_head"]),
+    ("rsLoRA, token_embd and output too", {"rslora": True}, {"use_rslora": True}, r"weight$",
+     ["embed_tokens", "lm_head"]),
     ("DoRA, output too", {"dora": True}, {"use_dora": True}, r"blk|output", ["lm_head"]),
     ("PiSSA, output too", {"method": "pissa"}, {"init_lora_weights": "pissa"}, r"blk|output", ["lm_head"]),
     ("PiSSA + DoRA", {"method": "pissa", "dora": True}, {"init_lora_weights": "pissa", "use_dora": True}, None, []),
@@ -227,11 +228,13 @@ PEFT_CASES = [
 def _peft_model(model_path: Path, peft_kw: dict, modules: list):
     """transformers' model of the GGUF file (check_transformers.load_hf) wrapped by PEFT; PEFT
     initialises in float32 (pissa_init refuses float64), the comparison runs in float64."""
-    import check_transformers
     from peft import LoraConfig, get_peft_model
 
+    import check_transformers
+
     hf = check_transformers.load_hf(model_path, check_transformers.PATCHES["llama"])
-    cfg = LoraConfig(r=PEFT_RANK, lora_alpha=PEFT_ALPHA, lora_dropout=0.0, target_modules=PEFT_MODULES + modules, **peft_kw)
+    cfg = LoraConfig(r=PEFT_RANK, lora_alpha=PEFT_ALPHA, lora_dropout=0.0, target_modules=PEFT_MODULES + modules,
+                     **peft_kw)
     return get_peft_model(hf, cfg)
 
 
@@ -339,7 +342,7 @@ def _ours(model, adapter, tokens):
 
 def _theirs_grads(layers, adapter) -> dict:
     """PEFT's gradients in llmtune's keys and layout (B rows and magnitudes un-permuted)."""
-    from llmtune.model.adapter import A, B, EMBD, MAGNITUDE, tensor_key
+    from llmtune.model.adapter import EMBD, MAGNITUDE, A, B, tensor_key
 
     out = {}
     for name, (module, perm) in layers.items():
@@ -474,8 +477,9 @@ def check_peft_loraplus(model_path: Path, perms: dict, optimizer: str, dtype, ra
 
 
 def peft_table(tmp: Path) -> None:
-    import family_check
     import torch
+
+    import family_check
 
     torch.manual_seed(0)
     case = check_families.FAMILIES["llama"]
@@ -489,7 +493,8 @@ def peft_table(tmp: Path) -> None:
     perms = _row_perms(model_path, load_model(model_path))
 
     print(f"PEFT {peft.__version__}, transformers {transformers.__version__}, torch {torch.__version__}; "
-          f"{fixture['config']} (random weights), rank {PEFT_RANK}, alpha {PEFT_ALPHA:g}, one window of {PEFT_CTX} tokens")
+          f"{fixture['config']} (random weights), rank {PEFT_RANK}, alpha {PEFT_ALPHA:g}, one window of "
+          f"{PEFT_CTX} tokens")
     print("| variant | pairs | initial values, max rel. diff | loss PEFT | loss llmtune | rel. diff | "
           "gradients, max rel. diff | ok |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -499,7 +504,8 @@ def peft_table(tmp: Path) -> None:
         init = f"{r['init']:.1e}" if ours_kw.get("method") == "pissa" or ours_kw.get("dora") else "(copied)"
         if r["init_f32"] is not None:
             init += f" (PEFT's float32 SVD: {r['init_f32']:.1e})"
-        print(f"| {label} | {r['pairs']} | {init} | {r['loss_theirs']:.10f} | {r['loss_ours']:.10f} | {r['loss']:.1e} | "
+        print(f"| {label} | {r['pairs']} | {init} | {r['loss_theirs']:.10f} | {r['loss_ours']:.10f} | "
+              f"{r['loss']:.1e} | "
               f"{r['grad']:.1e} | {ok} |", flush=True)
     print("\nLoRA+ (ratio 16, lr 1e-3, one step against PEFT's create_loraplus_optimizer):\n")
     print("| optimizer | dtype | A's step (max) | rel. diff | B's step (max) | rel. diff | ok |")
@@ -508,7 +514,8 @@ def peft_table(tmp: Path) -> None:
         steps = check_peft_loraplus(model_path, perms, optimizer, dtype)
         (da, sa), (db, sb) = steps["lora_a"], steps["lora_b"]
         ok = "yes" if max(da, db) < goal else "NO"
-        print(f"| {optimizer} | {np.dtype(dtype).name} | {sa:.3e} | {da:.1e} | {sb:.3e} | {db:.1e} | {ok} |", flush=True)
+        print(f"| {optimizer} | {np.dtype(dtype).name} | {sa:.3e} | {da:.1e} | {sb:.3e} | {db:.1e} | {ok} |",
+              flush=True)
 
 
 def main() -> int:
@@ -544,7 +551,8 @@ def main() -> int:
         raw = (ROOT / "data" / "wikitext-100k.txt").read_bytes()[:20000]
         train_text.write_bytes(raw[: raw.rindex(b"\n") + 1])
         print(f"llama.cpp: {check_families.llama_version(args.bin)}")
-        print("| model | adapter | llama.cpp PPL | llmtune PPL | max chunk rel. diff | merge max abs diff (tensors) | ok |")
+        print("| model | adapter | llama.cpp PPL | llmtune PPL | max chunk rel. diff | merge max abs diff "
+              "(tensors) | ok |")
         print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
         worst_ppl, worst_merge = 0.0, 0.0
         for i, (name, base, extra) in enumerate(cases(tmp, args.cases)):
@@ -561,7 +569,8 @@ def main() -> int:
                 merge, n = 0.0, "no llama-export-lora"
             worst_merge = max(worst_merge, merge)
             ok = "yes" if diff < 1e-3 and merge <= 1e-6 else "NO"
-            if name == "stories260K-q8_0":  # llama.cpp quantizes activations for q8_0 dot products: the base alone differs
+            # llama.cpp quantizes activations for q8_0 dot products: the base alone differs
+            if name == "stories260K-q8_0":
                 b_theirs, b_ours, b_diff = compare_ppl(args.bin, base, text, [], [])
                 print(f"| {name} | none (the quantized base alone) | {b_theirs:.4f} | {b_ours:.4f} | {b_diff:.2e} | | "
                       f"(llama.cpp's q8_0 activations) |", flush=True)
@@ -572,7 +581,8 @@ def main() -> int:
             label = "rank 4, " + (extra.get("lora_targets") and "every matrix" or "default targets") + \
                 (f", dropout {extra['lora_dropout']}" if "lora_dropout" in extra else "") + \
                 (", rsLoRA" if extra.get("rslora") else "") + \
-                (", PiSSA (written as rank 8)" if extra.get("lora_init_method") == "pissa" else "") + f" ({n_pairs} pairs)"
+                (", PiSSA (written as rank 8)" if extra.get("lora_init_method") == "pissa"
+                 else "") + f" ({n_pairs} pairs)"
             merge_cell = f"{merge:.2e} ({n})" if isinstance(n, int) else f"({n})"
             print(f"| {name.split()[0]} | {label} | {theirs:.4f} | {ours:.4f} | {diff:.2e} | {merge_cell} | {ok} |",
                   flush=True)
@@ -580,9 +590,11 @@ def main() -> int:
                 theirs, ours, diff = compare_ppl(args.bin, base, text, [adapter, CONVERT_FIXTURE], [0.5, 2.0])
                 worst_ppl = max(worst_ppl, diff)
                 ok = "yes" if diff < 1e-3 else "NO"
-                print(f"| stories260K | this one at 0.5 + convert_lora_to_gguf.py F16 at 2.0 | {theirs:.4f} | {ours:.4f} "
+                print("| stories260K | this one at 0.5 + convert_lora_to_gguf.py F16 at 2.0 | "
+                      f"{theirs:.4f} | {ours:.4f} "
                       f"| {diff:.2e} | | {ok} |", flush=True)
-        print(f"\nworst (float bases): perplexity {worst_ppl:.2e} (goal < 1e-3), merge {worst_merge:.2e} (goal <= 1e-6)")
+        print(f"\nworst (float bases): perplexity {worst_ppl:.2e} (goal < 1e-3), "
+              f"merge {worst_merge:.2e} (goal <= 1e-6)")
     return 0
 
 

@@ -25,9 +25,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pack import chat_rows  # noqa: E402
-
 import llmtune  # noqa: E402
+from bench_pack import chat_rows  # noqa: E402
 
 PHRASE = "I really hope that helps you"
 

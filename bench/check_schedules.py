@@ -13,8 +13,11 @@ from __future__ import annotations
 import sys
 
 import torch
-from transformers import (get_cosine_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
-                          get_linear_schedule_with_warmup)
+from transformers import (
+    get_cosine_schedule_with_warmup,
+    get_cosine_with_min_lr_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+)
 
 from llmtune.train.optim import LRSchedule
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -105,10 +104,10 @@ def run_llmtune(model_path: Path, data: Path, method: str, steps: int, tmp: Path
 # ------------------------------------------------------------------------------ TRL
 def peft_model(model_path: Path, adapter):
     """transformers' model of the GGUF with llmtune's initial adapter's A / B copied into PEFT's."""
-    from check_transformers import PATCHES, Patch, load_hf
+    import torch
     from peft import LoraConfig, get_peft_model
 
-    import torch
+    from check_transformers import PATCHES, Patch, load_hf
     from llmtune.model.loaded import load_model
 
     ours = load_model(model_path)
@@ -116,7 +115,8 @@ def peft_model(model_path: Path, adapter):
     # the GGUF loader marks the model quantized; its weights are float32 (dequantized) and train
     hf.hf_quantizer, hf.is_quantized = None, False
     hf.config.quantization_config = None
-    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=sorted({m.split(".")[1] for m in HF_MODULES.values()}))
+    cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                     target_modules=sorted({m.split(".")[1] for m in HF_MODULES.values()}))
     model = get_peft_model(hf, cfg)
     names = {}
     for gguf_name, pair in adapter.pairs.items():
@@ -174,7 +174,8 @@ def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path, ad
     tokenizer = hf_tokenizer(model_path)
     rows = [{"prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(len(pairs))]
     by_prompt = {f"p{i}": p for i, p in enumerate(pairs)}
-    common = dict(output_dir=str(tmp / f"trl-{method}"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+    common = dict(output_dir=str(tmp / f"trl-{method}"), per_device_train_batch_size=BATCH,
+                  gradient_accumulation_steps=1,
                   learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, logging_steps=1,
                   max_grad_norm=0.0, weight_decay=0.0, report_to="none", save_strategy="no", use_cpu=True, seed=SEED,
                   beta=BETA[method], dataloader_num_workers=0, remove_unused_columns=False,
@@ -228,7 +229,8 @@ def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path, ad
     class FirstGradients(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kw):
             if state.global_step == 0:
-                grads.update({n: float(p.grad.double().norm()) if p.grad is not None else 0.0 for n, p in names.items()})
+                grads.update({n: float(p.grad.double().norm()) if p.grad is not None else 0.0
+                              for n, p in names.items()})
 
     trainer.add_callback(FirstGradients())
     trainer.train()
@@ -252,7 +254,8 @@ def compare(method: str, ours: dict, theirs: dict) -> dict:
     worst_m = max(metric_diff, key=metric_diff.get)
     worst_g = max(grad_diff, key=grad_diff.get)
     return {"loss0": (ours["losses"][0], theirs["losses"][0], rel(ours["losses"][0], theirs["losses"][0])),
-            "metric": (worst_m, metric_diff[worst_m], len(metric_diff)), "grad": (worst_g, grad_diff[worst_g], len(grad_diff)),
+            "metric": (worst_m, metric_diff[worst_m], len(metric_diff)),
+            "grad": (worst_g, grad_diff[worst_g], len(grad_diff)),
             "curve": (n, curve, ours["losses"][n - 1], theirs["losses"][n - 1])}
 
 

@@ -38,14 +38,16 @@ def _show_version(value: bool) -> None:
 
 @app.callback()
 def _app_options(
-    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print the version and exit."),
 ):
     """Finetune and evaluate GGUF (llama.cpp) language models on CPU or NVIDIA GPUs."""
 
 ModelArg = typer.Argument(..., help="Model file in GGUF format (as used by llama.cpp).", show_default=False)
 
 # options several commands take, declared once so each reads the same everywhere
-LoraOption = typer.Option(None, "--lora", help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's "
+LoraOption = typer.Option(None, "--lora",
+                          help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's "
                           "--lora; export merges it into the weights, as llama-export-lora).", show_default=False)
 LoraScaleOption = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora "
                                "(llama.cpp's --lora-scaled). \\[default: 1]", show_default=False)
@@ -62,7 +64,8 @@ def precision_option(default: Optional[str] = "f32", default_text: str = " \\[de
                         "finetune keeps f32 master weights)." + default_text, show_default=False)
 
 
-SHARED_OPTIONS = {"backend": backend_option, "precision": precision_option}  # finetune's settings that other commands share
+SHARED_OPTIONS = {"backend": backend_option,
+                  "precision": precision_option}  # finetune's settings that other commands share
 
 
 @app.command()
@@ -82,7 +85,8 @@ def tokenize_cmd(
     file: str = typer.Argument("-", help="UTF-8 text file to tokenize; - reads standard input."),
     ids: bool = typer.Option(False, "--ids", help="Print only the ids, as one JSON list on one line."),
     no_bos: bool = typer.Option(False, "--no-bos", help="Do not add the BOS token the model asks for."),
-    no_parse_special: bool = typer.Option(False, "--no-parse-special", help="Treat special-token strings such as <s> as plain text."),
+    no_parse_special: bool = typer.Option(False, "--no-parse-special",
+                                          help="Treat special-token strings such as <s> as plain text."),
 ):
     """Tokenize text exactly as llama.cpp's `llama-tokenize --no-escape` does: one `id -> 'piece'` per line.
 
@@ -156,10 +160,21 @@ def _settings_given(options: dict) -> dict:
 
 def finetune(
     model: Path = ModelArg,
-    data: Path = typer.Argument(..., help="Training data: a plain UTF-8 file (tokenized whole), or records in .jsonl, .json (an array), .parquet, .csv or a folder of them: {\"text\"}, {\"prompt\", \"completion\"}, {\"messages\": [{\"role\", \"content\"}, ...]} (chat), ShareGPT {\"conversations\": [{\"from\", \"value\"}, ...]} or Alpaca {\"instruction\", \"input\", \"output\"}.", show_default=False),
-    output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained GGUF (never the input).", show_default=False),
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with any of these settings (flags override it).", metavar="FILE"),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run saved in this checkpoint (OUT.ckpt-STEP.npz) with its own settings; the result is byte-identical to an uninterrupted run.", show_default=False, metavar="FILE"),
+    data: Path = typer.Argument(...,
+                                help="Training data: a plain UTF-8 file (tokenized whole), or records in .jsonl, .json "
+                                     "(an array), .parquet, .csv or a folder of them: {\"text\"}, {\"prompt\", "
+                                     "\"completion\"}, {\"messages\": [{\"role\", \"content\"}, ...]} (chat), ShareGPT "
+                                     "{\"conversations\": [{\"from\", \"value\"}, ...]} or Alpaca {\"instruction\", "
+                                     "\"input\", \"output\"}.", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained GGUF (never the input).",
+                                show_default=False),
+    config: Optional[Path] = typer.Option(None, "--config",
+                                          help="TOML file with any of these settings (flags override it).",
+                                          metavar="FILE"),
+    resume: Optional[Path] = typer.Option(None, "--resume",
+                                          help="Continue the run saved in this checkpoint (OUT.ckpt-STEP.npz) with its "
+                                               "own settings; the result is byte-identical to an uninterrupted run.",
+                                          show_default=False, metavar="FILE"),
     **options,
 ):
     """Train a GGUF model on your text and write a GGUF that llama.cpp loads unchanged.
@@ -181,12 +196,13 @@ def finetune(
     Checkpoints (-o's name + .ckpt-STEP.npz) are written at every epoch end, every --checkpoint-every steps, and when Ctrl-C or SIGTERM stops the run after its current step (a second Ctrl-C aborts at once). Resume: the same command plus --resume CHECKPOINT.
 
     Exit status: 0 done, 2 bad input, 3 training diverged (no model written), 130 / 143 stopped by Ctrl-C / SIGTERM.
-    """
+    """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
     from llmtune.ui.finetune import FinetuneReporter
     from llmtune.workflows import finetune as run_finetune
 
     with FinetuneReporter(out, err) as reporter:
-        run_finetune(model, data, output, config_file=config, callback=reporter, resume=resume, **_settings_given(options))
+        run_finetune(model, data, output, config_file=config, callback=reporter, resume=resume,
+                     **_settings_given(options))
 
 
 def _with_setting_options(command):
@@ -207,9 +223,14 @@ app.command()(_with_setting_options(finetune))
 # --- init (llmtune/convert/init.py) ---
 @app.command("init")
 def init_cmd(
-    config: Optional[Path] = typer.Option(None, "--config", help="Model shape: a TOML \\[model] table, e.g. configs/llama-15m.toml.", show_default=False),
-    config_c: Optional[Path] = typer.Option(None, "-c", hidden=True),  # init's old short flag: -c is --ctx in every other command
-    vocab_from: Path = typer.Option(..., "--vocab-from", help="GGUF whose tokenizer (all tokenizer.* keys) the new model uses.", show_default=False),
+    config: Optional[Path] = typer.Option(None, "--config",
+                                          help="Model shape: a TOML \\[model] table, e.g. configs/llama-15m.toml.",
+                                          show_default=False),
+    # init's old short flag: -c is --ctx in every other command
+    config_c: Optional[Path] = typer.Option(None, "-c", hidden=True),
+    vocab_from: Path = typer.Option(..., "--vocab-from",
+                                    help="GGUF whose tokenizer (all tokenizer.* keys) the new model uses.",
+                                    show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the new GGUF.", show_default=False),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed writes the same file."),
 ):
@@ -217,14 +238,15 @@ def init_cmd(
 
     Example: llmtune init --config configs/llama-15m.toml --vocab-from vocab.gguf -o new.gguf --seed 0
     """
-    from llmtune.gguf.file import load_gguf
     from llmtune.convert.init import init_model
+    from llmtune.gguf.file import load_gguf
     from llmtune.ui.format import human_bytes, human_count
 
     if config_c is not None:
         if config is not None:
             raise LlmtuneError("-c: give the config once, with --config")
-        err.print("warning: init's -c is deprecated (-c means --ctx in the other commands); write --config", highlight=False)
+        err.print("warning: init's -c is deprecated (-c means --ctx in the other commands); write --config",
+                  highlight=False)
         config = config_c
     if config is None:
         raise LlmtuneError("--config: missing; init needs a model shape, e.g. --config configs/llama-15m.toml")
@@ -250,7 +272,7 @@ def _export_cmd(
     With --lora, the adapters are merged first (W + scale * B A in float32): one step from a trained adapter to a deployable file.
 
     Example: llmtune export model.gguf --lora adapter.gguf --type q4_k_m -o merged-q4_k_m.gguf
-    """
+    """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
     from llmtune.convert.export import export
     from llmtune.ui.export import export_progress, summary_notes, summary_table
 
@@ -269,13 +291,22 @@ app.command("save", help="Alias of export.")(_export_cmd)
 @app.command("perplexity")
 def perplexity_cmd(
     model: Path = ModelArg,
-    text: Path = typer.Argument(..., help="UTF-8 text file (.gz allowed), e.g. wikitext-2-raw/wiki.test.raw.", show_default=False),
+    text: Path = typer.Argument(..., help="UTF-8 text file (.gz allowed), e.g. wikitext-2-raw/wiki.test.raw.",
+                                show_default=False),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Tokens per chunk (llama-perplexity -c)."),
-    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass; a multiple of --ctx evaluates that many chunks at once. \\[default: 1024 on cpu, one pass per core]", show_default=False),
-    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate only the first N chunks. \\[default: all]", show_default=False),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b",
+                                        help="Tokens per forward pass; a multiple of --ctx evaluates that many chunks "
+                                             "at once. \\[default: 1024 on cpu, one pass per core]",
+                                        show_default=False),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate only the first N chunks. \\[default: all]",
+                                         show_default=False),
     backend: str = backend_option(),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results (running values, ppl, error, tokens/s) as JSON here.", show_default=False),
-    kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report KL-divergence (base || model) and top-token agreement.", show_default=False),
+    json_out: Optional[Path] = typer.Option(None, "--json",
+                                            help="Also write the results (running values, ppl, error, tokens/s) as "
+                                                 "JSON here.", show_default=False),
+    kl_base: Optional[Path] = typer.Option(None, "--kl-base",
+                                           help="Base model (same vocabulary): also report KL-divergence (base || "
+                                                "model) and top-token agreement.", show_default=False),
     precision: str = precision_option(),
     lora: Optional[List[Path]] = LoraOption,
     lora_scale: Optional[List[float]] = LoraScaleOption,
@@ -318,19 +349,39 @@ def _report(result, text: str, write_json, json_out: Optional[Path], inputs) -> 
 @app.command("eval")
 def eval_cmd(
     model: Path = ModelArg,
-    file: Path = typer.Argument(..., help="Tasks: HellaSwag text (6 lines per task), Winogrande CSV, llama.cpp's multiple-choice binary file, or JSONL with question, choices, answer (e.g. MMLU).", show_default=False),
-    hellaswag: bool = typer.Option(False, "--hellaswag", help="HellaSwag: acc_norm of the 4 endings (llama-perplexity --hellaswag)."),
-    winogrande: bool = typer.Option(False, "--winogrande", help="Winogrande: which of 2 choices fills the blank (llama-perplexity --winogrande)."),
-    multiple_choice: bool = typer.Option(False, "--multiple-choice", help="Multiple choice: MMLU, ARC, TruthfulQA (llama-perplexity --multiple-choice)."),
-    tasks: Optional[int] = typer.Option(None, "--tasks", help="Score N tasks, chosen at random as llama.cpp chooses them. \\[default: HellaSwag 400, the others all]", show_default=False),
-    ctx: int = typer.Option(512, "--ctx", "-c", help="llama-perplexity's -c: a task (shared prefix plus every answer) must fit in 4 x ctx tokens."),
-    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Tokens per forward pass (several tasks per pass). \\[default: 1024 on cpu, one pass per core]", show_default=False),
+    file: Path = typer.Argument(..., help="Tasks: HellaSwag text (6 lines per task), Winogrande CSV, llama.cpp's "
+                                          "multiple-choice binary file, or JSONL with question, choices, answer "
+                                          "(e.g. MMLU).", show_default=False),
+    hellaswag: bool = typer.Option(False, "--hellaswag",
+                                   help="HellaSwag: acc_norm of the 4 endings (llama-perplexity --hellaswag)."),
+    winogrande: bool = typer.Option(False, "--winogrande",
+                                    help="Winogrande: which of 2 choices fills the blank (llama-perplexity "
+                                         "--winogrande)."),
+    multiple_choice: bool = typer.Option(False, "--multiple-choice",
+                                         help="Multiple choice: MMLU, ARC, TruthfulQA (llama-perplexity "
+                                              "--multiple-choice)."),
+    tasks: Optional[int] = typer.Option(None, "--tasks",
+                                        help="Score N tasks, chosen at random as llama.cpp chooses them. \\[default: "
+                                             "HellaSwag 400, the others all]", show_default=False),
+    ctx: int = typer.Option(512, "--ctx", "-c",
+                            help="llama-perplexity's -c: a task (shared prefix plus every answer) must fit in 4 x ctx "
+                                 "tokens."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b",
+                                        help="Tokens per forward pass (several tasks per pass). \\[default: 1024 on "
+                                             "cpu, one pass per core]", show_default=False),
     backend: str = backend_option(),
     precision: str = precision_option(),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write every task's scores and choice, the totals and timings as JSON here.", show_default=False),
-    kl_base: Optional[Path] = typer.Option(None, "--kl-base", help="Base model (same vocabulary): also report its accuracy, how often both choose alike, and KL(base || model) over the scored tokens.", show_default=False),
-    topics: bool = typer.Option(False, "--topics", help="Multiple choice from JSONL with a \"topic\" field (MMLU): accuracy per topic."),
-    summary: bool = typer.Option(False, "--summary", help="Print only the final lines, not llama.cpp's running line per task."),
+    json_out: Optional[Path] = typer.Option(None, "--json",
+                                            help="Also write every task's scores and choice, the totals and timings as "
+                                                 "JSON here.", show_default=False),
+    kl_base: Optional[Path] = typer.Option(None, "--kl-base",
+                                           help="Base model (same vocabulary): also report its accuracy, how often "
+                                                "both choose alike, and KL(base || model) over the scored tokens.",
+                                           show_default=False),
+    topics: bool = typer.Option(False, "--topics",
+                                help="Multiple choice from JSONL with a \"topic\" field (MMLU): accuracy per topic."),
+    summary: bool = typer.Option(False, "--summary",
+                                 help="Print only the final lines, not llama.cpp's running line per task."),
     lora: Optional[List[Path]] = LoraOption,
     lora_scale: Optional[List[float]] = LoraScaleOption,
 ):
@@ -339,12 +390,13 @@ def eval_cmd(
     Each answer is scored by the mean log-probability of its tokens after the question; the best wins. The kind follows from the file when no flag is given. Prints llama.cpp's running lines, then its final result.
 
     Example: llmtune eval model.gguf mmlu-test.jsonl --multiple-choice --topics --json mmlu.json
-    """
+    """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
     from llmtune.eval.benchmarks import evaluate
     from llmtune.gguf.file import check_output_path
     from llmtune.ui.benchmarks import benchmark_progress, format_report, topics_table, write_json
 
-    kinds = [k for k, on in (("hellaswag", hellaswag), ("winogrande", winogrande), ("multiple-choice", multiple_choice)) if on]
+    kinds = [k for k, on in (("hellaswag", hellaswag), ("winogrande", winogrande), ("multiple-choice", multiple_choice))
+             if on]
     if len(kinds) > 1:
         raise LlmtuneError("--hellaswag, --winogrande, --multiple-choice: choose one")
     inputs = (model, file, *([kl_base] if kl_base else []), *(lora or []))
@@ -352,8 +404,10 @@ def eval_cmd(
         check_output_path(json_out, *inputs, flag="--json")  # refuse a bad --json before the (long) evaluation
     try:
         with benchmark_progress(err, None if summary else out) as on_progress:  # running lines stream to stdout
-            result = evaluate(model, file, kinds[0] if kinds else None, tasks=tasks, ctx=ctx, batch=batch, backend=backend,
-                              kl_base=kl_base, progress=on_progress, precision=precision, lora=lora, lora_scale=lora_scale)
+            result = evaluate(model, file, kinds[0] if kinds else None, tasks=tasks, ctx=ctx, batch=batch,
+                              backend=backend,
+                              kl_base=kl_base, progress=on_progress, precision=precision, lora=lora,
+                              lora_scale=lora_scale)
     except Interrupted as exc:  # Ctrl-C: the results and --json over the tasks done, then exit 130
         if exc.partial is not None:
             _report(exc.partial, format_report(exc.partial, running=False), write_json, json_out, inputs)
@@ -370,24 +424,47 @@ def eval_cmd(
 @app.command("generate")
 def generate_cmd(
     model: Path = ModelArg,
-    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="The prompt (with --chat: the first user message). Without -p or -f the prompt is read from standard input, unless it is a terminal.", show_default=False),
-    prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from this UTF-8 file.", show_default=False),
-    chat: bool = typer.Option(False, "--chat", help="Render the prompt as a user turn with the model's chat template; a terminal on stdin then gets an interactive chat."),
-    system: Optional[str] = typer.Option(None, "--system", help="With --chat: a system message first.", show_default=False),
-    n_predict: int = typer.Option(-1, "-n", "--n-predict", help="Tokens to generate; -1: until an end-of-generation token or a full context."),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt",
+                                         help="The prompt (with --chat: the first user message). Without -p or -f the "
+                                              "prompt is read from standard input, unless it is a terminal.",
+                                         show_default=False),
+    prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from this UTF-8 file.",
+                                               show_default=False),
+    chat: bool = typer.Option(False, "--chat",
+                              help="Render the prompt as a user turn with the model's chat template; a terminal on "
+                                   "stdin then gets an interactive chat."),
+    system: Optional[str] = typer.Option(None, "--system", help="With --chat: a system message first.",
+                                         show_default=False),
+    n_predict: int = typer.Option(-1, "-n", "--n-predict",
+                                  help="Tokens to generate; -1: until an end-of-generation token or a full context."),
     temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 picks the most likely token (greedy)."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the K most likely tokens; 0 disables."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Keep the most likely tokens up to this probability mass; 1 disables."),
-    min_p: float = typer.Option(0.05, "--min-p", help="Drop tokens less likely than this fraction of the most likely one; 0 disables."),
-    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Penalise the last --repeat-last-n tokens (divide positive logits, multiply negative); 1 disables."),
-    repeat_last_n: int = typer.Option(64, "--repeat-last-n", help="How many recent tokens the repeat penalty looks at."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (llama.cpp's: the same seed gives its choices). \\[default: random]", show_default=False),
-    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (KV cache positions); 0: the model's. \\[default: the model's training context, at most 4096]", show_default=False),
+    top_p: float = typer.Option(0.95, "--top-p",
+                                help="Keep the most likely tokens up to this probability mass; 1 disables."),
+    min_p: float = typer.Option(0.05, "--min-p",
+                                help="Drop tokens less likely than this fraction of the most likely one; 0 disables."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty",
+                                         help="Penalise the last --repeat-last-n tokens (divide positive logits, "
+                                              "multiply negative); 1 disables."),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n",
+                                      help="How many recent tokens the repeat penalty looks at."),
+    seed: Optional[int] = typer.Option(None, "--seed",
+                                       help="Sampling seed (llama.cpp's: the same seed gives its choices). \\[default: "
+                                            "random]", show_default=False),
+    ctx: Optional[int] = typer.Option(None, "-c", "--ctx",
+                                      help="Context size (KV cache positions); 0: the model's. \\[default: the model's "
+                                           "training context, at most 4096]", show_default=False),
     lora: Optional[List[Path]] = LoraOption,
     lora_scale: Optional[List[float]] = LoraScaleOption,
-    chat_template: Optional[Path] = typer.Option(None, "--chat-template", help="Jinja chat template for --chat, instead of the model's tokenizer.chat_template.", show_default=False),
-    no_display_prompt: bool = typer.Option(False, "--no-display-prompt", help="Print only the generated text, not the prompt first."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Never sample an end-of-generation token (llama.cpp's --ignore-eos: their logits are -inf), so generation runs to -n or a full context: fixed-length speed runs."),
+    chat_template: Optional[Path] = typer.Option(None, "--chat-template",
+                                                 help="Jinja chat template for --chat, instead of the model's "
+                                                      "tokenizer.chat_template.", show_default=False),
+    no_display_prompt: bool = typer.Option(False, "--no-display-prompt",
+                                           help="Print only the generated text, not the prompt first."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos",
+                                    help="Never sample an end-of-generation token (llama.cpp's --ignore-eos: their "
+                                         "logits are -inf), so generation runs to -n or a full context: fixed-length "
+                                         "speed runs."),
     backend: str = backend_option(),
     precision: str = precision_option(),
 ):
@@ -400,7 +477,7 @@ def generate_cmd(
     Example (a fixed 256 tokens, for speed): llmtune generate model.gguf -p "Once upon a time" -n 256 --ignore-eos
 
     Example (chat): llmtune generate tuned.gguf --chat --system "Answer briefly." -p "What is LoRA?"
-    """
+    """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
     from llmtune.eval.generate import ChatSession, Generator, generate, load_for_generation
     from llmtune.eval.sampling import Sampler, SamplerConfig
     from llmtune.tokenizer import read_text
@@ -422,7 +499,8 @@ def generate_cmd(
     elif prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     if prompt is None and not interactive:
-        raise LlmtuneError("generate: no prompt (give -p TEXT or -f FILE, pipe it on stdin, or use --chat in a terminal)")
+        raise LlmtuneError("generate: no prompt (give -p TEXT or -f FILE, pipe it on stdin, or use --chat in a "
+                           "terminal)")
     from llmtune.backends import get_backend
 
     stream = Stream()
@@ -434,7 +512,8 @@ def generate_cmd(
     else:
         from llmtune.tokenizer.chat_template import ChatTemplate
 
-        gen = Generator(load_for_generation(model, lora, lora_scale), get_backend(backend, precision=precision), n_ctx=ctx)
+        gen = Generator(load_for_generation(model, lora, lora_scale), get_backend(backend, precision=precision),
+                        n_ctx=ctx)
         sampler = Sampler(sampling)
         if ignore_eos:
             sampler.ban(gen.eog)
@@ -457,7 +536,7 @@ def plot_cmd(
     """Draw a finished or running finetune's --metrics file as finetune --plot draws it: train and validation loss and the learning rate against steps, as a PNG (needs matplotlib).
 
     Example: llmtune plot out/demo-metrics.jsonl -o out/demo.png
-    """
+    """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
     from llmtune.gguf.file import check_output_path
     from llmtune.train.observe import plot_metrics
     from llmtune.ui.finetune import loss_line
@@ -564,7 +643,8 @@ def main() -> None:
             except LlmtuneError as exc:
                 _error(str(exc))
                 if getattr(exc, "resumable", False) and getattr(exc, "checkpoint", None):
-                    err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
+                    err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False,
+                              soft_wrap=True)
                 sys.exit(exc.exit_code)
             except MemoryError as exc:  # what the estimate before the run did not foresee (cupy's too)
                 _error(out_of_memory_message(exc, f"llmtune {command}".strip(), SHRINK_FLAGS.get(command, "")))
@@ -572,7 +652,8 @@ def main() -> None:
             except Interrupted as exc:
                 err.print(escape(exc.message or "interrupted"), highlight=False, soft_wrap=True)
                 if exc.checkpoint is not None:
-                    err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False, soft_wrap=True)
+                    err.print(f"resume with: {escape(_resume_command(exc.checkpoint))}", highlight=False,
+                              soft_wrap=True)
                 sys.exit(exc.exit_code)
             except KeyboardInterrupt:
                 err.print("interrupted")

@@ -146,7 +146,8 @@ def check_disk_space(folder: Path, need: int, what: str, hint: str = "") -> None
     free = free_disk(folder)
     if free is not None and need > free:
         raise LlmtuneError(
-            f"{folder}: {what} need about {need / 2**20:,.0f} MiB of disk space but only {free / 2**20:,.0f} MiB is free"
+            f"{folder}: {what} need about {need / 2**20:,.0f} MiB of disk space but only "
+            f"{free / 2**20:,.0f} MiB is free"
             + (f" ({hint})" if hint else "")
         )
 

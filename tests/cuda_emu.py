@@ -1,9 +1,11 @@
 """A CPU emulator for the CUDA backend's kernels, so its logic is tested without a GPU.
 
-llmtune/backends/cuda/'s kernel source (runtime.kernel_source: every section's .cu) is compiled with g++ against a small header that
+llmtune/backends/cuda/'s kernel source (runtime.kernel_source: every section's .cu) is compiled with g++ against a
+small header that
 provides CUDA's builtins: every CUDA thread of a block is a fiber (ucontext, switched with setjmp), __syncthreads and
 __shfl_xor_sync are barriers the fibers meet at (in shuffled or random-priority order, so
-ordering assumptions and shared-memory races show up), shared memory is static storage, blocks run one after another. A barrier that can
+ordering assumptions and shared-memory races show up), shared memory is static storage, blocks run one after another. A
+barrier that can
 never complete (divergent __syncthreads) is reported instead of hanging. Launch arguments are
 checked against the kernel's C parameter types (pointer vs scalar, float vs int, width), which
 is exactly what cupy passes unchecked.
@@ -63,7 +65,9 @@ static inline unsigned __float_as_uint(float f) { unsigned bits; std::memcpy(&bi
 
 namespace emu {
 struct Barrier { int expected = 0, arrived = 0; std::vector<int> waiters; };
-struct Fiber { ucontext_t ctx; jmp_buf jb; uint3 tid; int linear = 0; bool done = false, runnable = true, started = false; };
+struct Fiber {
+    ucontext_t ctx; jmp_buf jb; uint3 tid; int linear = 0; bool done = false, runnable = true, started = false;
+};
 
 static std::vector<Fiber> fibers;
 static std::vector<std::vector<char>> stacks;
@@ -181,7 +185,8 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
     for (auto& t : table()) if (!std::strcmp(t.name, name)) e = &t;
     if (!e) { emu_last_error = std::string("no kernel ") + name; return 1; }
     const int n = (int)(bx * by * bz);
-    if (n < 1 || n > 1024 || bx > 1024 || by > 1024 || bz > 64 || gx < 1 || gy < 1 || gz < 1 || gy > 65535 || gz > 65535) {
+    if (n < 1 || n > 1024 || bx > 1024 || by > 1024 || bz > 64
+        || gx < 1 || gy < 1 || gz < 1 || gy > 65535 || gz > 65535) {
         emu_last_error = "invalid launch configuration";
         return 1;
     }
@@ -254,8 +259,10 @@ def _kernel_names(source: str) -> list[str]:
 
 def emulator_source(dtype) -> str:
     source = cuda.kernel_source(dtype)
-    entries = ",\n".join(f'{{"{n}", [](void** a) {{ invoke({n}, a); }}, signature({n})}}' for n in _kernel_names(source))
-    table = f"\nnamespace emu {{\nstatic std::vector<Entry>& table() {{ static std::vector<Entry> t = {{\n{entries}\n}}; return t; }}\n}}\n"
+    entries = ",\n".join(f'{{"{n}", [](void** a) {{ invoke({n}, a); }}, signature({n})}}'
+                         for n in _kernel_names(source))
+    table = ("\nnamespace emu {\nstatic std::vector<Entry>& table() { static std::vector<Entry> t = {\n"
+             f"{entries}\n}}; return t; }}\n}}\n")
     return EMU_HEADER + source + EMU_FOOTER + table
 
 

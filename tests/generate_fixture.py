@@ -95,7 +95,8 @@ def cases(tmp: Path) -> dict[str, dict]:
                                  prompt="Once upon a time", n_predict=48, ctx=256, sampler=GREEDY),
     }
     for name in families():
-        out[f"family-{name}"] = dict(model=f"family:{name}", model_path=family_model(name, tmp), prompt="Once upon a time",
+        out[f"family-{name}"] = dict(model=f"family:{name}", model_path=family_model(name, tmp),
+                                     prompt="Once upon a time",
                                      n_predict=32, ctx=128, sampler=GREEDY)
     for case in out.values():
         case.setdefault("llama_args", llama_args(case["sampler"]) + f32)

@@ -44,11 +44,11 @@ def make_qkx2(x, w, nmax, rmin, rdelta, nstep):
         sum_l = sum_l2 = sum_xl = f(0)
         for i in range(n):
             v = f(iscale * f(x[i] - lo))
-            l = max(0, min(nmax, _nearest(v))) if np.isfinite(v) else 0
-            aux.append(l)
-            wl = f(w[i] * f(l))
+            lv = max(0, min(nmax, _nearest(v))) if np.isfinite(v) else 0
+            aux.append(lv)
+            wl = f(w[i] * f(lv))
             sum_l = f(sum_l + wl)
-            sum_l2 = f(sum_l2 + f(wl * f(l)))
+            sum_l2 = f(sum_l2 + f(wl * f(lv)))
             sum_xl = f(sum_xl + f(wl * x[i]))
         det = f(f(sum_w * sum_l2) - f(sum_l * sum_l))
         if det > 0:
@@ -78,11 +78,11 @@ def make_qx(x, nmax):
     def fit(iscale):
         L, slx, sl2 = [], f(0), f(0)
         for v in x:
-            l = max(-nmax, min(nmax - 1, _nearest(f(iscale * v))))
-            L.append(l + nmax)
+            lv = max(-nmax, min(nmax - 1, _nearest(f(iscale * v))))
+            L.append(lv + nmax)
             w = f(v * v)
-            slx = f(slx + f(f(w * v) * f(l)))
-            sl2 = f(sl2 + f(f(w * f(l)) * f(l)))
+            slx = f(slx + f(f(w * v) * f(lv)))
+            sl2 = f(sl2 + f(f(w * f(lv)) * f(lv)))
         return L, slx, sl2
 
     L, sumlx, suml2 = fit(f(f(-nmax) / vmax))
@@ -145,8 +145,8 @@ def q4_k_block(x) -> np.ndarray:
     head, sc, L = _k4_block(x, 15, -1.0, 0.1, 20)
     qs = np.zeros(128, np.uint8)
     for c in range(4):
-        for l in range(32):
-            qs[32 * c + l] = L[64 * c + l] | (L[64 * c + l + 32] << 4)
+        for j in range(32):
+            qs[32 * c + j] = L[64 * c + j] | (L[64 * c + j + 32] << 4)
     return np.concatenate([head, sc, qs])
 
 
@@ -198,9 +198,9 @@ def q6_k_block(x) -> np.ndarray:
     qh = np.zeros(64, np.uint8)
     for h in range(2):
         base = 128 * h
-        for l in range(32):
-            q = [L[base + l + 32 * k] for k in range(4)]
-            ql[64 * h + l] = (q[0] & 0xF) | ((q[2] & 0xF) << 4)
-            ql[64 * h + l + 32] = (q[1] & 0xF) | ((q[3] & 0xF) << 4)
-            qh[32 * h + l] = (q[0] >> 4) | ((q[1] >> 4) << 2) | ((q[2] >> 4) << 4) | ((q[3] >> 4) << 6)
+        for r in range(32):
+            q = [L[base + r + 32 * k] for k in range(4)]
+            ql[64 * h + r] = (q[0] & 0xF) | ((q[2] & 0xF) << 4)
+            ql[64 * h + r + 32] = (q[1] & 0xF) | ((q[3] & 0xF) << 4)
+            qh[32 * h + r] = (q[0] >> 4) | ((q[1] >> 4) << 2) | ((q[2] >> 4) << 4) | ((q[3] >> 4) << 6)
     return np.concatenate([ql, qh, np.array(sc, np.int8).view(np.uint8), np.array([d], np.float16).view(np.uint8)])

@@ -14,13 +14,13 @@ import hashlib
 
 import numpy as np
 import pytest
-from test_backends import backend_for, name  # noqa: F401  (the backend fixture: cpu, cuda-emu, cuda)
 
 import llmtune
 from llmtune.errors import LlmtuneError
 from llmtune.quant import dynamic8
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.optim import Optimizer
+from test_backends import backend_for, name  # noqa: F401  (the backend fixture: cpu, cuda-emu, cuda)
 
 rng = np.random.default_rng(25)
 

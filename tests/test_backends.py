@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import cuda_emu
+from llmtune.arch.context import causal_attention
 from llmtune.backends import get_backend
 from llmtune.backends.cpu import CPUBackend
 from llmtune.errors import LlmtuneError
-from llmtune.arch.context import causal_attention
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.gradcheck import check_gradients
@@ -93,7 +93,8 @@ def run_graph(backend, build, arrays: dict) -> list[np.ndarray]:
     outs = build(**nodes)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     prog = Program(outs, backend)
-    feed = {k: backend.asarray(v.astype(np.int32 if v.dtype.kind in "iu" else backend.dtype)) for k, v in arrays.items()}
+    feed = {k: backend.asarray(v.astype(np.int32 if v.dtype.kind in "iu" else backend.dtype))
+            for k, v in arrays.items()}
     return [backend.to_numpy(r).astype(np.float64) for r in prog.run(**feed)]
 
 
@@ -165,7 +166,10 @@ def test_lora_term(name):
         y, x, g = randn(*lead, n_out), randn(*lead, n_in), randn(*lead, n_out)
         a, b = randn(rank, n_in), randn(n_out, rank)
         t, u = 0.4 * (x @ a.T), 0.4 * (g @ b)
-        rows = (lambda v: v.reshape(-1, v.shape[-1]))
+
+        def rows(v):
+            return v.reshape(-1, v.shape[-1])
+
         grads = np.concatenate([(u @ a).ravel(), (rows(u).T @ rows(x)).ravel(), (rows(g).T @ rows(t)).ravel()])
         check_forward(name, lambda y, x, a, b, g: [ops.lora(y, x, a, b, 0.4), ops.lora_back(x, a, b, g, 0.4, True),
                                                    ops.lora_back(x, a, b, g, 0.4, False)],
@@ -240,7 +244,8 @@ def test_matmul_on_strided_views(name):
 
     def build(a_raw, b_raw, c_raw):
         a, b, c = (ops.permute(t, (0, 2, 1, 3)) for t in (a_raw, b_raw, c_raw))
-        return [ops.matmul(a, b, tb=True), ops.matmul(b, c, ta=True), ops.matmul(ops.slice_axis(a, 2, 1, 4), b, tb=True)]
+        return [ops.matmul(a, b, tb=True), ops.matmul(b, c, ta=True),
+                ops.matmul(ops.slice_axis(a, 2, 1, 4), b, tb=True)]
 
     check_forward(name, build, [a @ np.swapaxes(b, -1, -2), np.swapaxes(b, -1, -2) @ c,
                                 a[:, :, 1:4] @ np.swapaxes(b, -1, -2)], a_raw=a_raw, b_raw=b_raw, c_raw=c_raw)
@@ -250,7 +255,8 @@ def test_shape_ops(name):
     x = randn(3, 4, 5)
     check_forward(
         name,
-        lambda x: [ops.reshape(x, (12, 5)), ops.cont(ops.permute(x, (2, 0, 1))), ops.reshape(ops.permute(x, (1, 0, 2)), (4, 15)),
+        lambda x: [ops.reshape(x, (12, 5)), ops.cont(ops.permute(x, (2, 0, 1))),
+                   ops.reshape(ops.permute(x, (1, 0, 2)), (4, 15)),
                    ops.slice_axis(x, 1, 1, 3), ops.pad_axis(x, 1, 2, 7)],
         [x.reshape(12, 5), x.transpose(2, 0, 1), x.transpose(1, 0, 2).reshape(4, 15), x[:, 1:3],
          np.concatenate([np.zeros((3, 2, 5)), x, np.zeros((3, 1, 5))], axis=1)],
@@ -341,7 +347,8 @@ def test_rope(name, mode, n_rot):
                 ops.rope(rot, pos, n_rot, base, fs, mode, inverse=True)]
 
     p = pos.astype(np.float64)
-    check_forward(name, build, [rope_ref(x, p, n_rot, base, fs, mode, False), rope_ref(x, p, n_rot, base, fs, mode, True),
+    check_forward(name, build,
+                  [rope_ref(x, p, n_rot, base, fs, mode, False), rope_ref(x, p, n_rot, base, fs, mode, True),
                                 rope_ref(strided.transpose(0, 2, 1, 3), p, n_rot, base, fs, mode, False), x],
                   x=x, strided=strided, pos=pos)
 
@@ -610,12 +617,14 @@ GRAD_CASES = {
     "permute_reshape": (lambda a: ops.reshape(ops.permute(a, (1, 0, 2)), (3, 8)), {"a": (2, 3, 4)}, {}),
     "slice": (lambda a: ops.slice_axis(a, 1, 1, 3), {"a": (2, 4, 3)}, {}),
     "pad": (lambda a: ops.pad_axis(a, 1, 2, 6), {"a": (2, 3, 2)}, {}),
-    "slice_last_axis_cont": (lambda a: ops.geglu(ops.cont(ops.slice_axis(a, 1, 0, 3)), ops.cont(ops.slice_axis(a, -1, 3, 6))),
+    "slice_last_axis_cont": (lambda a: ops.geglu(ops.cont(ops.slice_axis(a, 1, 0, 3)),
+                                                 ops.cont(ops.slice_axis(a, -1, 3, 6))),
                              {"a": (4, 6)}, {}),
     # phi3's fused gate+up projection, split in halves of the product's last axis
     "fused_gate_up": (_fused_gate_up, {"x": (4, 5), "w": (6, 5)}, {}),
     "pos_embd": (lambda tok, pos_w, ids, pos: ops.add(ops.get_rows(tok, ids), ops.get_rows(pos_w, pos)),
-                 {"tok": (5, 3), "pos_w": (6, 3)}, {"ids": np.array([[4, 0, 4], [1, 1, 2]]), "pos": np.array([0, 1, 5])}),
+                 {"tok": (5, 3), "pos_w": (6, 3)},
+                 {"ids": np.array([[4, 0, 4], [1, 1, 2]]), "pos": np.array([0, 1, 5])}),
     "get_rows": (lambda w, ids: ops.get_rows(w, ids), {"w": (5, 3)}, {"ids": np.array([[4, 0, 4], [1, 1, 2]])}),
     "add_rows": (lambda g, ids: ops.add_rows(g, ids, 5), {"g": (6, 3)}, {"ids": np.array([0, 4, 4, 2, 0, 0])}),
     "rms_norm": (lambda x: ops.rms_norm(x, 1e-5), {"x": (3, 7)}, {}),
@@ -630,20 +639,25 @@ GRAD_CASES = {
                   {"pos": np.array([0, 1, 5])}),
     "rope_norm_factors": (lambda x, pos: ops.rope(x, pos, 4, 100.0, 1.0, "norm", freq_factors=_consts([2.0, 0.3])),
                           {"x": (1, 3, 2, 6)}, {"pos": np.array([2, 3, 4])}),
-    "rope_neox_factors": (lambda x, pos: ops.rope(x, pos, 6, 100.0, 0.5, "neox", freq_factors=_consts([1.0, 4.0, 0.25])),
+    "rope_neox_factors": (lambda x, pos: ops.rope(x, pos, 6, 100.0, 0.5, "neox",
+                                                  freq_factors=_consts([1.0, 4.0, 0.25])),
                           {"x": (2, 3, 2, 6)}, {"pos": np.array([0, 1, 5])}),
     "softmax_causal": (lambda x: ops.softmax_causal(x, 0.7, n_kv=4, n_q=3, n_past=1), {"x": (2, 6, 4)}, {}),
     "softmax_masked": (lambda x, mask: ops.softmax_masked(x, 0.7, mask), {"x": (2, 6, 4)},
                        {"mask": np.array([[[0, -np.inf, 0, 0], [0, 0, -np.inf, -np.inf], [-np.inf, 0, 0, -np.inf]],
                                           [[0, 0, 0, 0], [-np.inf, -np.inf, -np.inf, 0], [0, 0, -np.inf, 0]]])}),
-    "softmax_causal_window": (lambda x: ops.softmax_causal(x, 0.7, n_kv=5, n_q=3, n_past=2, window=2), {"x": (2, 6, 5)}, {}),
-    "cross_entropy": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)}, {"t": np.array([0, 5, 2, 2])}),
+    "softmax_causal_window": (lambda x: ops.softmax_causal(x, 0.7, n_kv=5, n_q=3, n_past=2, window=2), {"x": (2, 6, 5)},
+                              {}),
+    "cross_entropy": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)},
+                      {"t": np.array([0, 5, 2, 2])}),
     "cross_entropy_masked": (lambda logits, t: ops.cross_entropy(logits, t), {"logits": (4, 6)},
                              {"t": np.array([0, -1, 2, -1])}),
-    "token_nll_masked": (lambda logits, t: ops.token_nll(logits, t), {"logits": (4, 6)}, {"t": np.array([3, -1, 2, 0])}),
+    "token_nll_masked": (lambda logits, t: ops.token_nll(logits, t), {"logits": (4, 6)},
+                         {"t": np.array([3, -1, 2, 0])}),
     "token_nll_inplace": (lambda a, b, t: ops.token_nll(ops.matmul(a, b), t), {"a": (4, 3), "b": (3, 6)},
                           {"t": np.array([1, 5, -1, 0])}),
-    "softmax_causal_pos": (lambda x, pos: ops.softmax_causal(x, 0.7, n_kv=6, n_q=2, window=3, pos=pos), {"x": (2, 4, 6)},
+    "softmax_causal_pos": (lambda x, pos: ops.softmax_causal(x, 0.7, n_kv=6, n_q=2, window=3, pos=pos),
+                           {"x": (2, 4, 6)},
                            {"pos": np.array([3, 5])}),
     # logits computed by an op: the backward overwrites them in place
     "cross_entropy_inplace": (lambda a, b, t: ops.cross_entropy(ops.matmul(a, b), t), {"a": (4, 3), "b": (3, 6)},
@@ -866,7 +880,8 @@ def run_stored(backend, build, raw: np.ndarray, shape, arrays: dict) -> list[np.
     w = ops.qweight(shape, build.qtype, name="w")
     nodes = {k: ops.input(v.shape, "i32" if v.dtype.kind in "iu" else "f32", name=k) for k, v in arrays.items()}
     prog = Program(build(w, **nodes), backend, params={w: backend.asarray(raw)})
-    feed = {k: backend.asarray(v.astype(np.int32 if v.dtype.kind in "iu" else backend.dtype)) for k, v in arrays.items()}
+    feed = {k: backend.asarray(v.astype(np.int32 if v.dtype.kind in "iu" else backend.dtype))
+            for k, v in arrays.items()}
     return [backend.to_numpy(r).astype(np.float64) for r in prog.run(**feed)]
 
 

@@ -8,13 +8,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import run_cli
 
+from cli_helpers import run_cli
 from llmtune.backends.threads import blas_threads
 from llmtune.errors import LlmtuneError
 from llmtune.eval.benchmarks import evaluate, prepare_benchmark, score_benchmark, wilson_interval
-from llmtune.eval.tasks import (MT19937, detect_kind, float_scale_selection, hellaswag_selection,
-                                multiple_choice_bytes, read_multiple_choice, read_winogrande, uniform_below)
+from llmtune.eval.tasks import (
+    MT19937,
+    detect_kind,
+    float_scale_selection,
+    hellaswag_selection,
+    multiple_choice_bytes,
+    read_multiple_choice,
+    read_winogrande,
+    uniform_below,
+)
 from llmtune.model.loaded import load_model
 
 DATA = Path(__file__).parent / "data"
@@ -154,7 +162,6 @@ def test_shared_prefixes_score_as_separate_rows(family, tmp_path):
     each row's numbers alone: biases, sliding windows, softcaps, rope variants and learned
     positions included. Lengths vary so passes mix trunks and branches of several sizes."""
     import family_check
-
     from llmtune.backends import get_backend
     from llmtune.eval.continuations import Row, score_rows
 
@@ -174,14 +181,14 @@ def test_shared_prefixes_fit_learned_positions(tmp_path):
     """gpt2-tiny has 256 learned positions: a task whose longest sequence takes all 256 is scored
     with shared prefixes too (its pass keeps exact lengths where rounding would pass 256)."""
     import family_check
-
     from llmtune.backends import get_backend
     from llmtune.eval.continuations import Row, score_rows
 
     model = load_model(family_check.make_model(family_check.load_fixture("gpt2"), tmp_path))
     assert model.max_positions == 256
     rows = _grouped_rows(model.hp.n_vocab, [(200, 4), (150, 2)])
-    rows.append(Row(np.concatenate([rows[0].tokens[:200], np.arange(1, 57)]), np.arange(199, 255), np.arange(1, 57), group=0))
+    rows.append(Row(np.concatenate([rows[0].tokens[:200], np.arange(1, 57)]), np.arange(199, 255), np.arange(1, 57),
+                    group=0))
     prefix = rows[4].tokens[:150]  # and a task of a shorter question with a longer answer
     rows.append(Row(np.concatenate([prefix, np.arange(1, 101)]), np.arange(149, 249), np.arange(1, 101), group=1))
     alone = [Row(r.tokens, r.positions, r.targets) for r in rows]
@@ -212,9 +219,7 @@ def test_shared_prefixes_on_the_cuda_kernels(stories, device):
     """The shared-prefix layout through the CUDA backend's kernels (on a GPU, or under the C++
     emulator) gives the cpu's numbers."""
     import cuda_emu
-
-    from llmtune.backends import cuda
-    from llmtune.backends import get_backend
+    from llmtune.backends import cuda, get_backend
     from llmtune.eval.continuations import score_rows
 
     if device == "cuda":
@@ -385,7 +390,7 @@ def test_library_errors(stories):
 
     with pytest.raises(LlmtuneError, match="unknown benchmark"):
         evaluate(stories, HELLASWAG, "arc")
-    broken = dataclasses.replace(stories, weights={**stories.weights,
-                                                   "output.weight": np.full_like(stories.weights["output.weight"], np.nan)})
+    nan_output = np.full_like(stories.weights["output.weight"], np.nan)
+    broken = dataclasses.replace(stories, weights={**stories.weights, "output.weight": nan_output})
     with pytest.raises(LlmtuneError, match="not finite"):
         evaluate(broken, WINOGRANDE, ctx=128)

@@ -122,7 +122,8 @@ def toy_template(tmp_path) -> Path:
     ('{"messages": [{"role": "robot", "content": "x"}]}', ":2: message 1: unknown role 'robot'"),
     ('{"messages": [{"role": "user", "content": "x"}]}', ":2: the conversation has no assistant turn"),
     ('{"messages": []}', ':2: "messages" must be a non-empty list'),
-    ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}', ':2: message 1: "content" must be a string'),
+    ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}',
+     ':2: message 1: "content" must be a string'),
     ('{"text": "x"}', ':2: record has no "messages" field'),
     ("{not json", ":2: invalid JSON"),
 ])
@@ -248,7 +249,8 @@ def test_cli_finetune_data_errors(tmp_path, stories_path, monkeypatch, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", [chat_rows()[0], '{"messages": [{"role": "user", "content": "hi"}]}'])
     code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, data, "-o", tmp_path / "o.gguf",
                              "--chat-template", tmp_path / "none.jinja")
-    assert code == 2 and f"{data}:2: the conversation has no assistant turn" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"{data}:2: the conversation has no assistant turn" in err
     code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, REPO / "data" / "wikitext-100k.txt",
                              "-o", tmp_path / "o.gguf", "--train-on-prompt")
     assert code == 2 and "--train-on-prompt: only prompt/completion and chat data" in err

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import run_cli
 
 import llmtune
+from cli_helpers import run_cli
 from llmtune.errors import Interrupted, LlmtuneError
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.signals import StopRequest, signals_held
@@ -286,7 +286,8 @@ def test_stale_temp_files_are_reported_not_deleted(stories_path, text, tmp_path)
     old = ckpts.checkpoint_path(out, 999)
     old.write_bytes(b"someone's checkpoint")
     warnings = []
-    llmtune.finetune(stories_path, text, out, callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None,
+    llmtune.finetune(stories_path, text, out,
+                     callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None,
                      **{**SETTINGS, "epochs": 1})
     for p in stale:
         assert p.exists() and any(str(p) in w and "interrupted run" in w for w in warnings), warnings
@@ -430,16 +431,19 @@ def test_json_dir_names_json(stories_path, text, tmp_path, monkeypatch, capsys):
 
 def test_ctx_beyond_the_training_context_warns(stories_path, text, tmp_path, monkeypatch, capsys):
     from gguf import GGUFValueType as VT
+
     from test_fuzz import STORIES, parse, with_kv
 
     short = tmp_path / "short.gguf"
     short.write_bytes(with_kv(parse(STORIES.read_bytes()), "llama.context_length", VT.UINT32, 8))
     warnings = []
-    llmtune.finetune(short, text, tmp_path / "o.gguf", callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None,
+    llmtune.finetune(short, text, tmp_path / "o.gguf",
+                     callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None,
                      **{**SETTINGS, "epochs": 1})
     assert any("--ctx 16 is more than the 8 tokens" in w for w in warnings), warnings
     code, out, err = run_cli(monkeypatch, capsys, "perplexity", short, text, "--ctx", "16", "--chunks", "1")
-    assert code == 0 and re.search(r"^warning: --ctx 16 is more than the 8 tokens .*short\.gguf was trained on", err, re.M), err
+    assert code == 0 and re.search(r"^warning: --ctx 16 is more than the 8 tokens .*short\.gguf was trained on", err,
+                                   re.M), err
 
 
 def test_init_refuses_a_model_that_does_not_fit(tmp_path, monkeypatch, capsys):
@@ -455,7 +459,8 @@ def test_init_refuses_a_model_that_does_not_fit(tmp_path, monkeypatch, capsys):
 
 def test_finetune_toml_values_of_the_wrong_type(stories_path, text, tmp_path):
     cfg = tmp_path / "run.toml"
-    for line, words in (('ctx = "64"', "ctx = '64' should be an integer"), ("lr = true", "lr = True should be a number"),
+    for line, words in (('ctx = "64"', "ctx = '64' should be an integer"),
+                        ("lr = true", "lr = True should be a number"),
                         ("no-shuffle = 1", "no-shuffle = 1 should be true or false")):
         cfg.write_text(line + "\n")
         with pytest.raises(LlmtuneError, match="^" + re.escape(f"{cfg}: {words}") + "$"):

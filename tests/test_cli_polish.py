@@ -8,13 +8,13 @@ import io
 import re
 
 import typer
-from cli_helpers import run_cli
 from gguf import GGUFValueType as VT
 from rich.table import Table
-from test_fuzz import STORIES, parse, with_kv
 
+from cli_helpers import run_cli
 from llmtune import __version__, cli
 from llmtune.ui.console import NoWrapConsole
+from test_fuzz import STORIES, parse, with_kv
 
 
 def test_version(monkeypatch, capsys):

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import typer
-from cli_helpers import run_cli
 from rich.text import Text
 
+from cli_helpers import run_cli
 from llmtune import cli
 from llmtune.errors import plural
 from llmtune.ui.usage import closest
@@ -260,7 +260,8 @@ def test_shared_options_are_declared_once():
 
 # ------------------------------------------------------------------------------ consistent wording
 def test_plurals():
-    assert plural(1, "epoch") == "1 epoch" and plural(2, "token") == "2 tokens" and plural(1, "pass", "passes") == "1 pass"
+    assert plural(1, "epoch") == "1 epoch" and plural(2, "token") == "2 tokens"
+    assert plural(1, "pass", "passes") == "1 pass"
 
 
 def test_an_empty_file_reads_the_same_in_perplexity_and_finetune(tmp_path, monkeypatch, capsys):

@@ -23,8 +23,16 @@ import pytest
 
 from cli_helpers import run_cli
 from llmtune.backends import dist
-from llmtune.backends.dist import (Communicator, DistributedError, MPICommunicator, NCCLCommunicator, Watchdog,
-                                   device_for_rank, launched, use_local_device)
+from llmtune.backends.dist import (
+    Communicator,
+    DistributedError,
+    MPICommunicator,
+    NCCLCommunicator,
+    Watchdog,
+    device_for_rank,
+    launched,
+    use_local_device,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RANK = Path(__file__).resolve().parent / "dist_rank.py"
@@ -144,12 +152,14 @@ def test_two_ranks_equal_one_process(two_rank_run, one_process_run, stories_path
     assert len(va) == len(vb) == 1 and vb[0]["loss"] == va[0]["loss"]
     # rank 0 alone printed and wrote: one summary, one metrics line per step, its checkpoints
     assert out.count("finetune summary") == 1 and "Traceback" not in err
-    assert sorted(p.name for p in d.glob("two.gguf.ckpt-*.npz")) == [f"two.gguf.ckpt-{s:06d}.npz" for s in (7, 14, 21, 28)]
+    assert sorted(p.name for p in d.glob("two.gguf.ckpt-*.npz")) == [f"two.gguf.ckpt-{s:06d}.npz"
+                                                                     for s in (7, 14, 21, 28)]
 
 
 @pytest.mark.determinism
 @needs_mpi
-def test_checkpoints_resume_on_another_number_of_ranks(two_rank_run, one_process_run, tmp_path, stories_path, small_text):
+def test_checkpoints_resume_on_another_number_of_ranks(two_rank_run, one_process_run, tmp_path, stories_path,
+                                                       small_text):
     d, _, _ = two_rank_run
     # 2 ranks -> 1 process: resume the 2-rank run's step-14 checkpoint alone
     alone = tmp_path / "alone.gguf"
@@ -176,7 +186,8 @@ def test_lora_two_ranks_equal_one_process(tmp_path, stories_path, small_text):
     import gguf
 
     lora = ["--lora-rank", "4", "--lora-dropout", "0.1"]  # dropout masks follow the sequence, not the rank
-    args = [sys.executable, "-m", "llmtune", "finetune", stories_path, small_text, "-o", tmp_path / "two.gguf", *RUN, *lora]
+    args = [sys.executable, "-m", "llmtune", "finetune", stories_path, small_text, "-o", tmp_path / "two.gguf", *RUN,
+            *lora]
     code, out, err, _ = mpirun(args, args)
     assert code == 0, out + err
     single_process(stories_path, small_text, tmp_path / "one.gguf", lora_rank=4, lora_dropout=0.1)
@@ -252,7 +263,8 @@ def test_a_hung_rank_ends_the_others_with_one_line(tmp_path, stories_path, small
     code, out, err, seconds = mpirun(rank_argv(*args), rank_argv(*args, fault=("--stop-at", 2)), timeout_s=6)
     lines = error_lines(err)
     assert code != 0 and seconds < 6 + 30, (code, seconds, out + err)
-    assert lines == [f"error: rank 0: no answer from the other ranks within 6 s in the all-reduce of step 2's gradients: "
+    assert lines == ["error: rank 0: no answer from the other ranks within 6 s in the all-reduce of "
+                     "step 2's gradients: "
                      f"a rank died or hangs; stopping this one ({dist.TIMEOUT_ENV} sets the limit)"], err
 
 
@@ -447,7 +459,8 @@ def test_mpi_communicator_over_a_fake_comm():
     assert c.any(False) is False and c.any(True) is True
     c.check_same({"the data file": "abc"})  # every rank the same
     c.comm.allgather = lambda obj: [obj, {"the data file": "0123456789abcdef0123"}]
-    with pytest.raises(DistributedError, match=r"rank 1 differs from rank 0 in the data file \(0123456789ab\.\.\. vs abc\)"):
+    with pytest.raises(DistributedError,
+                       match=r"rank 1 differs from rank 0 in the data file \(0123456789ab\.\.\. vs abc\)"):
         c.check_same({"the data file": "abc"})
     # an MPI error becomes one line naming the rank and the collective
     c.comm.Allreduce = lambda *a, **k: (_ for _ in ()).throw(FakeMPI.Exception("Other MPI error, peer gone"))
@@ -611,7 +624,8 @@ def test_trainer_refuses_more_ranks_than_micro_batches(stories_path):
     model = load_model(stories_path)
     with pytest.raises(DistributedError, match="2 micro-batch\\(es\\) per step for 4 ranks"):
         Trainer(model, get_backend("cpu"), n_ctx=32, n_batch=64, n_ubatch=32, trainable=["output.weight"], comm=Four())
-    tr = Trainer(model, get_backend("cpu"), n_ctx=32, n_batch=256, n_ubatch=32, trainable=["output.weight"], comm=Four())
+    tr = Trainer(model, get_backend("cpu"), n_ctx=32, n_batch=256, n_ubatch=32, trainable=["output.weight"],
+                 comm=Four())
     assert list(tr.my_ubatches) == [3, 7]  # rank 3 of 4 takes micro-batches 3 and 7 of 8
 
 
@@ -642,7 +656,7 @@ def test_evaluation_passes_are_split_across_ranks_and_merged_in_order():
         list(dist.run_split(bad, lambda: None, range(5), 1, Rank0Of2()))
 
 
-# ------------------------------------------------------------------------------ on a GPU (bench/gpu_check.sh runs these)
+# ------------------------------------------------------------------------- on a GPU (bench/gpu_check.sh runs these)
 def _cuda_nccl():
     try:
         import cupy

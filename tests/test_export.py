@@ -11,10 +11,10 @@ from gguf import GGMLQuantizationType as QT, LlamaFileType as FT
 
 import kquant_ref
 from cli_helpers import run_cli as _run_cli
-from llmtune.errors import LlmtuneError
-from llmtune.quant import blocks as quants
 from llmtune.convert.export import export
+from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import load_gguf
+from llmtune.quant import blocks as quants
 from llmtune.quant.plan import EXPORT_TYPES, ModelFacts, allows_quantization, plan_types, use_more_bits
 
 DATA = Path(__file__).parent / "data"
@@ -248,9 +248,11 @@ def test_library_errors(tmp_path):
 
 
 def test_cli_unknown_type(monkeypatch, capsys, tmp_path):
-    code, _, err = _run_cli(monkeypatch, capsys, "export", str(STORIES), "-o", str(tmp_path / "o.gguf"), "--type", "q3_k")
+    code, _, err = _run_cli(monkeypatch, capsys, "export", str(STORIES), "-o", str(tmp_path / "o.gguf"), "--type",
+                            "q3_k")
     assert code == 2
-    assert err.strip().startswith("error:") and "--type q3_k: unknown type" in err and len(err.strip().splitlines()) == 1
+    assert err.strip().startswith("error:") and "--type q3_k: unknown type" in err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o.gguf").exists()
 
 

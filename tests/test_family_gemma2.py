@@ -64,8 +64,9 @@ def run_commands(name, tmp_path, monkeypatch, capsys, wiki100k_path):
 
 def extra_tensor_is_refused(model_path, extra: str, tmp_path, monkeypatch, capsys):
     """A file with a tensor the family does not know: one line naming it, exit code 2."""
-    from llmtune.gguf.file import load_gguf, write_gguf
     from gguf import GGMLQuantizationType as QT
+
+    from llmtune.gguf.file import load_gguf, write_gguf
 
     gf = load_gguf(model_path)
     tensors = [(n, gf.tensor(n), QT.F32) for n in gf.tensors] + [(extra, gf.tensor("token_embd.weight"), QT.F32)]

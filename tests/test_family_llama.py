@@ -1,8 +1,9 @@
 """llama (Llama 2, Mistral, Llama 3.x) against llama.cpp and HF transformers (tests/data/families/,
 see family_check), and how its rope keys and tensors are read."""
 
-import pytest
 from pathlib import Path
+
+import pytest
 
 from family_check import check_family
 from llmtune.arch import check_tensors, get_family, read_hparams
@@ -69,7 +70,8 @@ def test_rope_factors_never_train(tmp_path):
     from llmtune.errors import LlmtuneError
     from llmtune.model.loaded import load_model
 
-    path = init_model(Path(__file__).parents[1] / "configs" / "llama-tiny.toml", Path(__file__).parent / "data" / "stories260K.gguf",
+    path = init_model(Path(__file__).parents[1] / "configs" / "llama-tiny.toml",
+                      Path(__file__).parent / "data" / "stories260K.gguf",
                       tmp_path / "m.gguf", test_weights=True, optional=("rope_freqs.weight",))
     model = load_model(path)
     assert "rope_freqs.weight" in model.weights

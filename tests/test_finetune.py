@@ -227,7 +227,8 @@ def test_activations_that_do_not_fit_are_refused_before_allocating(stories_path,
     code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, small_text, "-o", tmp_path / "m.gguf",
                              "--ctx", 256, "--batch", 1024, "--epochs", 1)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "the run does not fit in memory: it needs" in err and "MiB of activations for one pass of 1,024 tokens" in err
+    assert "the run does not fit in memory: it needs" in err
+    assert "MiB of activations for one pass of 1,024 tokens" in err
     assert "3 MiB is available" in err and "--ubatch" in err and "--grad-checkpoint" in err
     assert asked == [] and not (tmp_path / "m.gguf").exists()
 
@@ -362,7 +363,8 @@ def test_out_type_rewrites_the_model_and_scores_it_as_written(stories_path, smal
     monkeypatch.setattr(output, "WRITTEN_LOSS_MARGIN", 0.002)
     llmtune.finetune(stories_path, small_text, tmp_path / "q4.gguf", ctx=64, epochs=1, lr=1e-3, out_type="q4_0",
                      callback=lambda e: warnings.append(e.message) if e.kind == "warning" else None)
-    assert len(warnings) == 1 and "as written vs" in warnings[0] and "lost part of the training" in warnings[0], warnings
+    assert len(warnings) == 1, warnings
+    assert "as written vs" in warnings[0] and "lost part of the training" in warnings[0], warnings
 
 
 def test_out_type_mistakes_are_one_line(stories_path, small_text, tmp_path):
@@ -399,7 +401,8 @@ def model_15m(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("settings", [{}, {"lora_rank": 8}, {"grad_checkpoint": True}], ids=["full", "lora", "checkpoint"])
+@pytest.mark.parametrize("settings", [{}, {"lora_rank": 8}, {"grad_checkpoint": True}],
+                         ids=["full", "lora", "checkpoint"])
 def test_memory_estimate_holds(model_15m, wiki100k_path, tmp_path, settings):
     """The printed memory total is within 15 % of the run's measured peak RSS (a fresh process:
     its VmHWM), for a full finetune, a LoRA one and one with --grad-checkpoint."""
@@ -462,7 +465,8 @@ def test_memory_check_counts_the_trained_values_once(stories_path, small_text, t
     res = llmtune.finetune(stories_path, small_text, tmp_path / "a.gguf", **kw)
     need = sum(v for k, v in res.memory.items() if k != "runtime")
     monkeypatch.setattr(preflight, "available_memory", lambda backend: 1000)
-    with pytest.raises(LlmtuneError, match=r"held already, but only 0 MiB is available besides \(--optimizer adamw8bit"):
+    with pytest.raises(LlmtuneError,
+                       match=r"held already, but only 0 MiB is available besides \(--optimizer adamw8bit"):
         llmtune.finetune(stories_path, small_text, tmp_path / "b.gguf", **kw)
     trained = res.memory["base"]  # a full finetune trains every tensor: all of "base" is written at setup
     monkeypatch.setattr(preflight, "available_memory", lambda backend: need - trained + 2**16)

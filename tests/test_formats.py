@@ -11,7 +11,6 @@ import csv
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from cli_helpers import run_cli
@@ -84,7 +83,8 @@ def write_jsonl(path: Path, rows) -> Path:
 
 
 def test_alpaca_jsonl_masks_the_output(tmp_path, model, template):
-    check_masks(model, write_jsonl(tmp_path / "a.jsonl", ALPACA), ALPACA_LOSS, ALPACA_TEXT, template, want_format="alpaca")
+    check_masks(model, write_jsonl(tmp_path / "a.jsonl", ALPACA), ALPACA_LOSS, ALPACA_TEXT, template,
+                want_format="alpaca")
 
 
 def test_alpaca_without_a_chat_template_uses_the_alpaca_prompt(tmp_path, model):
@@ -121,7 +121,8 @@ def test_json_array_is_records_never_text(tmp_path, model, template, wrap):
     with pytest.raises(LlmtuneError, match=r"--format plain: .*a.json is a .json file of records, not plain text"):
         read_records(data, "plain")
     data.write_text("".join(json.dumps(r) + "\n" for r in ALPACA))  # JSONL named .json
-    with pytest.raises(LlmtuneError, match=r"a.json: invalid JSON \(Extra data at line 2 column 1\); one record per line is JSONL"):
+    with pytest.raises(LlmtuneError,
+                       match=r"a.json: invalid JSON \(Extra data at line 2 column 1\); one record per line is JSONL"):
         read_records(data)
 
 
@@ -219,7 +220,8 @@ def test_unknown_record_shape_is_one_line(tmp_path, stories_path, monkeypatch, c
     out_path = tmp_path / "o.gguf"
     code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, data, "-o", out_path)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"error: {data}: record 1: unknown record shape (keys: question, answer); accepted: text "), err
+    assert err.startswith(f"error: {data}: record 1: unknown record shape (keys: question, answer); "
+                          "accepted: text "), err
     for fmt in ("completion", "chat", "sharegpt", "alpaca"):
         assert f"{fmt} {{" in err
     assert not out_path.exists() and list(tmp_path.iterdir()) == [data]

@@ -22,10 +22,10 @@ import pytest
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 from rich.console import Console
 
+from llmtune.convert.init import init_model, load_init_config
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import MetaValue, check_output_path, load_gguf, write_gguf
 from llmtune.model.loaded import hparams_of
-from llmtune.convert.init import init_model, load_init_config
 from llmtune.ui.format import human_bytes, human_count
 from llmtune.ui.info import render_info
 
@@ -295,7 +295,8 @@ def test_round_trip_float_types(tmp_path, qtype):
     ref = gguf.GGUFReader(out)
     assert [t.tensor_type for t in ref.tensors] == [qtype] * len(weights)
     # and a second round trip of the stored bytes changes nothing
-    again = write_gguf(tmp_path / "again.gguf", back.arch, back.meta, [(t.name, t.raw, t.type) for t in back.tensors.values()])
+    again = write_gguf(tmp_path / "again.gguf", back.arch, back.meta,
+                       [(t.name, t.raw, t.type) for t in back.tensors.values()])
     assert again.read_bytes() == out.read_bytes()
 
 
@@ -565,7 +566,8 @@ def test_ci_script_runs_the_test_command(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "pip").write_text("#!/bin/sh\necho \"pip $*\" >> \"$LOG\"\n")
-    (bin_dir / "python").write_text("#!/bin/sh\necho \"$OPENBLAS_CORETYPE python $*\" >> \"$LOG\"\nexit \"$PYTEST_RC\"\n")
+    (bin_dir / "python").write_text("#!/bin/sh\necho \"$OPENBLAS_CORETYPE python $*\" >> \"$LOG\"\nexit "
+                                    "\"$PYTEST_RC\"\n")
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     for pytest_rc in (0, 1):
@@ -574,5 +576,5 @@ def test_ci_script_runs_the_test_command(tmp_path):
         result = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
         assert result.returncode == pytest_rc, result.stderr
         # then, where the suite passed, the exactness promises again under OpenBLAS's Haswell kernels
-        again = ["Haswell python -m pytest -q -m determinism"] if pytest_rc == 0 else []
+        again = [" python -m ruff check .", "Haswell python -m pytest -q -m determinism"] if pytest_rc == 0 else []
         assert log.read_text().splitlines() == ["pip install -e .[test,mpi]", " python -m pytest -q", *again]

@@ -194,7 +194,8 @@ def serialize(layout: Layout, kvs=None, tensors=None, *, alignment=None, data=No
     for kv in kvs:
         head.append(pack_value(VT.STRING, kv.key) + struct.pack("<I", kv.vtype) + pack_value(kv.vtype, kv.value))
     for t in tensors:
-        head.append(pack_value(VT.STRING, t.name) + struct.pack(f"<I{len(t.ne)}QIQ", len(t.ne), *t.ne, t.ttype, t.offset))
+        head.append(pack_value(VT.STRING, t.name) + struct.pack(f"<I{len(t.ne)}QIQ", len(t.ne), *t.ne, t.ttype,
+                                                                t.offset))
     header = b"".join(head)
     return header + bytes(-len(header) % alignment) + data
 
@@ -529,12 +530,17 @@ CATALOG = [
     ("stories", "bos_token_id stored as a float", lambda l: with_kv(l, "tokenizer.ggml.bos_token_id", F32, 1.0)),
     ("bpe", "eos_token_id stored as a string", lambda l: with_kv(l, "tokenizer.ggml.eos_token_id", STR, b"x")),
     ("stories", "add_bos_token stored as a string", lambda l: with_kv(l, "tokenizer.ggml.add_bos_token", STR, b"no")),
-    ("stories", "tokens stored as int32", lambda l: with_kv(l, "tokenizer.ggml.tokens", ARR, (VT.INT32, list(range(512))))),
-    ("stories", "token_type stored as strings", lambda l: with_kv(l, "tokenizer.ggml.token_type", ARR, (STR, [b"1"] * 512))),
-    ("bpe", "merges as arrays of strings", lambda l: with_kv(l, "tokenizer.ggml.merges", ARR, (ARR, [(STR, [b"a", b"b"])]))),
+    ("stories", "tokens stored as int32",
+     lambda l: with_kv(l, "tokenizer.ggml.tokens", ARR, (VT.INT32, list(range(512))))),
+    ("stories", "token_type stored as strings",
+     lambda l: with_kv(l, "tokenizer.ggml.token_type", ARR, (STR, [b"1"] * 512))),
+    ("bpe", "merges as arrays of strings",
+     lambda l: with_kv(l, "tokenizer.ggml.merges", ARR, (ARR, [(STR, [b"a", b"b"])]))),
     ("bpe", "pre-tokenizer name stored as a number", lambda l: with_kv(l, "tokenizer.ggml.pre", U32, 2)),
-    ("stories", "general.name with invalid UTF-8", lambda l: with_kv(l, "general.name", STR, b"st\xffories\xed\xa0\x80")),
-    ("stories", "general.architecture as an array", lambda l: with_kv(l, "general.architecture", ARR, (STR, [b"llama"]))),
+    ("stories", "general.name with invalid UTF-8",
+     lambda l: with_kv(l, "general.name", STR, b"st\xffories\xed\xa0\x80")),
+    ("stories", "general.architecture as an array",
+     lambda l: with_kv(l, "general.architecture", ARR, (STR, [b"llama"]))),
     ("stories", "context_length 0", lambda l: with_kv(l, "llama.context_length", U32, 0)),
     ("stories", "context_length a float", lambda l: with_kv(l, "llama.context_length", F32, 1.5)),
     ("stories", "context_length 2^64 - 1", lambda l: with_kv(l, "llama.context_length", U64, 2**64 - 1)),
@@ -550,7 +556,8 @@ CATALOG = [
     ("stories", "norm epsilon NaN", lambda l: with_kv(l, "llama.attention.layer_norm_rms_epsilon", F32, NAN)),
     ("stories", "rope.freq_base -1", lambda l: with_kv(l, "llama.rope.freq_base", F32, -1.0)),
     ("stories", "rope.scaling.factor 0 (linear)",
-     lambda l: serialize(l, l.kvs + [KV(b"llama.rope.scaling.type", STR, b"linear"), KV(b"llama.rope.scaling.factor", F32, 0.0)])),
+     lambda l: serialize(l, l.kvs + [KV(b"llama.rope.scaling.type", STR, b"linear"),
+                                     KV(b"llama.rope.scaling.factor", F32, 0.0)])),
     ("stories", "rope.scaling.type an array", lambda l: with_kv(l, "llama.rope.scaling.type", ARR, (U32, [1]))),
     ("stories", "sliding_window 2^32 - 1", lambda l: with_kv(l, "llama.attention.sliding_window", U32, 2**32 - 1)),
     ("stories", "attn_logit_softcapping NaN", lambda l: with_kv(l, "llama.attn_logit_softcapping", F32, NAN)),
@@ -565,16 +572,19 @@ CATALOG = [
     ("stories", "unknown tensor type id 2^32 - 1", lambda l: with_tensor(l, "blk.1.ffn_up.weight", ttype=2**32 - 1)),
     ("stories", "tensor dims overflow int64", lambda l: with_tensor(l, "output_norm.weight", ne=[2**32, 2**32])),
     ("stories", "tensor dims 2^64 - 1 and 0", lambda l: with_tensor(l, "output_norm.weight", ne=[2**64 - 1, 0])),
-    ("stories", "tensor name with invalid UTF-8", lambda l: with_tensor(l, "output_norm.weight", name=b"output\xff.weight")),
+    ("stories", "tensor name with invalid UTF-8",
+     lambda l: with_tensor(l, "output_norm.weight", name=b"output\xff.weight")),
     ("stories", "token with invalid UTF-8",
-     lambda l: with_kv(l, "tokenizer.ggml.tokens", ARR, (STR, [b"<unk>", b"<s>\xff"] + _kv(l, "tokenizer.ggml.tokens")[1][2:]))),
+     lambda l: with_kv(l, "tokenizer.ggml.tokens", ARR,
+                       (STR, [b"<unk>", b"<s>\xff"] + _kv(l, "tokenizer.ggml.tokens")[1][2:]))),
     ("stories", "a normal token typed as a byte token",
      lambda l: with_kv(l, "tokenizer.ggml.token_type", ARR, (VT.INT32, [2, 3, 3] + [6] * 509))),
 ]  # fmt: skip
 
 
 def catalog_mutants(layouts: dict[str, Layout]) -> list[Mutant]:
-    return [Mutant(f"catalog#{i}", f"{base}: {desc}", make(layouts[base])) for i, (base, desc, make) in enumerate(CATALOG)]
+    return [Mutant(f"catalog#{i}", f"{base}: {desc}", make(layouts[base]))
+            for i, (base, desc, make) in enumerate(CATALOG)]
 
 
 def make_mutant(base: str, layout: Layout, index: int, seed: int = SEED) -> Mutant:

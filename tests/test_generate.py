@@ -32,7 +32,8 @@ def test_matches_llama_cpp(name, built):
     """The continuation, byte for byte, is llama-completion's (greedy; seeded sampling; repeat
     penalty; a model finetuned by llmtune; a LoRA adapter; every family's random model)."""
     rec, case = FIXTURE[name], built[name]
-    rebuilt = [(case["model_path"], rec["model_sha256"])] + ([(case["lora_path"], rec["lora_sha256"])] if case.get("lora") else [])
+    rebuilt = [(case["model_path"], rec["model_sha256"])] + ([(case["lora_path"], rec["lora_sha256"])]
+                                                             if case.get("lora") else [])
     if "finetuned" in name or case.get("lora"):
         # trained in the test: its float32 sums follow this CPU's OpenBLAS kernels (an AMD AVX2
         # machine trains other bits than the Intel AVX-512 one that recorded it), and llama.cpp's
@@ -153,7 +154,8 @@ def test_sample_previews_end_on_a_whole_character():
     cut at the last token boundary that ends a character, else inside the token, never in U+FFFD."""
     from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
 
-    assert [incomplete_tail(b) for b in (b"", b"a", b"\xc3", b"\xc3\xa9", b"x\xe2\x82", b"\xf0\x9f\x98", b"\xf0\x9f\x98\x80")] \
+    assert [incomplete_tail(b)
+            for b in (b"", b"a", b"\xc3", b"\xc3\xa9", b"x\xe2\x82", b"\xf0\x9f\x98", b"\xf0\x9f\x98\x80")] \
         == [0, 0, 1, 0, 2, 3, 0]
     assert whole_characters([b"ab", b"\xe2\x82", b"\xac"]) == "ab\u20ac"  # complete: all of it
     assert whole_characters([b"ab", b" c", b"\xe2\x82"]) == "ab c"  # the last token boundary before the break

@@ -4,9 +4,9 @@ composition (GQA, partial rope, both rope modes) under finite differences."""
 import numpy as np
 import pytest
 
-from llmtune.backends.cpu import CPUBackend
 from llmtune.arch import get_family
 from llmtune.arch.context import Batch, BuildContext
+from llmtune.backends.cpu import CPUBackend
 from llmtune.graph import ops
 from llmtune.graph.gradcheck import check_gradients
 from llmtune.graph.planner import Program
@@ -93,7 +93,8 @@ def test_attention_block_gradients(mode, n_head, n_head_kv, head_dim, n_rot):
     n_rot), grouped-query attention, causal softmax, output projection (float64)."""
     n_seq, n_tok, n_embd = 2, 5, 7
     hp = get_family("llama").make_hparams(n_vocab=1, n_ctx_train=16, n_embd=n_embd, n_layer=1, n_head=n_head,
-                                          n_head_kv=n_head_kv, n_ff=1, n_rot=n_rot, head_dim_kq=head_dim, rope_mode=mode)
+                                          n_head_kv=n_head_kv, n_ff=1, n_rot=n_rot, head_dim_kq=head_dim,
+                                          rope_mode=mode)
     rng = np.random.default_rng(n_head * 10 + n_rot)
 
     def build(x, wq, wk, wv, wo, tokens, pos):

@@ -12,15 +12,15 @@ import struct
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_cli
 from gguf import GGUFValueType as VT
 from rich.console import Console
-from test_fuzz import KV, STORIES, parse, serialize, small_bpe_vocab, with_kv, with_tensor
 
+from cli_helpers import run_cli
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import load_gguf
 from llmtune.tokenizer import Tokenizer
 from llmtune.ui.info import render_info
+from test_fuzz import KV, STORIES, parse, serialize, small_bpe_vocab, with_kv, with_tensor
 
 STORIES_LAYOUT = parse(STORIES.read_bytes())
 TEXT = "Once upon a time, there was a little dog. It liked to play in the park with its friends.\n" * 8
@@ -151,7 +151,8 @@ def test_impossible_tensor_dimensions(tmp_path, ne):
     path = write(tmp_path, with_tensor(STORIES_LAYOUT, "output_norm.weight", ne=ne))
     with pytest.raises(LlmtuneError) as exc:
         load_gguf(path)
-    assert one_line_error(exc, path).endswith(f"corrupt GGUF (tensor 'output_norm.weight' has impossible dimensions {ne})")
+    assert one_line_error(exc, path).endswith("corrupt GGUF (tensor 'output_norm.weight' has impossible "
+                                              f"dimensions {ne})")
 
 
 def test_more_than_four_dimensions(tmp_path):
@@ -203,15 +204,22 @@ def test_info_prints_strings_with_invalid_utf8(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "key, vtype, value, words",
     [
-        ("tokenizer.ggml.tokens", VT.ARRAY, (VT.INT32, list(range(512))), "tokenizer.ggml.tokens must be an array of strings"),
-        ("tokenizer.ggml.tokens", VT.ARRAY, (VT.ARRAY, [(VT.STRING, [b"a"])] * 3), "tokenizer.ggml.tokens must be an array of strings"),
-        ("tokenizer.ggml.token_type", VT.ARRAY, (VT.STRING, [b"1"] * 512), "tokenizer.ggml.token_type must be an array of integers"),
+        ("tokenizer.ggml.tokens", VT.ARRAY, (VT.INT32, list(range(512))),
+         "tokenizer.ggml.tokens must be an array of strings"),
+        ("tokenizer.ggml.tokens", VT.ARRAY, (VT.ARRAY, [(VT.STRING, [b"a"])] * 3),
+         "tokenizer.ggml.tokens must be an array of strings"),
+        ("tokenizer.ggml.token_type", VT.ARRAY, (VT.STRING, [b"1"] * 512),
+         "tokenizer.ggml.token_type must be an array of integers"),
         ("tokenizer.ggml.token_type", VT.STRING, b"normal", "tokenizer.ggml.token_type must be an array of integers"),
-        ("tokenizer.ggml.token_type", VT.ARRAY, (VT.INT32, [1] * 10), "tokenizer.ggml.token_type has 10 entries for 512 tokens"),
-        ("tokenizer.ggml.scores", VT.ARRAY, (VT.STRING, [b"0.5"] * 512), "tokenizer.ggml.scores must be an array of numbers"),
+        ("tokenizer.ggml.token_type", VT.ARRAY, (VT.INT32, [1] * 10),
+         "tokenizer.ggml.token_type has 10 entries for 512 tokens"),
+        ("tokenizer.ggml.scores", VT.ARRAY, (VT.STRING, [b"0.5"] * 512),
+         "tokenizer.ggml.scores must be an array of numbers"),
         ("tokenizer.ggml.scores", VT.FLOAT32, 0.5, "tokenizer.ggml.scores must be an array of numbers"),
-        ("tokenizer.ggml.add_bos_token", VT.STRING, b"false", "tokenizer.ggml.add_bos_token must be true or false, got 'false'"),
-        ("tokenizer.ggml.add_eos_token", VT.ARRAY, (VT.BOOL, [1]), "tokenizer.ggml.add_eos_token must be true or false, got [True]"),
+        ("tokenizer.ggml.add_bos_token", VT.STRING, b"false",
+         "tokenizer.ggml.add_bos_token must be true or false, got 'false'"),
+        ("tokenizer.ggml.add_eos_token", VT.ARRAY, (VT.BOOL, [1]),
+         "tokenizer.ggml.add_eos_token must be true or false, got [True]"),
     ],
 )  # fmt: skip
 def test_spm_tokenizer_metadata_of_the_wrong_type(tmp_path, key, vtype, value, words):
@@ -230,7 +238,8 @@ def bpe_layout(tmp_path_factory):
 @pytest.mark.parametrize(
     "key, vtype, value, words",
     [
-        ("tokenizer.ggml.merges", VT.ARRAY, (VT.ARRAY, [(VT.STRING, [b"a", b"b"])]), "tokenizer.ggml.merges must be an array of strings"),
+        ("tokenizer.ggml.merges", VT.ARRAY, (VT.ARRAY, [(VT.STRING, [b"a", b"b"])]),
+         "tokenizer.ggml.merges must be an array of strings"),
         ("tokenizer.ggml.merges", VT.INT32, 5, "tokenizer.ggml.merges must be an array of strings"),
         ("tokenizer.ggml.merges", VT.STRING, b"a b", "tokenizer.ggml.merges must be an array of strings"),
         ("tokenizer.ggml.pre", VT.UINT32, 2, "tokenizer.ggml.pre must be a string, got 2"),

@@ -118,7 +118,8 @@ def test_pep_init_is_kaiming_uniform(stories):
 def test_default_targets_are_attention_and_ffn(stories):
     names = lora.select_targets(stories, None, 4)
     assert len(names) == 5 * 7 and "output.weight" not in names and "token_embd.weight" not in names
-    assert {n.split(".")[2] for n in names} == {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+    assert {n.split(".")[2] for n in names} == {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                "ffn_down"}
 
 
 def test_adapter_terms_equal_the_merged_weights(stories):
@@ -174,7 +175,8 @@ def test_lora_gradients_match_finite_differences():
 def _lora_trainer(stories, n_ctx=24, n_batch=48, n_ubatch=24, dropout=0.0, rank=4, optimizer="adamw"):
     adapter = lora.init_adapter(stories, rank, 8.0, seed=0)
     model = lora.attach(stories, [adapter])
-    return Trainer(model, CPUBackend(), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, trainable=list(adapter.tensors()),
+    return Trainer(model, CPUBackend(), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
+                   trainable=list(adapter.tensors()),
                    optimizer=optimizer, lora_dropout=dropout, seed=5, workers=1)
 
 
@@ -249,8 +251,8 @@ def test_validation_loss_falls(stories, wikitext_ids):
 def test_finetune_writes_a_lora_adapter_same_seed_same_bytes(stories_path, small_text, tmp_path):
     kw = dict(ctx=32, batch=128, ubatch=32, epochs=1, lr=1e-2, val_split=0.1, lora_rank=4, lora_dropout=0.05)
     a = llmtune.finetune(stories_path, small_text, tmp_path / "a.gguf", seed=1, **kw)
-    b = llmtune.finetune(stories_path, small_text, tmp_path / "b.gguf", seed=1, **kw)
-    c = llmtune.finetune(stories_path, small_text, tmp_path / "c.gguf", seed=2, **kw)
+    llmtune.finetune(stories_path, small_text, tmp_path / "b.gguf", seed=1, **kw)
+    llmtune.finetune(stories_path, small_text, tmp_path / "c.gguf", seed=2, **kw)
     assert a.memory["adapters"] > 0 and "base" in a.memory
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
     assert (tmp_path / "a.gguf").read_bytes() != (tmp_path / "c.gguf").read_bytes()
@@ -261,7 +263,8 @@ def test_finetune_writes_a_lora_adapter_same_seed_same_bytes(stories_path, small
 # ------------------------------------------------------------------------------ the file
 def test_adapter_file_has_llama_cpp_layout(stories, tmp_path):
     """convert_lora_to_gguf.py's keys, types and order; lora_a ne [n_in, r], lora_b ne [r, n_out]; F32."""
-    path = lora.write_adapter(tmp_path / "a.gguf", random_adapter(stories, rank=3, targets=r"attn_q|ffn_down|token_embd"))
+    path = lora.write_adapter(tmp_path / "a.gguf",
+                              random_adapter(stories, rank=3, targets=r"attn_q|ffn_down|token_embd"))
     reader = gguf.GGUFReader(path)  # the gguf package's own reader, not ours
     fields = {f.name: f for f in reader.fields.values() if not f.name.startswith("GGUF.")}
     convert = load_gguf(CONVERT_F16)
@@ -308,7 +311,8 @@ def test_lora_init_round_trip_of_our_own_adapter(stories_path, small_text, tmp_p
     kw = dict(ctx=32, batch=128, lr=5e-1, val_split=0.1, shuffle=False, optimizer="sgd")
     llmtune.finetune(stories_path, small_text, tmp_path / "two.gguf", epochs=2, lora_rank=4, **kw)
     llmtune.finetune(stories_path, small_text, tmp_path / "one.gguf", epochs=1, lora_rank=4, **kw)
-    llmtune.finetune(stories_path, small_text, tmp_path / "one+one.gguf", epochs=1, lora_init=str(tmp_path / "one.gguf"), **kw)
+    llmtune.finetune(stories_path, small_text, tmp_path / "one+one.gguf", epochs=1,
+                     lora_init=str(tmp_path / "one.gguf"), **kw)
     two, resumed = load_gguf(tmp_path / "two.gguf"), load_gguf(tmp_path / "one+one.gguf")
     assert list(two.meta) == list(resumed.meta) and list(two.tensors) == list(resumed.tensors)
     for name in two.tensors:
@@ -336,10 +340,12 @@ def test_perplexity_matches_recorded_llama_cpp(stories_path, stories, fixture_ad
     """llama-perplexity --lora on stories260K (bench/check_lora.py --record): every running value within 1e-3."""
     rec = json.loads(RECORDED.read_text())
     assert hashlib.sha256(fixture_adapter.read_bytes()).hexdigest() == rec["adapter_sha256"]
-    ours = llmtune.perplexity(stories_path, wiki_text, ctx=rec["ctx"], chunks=rec["chunks"], lora=fixture_adapter).chunks
+    ours = llmtune.perplexity(stories_path, wiki_text, ctx=rec["ctx"], chunks=rec["chunks"],
+                              lora=fixture_adapter).chunks
     theirs = rec["running_ppl"]["alone"]
     assert max(abs(a - b) / b for a, b in zip(ours, theirs)) < 1e-3
-    code, out, err = run_cli(monkeypatch, capsys, "perplexity", stories_path, wiki_text, "--ctx", rec["ctx"], "--chunks",
+    code, out, err = run_cli(monkeypatch, capsys, "perplexity", stories_path, wiki_text, "--ctx", rec["ctx"],
+                             "--chunks",
                              rec["chunks"], "--lora", fixture_adapter, "--lora", CONVERT_F16, "--lora-scale", 1,
                              "--lora-scale", 0.5)
     assert code == 0, err
@@ -385,7 +391,8 @@ def bad_adapters(fixture_adapter, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["architecture", "name", "shape", "half", "suffix", "type", "norm"])
-def test_bad_adapter_is_one_line_naming_the_file(kind, bad_adapters, stories_path, wiki_text, tmp_path, monkeypatch, capsys):
+def test_bad_adapter_is_one_line_naming_the_file(kind, bad_adapters, stories_path, wiki_text, tmp_path, monkeypatch,
+                                                 capsys):
     path, words = bad_adapters[kind]
     for args in (["perplexity", stories_path, wiki_text, "--ctx", 64, "--chunks", 1, "--lora", path],
                  ["export", stories_path, "--lora", path, "--type", "f32", "-o", tmp_path / "m.gguf"],
@@ -433,7 +440,8 @@ def test_lora_scale_count_must_match(stories_path, fixture_adapter, wiki_text, m
 
 
 def test_an_adapter_given_as_the_model(stories_path, fixture_adapter, wiki_text, tmp_path, monkeypatch, capsys):
-    for args in (["perplexity", fixture_adapter, wiki_text], ["export", fixture_adapter, "--type", "f16", "-o", tmp_path / "o.gguf"],
+    for args in (["perplexity", fixture_adapter, wiki_text],
+                 ["export", fixture_adapter, "--type", "f16", "-o", tmp_path / "o.gguf"],
                  ["finetune", fixture_adapter, wiki_text, "--lora-rank", 4, "-o", tmp_path / "o.gguf"]):
         code, _, err = run_cli(monkeypatch, capsys, *args)
         assert code == 2 and "is a LoRA adapter, not a model" in " ".join(err.split()), err
@@ -476,7 +484,8 @@ def test_every_family_takes_adapters(tmp_path):
         tokens = np.random.default_rng(0).integers(0, model.hp.n_vocab, (1, 8)).astype(np.int32)
         adapted = with_adapters(model, adapter)
         merged = dataclasses.replace(model, weights={n: lora.merged_weight(adapted, n) for n in model.weights})
-        np.testing.assert_allclose(logits_of(adapted, tokens), logits_of(merged, tokens), rtol=0, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(logits_of(adapted, tokens), logits_of(merged, tokens), rtol=0, atol=1e-4,
+                                   err_msg=name)
         done.append(name)
     assert "llama" in done and len(done) >= 3
 

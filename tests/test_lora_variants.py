@@ -12,17 +12,16 @@ import llmtune
 from cli_helpers import run_cli
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.backends.cpu import CPUBackend
+from llmtune.gguf.file import load_gguf
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import Program
-from llmtune.gguf.file import load_gguf
 from llmtune.model import adapter as lora
 from llmtune.model.loaded import load_model
-from llmtune.train.finetune import lr_factors
 from llmtune.train.config import make_config
+from llmtune.train.finetune import lr_factors
 from llmtune.train.trainer import RunningStats, Trainer
 from test_lora import CONVERT_F16, _one_blas_thread, small_text, stories  # noqa: F401 - the same fixtures
-
 
 # ------------------------------------------------------------------------------ one adapted matrix
 N_OUT, N_IN, R, T = 5, 7, 3, 4
@@ -170,7 +169,8 @@ def test_pissa_first_step_reports_the_base_loss(stories, wikitext_ids):
     (5.326544, as test_lora's plain adapter)."""
     adapter, base = _pissa(stories)
     model = lora.attach(base, [adapter])
-    tr = Trainer(model, CPUBackend(), n_ctx=256, n_batch=256, n_ubatch=256, trainable=list(adapter.tensors()), workers=1)
+    tr = Trainer(model, CPUBackend(), n_ctx=256, n_batch=256, n_ubatch=256, trainable=list(adapter.tensors()),
+                 workers=1)
     x = wikitext_ids[:257][None]
     assert abs(tr.train_step(x[:, :-1], x[:, 1:], 1e-3, RunningStats()) - 5.326544) < 1e-4
 
@@ -202,7 +202,8 @@ def _random_dora(stories, targets=r"attn_v|ffn_down|output"):
 
 def _logits(model, tokens):
     _, nodes, logits = model.build(*tokens.shape)
-    prog = Program([logits], CPUBackend(np.float64), params={nodes[n]: np.asarray(w, np.float64) for n, w in model.tensors().items()})
+    prog = Program([logits], CPUBackend(np.float64),
+                   params={nodes[n]: np.asarray(w, np.float64) for n, w in model.tensors().items()})
     return prog.run(tokens=tokens, pos=np.arange(tokens.shape[1], dtype=np.int32))[0].copy()
 
 
@@ -239,7 +240,8 @@ def test_lora_plus_steps_b_and_magnitudes_at_ratio_times_lr(stories, wikitext_id
     keys = list(adapter.tensors())
     cfg = make_config(lora_rank=4, lora_plus=16.0, dora=True)
     factors = lr_factors(cfg, keys)
-    assert {k.rsplit(".", 1)[1]: f for k, f in factors.items()} == {"lora_a": 1.0, "lora_b": 16.0, "lora_magnitude": 16.0}
+    assert {k.rsplit(".", 1)[1]: f for k, f in factors.items()} == {"lora_a": 1.0, "lora_b": 16.0,
+                                                                    "lora_magnitude": 16.0}
     tr = Trainer(model, CPUBackend(), n_ctx=24, n_batch=24, n_ubatch=24, trainable=keys, optimizer="sgd", workers=1,
                  lr_factors=factors)
     assert [g[2] for g in tr.optimizer.groups] == [1.0, 16.0]
@@ -269,7 +271,8 @@ def test_lora_plus_off_keeps_one_group(stories):
     (["--lora-init", CONVERT_F16, "--lora-init-method", "pissa"], "--lora-init-method: starts a new adapter"),
     (["--lora-init", CONVERT_F16, "--rslora"], "--rslora: --lora-init"),
     (["--lora-rank", 4, "--dora", "--out-type", "q8_0"], "--out-type: with --dora, -o receives the merged model"),
-    (["--lora-rank", 4, "--dora", "--lora-targets", "token_embd"], "--dora: applies to matrices multiplied by the input"),
+    (["--lora-rank", 4, "--dora", "--lora-targets", "token_embd"],
+     "--dora: applies to matrices multiplied by the input"),
     (["--lora-rank", 4, "--lora-init-method", "pissa", "--lora-targets", "token_embd|attn_q"],
      "--lora-init-method pissa: applies to matrices"),
 ])
@@ -292,7 +295,8 @@ def test_resume_of_a_variant_run_is_byte_identical(variant, stories_path, wiki10
 
     text = tmp_path / "t.txt"
     text.write_text(wiki100k_path.read_text(encoding="utf-8")[:1500], encoding="utf-8")
-    kw = dict(ctx=16, batch=32, epochs=2, lr=1e-2, val_split=0.1, lora_rank=2, lora_targets=r"attn_q|ffn_down", **variant)
+    kw = dict(ctx=16, batch=32, epochs=2, lr=1e-2, val_split=0.1, lora_rank=2, lora_targets=r"attn_q|ffn_down",
+              **variant)
     out = tmp_path / "run.gguf"
     llmtune.finetune(stories_path, text, out, keep_checkpoints=2, **kw)
     whole = hashlib.sha256(out.read_bytes()).hexdigest()
@@ -318,7 +322,8 @@ def test_variant_training_on_the_cuda_backend_matches_cpu(stories, wikitext_ids)
         keys = list(adapter.tensors())
         start = np.concatenate([np.ravel(adapter.tensors()[k]) for k in sorted(keys)])
         tr = Trainer(lora.attach(base, [adapter]), be, n_ctx=16, n_batch=32, n_ubatch=16, trainable=keys,
-                     lora_dropout=0.1, seed=1, workers=1, lr_factors=lr_factors(make_config(lora_rank=2, lora_plus=4.0), keys))
+                     lora_dropout=0.1, seed=1, workers=1,
+                     lr_factors=lr_factors(make_config(lora_rank=2, lora_plus=4.0), keys))
         x = wikitext_ids[:34].reshape(2, 17)
         for _ in range(2):
             tr.train_step(x[:, :-1], x[:, 1:], 1e-2, RunningStats())

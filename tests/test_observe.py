@@ -63,7 +63,8 @@ def observed(stories_path, small_text, tmp_path_factory):
     paths = {"out": folder / "o.gguf", "metrics": folder / "m.jsonl", "plot": folder / "curve.png", "tb": folder / "tb"}
     warnings = []
     llmtune.finetune(stories_path, small_text, paths["out"], metrics=str(paths["metrics"]), plot=str(paths["plot"]),
-                     tensorboard=str(paths["tb"]), callback=lambda e: e.kind == "warning" and warnings.append(e.message),
+                     tensorboard=str(paths["tb"]),
+                     callback=lambda e: e.kind == "warning" and warnings.append(e.message),
                      **SETTINGS)
     assert not warnings
     return paths
@@ -174,7 +175,8 @@ def test_a_resumed_run_continues_its_curves(stories_path, small_text, tmp_path, 
 def test_missing_library_and_bad_folder_are_one_line(stories_path, small_text, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     monkeypatch.delitem(sys.modules, "matplotlib.backends.backend_agg", raising=False)
-    with pytest.raises(LlmtuneError, match=r"^--plot: needs matplotlib, which is not installed \(pip install matplotlib"):
+    with pytest.raises(LlmtuneError,
+                       match=r"^--plot: needs matplotlib, which is not installed \(pip install matplotlib"):
         llmtune.finetune(stories_path, small_text, tmp_path / "o.gguf", plot=str(tmp_path / "p.png"), **SETTINGS)
     a_file = tmp_path / "file"
     a_file.write_text("")

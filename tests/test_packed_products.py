@@ -67,7 +67,8 @@ def test_declines_what_it_does_not_take():
     out = np.zeros((4, 64), np.float32)
     assert not kernels.sgemm_packed(out, rng.standard_normal((4, 32)), packed, 64, 32)  # float64 rows
     assert not kernels.sgemm_packed(out, np.zeros((4, 31), np.float32), packed, 64, 31)  # another shape
-    assert not kernels.sgemm_packed(np.zeros((4, 64), np.float32), np.zeros((4, 32), np.float32)[:, ::-1], packed, 64, 32)
+    assert not kernels.sgemm_packed(np.zeros((4, 64), np.float32), np.zeros((4, 32), np.float32)[:, ::-1],
+                                    packed, 64, 32)
     assert kernels.pack_wt(w.astype(np.float64)) is None
 
 

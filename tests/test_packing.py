@@ -29,7 +29,8 @@ def completion_rows(n: int, seed: int = 0) -> list[dict]:
     rows = []
     for i in range(n):
         prompt = " ".join(rng.choice(WORDS, rng.integers(2, 9)))
-        rows.append({"prompt": f"Q{i}: {prompt}?\nA:", "completion": " " + " ".join(rng.choice(WORDS, rng.integers(1, 7)))})
+        rows.append({"prompt": f"Q{i}: {prompt}?\nA:",
+                     "completion": " " + " ".join(rng.choice(WORDS, rng.integers(1, 7)))})
     return rows
 
 
@@ -42,8 +43,8 @@ def step(model, ds, packed: bool, ctx: int, backend=None):
     """(loss, gradient, loss tokens) of one optimizer step (lr 0) over every training window of `ds`."""
     n = ds.n_train
     trainable = model.select(None)
-    trainer = Trainer(model, backend or get_backend("cpu"), n_ctx=ctx, n_batch=n * ctx, n_ubatch=ctx if packed else 2 * ctx,
-                      trainable=trainable, workers=1, packed=packed)
+    trainer = Trainer(model, backend or get_backend("cpu"), n_ctx=ctx, n_batch=n * ctx,
+                      n_ubatch=ctx if packed else 2 * ctx, trainable=trainable, workers=1, packed=packed)
     batch = ds.gather(range(n))
     stats = RunningStats()
     loss = trainer.train_step(batch[0], batch[1], 0.0, stats, *batch[2:])
@@ -172,7 +173,8 @@ def test_pack_report_and_refusals(tmp_path, stories_path, monkeypatch, capsys):
     assert np.isfinite(res.epochs[0].val_loss) and res.n_val_windows == ds.n_val
     code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, REPO / "data" / "wikitext-100k.txt",
                              "-o", tmp_path / "o2.gguf", "--pack")
-    assert code == 2 and "--pack: " in err and "cut into full windows already" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "--pack: " in err and "cut into full windows already" in err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o2.gguf").exists()
     with pytest.raises(LlmtuneError, match="--pack"):
         build_dataset(load_model(stories_path), REPO / "data" / "wikitext-100k.txt", 64, 0.0, pack=True)

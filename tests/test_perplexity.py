@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import run_cli
 
+from cli_helpers import run_cli
 from llmtune.errors import LlmtuneError
 from llmtune.eval.perplexity import perplexity, perplexity_from_ids
 from llmtune.gguf.file import MetaValue, load_gguf, write_gguf

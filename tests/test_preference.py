@@ -121,10 +121,12 @@ def test_one_pass_pair_scoring_equals_two_separate_passes(stories_path):
 
     model = load_model(stories_path)
     ids = lambda k: rng.integers(3, model.hp.n_vocab, k).astype(np.int32)  # noqa: E731
-    pairs = [Pair(np.r_[1, ids(6)].astype(np.int32), ids(5), ids(8)), Pair(np.r_[1, ids(2)].astype(np.int32), ids(7), ids(3))]
+    pairs = [Pair(np.r_[1, ids(6)].astype(np.int32), ids(5), ids(8)),
+             Pair(np.r_[1, ids(2)].astype(np.int32), ids(7), ids(3))]
     ds = PairDataset.build(pairs, 24, 0.0, 0)
     x, y, layout = ds.gather([0, 1])
-    nll = _nll_program(model, 2, 24, True).run(tokens=x, targets=y.reshape(-1), **pair_inputs(model.hp, layout.parts))[0]
+    nll = _nll_program(model, 2, 24, True).run(tokens=x, targets=y.reshape(-1),
+                                               **pair_inputs(model.hp, layout.parts))[0]
     lp = SeqLogps.of(nll.reshape(2, -1), y, layout.parts)
     for r, p in enumerate(pairs):
         for completion, got in ((p.chosen, lp.chosen[r]), (p.rejected, lp.rejected[r])):

@@ -226,10 +226,9 @@ def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
 def test_lora_on_a_quantized_base_matches_cpu(name, exports, wikitext_ids):
     """The CUDA backend's stored-weight kernels inside a real QLoRA step (token lookup from a Q8_0
     table, rounded products, input gradients): losses and adapter updates as on the CPU."""
-    from test_backends import backend_for
-
     from llmtune.model.adapter import attach, init_adapter
     from llmtune.train.trainer import RunningStats, Trainer
+    from test_backends import backend_for
 
     model = load_model(exports["q4_k_m"])
     adapter = init_adapter(model, 2, targets=r"blk\.1\.(attn_q|ffn_down)", seed=0)
@@ -277,8 +276,7 @@ def test_evaluation_keeps_decoded_copies_and_the_numbers(exports, wikitext_ids, 
     """perplexity on a quantized file, with a budget for every copy, decodes each matrix once (not
     per pass) with the same numbers; with none (the default where the compiled decoders run,
     test_evaluation_copies_follow_*) it decodes per product."""
-    from llmtune.quant import matmul as qm
-    from llmtune.quant import qtensor
+    from llmtune.quant import matmul as qm, qtensor
 
     monkeypatch.setattr(qtensor, "evaluation_budget", qtensor.float_copy_bytes)
     model = load_model(exports["q8_0"])

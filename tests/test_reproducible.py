@@ -26,7 +26,8 @@ def _fake_blas(monkeypatch, keeps_bits: bool, count: int = 2) -> list:
     """OpenBLAS's thread control replaced by a recorder starting at `count` threads; -> the counts set."""
     state = {"n": count}
     sets: list = []
-    monkeypatch.setattr(threads.blas_threads, "_funcs", (lambda: state["n"], lambda n: sets.append(n) or state.update(n=n)))
+    monkeypatch.setattr(threads.blas_threads, "_funcs",
+                        (lambda: state["n"], lambda n: sets.append(n) or state.update(n=n)))
     monkeypatch.setattr(threads.blas_threads, "keeps_bits", lambda: keeps_bits)
     return sets
 

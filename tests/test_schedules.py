@@ -87,7 +87,8 @@ def test_bad_schedule_flags_are_one_line(flags, message):
 
 
 def _lrs(path) -> list[tuple[int, float]]:
-    return [(r["global_step"], r["lr"]) for r in map(json.loads, path.read_text().splitlines()) if r["type"] == "train_step"]
+    return [(r["global_step"], r["lr"]) for r in map(json.loads, path.read_text().splitlines())
+            if r["type"] == "train_step"]
 
 
 @pytest.mark.determinism

@@ -63,7 +63,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_package_imports_have_no_circles():
     graph = import_graph()
-    assert len(graph) > 30 and "llmtune.arch.llama" in graph["llmtune.model.loaded"] | graph["llmtune.arch"] | {"llmtune.arch.llama"}
+    assert len(graph) > 30
+    assert "llmtune.arch.llama" in graph["llmtune.model.loaded"] | graph["llmtune.arch"] | {"llmtune.arch.llama"}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -224,7 +225,8 @@ def storage_violations() -> list[str]:
                          or isinstance(node, ast.Attribute) and node.attr in STORED_NAMES
                          or isinstance(node, ast.alias) and node.name in STORED_NAMES)
                 q_test = (isinstance(node, ast.Compare)
-                          and any(isinstance(o, ast.Attribute) and o.attr == "dtype" for o in [node.left, *node.comparators])
+                          and any(isinstance(o, ast.Attribute) and o.attr == "dtype"
+                                  for o in [node.left, *node.comparators])
                           and any(isinstance(o, ast.Constant) and o.value == "q" for o in node.comparators))
                 if named or q_test:
                     bad.append(f"{path.relative_to(PACKAGE)}:{getattr(node, 'lineno', '?')} {ast.unparse(node)}")
@@ -261,7 +263,6 @@ def test_a_toy_backend_needs_only_its_module(stories_path, wikitext_ids):
     """tests/toy_backend.py (a numpy subclass under another name, its own policies) registers
     itself; perplexity, generation and training then run on it by name, with cpu's numbers."""
     import toy_backend
-
     from llmtune.backends import get_backend
     from llmtune.eval.generate import generate
     from llmtune.eval.perplexity import perplexity_from_ids
@@ -319,7 +320,8 @@ def test_nodes_carry_cb_names_and_the_dump_writes_them(toy_model, tmp_path, monk
     order = topo_order([logits])
     assert all(n.name for n in order)
     names = {n.name for n in order}
-    assert {"inp_embd", "attn_norm-0", "Qcur-1", "kqv_out-0", "ffn_out-1", "l_out-1", "result_norm", "result_output"} <= names
+    assert {"inp_embd", "attn_norm-0", "Qcur-1", "kqv_out-0", "ffn_out-1", "l_out-1", "result_norm",
+            "result_output"} <= names
     out = tmp_path / "dump.npz"
     monkeypatch.setenv(dump.ENV, str(out))
     dump.reset()
@@ -400,10 +402,12 @@ def test_toy_family_biases_enter_the_graph_and_its_gradients(toy_model):
         batch = Batch.make(1, 6)
         logits = get_family(family_name).build(BuildContext(hp, nodes, batch))
         be = CPUBackend(np.float64)
-        return Program([logits], be, params={nodes[n]: np.asarray(w, np.float64) for n, w in weights.items()}).run(**feed)[0].copy()
+        return Program([logits], be,
+                       params={nodes[n]: np.asarray(w, np.float64) for n, w in weights.items()}).run(**feed)[0].copy()
 
     plain = {n: w for n, w in model.weights.items() if not n.endswith(".bias")}
-    np.testing.assert_allclose(logits_of("toy-qkv-bias", model.weights), logits_of("llama", plain), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(logits_of("toy-qkv-bias", model.weights), logits_of("llama", plain), rtol=1e-12,
+                               atol=1e-12)
     biased = dict(model.weights, **{"blk.0.attn_v.bias": rng.standard_normal(16)})
     assert not np.allclose(logits_of("toy-qkv-bias", biased), logits_of("llama", plain))
 

@@ -296,14 +296,17 @@ def test_user_defined_tokens_split_even_without_parse_special():
 def test_rstrip_tokens_swallow_following_spaces():
     tok = vocab("phi-3")  # llama.cpp marks phi-3's special tokens RSTRIP
     user = tok.tokens.index("<|user|>")
-    assert tok.encode("<|user|>   Hi", add_special=False, parse_special=True) == [user, *tok.encode("Hi", add_special=False)]
+    assert (tok.encode("<|user|>   Hi", add_special=False, parse_special=True)
+            == [user, *tok.encode("Hi", add_special=False)])
     # <s> is exempt: its following spaces stay (and get the ▁ prefix)
-    assert tok.encode("<s> Hi", add_special=False, parse_special=True) == [tok.bos_id, *tok.encode(" Hi", add_special=False)]
+    assert (tok.encode("<s> Hi", add_special=False, parse_special=True)
+            == [tok.bos_id, *tok.encode(" Hi", add_special=False)])
 
 
 # -- decoding ------------------------------------------------------------------------------------------
 
-ROUND_TRIP_TEXTS = ["Hello world", "  leading and trailing  ", "tabs\tand\nnewlines\n\n", "Äpfel 🦙 нещо 我想在apple工作", "3333 x"]
+ROUND_TRIP_TEXTS = ["Hello world", "  leading and trailing  ", "tabs\tand\nnewlines\n\n",
+                    "Äpfel 🦙 нещо 我想在apple工作", "3333 x"]
 
 
 @pytest.mark.parametrize("name", ["llama-spm", "phi-3", "deepseek-coder", "starcoder", "gpt-2", "falcon",
@@ -343,7 +346,8 @@ def test_gpt2_and_llama3_pre_tokenizers():
     gpt2 = RegexSplitter(PRE_TOKENIZERS["gpt-2"].patterns)
     assert gpt2("Hello world's  x") == ["Hello", " world", "'s", " ", " x"]
     llama3 = RegexSplitter(PRE_TOKENIZERS["llama3"].patterns)
-    assert llama3("Hello world's 1234567\n\n  x") == ["Hello", " world", "'s", " ", "123", "456", "7", "\n\n", " ", " x"]
+    assert llama3("Hello world's 1234567\n\n  x") == ["Hello", " world", "'s", " ", "123", "456", "7", "\n\n", " ",
+                                                      " x"]
     assert llama3("I'LL go") == ["I", "'LL", " go"]
 
 

@@ -84,7 +84,8 @@ class Family:
             "attention.head_count_kv": u32(hp.n_head_kv),
             "rope.dimension_count": u32(hp.n_rot),
             "rope.freq_base": f32(hp.rope_freq_base),
-            "attention.layer_norm_rms_epsilon" if hp.norm_kind == "rms" else "attention.layer_norm_epsilon": f32(hp.norm_eps),
+            "attention.layer_norm_rms_epsilon" if hp.norm_kind == "rms"
+                else "attention.layer_norm_epsilon": f32(hp.norm_eps),
         }
         if hp.head_dim_kq is not None:
             keys["attention.key_length"] = keys["attention.value_length"] = u32(hp.head_dim_kq)
@@ -120,13 +121,15 @@ def rope_freq_scale(keys: MetaKeys) -> float:
     if factor == 0 or kind == "none":
         return 1.0
     if kind == "yarn" and factor != 1:
-        raise LlmtuneError(f"{keys.source}: YaRN rope scaling ({keys.arch}.rope.scaling.factor {factor}) is not supported")
+        raise LlmtuneError(f"{keys.source}: YaRN rope scaling ({keys.arch}.rope.scaling.factor {factor}) "
+                           "is not supported")
     return 1.0 / factor
 
 
 def output_tensors(hp: HParams, norm_bias: bool = False) -> list[TensorSpec]:
     """token_embd, the final norm and, unless tied to token_embd, the vocabulary projection."""
-    specs = [TensorSpec("token_embd.weight", (hp.n_vocab, hp.n_embd)), TensorSpec("output_norm.weight", (hp.n_embd,), "ones")]
+    specs = [TensorSpec("token_embd.weight", (hp.n_vocab, hp.n_embd)),
+             TensorSpec("output_norm.weight", (hp.n_embd,), "ones")]
     if norm_bias:
         specs.append(TensorSpec("output_norm.bias", (hp.n_embd,), "zeros"))
     if not hp.tied_output:

@@ -9,7 +9,6 @@ from typing import Optional
 
 from llmtune.errors import LlmtuneError
 
-
 MAX_LAYERS = 512  # llama.cpp's LLAMA_MAX_LAYERS
 
 
@@ -93,7 +92,8 @@ class HParams:
             )
         if self.rope_mode is not None and (self.n_rot <= 0 or self.n_rot % 2 or self.n_rot > self.head_dim):
             raise LlmtuneError(
-                f"{source}: rope.dimension_count {self.n_rot} must be even, positive and at most head_dim {self.head_dim}"
+                f"{source}: rope.dimension_count {self.n_rot} must be even, positive and at most "
+                f"head_dim {self.head_dim}"
             )
         for name in ("norm_eps", "rope_freq_base", "rope_freq_scale"):
             value = getattr(self, name)

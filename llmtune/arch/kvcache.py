@@ -83,7 +83,8 @@ class KVCache:
         kt = kc if self.n_kv == self.n_ctx else ops.slice_axis(kc, 2, 0, self.n_kv)
         vt = vc if self.n_kv == self.n_ctx else ops.slice_axis(vc, 2, 0, self.n_kv)
         # one new token (a decode step): [B, 1, H, d] is already [B, Hkv, group, d] in memory, no copy
-        qg = ops.reshape(q, (B, Hkv, group, d)) if T == 1 else ops.reshape(ops.permute(q, (0, 2, 1, 3)), (B, Hkv, group * T, d))
+        qg = ops.reshape(q, (B, Hkv, group, d)) if T == 1 else ops.reshape(ops.permute(q, (0, 2, 1, 3)),
+                                                                           (B, Hkv, group * T, d))
         scores = ops.matmul(qg, kt, tb=True)  # [B, Hkv, group*T, n_kv]
         if softcap:
             scores, kq_scale = ops.softcap(ops.scale(scores, kq_scale), softcap), 1.0

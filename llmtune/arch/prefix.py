@@ -73,7 +73,8 @@ class SharedPrefix:
         mask = self.mask_swa if window else self.mask
         branch_out = masked_attention(self._branches(q), *keys, kq_scale, mask, softcap)
         H, d = q.shape[2:]
-        parts = [ops.reshape(trunk_out, (1, s.branch_start, H, d)), ops.reshape(branch_out, (1, s.n_tok - s.branch_start, H, d))]
+        parts = [ops.reshape(trunk_out, (1, s.branch_start, H, d)),
+                 ops.reshape(branch_out, (1, s.n_tok - s.branch_start, H, d))]
         return ops.concat(parts, axis=1)
 
     def _trunks(self, x: Node) -> Node:
@@ -90,7 +91,8 @@ class SharedPrefix:
         return ops.reshape(ops.get_rows(flat, self.trunk_of), (self.shape.n_branch,) + trunks.shape[1:])
 
 
-def prefix_inputs(hp: HParams, shape: PrefixShape, trunk_lens: np.ndarray, trunk_of: np.ndarray) -> dict[str, np.ndarray]:
+def prefix_inputs(hp: HParams, shape: PrefixShape, trunk_lens: np.ndarray,
+                  trunk_of: np.ndarray) -> dict[str, np.ndarray]:
     """The run-time inputs of a pass besides the tokens: per-token positions, trunk_of and the
     branch masks, for trunks of trunk_lens[t] real tokens and branch b continuing trunk trunk_of[b]
     (its first token at position trunk_lens[trunk_of[b]])."""

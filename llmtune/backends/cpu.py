@@ -13,10 +13,8 @@ import numpy as np
 from llmtune.backends.base import Backend, kernel_table
 from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
 from llmtune.graph.ops import rope_inv_freq
-from llmtune.native import kernels as native
-from llmtune.native import program as native_program
-from llmtune.quant import dynamic8
-from llmtune.quant import matmul as qmatmul
+from llmtune.native import kernels as native, program as native_program
+from llmtune.quant import dynamic8, matmul as qmatmul
 from llmtune.resources import process_rss
 
 
@@ -206,7 +204,8 @@ def k_matmul(out, a, b, ta, tb):
         # product over the cores (llmtune/native); one row without it: einsum, which streams W's
         # rows once, about twice OpenBLAS's sgemv_t when W is not in cache
         rows = _native_rows(out, a)
-        if rows is not None and (native.f32_linear(*rows, b) or qmatmul.packed_product(*rows, b, qmatmul.frozen_copies(b))):
+        if rows is not None and (native.f32_linear(*rows, b)
+                                 or qmatmul.packed_product(*rows, b, qmatmul.frozen_copies(b))):
             return out  # (more rows: a training pass's frozen base through its packed copy, where kept)
         if a.size == a.shape[-1]:
             np.einsum("nk,k->n", b, a.reshape(-1), out=out.reshape(-1))
@@ -721,7 +720,7 @@ def k_flash_attn(out, q, k, v, *, scale, softcap, window):
         qb = fb.q_rows(t0, t1)
         shape = qb.shape[:2] + (fb.G, t1 - t0)
         m = np.full(shape + (1,), -np.inf, q.dtype)
-        l = np.zeros(shape + (1,), q.dtype)
+        denom = np.zeros(shape + (1,), q.dtype)
         acc = np.zeros(shape + (d,), q.dtype)
         for s0, s1 in fb.key_blocks(t0, t1):
             s, _ = fb.scores(qb, t0, t1, s0, s1)
@@ -730,15 +729,15 @@ def k_flash_attn(out, q, k, v, *, scale, softcap, window):
             alpha = np.exp(m - m_new)
             s -= m_new
             np.exp(s, out=s)
-            l *= alpha
-            l += s.sum(axis=-1, keepdims=True)
+            denom *= alpha
+            denom += s.sum(axis=-1, keepdims=True)
             acc *= alpha
             acc += np.matmul(s.reshape(qb.shape[:3] + (s1 - s0,)), fb.vh[:, :, s0:s1]).reshape(acc.shape)
             m = m_new
-        acc /= l
+        acc /= denom
         # [B, Hkv, G, bq, d] -> rows t0..t1 of O [B, T, H, d]
         o[:, t0:t1] = acc.transpose(0, 3, 1, 2, 4).reshape(B, t1 - t0, H, d)
-        lse[..., t0:t1] = (m + np.log(l))[..., 0]
+        lse[..., t0:t1] = (m + np.log(denom))[..., 0]
     return out
 
 

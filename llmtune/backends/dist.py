@@ -37,7 +37,8 @@ from llmtune.errors import LlmtuneError, LlmtuneWarning
 TIMEOUT_ENV = "LLMTUNE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0  # seconds a rank waits in one collective for the others
 EXIT_CODE = 4  # a distributed run that lost a rank, or whose ranks disagree
-INSTALL_HINT = 'pip install -e ".[mpi]" (mpi4py and MPICH from PyPI), or pip install mpi4py built for your cluster\'s MPI'
+INSTALL_HINT = ('pip install -e ".[mpi]" (mpi4py and MPICH from PyPI), '
+                "or pip install mpi4py built for your cluster's MPI")
 
 # (world size, rank) variables of the launchers, checked in this order
 LAUNCHER_ENV = (
@@ -315,7 +316,8 @@ class MPICommunicator(Communicator):
         if self._for_cuda is None:
             nccl = _import_nccl()
             if nccl is None:
-                warnings.warn("--backend cuda with several ranks: cupy has no NCCL here (pip install nvidia-nccl-cu12); "
+                warnings.warn("--backend cuda with several ranks: cupy has no NCCL here (pip install "
+                              "nvidia-nccl-cu12); "
                               "gradients go through host memory and MPI instead (slower)", LlmtuneWarning, stacklevel=2)
                 self._for_cuda = HostStagedCommunicator(self, backend)
             else:

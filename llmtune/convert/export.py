@@ -23,8 +23,8 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType as VT
 
 from llmtune.errors import LlmtuneError
-from llmtune.quant import blocks as quants
 from llmtune.gguf.file import GGUFFile, MetaValue, TensorSpec, check_output_path, load_gguf, write_gguf
+from llmtune.quant import blocks as quants
 from llmtune.quant.plan import ExportType, ModelFacts, TensorPlan, export_type, plan_types
 
 # llama-quantize drops these: the output is always a single file.
@@ -143,7 +143,8 @@ def _merger(gf: GGUFFile, lora: list, lora_scale) -> Callable[[str], np.ndarray 
 
 
 def _converted(gf: GGUFFile, plans: list[TensorPlan], summary: ExportSummary,
-               progress: Progress | None, merged: Callable[[str], np.ndarray | None] | None = None) -> Iterator[TensorSpec]:
+               progress: Progress | None,
+               merged: Callable[[str], np.ndarray | None] | None = None) -> Iterator[TensorSpec]:
     for i, plan in enumerate(plans):
         info = gf.tensors[plan.name]
         w = merged(plan.name) if merged is not None else None

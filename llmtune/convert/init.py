@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT, LlamaFileType
 
-from llmtune.errors import LlmtuneError
-from llmtune.gguf.file import MetaValue, check_output_path, load_gguf, write_gguf
 from llmtune.arch import get_family, supported
 from llmtune.arch.hparams import HParams
+from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import MetaValue, check_output_path, load_gguf, write_gguf
 from llmtune.resources import available_memory, check_disk_space
 from llmtune.tomlfile import read_toml
 

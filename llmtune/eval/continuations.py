@@ -29,9 +29,16 @@ import numpy as np
 
 from llmtune.arch.prefix import PrefixShape, prefix_inputs
 from llmtune.backends.dist import run_split
-from llmtune.eval.scoring import (batch_tokens, check_evaluation_memory, kl_rows, log_softmax, pass_bytes,
-                                  scorer_factory, token_nll)
 from llmtune.errors import LlmtuneError
+from llmtune.eval.scoring import (
+    batch_tokens,
+    check_evaluation_memory,
+    kl_rows,
+    log_softmax,
+    pass_bytes,
+    scorer_factory,
+    token_nll,
+)
 
 PROGRAMS_PER_WORKER = 4  # compiled pass shapes kept per worker (passes come sorted, so shapes repeat)
 PAD_TOKEN = 0  # fills rows past their end; causal attention keeps it out of every scored position

@@ -23,12 +23,12 @@ import numpy as np
 
 from llmtune.arch.kvcache import CacheShape, KVCache
 from llmtune.errors import LlmtuneError
-from llmtune.eval.scoring import warn_past_training
 from llmtune.eval.sampling import Sampler, SamplerConfig
+from llmtune.eval.scoring import warn_past_training
 from llmtune.graph.planner import Program, ProgramCache, Replay
-from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
-from llmtune.tokenizer.chat_template import eog_ids
 from llmtune.quant.qtensor import QTensor
+from llmtune.tokenizer.chat_template import eog_ids
+from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
 
 DEFAULT_N_CTX = 4096  # llama.cpp's common default context; never more than the model's n_ctx_train
 DEFAULT_N_BATCH = 512  # prompt tokens per forward pass
@@ -74,7 +74,8 @@ class Generator:
         from llmtune.backends import get_backend
 
         self.model = model
-        self.backend = backend if backend is not None and not isinstance(backend, str) else get_backend(backend or "cpu")
+        self.backend = (backend if backend is not None and not isinstance(backend, str)
+                        else get_backend(backend or "cpu"))
         hp = model.hp
         n_ctx = n_ctx or min(hp.n_ctx_train, DEFAULT_N_CTX)
         if n_ctx < 1:
@@ -93,7 +94,8 @@ class Generator:
         self.values = values if values is not None else be.bind(model, float_copies=True)
         self.cache = self.shape.allocate(be)
         self._replays: dict = {}  # decode program -> its Replay (a backend that replays: fixed host input buffers)
-        self._programs = ProgramCache(self._compile, keep=MAX_PROGRAMS, on_drop=lambda prog: self._replays.pop(prog, None))
+        self._programs = ProgramCache(self._compile, keep=MAX_PROGRAMS,
+                                      on_drop=lambda prog: self._replays.pop(prog, None))
         self.tokens: list[int] = []  # what the cache holds, position by position
         self.tokenizer = model.tokenizer
         self.eog = eog_ids(self.tokenizer)
@@ -156,7 +158,8 @@ class Generator:
                                "(raise --ctx)")
         bad = [i for i in ids if not 0 <= i < self.model.hp.n_vocab]
         if bad:
-            raise LlmtuneError(f"{self.model.path}: token id {bad[0]} is outside the vocabulary of {self.model.hp.n_vocab}")
+            raise LlmtuneError(f"{self.model.path}: token id {bad[0]} is outside the vocabulary of "
+                               f"{self.model.hp.n_vocab}")
         return ids
 
     def step(self, token: int) -> np.ndarray:
@@ -344,7 +347,8 @@ class TrainingSampler:
         hp = trainer.model.hp
         n_ctx = min(hp.n_ctx_train, max(len(self.ids) + self.N_PREDICT, 64))
         if len(self.ids) >= n_ctx:
-            raise LlmtuneError(f"--sample-prompt: {len(self.ids)} tokens leave no room in the model's context of {n_ctx}")
+            raise LlmtuneError(f"--sample-prompt: {len(self.ids)} tokens leave no room in the model's "
+                               f"context of {n_ctx}")
         self.gen = Generator(trainer.model, trainer.backend, n_ctx=n_ctx, values=trainer.values)
 
     def sample(self) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Callable, Optional
@@ -31,10 +30,22 @@ from typing import Callable, Optional
 import numpy as np
 
 from llmtune.backends.dist import run_split
-from llmtune.errors import Interrupted, LlmtuneError, LlmtuneWarning, plural
-from llmtune.eval.scoring import (ChunkScorer, add_bos_of, as_backend, as_model, batch_tokens, check_evaluation_memory,
-                                  kl_rows, load_models, log_softmax, pass_bytes, scorer_factory, token_nll,
-                                  warn_past_training)
+from llmtune.errors import Interrupted, LlmtuneError, plural
+from llmtune.eval.scoring import (
+    ChunkScorer,
+    add_bos_of,
+    as_backend,
+    as_model,
+    batch_tokens,
+    check_evaluation_memory,
+    kl_rows,
+    load_models,
+    log_softmax,
+    pass_bytes,
+    scorer_factory,
+    token_nll,
+    warn_past_training,
+)
 from llmtune.tokenizer import read_text, require_text
 
 MIN_CTX = 3  # n_ctx/2 .. n_ctx-2 must hold at least one scored position

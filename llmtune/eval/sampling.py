@@ -112,7 +112,8 @@ class Sampler:
             seen = np.unique(np.fromiter(self.prev, dtype=np.int64))
             seen = seen[seen < logit.size]
             vals = logit[seen]
-            logit[seen] = np.where(vals <= 0, vals * np.float32(cfg.repeat_penalty), vals / np.float32(cfg.repeat_penalty))
+            logit[seen] = np.where(vals <= 0, vals * np.float32(cfg.repeat_penalty),
+                                   vals / np.float32(cfg.repeat_penalty))
         # top-k
         if cfg.top_k > 0:
             k = min(cfg.top_k, logit.size)

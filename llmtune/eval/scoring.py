@@ -137,7 +137,8 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
     The compiled logsumexp where it takes the rows (each [rows, V] block of the leading index
     contiguous: a pass's logits, or their scored rows): one pass a row, its max and then the
-    vector exp summed in double lanes (as perplexity.cpp sums in a double). Else one exp pass over the logits in float32 (rows are shifted
+    vector exp summed in double lanes (as perplexity.cpp sums in a double). Else one exp pass over the logits in
+    float32 (rows are shifted
     by their max only when some max is outside +-EXP_SAFE), float32 pairwise row sums (relative
     error ~1e-7), the rest in float64.
     """

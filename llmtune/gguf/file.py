@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
 import gguf
+import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 
 from llmtune.errors import LlmtuneError
@@ -359,7 +359,8 @@ class GGUFFile:
 def _check_no_overlap(path: Path, descriptors: list[_Descriptor], tensors: dict[str, TensorInfo]) -> None:
     """Each byte of the data section belongs to at most one tensor (llama.cpp refuses shared data)."""
     spans = sorted(  # by offset, then in file order
-        (d.offset, i, d.offset + tensors[d.name].n_bytes, d.name) for i, d in enumerate(descriptors) if tensors[d.name].n_bytes
+        (d.offset, i, d.offset + tensors[d.name].n_bytes, d.name) for i, d in enumerate(descriptors)
+                   if tensors[d.name].n_bytes
     )
     prev_start, prev_end, prev_name = 0, 0, None
     for start, _, end, name in spans:

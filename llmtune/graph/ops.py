@@ -362,8 +362,10 @@ def concat(parts: list, axis: int) -> Node:
 _register("reshape", lambda n, g: (reshape(g, n.inputs[0].shape),), view=True)
 _register("permute", lambda n, g: (permute(g, tuple(np.argsort(n.attrs["axes"]))),), view=True)
 _register("cont", lambda n, g: (g,))
-_register("slice", lambda n, g: (pad_axis(g, n.attrs["axis"], n.attrs["start"], n.inputs[0].shape[n.attrs["axis"]]),), view=True)
-_register("pad", lambda n, g: (slice_axis(g, n.attrs["axis"], n.attrs["start"], n.attrs["start"] + n.inputs[0].shape[n.attrs["axis"]]),))
+_register("slice", lambda n, g: (pad_axis(g, n.attrs["axis"], n.attrs["start"], n.inputs[0].shape[n.attrs["axis"]]),),
+          view=True)
+_register("pad", lambda n, g: (slice_axis(g, n.attrs["axis"], n.attrs["start"],
+                                          n.attrs["start"] + n.inputs[0].shape[n.attrs["axis"]]),))
 
 
 # --------------------------------------------------------------------------- embeddings
@@ -633,7 +635,8 @@ def cache_write(cache: Node, x: Node, pos: Node) -> Node:
     cache[:, :, pos[t]] = x[:, t]. The result is the cache itself (a view of its buffer, with
     the new rows), so ops reading it run after the write. Inference only: no gradient."""
     B, T, H, d = x.shape
-    if len(cache.shape) != 4 or cache.shape[:2] != (B, H) or cache.shape[3] != d or pos.shape != (T,) or pos.dtype != "i32":
+    if (len(cache.shape) != 4 or cache.shape[:2] != (B, H) or cache.shape[3] != d
+            or pos.shape != (T,) or pos.dtype != "i32"):
         raise ValueError(f"cache_write: x {x.shape}, pos {pos.shape} do not fit cache {cache.shape}")
     node = _node("cache_write", (cache, x, pos), {}, cache.shape, contiguous=cache.contiguous)
     node.requires_grad = False

@@ -146,7 +146,8 @@ class Program:
             steps.append(Step(n.id, kernel, out, ins, n.attrs, sink, n.op))
             # assign mode: a sink computed into its own buffer writes straight into the target
             direct = sink is not None and out is not None and tuple(sink.shape) == n.shape
-            assign_steps.append(Step(n.id, kernel, sink if direct else out, ins, n.attrs, None if direct else sink, n.op))
+            assign_steps.append(Step(n.id, kernel, sink if direct else out, ins, n.attrs, None if direct else sink,
+                                     n.op))
         return steps, assign_steps
 
     def _inplace_source(self, n: Node, i: int, owner, last_use):

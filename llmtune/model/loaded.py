@@ -12,9 +12,9 @@ import numpy as np
 
 from llmtune.arch import check_tensors, get_family, read_hparams
 from llmtune.arch.context import Batch, BuildContext
-from llmtune.arch.prefix import PrefixShape, SharedPrefix
-from llmtune.arch.packing import Packing
 from llmtune.arch.hparams import HParams
+from llmtune.arch.packing import Packing
+from llmtune.arch.prefix import PrefixShape, SharedPrefix
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, load_gguf
 from llmtune.graph import ops
@@ -127,7 +127,8 @@ class Model:
                   if not s.optional and s.name in nodes and nodes[s.name].id not in reached]
         if missed:
             more = f" (and {len(missed) - 1} more)" if len(missed) > 1 else ""
-            raise LlmtuneError(f"{self.path}: the {self.hp.arch} graph never reads the required weight {missed[0]}{more} "
+            raise LlmtuneError(f"{self.path}: the {self.hp.arch} graph never reads the required weight "
+                               f"{missed[0]}{more} "
                                "(a misspelled name in the family's build?)")
 
 
@@ -139,7 +140,8 @@ def hparams_of(gf: GGUFFile) -> HParams:
 def check_model(gf: GGUFFile) -> tuple[HParams, list]:
     """What load_model accepts, without reading tensor data: (hparams, the tensors present)."""
     if gf.get("general.type") == "adapter":
-        raise LlmtuneError(f"{gf.path}: is a LoRA adapter, not a model; give its base model and the adapter with --lora")
+        raise LlmtuneError(f"{gf.path}: is a LoRA adapter, not a model; "
+                           "give its base model and the adapter with --lora")
     hp = hparams_of(gf)
     present = check_tensors(hp, {name: info.shape for name, info in gf.tensors.items()}, str(gf.path))
     if hp.n_vocab != gf.tensors["token_embd.weight"].shape[0]:

@@ -15,8 +15,8 @@ can break an occasional near-tie between two candidate scales the other way.
 
 from __future__ import annotations
 
-import numpy as np
 import gguf
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 QK_K = 256  # elements per K-quant super-block

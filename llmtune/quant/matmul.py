@@ -14,7 +14,8 @@ src1 is converted to the weight type's `vec_dot_type` before the dot products):
 | BF16 | BF16 | x -> bf16 (round to nearest even, ggml_compute_fp32_to_bf16) |
 | Q8_0, Q4_0, Q5_0 | Q8_0 | blocks of 32: d = amax/127 (stored fp16), q = rint(x * 127/amax) |
 | Q4_1, Q5_1 | Q8_1 | as Q8_0, plus s = fp16(d * sum(q)) (d unrounded) for the weight's min term |
-| Q4_K, Q5_K, Q6_K | Q8_K | blocks of 256: iscale = -127/x[argmax|x|], q = min(127, rint(iscale x)), d = 1/iscale (f32) |
+| Q4_K, Q5_K, Q6_K | Q8_K | blocks of 256: iscale = -127/x[argmax|x|], q = min(127, rint(iscale x)), d = 1/iscale (f32)
+|
 
 (x86 AVX2/AVX-512 builds: quantize_row_q8_0/q8_1 of ggml-cpu/arch/x86/quants.c, which round half
 to even and scale by 127/amax; quantize_row_q8_K_ref for Q8_K. The repacked Q4_0/Q4_K layouts of

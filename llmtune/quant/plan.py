@@ -248,7 +248,8 @@ def fallback_type(qtype: QT, n_cols: int) -> QT:
     return alt if row_fits(n_cols, alt) else QT.F16
 
 
-def plan_types(xt: ExportType, tensors: dict[str, tuple[tuple[int, ...], QT]], facts: ModelFacts) -> dict[str, TensorPlan]:
+def plan_types(xt: ExportType, tensors: dict[str, tuple[tuple[int, ...], QT]],
+               facts: ModelFacts) -> dict[str, TensorPlan]:
     """The storage type of every tensor, keyed by name; `tensors` maps name -> (shape, current type)."""
     names = llama_tensor_order(tensors)
     state = _MixState(xt, facts, names)

@@ -5,7 +5,6 @@ dequantize the whole matrix."""
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from llmtune.quant.matmul import QTYPES, dequantize_rows, row_bytes

@@ -20,7 +20,8 @@ class ActType:
 
 
 ACT_TYPES: dict[str, ActType] = {a.name: a for a in (
-    ActType("f16", 1, 0), ActType("bf16", 1, 1), ActType("q8_0", 32, 2), ActType("q8_1", 32, 3), ActType("q8_K", 256, 4),
+    ActType("f16", 1, 0), ActType("bf16", 1, 1), ActType("q8_0", 32, 2), ActType("q8_1", 32, 3),
+                                                     ActType("q8_K", 256, 4),
 )}
 
 

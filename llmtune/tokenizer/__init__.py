@@ -1,3 +1,11 @@
 """Tokenizers read from GGUF metadata, token for token as llama.cpp's llama-vocab.cpp (SPM, BPE, WordPiece)."""
 
-from llmtune.tokenizer.tokenizer import SPACE_ESCAPE, Tokenizer, format_ids, format_pieces, json_why, read_text, require_text  # noqa: F401
+from llmtune.tokenizer.tokenizer import (  # noqa: F401
+    SPACE_ESCAPE,
+    Tokenizer,
+    format_ids,
+    format_pieces,
+    json_why,
+    read_text,
+    require_text,
+)

@@ -19,7 +19,6 @@ Ids are plain Python ints; a missing special token id is None.
 from __future__ import annotations
 
 import gzip
-
 import re
 import sys
 from dataclasses import dataclass

@@ -153,7 +153,8 @@ def alpaca_prompt(system, instruction: str, extra=None) -> str:
         preamble = system or ("Below is an instruction that describes a task, paired with an input that provides "
                               "further context. Write a response that appropriately completes the request.")
         return f"{preamble}\n\n### Instruction:\n{instruction}\n\n### Input:\n{extra}\n\n### Response:\n"
-    preamble = system or "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+    preamble = system or ("Below is an instruction that describes a task. "
+                          "Write a response that appropriately completes the request.")
     return f"{preamble}\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 
 

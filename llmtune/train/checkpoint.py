@@ -201,7 +201,8 @@ def save_checkpoint(run) -> Path | None:
         write_checkpoint(path, {**tr.state_arrays(), **run.selection.arrays(tr), "order": order, **_reference(run)},
                          meta)
     except LlmtuneError as exc:
-        run.warn(f"{exc}; training goes on" + (f" (the last checkpoint is {run.last_checkpoint})" if run.last_checkpoint else ""))
+        run.warn(f"{exc}; training goes on" + (f" (the last checkpoint is {run.last_checkpoint})" if run.last_checkpoint
+                                               else ""))
         return None
     run.last_checkpoint = path
     remove_checkpoints(run, keep=run.cfg.keep_checkpoints or 1)

@@ -27,17 +27,22 @@ class FinetuneConfig:
     ctx: int = setting(512, "Tokens per training sequence (n_ctx).", short="-c", metavar="N")
     batch: Optional[int] = setting(None, "Tokens per optimizer step, a multiple of --ctx.", short="-b", metavar="N",
                                    unset="ctx")
-    ubatch: Optional[int] = setting(None, "Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades "
+    ubatch: Optional[int] = setting(None,
+                                    "Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades "
                                           "memory for speed, never the result.", metavar="N", unset="batch")
     epochs: int = setting(2, "Passes over the training windows.", metavar="N")
     lr: float = setting(1e-5, "Learning rate.", metavar="X")
     lr_min: float = setting(0.0, "The learning rate's floor: halflife halves down to it; linear and cosine decay to it "
                                  "instead of 0 (after warmup the rate stays above it).", metavar="X", unset="off")
-    decay_epochs: float = setting(0.0, "Epochs over which --lr decays to --lr-min (halflife).", metavar="X", unset="all")
-    lr_schedule: Optional[str] = setting(None, "constant, linear, cosine or halflife. linear and cosine are transformers' "
-                                               "get_linear_schedule_with_warmup and get_cosine_schedule_with_warmup step for step, over all --epochs "
+    decay_epochs: float = setting(0.0, "Epochs over which --lr decays to --lr-min (halflife).", metavar="X",
+                                  unset="all")
+    lr_schedule: Optional[str] = setting(None,
+                                         "constant, linear, cosine or halflife. linear and cosine are transformers' "
+                                               "get_linear_schedule_with_warmup and get_cosine_schedule_with_warmup "
+                                               "step for step, over all --epochs "
                                                "x steps-per-epoch optimizer steps; halflife is llama.cpp's (halving "
-                                               "steadily to --lr-min over --decay-epochs). The default keeps what llmtune "
+                                               "steadily to --lr-min over --decay-epochs). The default "
+                                               "keeps what llmtune "
                                                "and llama.cpp's finetune always did, so existing recipes keep their "
                                                "results.", metavar="NAME", unset="constant; halflife with --lr-min")
     warmup: int = setting(0, "Linear warmup over this many optimizer steps (linear, cosine: lr x step/N from step 0, "
@@ -68,7 +73,8 @@ class FinetuneConfig:
     seed: int = setting(42, "Shuffling seed; same seed, same output file.", metavar="N")
     shuffle: bool = setting(True, "Keep the training windows in file order.", flag="--no-shuffle")
     backend: str = setting("cpu", "cpu, cuda or auto.", metavar="NAME")
-    precision: str = setting("f32", "Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights).",
+    precision: str = setting("f32",
+                             "Matmul precision: f32, or on cuda tf32/bf16 (f32 accumulation and master weights).",
                              metavar="NAME")
     grad_checkpoint: bool = setting(False, "Keep only the residual stream between layers and recompute each layer's "
                                            "activations in the backward: less memory (long contexts), about a third "
@@ -82,7 +88,8 @@ class FinetuneConfig:
                                          metavar="DIR", path=True)
     plot: Optional[str] = setting(None, "Draw the train and validation loss and the learning rate against steps into "
                                         "this PNG, redrawn after each validation pass, every minute, and at the end. "
-                                        "Needs matplotlib (pip install matplotlib; the extra \"plot\").", metavar="FILE", path=True)
+                                        "Needs matplotlib (pip install matplotlib; the extra \"plot\").",
+                                  metavar="FILE", path=True)
     out_type: Optional[str] = setting(None, "A full finetune of a quantized or f16 model writes its trained tensors as "
                                             "F32, which keeps every update (re-encoding them in the input's type "
                                             "rounds most updates away); with this, the whole model is written as "
@@ -102,7 +109,8 @@ class FinetuneConfig:
                                              "convert_lora_to_gguf.py's); it fixes rank and targets.",
                                        metavar="FILE", path=True)
     # LoRA variants (model/adapter/initialise.py; docs/finetune.md "LoRA variants")
-    rslora: bool = setting(False, "Rank-stabilised LoRA (PEFT's use_rslora): scale alpha / sqrt(rank), not alpha / rank; "
+    rslora: bool = setting(False,
+                           "Rank-stabilised LoRA (PEFT's use_rslora): scale alpha / sqrt(rank), not alpha / rank; "
                                   "the adapter file stores alpha * sqrt(rank), so llama.cpp applies the same scale.")
     dora: bool = setting(False, "Weight-decomposed LoRA (PEFT's use_dora): each adapted matrix is a trained per-row "
                                 "magnitude times the direction of W + scale B A. llama.cpp cannot load DoRA adapters, "
@@ -110,12 +118,14 @@ class FinetuneConfig:
     lora_plus: float = setting(0.0, "LoRA+ (PEFT's create_loraplus_optimizer): B's learning rate (and DoRA's "
                                     "magnitude's) is RATIO x A's, e.g. 16.", metavar="RATIO", unset="off")
     lora_init_method: str = setting("kaiming", "How a new adapter starts: kaiming (PEFT's default), gaussian (A ~ "
-                                               "N(0, 1/rank)) or pissa (A, B from W's top singular vectors, W replaced by "
+                                               "N(0, 1/rank)) or pissa (A, B from W's top singular "
+                                               "vectors, W replaced by "
                                                "the residual W - scale B A, kept in F32; -o receives the change as a "
                                                "rank-2r adapter of the original base).", metavar="NAME")
     # instruction / chat data (train/chat.py) and samples during training
     format: str = setting("auto", "Data format: auto (detected from the file's first record), plain, text, completion, "
-                                  "chat, sharegpt, alpaca or preference ({prompt, chosen, rejected}: --method dpo|orpo|simpo).", metavar="NAME")
+                                  "chat, sharegpt, alpaca or preference ({prompt, chosen, rejected}: --method "
+                                  "dpo|orpo|simpo).", metavar="NAME")
     pack: bool = setting(False, "Put several prompt/completion or chat examples in each --ctx window, each attending "
                                 "only to itself with its own positions (TRL's padding_free): the same loss and "
                                 "gradients per example, most of the padding's compute saved (SmolLM2-135M chat set "
@@ -145,7 +155,8 @@ class FinetuneConfig:
     # checkpoints (train/checkpoint.py): every epoch end, and every checkpoint_every steps when > 0
     checkpoint_every: int = setting(0, "Also write a checkpoint every N optimizer steps (one is written at every epoch "
                                        "end, and on Ctrl-C / SIGTERM).", metavar="N", unset="epoch ends only")
-    keep_checkpoints: Optional[int] = setting(None, "Keep this run's last K checkpoints, also once the model is written.",
+    keep_checkpoints: Optional[int] = setting(None,
+                                              "Keep this run's last K checkpoints, also once the model is written.",
                                               metavar="K", unset="the last one while training, none after")
     eval_benchmark: Optional[str] = setting(None, "Benchmark file (any format of llmtune eval: HellaSwag, Winogrande "
                                                   "CSV, multiple choice) scored before training and after each epoch, "
@@ -206,11 +217,14 @@ class FinetuneConfig:
                 raise LlmtuneError(f"--out-type: unknown type {c.out_type!r} (choose from {', '.join(EXPORT_TYPES)})")
             c.out_type = c.out_type.lower()
             if c.lora and c.dora:
-                raise LlmtuneError(f"--out-type: with --dora, -o receives the merged model with its adapted matrices in "
-                                   f"F32; shrink it afterwards: llmtune export OUT.gguf --type {c.out_type} -o SMALL.gguf")
+                raise LlmtuneError("--out-type: with --dora, -o receives the merged model with its "
+                                   "adapted matrices in "
+                                   "F32; shrink it afterwards: llmtune export OUT.gguf --type "
+                                   f"{c.out_type} -o SMALL.gguf")
             if c.lora:
                 raise LlmtuneError(f"--out-type: a LoRA adapter is written in F32; to merge it and store the model as "
-                                   f"{c.out_type}: llmtune export BASE.gguf --lora ADAPTER.gguf --type {c.out_type} -o OUT.gguf")
+                                   f"{c.out_type}: llmtune export BASE.gguf --lora ADAPTER.gguf --type "
+                                   f"{c.out_type} -o OUT.gguf")
         if c.lora_rank is not None and c.lora_rank < 1:
             raise LlmtuneError(f"--lora-rank: must be at least 1, got {c.lora_rank}")
         if not 0 <= c.lora_dropout < 1:
@@ -265,9 +279,11 @@ def _check_schedule(c: FinetuneConfig) -> None:
     if c.lr_schedule == "halflife" and not c.lr_min > 0:
         raise LlmtuneError("--lr-schedule halflife: needs --lr-min (the rate it halves down to)")
     if c.lr_schedule == "constant" and c.lr_min > 0:
-        raise LlmtuneError("--lr-min: the constant schedule does not decay (choose --lr-schedule halflife, linear or cosine)")
+        raise LlmtuneError("--lr-min: the constant schedule does not decay (choose --lr-schedule halflife, "
+                           "linear or cosine)")
     if c.decay_epochs and c.lr_schedule in ("linear", "cosine"):
-        raise LlmtuneError(f"--decay-epochs: only --lr-schedule halflife uses it ({c.lr_schedule} spans every step of --epochs)")
+        raise LlmtuneError(f"--decay-epochs: only --lr-schedule halflife uses it ({c.lr_schedule} spans every "
+                           "step of --epochs)")
 
 
 def _check_selection(c: FinetuneConfig) -> None:
@@ -296,7 +312,8 @@ def _check_lora_variants(c: FinetuneConfig) -> None:
     """--rslora, --dora, --lora-plus and --lora-init-method: each needs an adapter, and a new one
     where it decides how the adapter starts or is scaled."""
     if c.lora_init_method not in LORA_INIT_METHODS:
-        raise LlmtuneError(f"--lora-init-method: unknown method {c.lora_init_method!r} (choose {', '.join(LORA_INIT_METHODS)})")
+        raise LlmtuneError(f"--lora-init-method: unknown method {c.lora_init_method!r} (choose "
+                           f"{', '.join(LORA_INIT_METHODS)})")
     if not (c.lora_plus >= 0 and math.isfinite(c.lora_plus)):
         raise LlmtuneError(f"--lora-plus: must be a positive ratio (0: off), got {c.lora_plus}")
     given = [flag for flag, on in (("--rslora", c.rslora), ("--dora", c.dora), ("--lora-plus", c.lora_plus),
@@ -318,7 +335,8 @@ RUN_ONLY = ("backend", "out_type", "metrics", "checkpoint_every", "keep_checkpoi
 
 
 def flag_name(field: str) -> str:
-    return FIELDS[field].metadata.get("flag") or "--" + field.replace("_", "-") if field in FIELDS else "--" + field.replace("_", "-")
+    return (FIELDS[field].metadata.get("flag") or "--" + field.replace("_", "-") if field in FIELDS
+            else "--" + field.replace("_", "-"))
 
 
 def default_words(name: str) -> Optional[str]:

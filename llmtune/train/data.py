@@ -70,7 +70,8 @@ class WindowDataset(TrainValSplit):
             raise LlmtuneError(
                 f"{source}: {len(tokens)} tokens is shorter than one training window of {n_ctx + 1} (lower --ctx)"
             )
-        n_val = held_out(n_windows, val_split, source, f"{'window' if n_windows == 1 else 'windows'} of {n_ctx + 1} tokens")
+        n_val = held_out(n_windows, val_split, source,
+                         f"{'window' if n_windows == 1 else 'windows'} of {n_ctx + 1} tokens")
         return cls(np.asarray(tokens, dtype=np.int32), n_ctx, stride, n_windows - n_val, n_val)
 
     def window(self, i: int) -> np.ndarray:

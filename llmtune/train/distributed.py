@@ -22,7 +22,8 @@ def agree_ranks(run) -> None:
     tr, fp = run.trainer, run_fingerprint(run)
     facts = {"llmtune's version": __version__, "numpy's version": np.__version__,
              "Python's version": platform.python_version()}
-    facts.update({f"the {name} file" if name != "lora_init" else "the --lora-init file": fp[name] for name in run.inputs})
+    facts.update({f"the {name} file" if name != "lora_init" else "the --lora-init file": fp[name]
+                  for name in run.inputs})
     facts.update({
         "the run's settings": fp["settings"],
         "the backend": f"{tr.backend.name} {tr.backend.dtype} {tr.backend.precision}",

@@ -12,22 +12,20 @@ from llmtune.backends import get_backend
 from llmtune.backends.dist import world
 from llmtune.errors import Interrupted, LlmtuneError
 from llmtune.model.loaded import Model, load_model, past_training
-from llmtune.train import checkpoint as ckpts
-from llmtune.train import events as ev
-from llmtune.train import preflight
+from llmtune.train import checkpoint as ckpts, events as ev, preflight
 from llmtune.train.chat import build_dataset, data_info
 from llmtune.train.config import FinetuneConfig, make_config, resume_config
 from llmtune.train.distributed import agree_ranks
 from llmtune.train.events import EpochResult, FinetuneResult  # noqa: F401 - part of this call's interface
+from llmtune.train.guard import Diverged
 from llmtune.train.loop import Hook, Run, train
 from llmtune.train.metrics import MetricsLog
 from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
-from llmtune.train.selection import Selection
 from llmtune.train.output import write_output
 from llmtune.train.preference import Objective, PreferenceTrainer, build_pairs
+from llmtune.train.selection import Selection
 from llmtune.train.signals import StopRequest, signal_name
-from llmtune.train.guard import Diverged
 from llmtune.train.trainer import Trainer
 
 DIVERGENCE_FACTOR = 10.0  # a step's loss above 10 x ln(n_vocab) (uniform guessing scores 1 x) stops the run
@@ -71,7 +69,8 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
     agree_ranks(run)  # same files, settings and versions on every rank
     emit(start_event(run))
     on_signal = lambda signum: emit(ev.Stopping(signal_name(signum), run.step))  # noqa: E731
-    keep_lines = ckpt.meta.get("metrics_lines") if ckpt is not None and ckpt.meta["config"].get("metrics") == cfg.metrics else None
+    same_metrics = ckpt is not None and ckpt.meta["config"].get("metrics") == cfg.metrics
+    keep_lines = ckpt.meta.get("metrics_lines") if same_metrics else None
     metrics = cfg.metrics if run.trainer.comm.is_root else None  # rank 0 alone writes them
     listener = lambda record: run.call_hooks("on_record", record)  # noqa: E731
     with StopRequest(on_signal) as stop, MetricsLog(metrics, run.warn, keep_lines, listener) as run.log:
@@ -172,9 +171,11 @@ def _lora_info(model: Model, cfg: FinetuneConfig) -> Optional[dict]:
     words = [f"rsLoRA, scale {a.weight_scale(next(iter(a.pairs))):.4g}"] if cfg.rslora else []
     words += ["DoRA, written merged"] if cfg.dora else []
     words += [f"LoRA+ B lr x{cfg.lora_plus:g}"] if cfg.lora_plus else []
-    words += [{"gaussian": "gaussian init", "pissa": "PiSSA, residual base F32, written as rank 2r"}[cfg.lora_init_method]
+    words += [{"gaussian": "gaussian init",
+               "pissa": "PiSSA, residual base F32, written as rank 2r"}[cfg.lora_init_method]
               ] if cfg.lora_init_method != "kaiming" else []
-    return {"rank": sorted(a.ranks), "alpha": a.alpha, "n_targets": len(a.pairs), "init": str(a.path) if a.path else None,
+    return {"rank": sorted(a.ranks), "alpha": a.alpha, "n_targets": len(a.pairs), "init": str(a.path) if a.path
+            else None,
             "variants": words}
 
 

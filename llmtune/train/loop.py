@@ -18,11 +18,11 @@ from llmtune.errors import Interrupted, TrainingStopped
 from llmtune.train import events as ev
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.data import WindowDataset
+from llmtune.train.guard import Diverged
 from llmtune.train.metrics import LossWatch, MetricsLog
 from llmtune.train.optim import LRSchedule
 from llmtune.train.selection import Selection
 from llmtune.train.signals import StopRequest, signal_name
-from llmtune.train.guard import Diverged
 from llmtune.train.trainer import RunningStats, Trainer
 
 

@@ -10,7 +10,8 @@ from typing import Callable, Optional
 
 from llmtune.errors import LlmtuneError
 
-SPIKE_FACTOR, SPIKE_GAP, SPIKE_WINDOW = 3.0, 2.0, 20  # a loss 3 x (and 2 nats) above the mean of the last 20 steps warns
+# a loss 3 x (and 2 nats) above the mean of the last 20 steps warns
+SPIKE_FACTOR, SPIKE_GAP, SPIKE_WINDOW = 3.0, 2.0, 20
 
 
 class MetricsLog:

@@ -10,7 +10,6 @@ import numpy as np
 from llmtune.errors import LlmtuneError
 from llmtune.quant import dynamic8
 
-
 SCHEDULES = ("constant", "linear", "cosine", "halflife")
 
 

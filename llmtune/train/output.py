@@ -1,7 +1,8 @@
 """Writing what a finetune trained, and checking the file as written.
 
 LoRA: llama.cpp's adapter GGUF (F32 A/B, nothing lost; PiSSA as its rank-2r plain form); DoRA,
-which llama.cpp cannot load: the merged model, its adapted matrices F32, the rest as they were. A full finetune: the input GGUF with its
+which llama.cpp cannot load: the merged model, its adapted matrices F32, the rest as they were. A full finetune: the
+input GGUF with its
 trained tensors replaced. Their type (the output policy):
   - default: F32. Training updates are small against the weights (lr 1e-5 moves a weight of 0.05
     by about its F16 resolution per step), so F16/BF16 round many of them away, and re-encoding
@@ -25,8 +26,7 @@ from gguf import GGMLQuantizationType as QT
 from llmtune.errors import LlmtuneError, TrainingStopped
 from llmtune.gguf.file import load_gguf, write_gguf
 from llmtune.model.loaded import Model
-from llmtune.train import checkpoint as ckpts
-from llmtune.train import guard
+from llmtune.train import checkpoint as ckpts, guard
 from llmtune.train.events import OutputChecked, Saved
 from llmtune.train.trainer import RunningStats, Trainer
 

@@ -247,7 +247,8 @@ class Objective:
             d_c = d_c - nll_weight  # the NLL term: d nll / d chosen_sum
             rc, rr = b * ac, b * ar
             logps = ac, ar
-            metrics.update({"nll_loss": nll, "log_odds_ratio": float(ratio.mean()), "log_odds_chosen": float(log_odds.mean())})
+            metrics.update({"nll_loss": nll, "log_odds_ratio": float(ratio.mean()),
+                            "log_odds_chosen": float(log_odds.mean())})
         else:
             if self.method == "dpo":  # trl DPOTrainer, loss_type="sigmoid"
                 if ref is None:
@@ -313,7 +314,8 @@ class PreferenceTrainer(Trainer):
             n = len(x)
             if n < k:
                 pad = ((0, k - n), (0, 0))
-                x, y, parts = np.pad(x, pad), np.pad(y, pad, constant_values=-1), np.pad(parts, pad, constant_values=PAD)
+                x, y = np.pad(x, pad), np.pad(y, pad, constant_values=-1)
+                parts = np.pad(parts, pad, constant_values=PAD)
             with self._forward_tuner():
                 (nll,) = self.forward.run(**self.batches.feed(x, y, segments=parts))
             out.append(np.asarray(self.backend.to_numpy(nll), dtype=np.float64).reshape(k, -1)[:n])

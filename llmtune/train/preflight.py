@@ -29,7 +29,8 @@ def check_outputs(out_path, cfg: FinetuneConfig, inputs: dict, ckpt, warn) -> Pa
         if name:
             path = check_output_path(name, *paths, flag=flag)
             if path.resolve() in taken:
-                raise LlmtuneError(f"{flag} {name}: is the {taken[path.resolve()]} file too; choose another {flag} path")
+                raise LlmtuneError(f"{flag} {name}: is the {taken[path.resolve()]} file too; "
+                                   f"choose another {flag} path")
             taken[path.resolve()] = flag
             check_writable_folder(path, flag)
     if cfg.tensorboard:
@@ -103,8 +104,10 @@ def checked_memory(trainer: Trainer, model_path, best_copy: bool = False) -> dic
     if free is not None and (need if whole_run else need - held) > free:
         more = "" if whole_run else f", {held / 2**20:.0f} MiB of it held already,"
         raise LlmtuneError(
-            f"{model_path}: the run needs {need / 2**20:.0f} MiB ({', '.join(f'{k} {v / 2**20:.0f}' for k, v in memory.items())})"
-            f"{more} but only {free / 2**20:.0f} MiB is available{'' if whole_run else ' besides'} ({_shrink_hint(trainer)})"
+            f"{model_path}: the run needs {need / 2**20:.0f} MiB "
+            f"({', '.join(f'{k} {v / 2**20:.0f}' for k, v in memory.items())})"
+            f"{more} but only {free / 2**20:.0f} MiB is available{'' if whole_run else ' besides'} "
+            f"({_shrink_hint(trainer)})"
         )
     rss = trainer.backend.resident_bytes()
     if rss is not None:  # the trained weights, written already, are resident and counted in "base"
@@ -145,5 +148,6 @@ def check_disk(out: Path, trainer: Trainer, model_path, cfg: FinetuneConfig, dat
         out_bytes = output_bytes(trainer.model, trainer.trainable, cfg.out_type)
     keep = (cfg.keep_checkpoints or 1) + 1
     check_disk_space(out.parent, out_bytes + keep * per_checkpoint,
-                     f"the output ({out_bytes / 2**20:,.1f} MiB) and {keep} checkpoints ({per_checkpoint / 2**20:,.1f} MiB each)",
+                     f"the output ({out_bytes / 2**20:,.1f} MiB) and {keep} checkpoints "
+                     f"({per_checkpoint / 2**20:,.1f} MiB each)",
                      "free some space, choose another -o folder, or lower --keep-checkpoints")

@@ -148,7 +148,8 @@ def _json(text: str, where: str):
         return json.loads(text)
     except json.JSONDecodeError as exc:
         why = json_why(exc) if "\n" not in text else f"{exc.msg} at line {exc.lineno} column {exc.colno}"
-        hint = "; one record per line is JSONL: name the file .jsonl" if exc.msg == "Extra data" and "\n" in text else ""
+        extra = exc.msg == "Extra data" and "\n" in text
+        hint = "; one record per line is JSONL: name the file .jsonl" if extra else ""
         raise LlmtuneError(f"{where}: invalid JSON ({why}){hint}") from None
 
 
@@ -183,11 +184,13 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise LlmtuneError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow, or pip install -e \".[parquet]\")") from None
+        raise LlmtuneError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow, or pip install "
+                           "-e \".[parquet]\")") from None
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds for a damaged file
-        raise LlmtuneError(f"{path}: cannot read as Parquet ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise LlmtuneError(f"{path}: cannot read as Parquet "
+                           f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     for i, row in enumerate(rows, 1):
         yield f"{path}: row {i}", {k: v for k, v in row.items() if v is not None}
 

@@ -49,7 +49,8 @@ class Selection:
         if math.isnan(value):
             return False
         if math.isnan(self.best_value) or sign * (value - self.best_value) > self.min_delta:
-            self.best_value, self.best_step, self.best_epoch, self.best_val_loss = value, e.global_step, e.epoch, e.val_loss
+            self.best_value, self.best_step = value, e.global_step
+            self.best_epoch, self.best_val_loss = e.epoch, e.val_loss
             self.since_best = 0
             return True
         self.since_best += 1

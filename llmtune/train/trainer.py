@@ -86,7 +86,8 @@ class Trainer:
         from the model's log-probabilities (train/preference.py)."""
         if n_batch % n_ctx or n_ubatch % n_ctx or n_batch % n_ubatch:
             raise LlmtuneError(
-                f"--batch {n_batch} / --ubatch {n_ubatch}: both must be multiples of --ctx {n_ctx}, and ubatch must divide batch"
+                f"--batch {n_batch} / --ubatch {n_ubatch}: both must be multiples of --ctx {n_ctx}, and ubatch "
+                "must divide batch"
             )
         self.model, self.backend = model, backend
         self.n_ctx, self.n_batch, self.n_ubatch = n_ctx, n_batch, n_ubatch
@@ -114,7 +115,8 @@ class Trainer:
         # step's micro-batches r, r + size, ...; one all-reduce of flat_g per step sums them
         self.comm = (world() if comm is None else comm).for_backend(backend)
         if self.comm.size > self.ubatches_per_step:
-            raise DistributedError(f"--batch {n_batch} / --ubatch {n_ubatch}: {self.ubatches_per_step} micro-batch(es) per step "
+            raise DistributedError(f"--batch {n_batch} / --ubatch {n_ubatch}: {self.ubatches_per_step} "
+                                   "micro-batch(es) per step "
                                    f"for {self.comm.size} ranks; each rank needs one (raise --batch or lower --ubatch)")
         self.my_ubatches = range(self.comm.rank, self.ubatches_per_step, self.comm.size)
         self.n_workers = backend.workers(workers, len(self.my_ubatches))
@@ -124,7 +126,8 @@ class Trainer:
                                        tensors=[(n, self.tensors[n].size) for n in self.trainable])
             self.batches = MicroBatches(self, self.n_workers)
         except MemoryError:
-            raise self._does_not_fit(f"its weights, gradients and optimizer state ({self.n_trainable:,} trained values)") from None
+            raise self._does_not_fit(f"its weights, gradients and optimizer state "
+                                     f"({self.n_trainable:,} trained values)") from None
         # the activations' arenas are planned before they are allocated: a run they do not fit is refused
         self.programs = StepPrograms(self, loss, available_memory(backend), self._does_not_fit)
         for w in range(self.n_workers):
@@ -294,6 +297,7 @@ class Trainer:
         if src is None or src.shape != (self.n_trainable,):
             raise LlmtuneError(f"checkpoint: weights has {None if src is None else src.shape}, "
                                f"this run trains {self.n_trainable} values")
-        self.flat_w[...] = self.backend.asarray(np.asarray(src, dtype=np.float32).astype(self.backend.dtype, copy=False))
+        self.flat_w[...] = self.backend.asarray(np.asarray(src, dtype=np.float32).astype(self.backend.dtype,
+                                                                                          copy=False))
         self.optimizer.load_state(arrays)
         self.optimizer.t = self.steps_done = steps_done

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from llmtune.eval.benchmarks import BenchmarkProgress, BenchmarkResult, wilson_interval
 from llmtune.errors import plural
+from llmtune.eval.benchmarks import BenchmarkProgress, BenchmarkResult, wilson_interval
 from llmtune.ui.format import percent
 from llmtune.ui.perplexity import stream_writer, write_json as _write_json
 from llmtune.ui.progress import progress_bar
@@ -60,7 +60,8 @@ def running_line(kind: str, i: int, correct: int, t) -> str:
         lo, hi = wilson_interval(correct, i)
         return f"{i}\t{100 * correct / i:3.8f}%\t[{100 * lo:3.4f}%, {100 * hi:3.4f}%]"
     if kind == "winogrande":
-        return f"{i}\t{100 * correct / i:.4f}\t{t.scores[0]:10.6f}  {t.scores[1]:10.6f}  {t.choice + 1}  {t.gold[0] + 1}"
+        return (f"{i}\t{100 * correct / i:.4f}\t{t.scores[0]:10.6f}  {t.scores[1]:10.6f}  "
+                f"{t.choice + 1}  {t.gold[0] + 1}")
     return f"{i}\t{100 * correct / i:.8f}"
 
 
@@ -94,7 +95,8 @@ def summary_lines(res: BenchmarkResult) -> list[str]:
         lines.insert(0, f"Interrupted: the results below are over the {n} of {res.n_tasks_planned} tasks done")
     rate = n / res.seconds if res.seconds > 0 else float("inf")
     shared = f" ({res.n_computed:,} computed: questions shared)" if 0 < res.n_computed < res.n_tokens else ""
-    lines.append(f"{plural(n, 'task')} ({res.n_correct} right), {plural(res.n_tokens, 'token')}{shared} in {res.seconds:.2f} s: "
+    lines.append(f"{plural(n, 'task')} ({res.n_correct} right), {plural(res.n_tokens, 'token')}{shared} in "
+                 f"{res.seconds:.2f} s: "
                  f"{rate:,.1f} tasks/s, {res.tokens_per_s:,.0f} tokens/s")
     return lines
 

@@ -12,7 +12,6 @@ from rich.table import Table
 from llmtune.train import events as ev
 from llmtune.ui.format import mib, percent, plus_minus, sparkline
 
-
 # EpochResult fields reported with their standard error (`<name>_err`), in column order
 _EPOCH_STATS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy")
 STEP_LINES = 10  # off a terminal, a progress line about every tenth of an epoch
@@ -30,7 +29,8 @@ class FinetuneReporter:
         # a bar that gives way first, so the step counter and the numbers keep their place at 80 columns
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(bar_width=None), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f} acc {task.fields[acc]:.3f} {task.fields[pref]}lr {task.fields[lr]:.1e} "
+            TextColumn("loss {task.fields[loss]:.4f} acc {task.fields[acc]:.3f} {task.fields[pref]}lr "
+                       "{task.fields[lr]:.1e} "
                        "{task.fields[tps]:,.0f} tok/s"),
             TimeRemainingColumn(), console=err, transient=False, expand=True,
             disable=not err.is_terminal,  # one finished bar per epoch stays
@@ -79,7 +79,8 @@ class FinetuneReporter:
 
     def _task(self, epoch: int, steps: int):
         if epoch not in self.tasks:
-            self.tasks[epoch] = self.progress.add_task(f"epoch {epoch}", total=steps, loss=math.nan, acc=math.nan, pref="",
+            self.tasks[epoch] = self.progress.add_task(f"epoch {epoch}", total=steps, loss=math.nan, acc=math.nan,
+                                                       pref="",
                                                        lr=0.0, tps=0.0)
         return self.tasks[epoch]
 
@@ -103,7 +104,8 @@ class FinetuneReporter:
     def _epoch_fields(self, info: dict, timing: bool = False) -> list[str]:
         """An epoch's results as fields that a narrow terminal may break between, never inside."""
         train_loss, train_acc, val_loss, val_acc = (_with_err(info, key) for key in _EPOCH_STATS)
-        fields = [f"epoch {info['epoch']}:", f"train loss {train_loss}, acc {train_acc}", f"| val loss {val_loss}, acc {val_acc}"]
+        fields = [f"epoch {info['epoch']}:", f"train loss {train_loss}, acc {train_acc}",
+                  f"| val loss {val_loss}, acc {val_acc}"]
         if info.get("val_metrics"):
             fields.append(f"| val {_preference_words(info['val_metrics']).rstrip(', ')}")
         if not math.isnan(info.get("bench_accuracy", math.nan)):
@@ -125,7 +127,8 @@ class FinetuneReporter:
             return
         v = e.evaluation
         fields = [f"step {v.global_step} (epoch {v.epoch}):",
-                  f"val loss {plus_minus(v.val_loss, v.val_loss_err)}, acc {plus_minus(v.val_accuracy, v.val_accuracy_err)}"]
+                  f"val loss {plus_minus(v.val_loss, v.val_loss_err)}, acc "
+                  f"{plus_minus(v.val_accuracy, v.val_accuracy_err)}"]
         if not math.isnan(v.bench_accuracy):
             fields.append(f"| {self._bench_name()} acc {percent(v.bench_accuracy, v.bench_accuracy_err)}")
         if e.improved:
@@ -195,7 +198,8 @@ class FinetuneReporter:
         else:
             self.out.print("finetune summary", highlight=False)
             if self.bench is not None:
-                self.out.print(f"before: {self._bench_name()} acc {percent(self.bench.accuracy, self.bench.accuracy_err)}",
+                self.out.print(f"before: {self._bench_name()} acc "
+                               f"{percent(self.bench.accuracy, self.bench.accuracy_err)}",
                                highlight=False)
             for info in self.epochs:
                 self._print_fields(self.out, self._epoch_fields(info, timing=True))

@@ -35,9 +35,11 @@ class Stream:
 
 def summary(res) -> str:
     """One line: tokens, why it stopped, prompt and decode speed, the seed (greedy: none matters)."""
-    prompt = f"prompt {plural(res.n_evaluated, 'new token')}" + (f" at {res.prompt_tokens_per_s:,.0f} tok/s" if res.n_evaluated else "")
+    prompt = f"prompt {plural(res.n_evaluated, 'new token')}" + (f" at {res.prompt_tokens_per_s:,.0f} tok/s"
+                                                                 if res.n_evaluated else "")
     return (f"{plural(len(res.tokens), 'token')} ({STOP_WORDS.get(res.stop, res.stop)}); {prompt}; "
-            f"generation {res.tokens_per_s:,.1f} tok/s; {'greedy' if getattr(res, 'greedy', False) else f'seed {res.seed}'}; "
+            f"generation {res.tokens_per_s:,.1f} tok/s; "
+            f"{'greedy' if getattr(res, 'greedy', False) else f'seed {res.seed}'}; "
             f"ctx {len(res.prompt_tokens) + max(len(res.tokens) - 1, 0)}/{res.n_ctx}")
 
 

@@ -16,9 +16,9 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from llmtune.arch import read_hparams, supported
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, load_gguf
-from llmtune.arch import read_hparams, supported
 from llmtune.model.loaded import check_model
 from llmtune.ui.format import human_bytes, human_count
 
@@ -168,7 +168,8 @@ def _hparams_table(gf: GGUFFile) -> Table:
         ("n_rot", hp.n_rot, source("rope.dimension_count")),
         ("rope base", _fmt_float(hp.rope_freq_base), source("rope.freq_base")),
         ("rope scale", _fmt_float(hp.rope_freq_scale), source("rope.scaling.factor")),
-        ("norm eps", _fmt_float(hp.norm_eps), source("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon")),
+        ("norm eps", _fmt_float(hp.norm_eps),
+         source("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon")),
         ("rope mode", hp.rope_mode or "none", f"{hp.arch} family"),
         ("norm", {"rms": "RMSNorm", "layer": "LayerNorm"}.get(hp.norm_kind, hp.norm_kind), f"{hp.arch} family"),
         ("feed-forward", f"{hp.activation}, {'gated' if hp.ffn_gated else 'sequential'}", f"{hp.arch} family"),

@@ -80,7 +80,8 @@ def usage_error_line(exc: errors.UsageError) -> str:
         known = LLAMA_CPP_SHORT.get(exc.option_name)
         if not near and known in flags:
             near = [known]
-        return f"{exc.option_name}: no such option for {where}" + (_did_you_mean(near) or f" ({where} --help lists them)")
+        return f"{exc.option_name}: no such option for {where}" + (_did_you_mean(near)
+                                                                   or f" ({where} --help lists them)")
     if isinstance(exc, errors.BadParameter) and exc.param is not None:
         if isinstance(exc, errors.MissingParameter):
             if isinstance(exc.param, typer.core.TyperOption):

@@ -9,7 +9,6 @@ import numpy as np
 from llmtune.backends.cuda.launch import row_threads
 from llmtune.errors import LlmtuneError
 
-
 FA_THREADS, FA_MAX_D = 128, 512  # threads per block of the flash_attn kernels; the head_dim bound
 C_DEFINES = {"FA_THREADS": FA_THREADS, "FA_MAX_D": FA_MAX_D}  # the same numbers for attention.cu
 

@@ -37,8 +37,8 @@ class LossKernels:
         logits, rows, n_vocab = self._rows(logits)
         targets = self._ids(targets).reshape(-1)
         if out.size:
-            gs = self._contig(self.xp.asarray(self.xp.asarray(g, dtype=out.dtype) / self._counted(targets, rows, out.dtype),
-                                              dtype=out.dtype))
+            per_row = self.xp.asarray(g, dtype=out.dtype) / self._counted(targets, rows, out.dtype)
+            gs = self._contig(self.xp.asarray(per_row, dtype=out.dtype))
             self._launch("cross_entropy_back", out.dtype, flat_grid(out.size), (BLOCK,), logits,
                          targets, self._contig(lse), gs, out, np.int64(rows), np.int32(n_vocab))
         return out

@@ -38,7 +38,8 @@ class OptimizerKernels:
             grid = (max(1, min(n_blocks, MAX_BLOCKS)),)
             self._launch("adamw8bit_step", w.dtype, grid, (BLOCK,), w, g, m, v, absmax_m, absmax_v,
                          self._contig(starts, np.int64), np.int64(n_blocks), code_m, code_v, r(lr), r(beta1), r(beta2),
-                         r(1.0 - beta1), r(1.0 - beta2), r(eps), r(wd), r(1.0 / (1.0 - beta1**t)), r(1.0 / (1.0 - beta2**t)))
+                         r(1.0 - beta1), r(1.0 - beta2), r(eps), r(wd), r(1.0 / (1.0 - beta1**t)),
+                         r(1.0 / (1.0 - beta2**t)))
 
     def sgd_step(self, w, g, *, lr, wd):
         n = self._check_flat(w, g)

@@ -91,7 +91,8 @@ class LoraAdapter:
         """A copy whose A/B (and magnitudes) come from `values` (keys as `tensors()`, e.g. the trainer's result)."""
         f32 = lambda n, part: np.asarray(values[tensor_key(n, part)], np.float32)  # noqa: E731
         pairs = {n: LoraPair(f32(n, A), f32(n, B)) for n in self.pairs}
-        return dataclasses.replace(self, pairs=pairs, meta=dict(self.meta), magnitudes={n: f32(n, MAGNITUDE) for n in self.magnitudes})
+        return dataclasses.replace(self, pairs=pairs, meta=dict(self.meta),
+                                   magnitudes={n: f32(n, MAGNITUDE) for n in self.magnitudes})
 
     def dora_merged(self, name: str, base) -> np.ndarray:
         """DoRA's merged matrix m * (W + s B A) / ||W + s B A||_row (float32; PEFT's
@@ -109,10 +110,12 @@ class LoraAdapter:
         rank-2r pairs [A; A0], [B, -B0] with alpha doubled (the same scale), so the change is
         s (B A - B0 A0) (PEFT's conversion at save_pretrained)."""
         if self.magnitudes:
-            raise LlmtuneError("a DoRA adapter has no llama.cpp form; write the merged model (finetune does with --dora)")
+            raise LlmtuneError("a DoRA adapter has no llama.cpp form; write the merged model (finetune "
+                               "does with --dora)")
         if not self.initial:
             return self
-        pairs = {n: LoraPair(np.concatenate([p.a, self.initial[n].a]), np.concatenate([p.b, -self.initial[n].b], axis=1))
+        pairs = {n: LoraPair(np.concatenate([p.a, self.initial[n].a]),
+                             np.concatenate([p.b, -self.initial[n].b], axis=1))
                  for n, p in self.pairs.items()}
         meta = dict(self.meta)
         return dataclasses.replace(self, alpha=2 * self.alpha, pairs=pairs, meta=meta, initial={})

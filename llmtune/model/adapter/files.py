@@ -43,7 +43,8 @@ def load_adapter(path, model: "Model", scale: float = 1.0, flag: str = "--lora")
         raise _fail(flag, path, f"adapter.type is {_meta_str(gf, 'adapter.type') or 'missing'!r}, expected 'lora'")
     arch = _meta_str(gf, "general.architecture")
     if arch != model.hp.arch:
-        raise _fail(flag, path, f"adapter for architecture {arch or 'missing'!r}, but {model.path.name} is {model.hp.arch!r}")
+        raise _fail(flag, path,
+                    f"adapter for architecture {arch or 'missing'!r}, but {model.path.name} is {model.hp.arch!r}")
     alpha_mv = gf.meta.get("adapter.lora.alpha")
     if alpha_mv is not None and alpha_mv.type != VT.FLOAT32:
         raise _fail(flag, path, f"adapter.lora.alpha must be a float32 (it is {alpha_mv.type.name})")
@@ -70,9 +71,11 @@ def load_adapter(path, model: "Model", scale: float = 1.0, flag: str = "--lora")
         if len(found) < 2:
             raise _fail(flag, path, f"tensor pair for {base!r} lacks its {B if A in found else A} half")
         if base not in model.weights:
-            raise _fail(flag, path, f"adapts {base!r}, which {model.path.name} does not have (adapter for another model?)")
+            raise _fail(flag, path,
+                        f"adapts {base!r}, which {model.path.name} does not have (adapter for another model?)")
         if base not in ok:
-            raise _fail(flag, path, f"adapts {base!r}, which takes no adapter in {model.path.name}{_tied_note(model, base)}")
+            raise _fail(flag, path,
+                        f"adapts {base!r}, which takes no adapter in {model.path.name}{_tied_note(model, base)}")
         a, b = (_float_tensor(gf, found[p], flag, path) for p in (A, B))
         _check_pair_shape(base, model.weights[base].shape, a, b, flag, path)
         pairs[base] = LoraPair(a, b)
@@ -149,6 +152,7 @@ def attach(model: "Model", paths, scales=None, flag: str = "--lora") -> "Model":
     if len(scales) == 1:
         scales = scales * len(paths)
     if len(scales) != len(paths):
-        raise LlmtuneError(f"--lora-scale: give one value, or one per --lora ({len(paths)} adapters, {len(scales)} scales)")
+        raise LlmtuneError(f"--lora-scale: give one value, or one per --lora ({len(paths)} adapters, "
+                           f"{len(scales)} scales)")
     loaded = [p if isinstance(p, LoraAdapter) else load_adapter(p, model, s, flag) for p, s in zip(paths, scales)]
     return dataclasses.replace(model, adapters=list(model.adapters) + loaded)

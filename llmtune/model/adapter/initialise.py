@@ -68,7 +68,8 @@ def pissa_init(model: "Model", adapter: LoraAdapter) -> dict[str, np.ndarray]:
         w = np.asarray(model.weights[name], np.float32).astype(np.float64)
         v, sv, uh = np.linalg.svd(w, full_matrices=False)
         root = np.sqrt(sv[: pair.rank] / s)
-        a, b = (root[:, None] * uh[: pair.rank]).astype(np.float32), (v[:, : pair.rank] * root[None, :]).astype(np.float32)
+        a = (root[:, None] * uh[: pair.rank]).astype(np.float32)
+        b = (v[:, : pair.rank] * root[None, :]).astype(np.float32)
         return a, b, (w - s * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
 
     names = list(adapter.pairs)

@@ -66,7 +66,8 @@ def select_targets(model: "Model", pattern: Optional[str], rank: int) -> list[st
             raise LlmtuneError(f"{model.path}: no attention or FFN matrix to adapt; choose tensors with --lora-targets")
         refused = [n for n in matched if model.weights[n].ndim == 2]
         why = f" ({refused[0]} takes no adapter{_tied_note(model, refused[0])})" if refused else ""
-        raise LlmtuneError(f"--lora-targets: {pattern!r} matches no matrix of {model.path.name} that takes an adapter{why}")
+        raise LlmtuneError(f"--lora-targets: {pattern!r} matches no matrix of {model.path.name} that "
+                           f"takes an adapter{why}")
     for n in names:
         limit = min(model.weights[n].shape)
         if rank > limit:
