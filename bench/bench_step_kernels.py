@@ -1,5 +1,5 @@
 """The compiled kernels of a training step and an evaluation pass beside their numpy references,
-on SmolLM2-135M's shapes: blockwise causal attention (native/qdot.c lt_flash_attn /
+on SmolLM2-135M's shapes: blockwise causal attention (native/attention.c lt_flash_attn /
 lt_flash_attn_back against backends/cpu.py's block walk), a LoRA step's adapter terms (lt_lora /
 lt_lora_back against k_lora's numpy products), swiglu's and rms_norm's gradients, and the AdamW
 update (native/optim.c lt_adamw against the blocked numpy update) with the step's gradient sum of
