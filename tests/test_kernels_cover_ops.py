@@ -2,6 +2,7 @@
 a missing or stale kernel fails here, not when some program first needs it."""
 
 from llmtune.backends import cpu
+from llmtune.backends.base import Kernel, kernel_table
 from llmtune.backends.cuda import CUDABackend
 from llmtune.graph import ops
 
@@ -10,7 +11,10 @@ KERNEL_OPS = set(ops.OPS) - {"input", "param", "const"}  # leaves are bound valu
 
 def test_cpu_table_covers_every_op():
     assert set(cpu.KERNELS) == KERNEL_OPS
-    assert all(callable(k) for k in cpu.KERNELS.values())
+    assert all(isinstance(k, Kernel) and callable(k) for k in cpu.KERNELS.values())
+    # every way a kernel runs is in its record: nothing hangs on the functions themselves
+    assert not [n for n, f in vars(cpu).items() if n.startswith("k_") and (hasattr(f, "bind") or hasattr(f, "encode"))]
+    assert cpu.KERNELS["matmul"].bind is not None and cpu.KERNELS["qlinear"].encode is not None
     assert cpu.CPUBackend().kernels == cpu.KERNELS
     # the table follows the convention (k_<op>), so a kernel function no op names is dead code
     unused = {name for name in vars(cpu) if name.startswith("k_") and name[2:] not in cpu.KERNELS}
@@ -25,3 +29,10 @@ def test_cuda_table_covers_every_op():
     # a kernel method no op reaches is dead code
     unused = {m for m in dir(CUDABackend) if m.startswith("_k_")} - set(CUDABackend.KERNELS.values())
     assert not unused, unused
+
+
+def test_a_bind_or_encode_for_an_op_without_a_kernel_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="without a kernel"):
+        kernel_table(cpu, "k_", bind={"no_such_op": print})

@@ -16,6 +16,7 @@ weights placed on it, with the float copies of quantized matrices an evaluation 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -145,11 +146,38 @@ def _check_workers(requested: Optional[int]) -> None:
         raise LlmtuneError(f"workers: must be positive (got {requested})")
 
 
-def kernel_table(source, prefix: str, names: bool = False) -> dict:
+@dataclass(frozen=True)
+class Kernel:
+    """An op's kernel on one backend, every way it runs in one record. `run(out, *args, **attrs)`
+    computes it (Program.run; calling the record calls it); `bind(out, *args, **attrs)`, where
+    given, returns a call with no arguments for buffers that stay put (a replayed program,
+    graph/planner.py Replay), or None where it declines and run serves; `encode(out, *args,
+    **attrs)`, where given, returns the op's step of a compiled program (native/program.py),
+    which a replayed decode step runs as one call, or None where the compiled op does not take
+    the case."""
+
+    run: Callable
+    bind: Optional[Callable] = None
+    encode: Optional[Callable] = None
+
+    def __call__(self, out, *args, **attrs):
+        return self.run(out, *args, **attrs)
+
+
+def kernel_table(source, prefix: str, names: bool = False, bind: Optional[dict] = None,
+                 encode: Optional[dict] = None) -> dict:
     """The kernel table of a backend by the one convention of all of them: the kernel of op X is
     `source`'s attribute `prefix + X` (cpu.py's module functions k_X, the CUDA backend's methods
-    _k_X), for every op of graph/ops.OPS it has; names=True gives the attribute names instead.
+    _k_X), for every op of graph/ops.OPS it has, as a Kernel record with the op's entries of
+    `bind` and `encode` (op -> callable); names=True gives the attribute names instead.
     tests/test_kernels_cover_ops.py checks that every op has one and that none is left over."""
     from llmtune.graph.ops import OPS
 
-    return {op: (prefix + op if names else getattr(source, prefix + op)) for op in OPS if hasattr(source, prefix + op)}
+    ops = [op for op in OPS if hasattr(source, prefix + op)]
+    if names:
+        return {op: prefix + op for op in ops}
+    bind, encode = bind or {}, encode or {}
+    stray = (set(bind) | set(encode)) - set(ops)
+    if stray:
+        raise ValueError(f"bind / encode for ops without a kernel: {sorted(stray)}")
+    return {op: Kernel(getattr(source, prefix + op), bind.get(op), encode.get(op)) for op in ops}

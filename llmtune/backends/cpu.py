@@ -259,7 +259,6 @@ def k_lora_back(out, x, a, b, g, s, dx):
     return out
 
 
-k_lora.bind = lambda out, y, x, a, b, s: native.bind_lora(*_lora_rows(out, y, x), a, b, s)
 
 
 def _bind_lora_back(out, x, a, b, g, s, dx):
@@ -267,7 +266,6 @@ def _bind_lora_back(out, x, a, b, g, s, dx):
     return native.bind_lora_back(*grads, x2, a, b, g2, s)
 
 
-k_lora_back.bind = _bind_lora_back
 
 
 # a stored matrix is bound as its block bytes, or (an evaluation's weights, CPUBackend.bind) as
@@ -290,7 +288,6 @@ def _bind_matmul(out, a, b, ta, tb):
     return native.bind_f32_linear(*rows, b) or qmatmul.bind_packed_product(*rows, b, qmatmul.frozen_copies(b))
 
 
-k_matmul.bind = _bind_matmul
 
 
 def k_qlinear(out, x, w, qtype, round_x):
@@ -325,7 +322,6 @@ def _bind_packed_copy(out, x, w, qtype, transposed: bool):
     return qmatmul.stored_packed_product(*rows, w.raw, qtype, n_in, w.copies, transposed, bind=True)
 
 
-k_qlinear.bind = _bind_qlinear
 
 
 def k_qlinear_back(out, g, w, qtype):
@@ -334,8 +330,8 @@ def k_qlinear_back(out, g, w, qtype):
     return qmatmul.qlinear_back(out, g, w, qtype)
 
 
-k_qlinear_back.bind = lambda out, g, w, qtype: (_bind_packed_copy(out, g, w, qtype, transposed=True)
-                                               if type(w) is qmatmul.WithCopies else None)
+def _bind_qlinear_back(out, g, w, qtype):
+    return _bind_packed_copy(out, g, w, qtype, transposed=True) if type(w) is qmatmul.WithCopies else None
 
 
 def k_qget_rows(out, w, ids, qtype):
@@ -399,7 +395,6 @@ def k_rms_norm(out, x, eps):
     return np.divide(x, ms, out=out)
 
 
-k_rms_norm.bind = native.bind_rms_norm  # a replayed decode step: one compiled call per norm
 
 
 def k_row_rnorm(out, x):
@@ -906,24 +901,6 @@ def k_count_correct(out, logits, targets):
     return out
 
 
-# op name -> kernel: every k_<op> above (base.kernel_table's convention)
-KERNELS = kernel_table(sys.modules[__name__], "k_")
-
-
-def _attach_encoders():
-    """Each kernel's step of a compiled program (native/program.py), which a replayed decode step
-    runs as one call (graph/planner.py Replay); stored matrices unwrapped to their bytes."""
-    for op in ("add", "mul", "scale", "rms_norm", "swiglu", "matmul", "rope", "cache_write", "softmax_causal",
-               "get_rows"):
-        KERNELS[op].encode = getattr(native_program, op)
-    k_qlinear.encode = lambda out, x, w, qtype, round_x: native_program.qlinear(
-        out, x, _raw(w), qtype, round_x, w.packed(qtype) if type(w) is qmatmul.WithCopies else None)
-    k_qget_rows.encode = lambda out, w, ids, qtype: native_program.qget_rows(out, _raw(w), ids, qtype)
-
-
-_attach_encoders()
-
-
 def _compiled_alone(encode, out, *args, **attrs):
     """A kernel's compiled step run alone as one call (None where the compiled op does not take
     the case): the ops whose compiled form pays on a training pass's shapes."""
@@ -942,11 +919,33 @@ def _bind_rope(out, x, pos, freq_factors=None, **attrs):
     return _compiled_alone(native_program.rope, out, x, pos, freq_factors, **attrs)
 
 
-# replayed (planner.Replay), rope over contiguous rows and the causal softmax are their compiled
-# steps bound once; k_softmax_causal runs the same step when called directly, so a program's first
-# run and its replays compute the same bits (rope's compiled op is numpy's bit for bit)
-k_rope.bind = _bind_rope
-k_softmax_causal.bind = functools.partial(_compiled_alone, native_program.softmax_causal)
+# a kernel's call for fixed buffers (planner.Replay): one compiled call where there is one. Rope
+# over contiguous rows and the causal softmax are their compiled steps bound once; k_softmax_causal
+# runs the same step when called directly, so a program's first run and its replays compute the
+# same bits (rope's compiled op is numpy's bit for bit)
+_BIND = {
+    "lora": lambda out, y, x, a, b, s: native.bind_lora(*_lora_rows(out, y, x), a, b, s),
+    "lora_back": _bind_lora_back,
+    "matmul": _bind_matmul,
+    "qlinear": _bind_qlinear,
+    "qlinear_back": _bind_qlinear_back,
+    "rms_norm": native.bind_rms_norm,  # a replayed decode step: one compiled call per norm
+    "rope": _bind_rope,
+    "softmax_causal": functools.partial(_compiled_alone, native_program.softmax_causal),
+}
+
+# each kernel's step of a compiled program (native/program.py), which a replayed decode step runs
+# as one call (graph/planner.py Replay); stored matrices unwrapped to their bytes
+_ENCODE = {
+    **{op: getattr(native_program, op) for op in ("add", "mul", "scale", "rms_norm", "swiglu", "matmul", "rope",
+                                                  "cache_write", "softmax_causal", "get_rows")},
+    "qlinear": lambda out, x, w, qtype, round_x: native_program.qlinear(
+        out, x, _raw(w), qtype, round_x, w.packed(qtype) if type(w) is qmatmul.WithCopies else None),
+    "qget_rows": lambda out, w, ids, qtype: native_program.qget_rows(out, _raw(w), ids, qtype),
+}
+
+# op name -> Kernel: every k_<op> above (base.kernel_table's convention), with its bind and encode
+KERNELS = kernel_table(sys.modules[__name__], "k_", bind=_BIND, encode=_ENCODE)
 
 
 _ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2

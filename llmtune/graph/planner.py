@@ -321,9 +321,9 @@ class Replay:
                 continue
             if not (val is out or (op == "cache_write" and val is args[0])):
                 fixed = False
-            bind = getattr(kernel, "bind", None)  # a kernel may offer a faster call for fixed buffers
-            call = bind(out, *args, **attrs) if bind is not None else None
-            encode = getattr(kernel, "encode", None)  # ... or its step of a compiled program
+            # a kernel (backends/base.py Kernel) may offer a faster call for fixed buffers ...
+            call = kernel.bind(out, *args, **attrs) if kernel.bind is not None else None
+            encode = kernel.encode  # ... or its step of a compiled program
             step = encode(out, *args, **attrs) if self.compiled and encode is not None and sink is None else None
             calls.append((call or functools.partial(kernel, out, *args, **attrs), step, op, nid, ins))
             if sink is not None:

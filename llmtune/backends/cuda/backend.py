@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmtune.backends.base import Backend, kernel_table
+from llmtune.backends.base import Backend, Kernel, kernel_table
 from llmtune.backends.cuda.attention import AttentionKernels
 from llmtune.backends.cuda.elementwise import ElementwiseKernels
 from llmtune.backends.cuda.embeddings import EmbeddingKernels
@@ -62,7 +62,7 @@ class CUDABackend(ElementwiseKernels, GemmKernels, QuantKernels, ShapeKernels, E
             self.rt.prepare(self.dtype)
         self.xp = self.rt.xp
         self.device_name = getattr(self.rt, "device_name", "?")
-        self.kernels = {op: getattr(self, method) for op, method in self.KERNELS.items()}
+        self.kernels = {op: Kernel(getattr(self, method)) for op, method in self.KERNELS.items()}
 
     def asarray(self, host, dtype=None):
         if isinstance(host, self.xp.ndarray):
