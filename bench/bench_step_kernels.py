@@ -1,6 +1,6 @@
 """The compiled kernels of a training step and an evaluation pass beside their numpy references,
 on SmolLM2-135M's shapes: blockwise causal attention (native/attention.c lt_flash_attn /
-lt_flash_attn_back against backends/cpu.py's block walk), a LoRA step's adapter terms (lt_lora /
+lt_flash_attn_back against backends/cpu_attention.py's block walk), a LoRA step's adapter terms (lt_lora /
 lt_lora_back against k_lora's numpy products), swiglu's and rms_norm's gradients, and the AdamW
 update (native/optim.c lt_adamw against the blocked numpy update) with the step's gradient sum of
 squares.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtune.backends import cpu
+from llmtune.backends import cpu, cpu_attention
 from llmtune.backends.threads import blas_threads
 from llmtune.native import kernels
 
@@ -81,10 +81,10 @@ def attention_rows(lengths, reps: int, threads: int) -> None:
         grads = np.zeros(q.size + 2 * k.size, np.float32)
 
         def fwd():
-            cpu.k_flash_attn(packed, q, k, v, scale=0.125, softcap=0.0, window=0)
+            cpu_attention.k_flash_attn(packed, q, k, v, scale=0.125, softcap=0.0, window=0)
 
         def back():
-            cpu.k_flash_attn_back(grads, q, k, v, packed, g, scale=0.125, softcap=0.0, window=0)
+            cpu_attention.k_flash_attn_back(grads, q, k, v, packed, g, scale=0.125, softcap=0.0, window=0)
 
         fwd()
         row = {name: (_numpy_ms(f, reps, threads), _compiled_ms(f, reps, threads))

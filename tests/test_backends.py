@@ -719,9 +719,9 @@ FLASH_CASES = [(2, 13, 4, 2, 3, 0.0, 0), (1, 11, 6, 2, 4, 1.5, 0), (1, 14, 2, 1,
 @pytest.mark.parametrize("case", FLASH_CASES)
 def test_flash_attention_matches_plain_composition(name, case, monkeypatch):
     """Blockwise attention equals the [T, T] composition in float64, forward and gradients."""
-    from llmtune.backends import cpu
+    from llmtune.backends import cpu_attention
 
-    monkeypatch.setattr(cpu, "_FA_BLOCK", 4)
+    monkeypatch.setattr(cpu_attention, "_FA_BLOCK", 4)
     B, T, H, Hkv, d, cap, window = case
     arrays = {"q": rng.standard_normal((B, T, H, d)), "k": rng.standard_normal((B, T, Hkv, d)),
               "v": rng.standard_normal((B, T, Hkv, d))}
@@ -738,9 +738,9 @@ def test_flash_attention_matches_plain_composition(name, case, monkeypatch):
 @pytest.mark.parametrize("cap,window", [(0.0, 0), (1.5, 3)])
 def test_flash_attention_gradients_across_blocks(name, cap, window, monkeypatch):
     """Finite differences through several query and key blocks (blocks of 2 positions on the cpu)."""
-    from llmtune.backends import cpu
+    from llmtune.backends import cpu_attention
 
-    monkeypatch.setattr(cpu, "_FA_BLOCK", 2)
+    monkeypatch.setattr(cpu_attention, "_FA_BLOCK", 2)
     arrays = {"q": rng.standard_normal((1, 5, 4, 2)), "k": rng.standard_normal((1, 5, 2, 2)),
               "v": rng.standard_normal((1, 5, 2, 2))}
     errors = check_gradients(lambda q, k, v: ops.flash_attn(q, k, v, 0.8, cap, window), arrays,

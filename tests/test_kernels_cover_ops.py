@@ -1,7 +1,7 @@
 """Every backend's kernel table covers exactly the ops of graph/ops.OPS, checked without a GPU:
 a missing or stale kernel fails here, not when some program first needs it."""
 
-from llmtune.backends import cpu
+from llmtune.backends import cpu, cpu_attention
 from llmtune.backends.base import Kernel, kernel_table
 from llmtune.backends.cuda import CUDABackend
 from llmtune.graph import ops
@@ -13,11 +13,13 @@ def test_cpu_table_covers_every_op():
     assert set(cpu.KERNELS) == KERNEL_OPS
     assert all(isinstance(k, Kernel) and callable(k) for k in cpu.KERNELS.values())
     # every way a kernel runs is in its record: nothing hangs on the functions themselves
-    assert not [n for n, f in vars(cpu).items() if n.startswith("k_") and (hasattr(f, "bind") or hasattr(f, "encode"))]
+    assert not [n for m in (cpu, cpu_attention) for n, f in vars(m).items()
+                if n.startswith("k_") and (hasattr(f, "bind") or hasattr(f, "encode"))]
     assert cpu.KERNELS["matmul"].bind is not None and cpu.KERNELS["qlinear"].encode is not None
     assert cpu.CPUBackend().kernels == cpu.KERNELS
     # the table follows the convention (k_<op>), so a kernel function no op names is dead code
-    unused = {name for name in vars(cpu) if name.startswith("k_") and name[2:] not in cpu.KERNELS}
+    unused = {name for module in (cpu, cpu_attention) for name in vars(module)
+              if name.startswith("k_") and name[2:] not in cpu.KERNELS}
     assert not unused, unused
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from llmtune.backends import cpu_attention
 from llmtune.native import build, kernels
 from llmtune.quant import blocks, matmul as qmatmul
 
@@ -363,7 +364,7 @@ def test_compiled_elementwise_ops_are_numpy_bit_for_bit():
     for mode, inverse, n_rot, ff in (("norm", False, 64, None), ("neox", False, 64, None), ("norm", True, 64, None),
                                      ("neox", False, 32, None), ("norm", False, 64, factors)):
         attrs = dict(n_rot=n_rot, base=100000.0, freq_scale=0.5, mode=mode, inverse=inverse)
-        np.testing.assert_array_equal(*_both(cpu.k_rope, program.rope, x.shape, x, pos, ff, **attrs))
+        np.testing.assert_array_equal(*_both(cpu_attention.k_rope, program.rope, x.shape, x, pos, ff, **attrs))
     ids = np.array([[3, 0, 99]], np.int32)
     table = rng.standard_normal((100, 64)).astype(np.float32)
     np.testing.assert_array_equal(*_both(cpu.k_get_rows, program.get_rows, (1, 3, 64), table, ids))
@@ -390,8 +391,8 @@ def test_compiled_attention_ops_match_numpy():
     np.testing.assert_array_equal(got, want)
     for n_kv, window in ((64, 0), (192, 0), (192, 50)):
         s = (4 * rng.standard_normal((1, 3, 6, n_kv))).astype(np.float32)
-        w, g = _both(cpu.k_softmax_causal, program.softmax_causal, s.shape, s, pos, scale=0.125, n_q=2, n_past=0,
-                     window=window)
+        w, g = _both(cpu_attention.k_softmax_causal, program.softmax_causal, s.shape, s, pos, scale=0.125, n_q=2,
+                     n_past=0, window=window)
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-37)
         assert (g[w == 0] == 0).all()  # masked keys exactly zero
     gate, up = (rng.standard_normal((1, 1536)).astype(np.float32) * 4 for _ in range(2))
@@ -619,20 +620,20 @@ def test_rope_pairs_is_numpy_s_bit_for_bit(shape, inverse, monkeypatch):
     """Norm-mode rope of a contiguous float32 [B, T, H, d] (training and evaluation passes): the
     compiled pass (vector pairs, then the tail) writes numpy's _rope_pairs values exactly, forward
     and inverse (the backward's); a permuted view still takes numpy's path."""
-    from llmtune.backends import cpu
 
     x = np.random.default_rng(shape[1]).standard_normal(shape, dtype=np.float32)
     pos = np.arange(shape[1], dtype=np.int32) + 3
     args = dict(n_rot=shape[-1], base=10000.0, freq_scale=1.0, mode="norm", inverse=inverse)
     calls, real = [], kernels.rope_pairs
     monkeypatch.setattr(kernels, "rope_pairs", lambda *a: calls.append(1) or real(*a))
-    got = cpu.k_rope(np.empty_like(x), x, pos, **args)
+    got = cpu_attention.k_rope(np.empty_like(x), x, pos, **args)
     assert calls
     monkeypatch.setattr(kernels, "rope_pairs", lambda *a: False)
-    want = cpu.k_rope(np.empty_like(x), x, pos, **args)
+    want = cpu_attention.k_rope(np.empty_like(x), x, pos, **args)
     assert got.tobytes() == want.tobytes()
     view = np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # [B, T, H, d] over [B, H, T, d]
-    assert not real(np.empty_like(x), view, *cpu._ROPE_TABLES.get(pos, shape[-1], 10000.0, 1.0, x.dtype, None)[2:4])
+    tables = cpu_attention._ROPE_TABLES.get(pos, shape[-1], 10000.0, 1.0, x.dtype, None)
+    assert not real(np.empty_like(x), view, *tables[2:4])
 
 
 @needs_library

@@ -1,6 +1,6 @@
 """The compiled blockwise causal attention (native/qdot.c lt_flash_attn and lt_flash_attn_back,
 ops.flash_attn's float32 forward and backward without a softcap) against numpy's block walk
-(backends/cpu.py k_flash_attn / k_flash_attn_back, the reference) and float64: within float32
+(backends/cpu_attention.py k_flash_attn / k_flash_attn_back, the reference) and float64: within float32
 summation order and the vector exp, the same bits whatever the thread count, and a model's logits
 and gradients past PLAIN_ATTENTION_MAX_T as numpy's. Skips where this build has no compiled
 attention (no compiler, no AVX-512)."""
@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from llmtune.backends import cpu
+from llmtune.backends import cpu_attention as cpu
 from llmtune.backends.threads import blas_threads
 from llmtune.native import kernels
 

@@ -168,16 +168,19 @@ def kernel_table(source, prefix: str, names: bool = False, bind: Optional[dict] 
                  encode: Optional[dict] = None) -> dict:
     """The kernel table of a backend by the one convention of all of them: the kernel of op X is
     `source`'s attribute `prefix + X` (cpu.py's module functions k_X, the CUDA backend's methods
-    _k_X), for every op of graph/ops.OPS it has, as a Kernel record with the op's entries of
+    _k_X; of a tuple of sources, the first that has it), for every op of graph/ops.OPS it has, as
+    a Kernel record with the op's entries of
     `bind` and `encode` (op -> callable); names=True gives the attribute names instead.
     tests/test_kernels_cover_ops.py checks that every op has one and that none is left over."""
     from llmtune.graph.ops import OPS
 
-    ops = [op for op in OPS if hasattr(source, prefix + op)]
+    sources = source if isinstance(source, tuple) else (source,)
+    found = {op: src for op in OPS for src in reversed(sources) if hasattr(src, prefix + op)}
+    ops = [op for op in OPS if op in found]
     if names:
         return {op: prefix + op for op in ops}
     bind, encode = bind or {}, encode or {}
     stray = (set(bind) | set(encode)) - set(ops)
     if stray:
         raise ValueError(f"bind / encode for ops without a kernel: {sorted(stray)}")
-    return {op: Kernel(getattr(source, prefix + op), bind.get(op), encode.get(op)) for op in ops}
+    return {op: Kernel(getattr(found[op], prefix + op), bind.get(op), encode.get(op)) for op in ops}

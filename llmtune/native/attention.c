@@ -1,4 +1,4 @@
-/* Blockwise causal attention. The forward of ops.flash_attn (backends/cpu.py k_flash_attn;
+/* Blockwise causal attention. The forward of ops.flash_attn (backends/cpu_attention.py k_flash_attn;
  * llama.cpp's ggml_flash_attn_ext) for evaluation passes past PLAIN_ATTENTION_MAX_T positions,
  * where numpy's block walk spent a fifth of a SmolLM2 f32 perplexity run in Python-sized pieces.
  * One task is FA_QB queries of one head; it keeps their scores transposed (key-major, S^T[s][r]),

@@ -1,6 +1,6 @@
 /* Rope. Norm-mode rope of float32 pairs over x [B, T, H, d] with tables cos2, sin2 [T, d] (each
  * pair's cos twice; -sin, sin): out = x * cos2 + swap(x) * sin2, the products and the sum each
- * rounded as backends/cpu.py _rope_pairs rounds them, so every value is numpy's, bit for bit. Rows
+ * rounded as backends/cpu_attention.py _rope_pairs rounds them, so every value is numpy's, bit for bit. Rows
  * (b, t) over the pool (nth 0: the compiled count). */
 #include "pool.h"
 
