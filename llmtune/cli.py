@@ -355,8 +355,8 @@ def eval_cmd(
     hellaswag: bool = typer.Option(False, "--hellaswag",
                                    help="HellaSwag: acc_norm of the 4 endings (llama-perplexity --hellaswag)."),
     winogrande: bool = typer.Option(False, "--winogrande",
-                                    help="Winogrande: which of 2 choices fills the blank (llama-perplexity "
-                                         "--winogrande)."),
+                                    help="Winogrande: which of 2 choices fills the blank "
+                                         "(llama-perplexity --winogrande)."),
     multiple_choice: bool = typer.Option(False, "--multiple-choice",
                                          help="Multiple choice: MMLU, ARC, TruthfulQA (llama-perplexity "
                                               "--multiple-choice)."),
@@ -364,8 +364,8 @@ def eval_cmd(
                                         help="Score N tasks, chosen at random as llama.cpp chooses them. \\[default: "
                                              "HellaSwag 400, the others all]", show_default=False),
     ctx: int = typer.Option(512, "--ctx", "-c",
-                            help="llama-perplexity's -c: a task (shared prefix plus every answer) must fit in 4 x ctx "
-                                 "tokens."),
+                            help="llama-perplexity's -c: a task (shared prefix plus every answer) must fit "
+                                 "in 4 x ctx tokens."),
     batch: Optional[int] = typer.Option(None, "--batch", "-b",
                                         help="Tokens per forward pass (several tasks per pass). \\[default: 1024 on "
                                              "cpu, one pass per core]", show_default=False),
@@ -499,8 +499,8 @@ def generate_cmd(
     elif prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     if prompt is None and not interactive:
-        raise LlmtuneError("generate: no prompt (give -p TEXT or -f FILE, pipe it on stdin, or use --chat in a "
-                           "terminal)")
+        raise LlmtuneError("generate: no prompt (give -p TEXT or -f FILE, pipe it on stdin, "
+                           "or use --chat in a terminal)")
     from llmtune.backends import get_backend
 
     stream = Stream()

@@ -57,13 +57,19 @@ class MicroBatches:
             feed.update({n: be.asarray(m.astype(be.dtype, copy=False)) for n, m in masks.items()})
         return feed
 
-    def run(self, inputs: np.ndarray, targets: np.ndarray, segments, extra: Callable, collect: Callable) -> list:
+    def counts(self, targets: np.ndarray) -> np.ndarray:
+        """Each micro-batch's loss-carrying targets (a target of -1, a masked prompt or padding
+        token, carries none)."""
+        return (np.asarray(targets).reshape(self.tr.ubatches_per_step, -1) >= 0).sum(axis=1)
+
+    def run(self, inputs: np.ndarray, targets: np.ndarray, segments, counts: np.ndarray, extra: Callable,
+            collect: Callable) -> list:
         """The step's gradient in flat_g (this rank's share): each of its micro-batches' training
-        pass, extra(u) added to micro-batch u's inputs (the loss's seed), collect(u, outputs) taken
-        before the worker's next pass overwrites them; -> collect's values by micro-batch."""
+        pass (counts: theirs, self.counts), extra(u) added to micro-batch u's inputs (the loss's
+        seed), collect(u, outputs) taken before the worker's next pass overwrites them; ->
+        collect's values by micro-batch."""
         tr = self.tr
         be, k, n_w = tr.backend, tr.seqs_per_ubatch, self.n_workers
-        counts = (np.asarray(targets).reshape(tr.ubatches_per_step, -1) >= 0).sum(axis=1)
         results: list = [None] * tr.ubatches_per_step
 
         def work(w: int) -> None:  # worker w takes this rank's micro-batches w, w + n_w, ...

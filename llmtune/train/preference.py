@@ -332,8 +332,8 @@ class PreferenceTrainer(Trainer):
         lp, (loss, d_c, d_r, nll_w, metrics) = self._score(inputs, targets, layout)
         weights = self.objective.token_weights(lp, d_c, d_r, nll_w, targets, layout.parts)
         per_pass = weights.reshape(self.ubatches_per_step, -1).astype(be.dtype)
-        self.batches.run(inputs, targets, layout.parts, lambda u: {"token_weights": be.asarray(per_pass[u])},
-                        lambda u, out: None)
+        self.batches.run(inputs, targets, layout.parts, self.batches.counts(targets),
+                         lambda u: {"token_weights": be.asarray(per_pass[u])}, lambda u, out: None)
         sum_squares = guard.check_step(self, loss)
         stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
         self.step_metrics = metrics

@@ -204,13 +204,12 @@ class Trainer:
         """One optimizer step over n_batch tokens (inputs/targets: [n_batch/n_ctx, n_ctx]; packed:
         segments of the same shape). Returns the step's mean loss."""
         be = self.backend
-        # tokens carrying loss per micro-batch (a target of -1, a masked prompt or padding token,
-        # carries none): each pass's mean is weighted by its share of the step's tokens, so the
+        # each pass's mean is weighted by its share of the step's loss-carrying tokens, so the
         # step's loss and gradient are the mean over all of them (1 / n_ub each without masking)
-        counts = (np.asarray(targets).reshape(self.ubatches_per_step, -1) >= 0).sum(axis=1)
+        counts = self.batches.counts(targets)
         total = max(int(counts.sum()), 1)
         scales = [be.asarray(np.asarray(c / total, dtype=be.dtype)) for c in counts]
-        results = self.batches.run(inputs, targets, segments, lambda u: {"loss_scale": scales[u]},
+        results = self.batches.run(inputs, targets, segments, counts, lambda u: {"loss_scale": scales[u]},
                                   lambda u, out: (float(be.to_numpy(out[0])), int(be.to_numpy(out[1]))))
         if self.comm.size > 1:
             results = self._reduce_step(results)

@@ -54,8 +54,7 @@ class CUDABackend(ElementwiseKernels, GemmKernels, QuantKernels, ShapeKernels, E
             raise LlmtuneError(f"--backend cuda: dtype {self.dtype} is not supported (float32 or float64)")
         if precision not in PRECISIONS or (precision != "f32" and self.dtype != np.float32):
             raise LlmtuneError(f"--precision: {precision!r} is not available for {self.dtype} (choose "
-                               "f32, tf32 or bf16 "
-                               "with float32)")
+                               "f32, tf32 or bf16 with float32)")
         self.precision = precision
         self.rt = runtime if runtime is not None else CupyRuntime()
         if hasattr(self.rt, "prepare"):
