@@ -32,7 +32,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from llmtune.backends.cpu import CPUBackend  # noqa: E402
-from llmtune.backends.threads import blas_threads, n_cores  # noqa: E402
+from llmtune.backends.cpu.threads import blas_threads, n_cores  # noqa: E402
 from llmtune.model.loaded import load_model  # noqa: E402
 from llmtune.train.trainer import RunningStats, Trainer  # noqa: E402
 

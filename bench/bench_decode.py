@@ -85,8 +85,8 @@ def ours(model: Path, n: int, env_extra=None) -> dict:
 def profile(model: Path, n: int) -> None:
     import numpy as np
 
+    from llmtune.backends.cpu.native import kernels, program
     from llmtune.eval.generate import Generator, load_for_generation
-    from llmtune.native import kernels, program
 
     gen = Generator(load_for_generation(model), n_ctx=512)
     logits = gen.feed(gen.tokenize_prompt(PROMPT))

@@ -51,8 +51,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--cold", type=int, default=1, help="copies of each weight to cycle through (1: warm)")
     args = ap.parse_args()
-    from llmtune.backends.threads import blas_threads
-    from llmtune.native import kernels
+    from llmtune.backends.cpu.native import kernels
+    from llmtune.backends.cpu.threads import blas_threads
 
     packed_ok = kernels.pack_wt_available()
     import torch

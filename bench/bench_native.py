@@ -25,8 +25,9 @@ import timeit
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from llmtune.native import kernels
-from llmtune.quant import blocks, matmul as qmatmul
+from llmtune.backends.cpu import products as qmatmul
+from llmtune.backends.cpu.native import kernels
+from llmtune.quant import blocks
 
 SHAPES = (  # (name, n_out, n_in, type) of SmolLM2-135M-Instruct.Q4_1
     ("attn_q / attn_output 576x576", 576, 576, "Q4_1"),

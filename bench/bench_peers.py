@@ -60,7 +60,7 @@ PPL_ROWS = [
 
 
 def n_threads() -> int:
-    from llmtune.backends.threads import n_cores
+    from llmtune.backends.cpu.threads import n_cores
 
     return n_cores()
 

@@ -21,8 +21,9 @@ import time
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from llmtune.backends.threads import blas_threads
-from llmtune.quant import blocks, matmul as qmatmul
+from llmtune.backends.cpu import products as qmatmul
+from llmtune.backends.cpu.threads import blas_threads
+from llmtune.quant import blocks
 
 
 def best(fn, reps: int = 3) -> float:

@@ -82,7 +82,7 @@ from llmtune.resources import prefer_small_pages
 prefer_small_pages()  # as `llmtune generate` starts (cli.main)
 from llmtune.eval.generate import Generator, load_for_generation
 from llmtune.eval.sampling import Sampler, SamplerConfig
-from llmtune.native import kernels
+from llmtune.backends.cpu.native import kernels
 model = load_for_generation(sys.argv[1])
 gen = Generator(model, "cpu", n_ctx=int(sys.argv[3]))
 ids = gen.tokenize_prompt(sys.argv[4])
@@ -176,7 +176,7 @@ def chat_windows(model_path: str, ctx: int, n: int, work: Path) -> Path:
 
 def llmtune_warmup() -> int:
     """Untimed llmtune steps: its OpenBLAS thread-count trials (threads.BlasTuner), then one more."""
-    from llmtune.backends.threads import BlasTuner
+    from llmtune.backends.cpu.threads import BlasTuner
 
     return BlasTuner.TRIAL_RUNS + 1
 

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtune.backends import cpu, cpu_attention
-from llmtune.backends.threads import blas_threads
-from llmtune.native import kernels
+from llmtune.backends.cpu import attention as cpu_attention, backend as cpu
+from llmtune.backends.cpu.native import kernels
+from llmtune.backends.cpu.threads import blas_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemm import median_s  # noqa: E402

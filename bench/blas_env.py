@@ -35,8 +35,8 @@ def at_its_best() -> None:
 
 
 def kernel() -> str:
-    """'OpenBLAS 0.3.31 SkylakeX' (llmtune.backends.threads.blas_kernel), with the variables that chose it."""
-    from llmtune.backends.threads import blas_kernel
+    """'OpenBLAS 0.3.31 SkylakeX' (llmtune.backends.cpu.threads.blas_kernel), with the variables that chose it."""
+    from llmtune.backends.cpu.threads import blas_kernel
 
     chosen = ", ".join(f"{k}={os.environ[k]}" for k in KNOBS if k in os.environ)
     return (blas_kernel() or "no OpenBLAS") + (f" ({chosen})" if chosen else "")

@@ -129,7 +129,7 @@ def ulp_noise_floor(model: Path, text: Path, ctx: int, chunks: int, ours: list[f
     BLAS) agree on a quantized file only to about this level."""
 
     import llmtune
-    import llmtune.quant.matmul as qm
+    import llmtune.backends.cpu.products as qm
     from llmtune.model.loaded import load_model
 
     exact = qm.round_activations

@@ -538,7 +538,7 @@ def main() -> int:
         return 0
     if args.bin is None:
         ap.error("--bin is needed (or --peft)")
-    from llmtune.backends.threads import blas_threads
+    from llmtune.backends.cpu.threads import blas_threads
 
     with tempfile.TemporaryDirectory() as tmp, blas_threads(1):  # tiny models: one BLAS thread is fastest
         tmp = Path(tmp)

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from llmtune.quant import blocks, matmul as qmatmul
+from llmtune.backends.cpu import products as qmatmul
+from llmtune.quant import blocks
 
 
 class _Traits(ctypes.Structure):

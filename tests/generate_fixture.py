@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import family_check
-from llmtune.backends.threads import blas_threads
+from llmtune.backends.cpu.threads import blas_threads
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"

@@ -719,7 +719,7 @@ FLASH_CASES = [(2, 13, 4, 2, 3, 0.0, 0), (1, 11, 6, 2, 4, 1.5, 0), (1, 14, 2, 1,
 @pytest.mark.parametrize("case", FLASH_CASES)
 def test_flash_attention_matches_plain_composition(name, case, monkeypatch):
     """Blockwise attention equals the [T, T] composition in float64, forward and gradients."""
-    from llmtune.backends import cpu_attention
+    from llmtune.backends.cpu import attention as cpu_attention
 
     monkeypatch.setattr(cpu_attention, "_FA_BLOCK", 4)
     B, T, H, Hkv, d, cap, window = case
@@ -738,7 +738,7 @@ def test_flash_attention_matches_plain_composition(name, case, monkeypatch):
 @pytest.mark.parametrize("cap,window", [(0.0, 0), (1.5, 3)])
 def test_flash_attention_gradients_across_blocks(name, cap, window, monkeypatch):
     """Finite differences through several query and key blocks (blocks of 2 positions on the cpu)."""
-    from llmtune.backends import cpu_attention
+    from llmtune.backends.cpu import attention as cpu_attention
 
     monkeypatch.setattr(cpu_attention, "_FA_BLOCK", 2)
     arrays = {"q": rng.standard_normal((1, 5, 4, 2)), "k": rng.standard_normal((1, 5, 2, 2)),
@@ -890,7 +890,7 @@ def test_stored_weight_ops(name, qtype, monkeypatch):
     """qlinear (activations rounded as ggml's CPU matmul rounds them, and not), qlinear_back,
     qget_rows and dequantize against gguf-py's decoding and a transcription of ggml's activation
     quantizers; W is dequantized in blocks of 3 rows, so the blocked paths run."""
-    from llmtune.quant import matmul as qmatmul
+    from llmtune.backends.cpu import products as qmatmul
 
     be = backend_for(name)
     n_out, n_in = 7, 512
@@ -947,7 +947,7 @@ def test_stored_weight_matches_ggml_kernels():
     """Products recorded from ggml's own CPU kernels (bench/check_qmatmul.py --record: from_float of
     each type's vec_dot_type, then vec_dot) on this fixture's bytes: qlinear gives them to float
     summation order, and the same product with unrounded activations does not."""
-    from llmtune.quant import matmul as qmatmul
+    from llmtune.backends.cpu import products as qmatmul
 
     rec = np.load(DATA_DIR / "qmatmul" / "ggml-products.npz")
     x = rec["x"]

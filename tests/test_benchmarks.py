@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import run_cli
-from llmtune.backends.threads import blas_threads
+from llmtune.backends.cpu.threads import blas_threads
 from llmtune.errors import LlmtuneError
 from llmtune.eval.benchmarks import evaluate, prepare_benchmark, score_benchmark, wilson_interval
 from llmtune.eval.tasks import (

@@ -14,7 +14,7 @@ import pytest
 
 from cli_helpers import run_cli
 from family_check import REPO, local_copy
-from llmtune.backends.threads import blas_threads
+from llmtune.backends.cpu.threads import blas_threads
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import load_gguf
 from llmtune.model.loaded import load_model

@@ -165,9 +165,8 @@ def test_help_shows_the_config_defaults(monkeypatch):
 def test_cpu_workers_rule(monkeypatch):
     """One worker off the cpu, for a single item, or without OpenBLAS thread control; else one per
     core up to 4, whether or not OpenBLAS's bits follow its thread count."""
-    from llmtune.backends import threads
     from llmtune.backends.base import Backend
-    from llmtune.backends.cpu import CPUBackend
+    from llmtune.backends.cpu import CPUBackend, threads
 
     cpu = CPUBackend()
     for be in (cpu, Backend()):
@@ -216,7 +215,7 @@ def test_activations_that_do_not_fit_are_refused_before_allocating(stories_path,
                                                                     capsys):
     """The activations' arena is planned, then checked against the memory left, then allocated:
     a run whose pass does not fit ends in one line (exit 2) and no arena is ever asked for."""
-    import llmtune.backends.cpu as cpu
+    import llmtune.backends.cpu.backend as cpu
     import llmtune.train.trainer as trainer
     from cli_helpers import run_cli
 
@@ -276,7 +275,7 @@ def test_bad_flags(stories_path, small_text, tmp_path):
 
 def test_validation_with_more_workers_than_the_default_cap(stories_path, wikitext_ids):
     """workers above MAX_CPU_WORKERS: each evaluation worker still gets its own program cache."""
-    from llmtune.backends.threads import MAX_CPU_WORKERS, blas_threads
+    from llmtune.backends.cpu.threads import MAX_CPU_WORKERS, blas_threads
 
     if not blas_threads.available():
         pytest.skip("OpenBLAS thread control unavailable: workers fall back to 1")
@@ -292,7 +291,7 @@ def test_validation_with_more_workers_than_the_default_cap(stories_path, wikitex
 
 def test_parallel_micro_batches_match_sequential(stories_path, wikitext_ids):
     """Micro-batches computed one per core give the sequential result (float rounding aside)."""
-    from llmtune.backends.threads import blas_threads
+    from llmtune.backends.cpu.threads import blas_threads
 
     if not blas_threads.available():
         pytest.skip("OpenBLAS thread control unavailable: workers fall back to 1")

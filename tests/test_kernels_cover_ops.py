@@ -1,8 +1,8 @@
 """Every backend's kernel table covers exactly the ops of graph/ops.OPS, checked without a GPU:
 a missing or stale kernel fails here, not when some program first needs it."""
 
-from llmtune.backends import cpu, cpu_attention
 from llmtune.backends.base import Kernel, kernel_table
+from llmtune.backends.cpu import attention as cpu_attention, backend as cpu
 from llmtune.backends.cuda import CUDABackend
 from llmtune.graph import ops
 

@@ -38,7 +38,7 @@ RECORDED = DATA / "lora" / "llamacpp-lora.json"  # bench/check_lora.py --record
 def _one_blas_thread():
     """The models here are tiny: two OpenBLAS threads on a busy 2-core machine make each small
     matmul ~25x slower (thread hand-offs), one thread keeps the module fast."""
-    from llmtune.backends.threads import blas_threads
+    from llmtune.backends.cpu.threads import blas_threads
 
     with blas_threads(1):
         yield

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from llmtune.backends import cpu_attention
-from llmtune.native import build, kernels
-from llmtune.quant import blocks, matmul as qmatmul
+from llmtune.backends.cpu import attention as cpu_attention, products as qmatmul
+from llmtune.backends.cpu.native import build, kernels
+from llmtune.quant import blocks, codecs
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 QTYPES = tuple(kernels.TYPE_CODES)
@@ -234,7 +234,7 @@ def test_sources_share_one_header_and_the_type_registry(tmp_path, monkeypatch):
     header and the generated one."""
     import re
 
-    from llmtune.native import program
+    from llmtune.backends.cpu.native import program
     from llmtune.quant.types import ACT_TYPES, QTYPES as REGISTRY
 
     c_files = sorted([*build.HERE.glob("*.c"), *build.HERE.glob("*.h")])
@@ -314,7 +314,7 @@ def test_a_failed_build_is_a_reason_not_an_error(fresh, monkeypatch):
 def test_rms_norm_matches_numpy():
     """The decode step's rms_norm (a replayed program binds it): numpy's kernel within a few float32
     ulps (ggml sums the squares in double, numpy's einsum in float32)."""
-    from llmtune.backends.cpu import k_rms_norm
+    from llmtune.backends.cpu.backend import k_rms_norm
 
     x = _activations(3, 576, np.random.default_rng(6))
     out = np.empty_like(x)
@@ -328,7 +328,7 @@ def test_rms_norm_matches_numpy():
 
 # ------------------------------------------------------------------------------ compiled programs (lt_run)
 def _compiled(step):
-    from llmtune.native import program
+    from llmtune.backends.cpu.native import program
 
     assert step is not None
     call = program.compile_steps([step])
@@ -349,8 +349,8 @@ def test_compiled_elementwise_ops_are_numpy_bit_for_bit():
     """add, mul (a gain over the rows), scale, rope (norm and neox, inverse, a partial rotation, freq
     factors), the embedding row gathers: the same operations in the same order as backends/cpu.py,
     so the same bits."""
-    from llmtune.backends import cpu
-    from llmtune.native import program
+    from llmtune.backends.cpu import backend as cpu
+    from llmtune.backends.cpu.native import program
 
     rng = np.random.default_rng(7)
     a, b = (rng.standard_normal((3, 576)).astype(np.float32) for _ in range(2))
@@ -379,8 +379,8 @@ def test_compiled_attention_ops_match_numpy():
     (its pairwise sum numpy's; exp the C library's, or where AVX-512 is built a polynomial within
     ~1 ulp) and swiglu within 1e-6 relative (a few float32 ulps); the small matmuls to float summation
     order (relative to |a| |b|: below 1e-6); rms_norm within 1e-6."""
-    from llmtune.backends import cpu
-    from llmtune.native import program
+    from llmtune.backends.cpu import backend as cpu
+    from llmtune.backends.cpu.native import program
 
     rng = np.random.default_rng(8)
     cache = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
@@ -416,7 +416,7 @@ def test_training_swiglu_and_its_gradients_match_numpy(monkeypatch, n):
     against the numpy passes they replace, within 1e-6 relative (exp within ~1 ulp; near the gate
     gradient's zero, relative to its factors); in place too.
     Inputs reach |gate| = 40, where the sigmoid saturates."""
-    from llmtune.backends import cpu
+    from llmtune.backends.cpu import backend as cpu
 
     rng = np.random.default_rng(9)
     gate, up, g = (rng.standard_normal(n).astype(np.float32) * 4 for _ in range(3))
@@ -440,7 +440,7 @@ def test_training_swiglu_and_its_gradients_match_numpy(monkeypatch, n):
 def test_training_swiglu_is_the_same_on_any_thread_count():
     """The passes run in chunks over the pool (a multiple of the vector width): one thread and all
     of them write the same bits."""
-    from llmtune.backends.threads import blas_threads
+    from llmtune.backends.cpu.threads import blas_threads
 
     rng = np.random.default_rng(3)
     gate, up, g = (rng.standard_normal(128 * 1536 + 9).astype(np.float32) for _ in range(3))
@@ -460,7 +460,7 @@ def test_training_swiglu_is_the_same_on_any_thread_count():
 def test_compiled_steps_decline_and_fail_in_one_line():
     """Encoders decline what the compiled ops do not take (float64, a broadcast they do not know),
     and a position past the cache is an IndexError naming the op, not a write out of bounds."""
-    from llmtune.native import program
+    from llmtune.backends.cpu.native import program
 
     a64 = np.ones((2, 8))
     assert program.add(np.empty_like(a64), a64, a64) is None
@@ -529,7 +529,7 @@ def test_scores_only_a_causal_softmax_reads_are_computed_for_visible_keys():
     """q k^T, the causal softmax and p v, each the only reader of the one before (program._fuse):
     the masked scores are not computed and the masked probabilities not written (left as they
     were), and the attention output is the unfused program's exactly."""
-    from llmtune.native import program
+    from llmtune.backends.cpu.native import program
 
     rng = np.random.default_rng(10)
     q = rng.standard_normal((1, 3, 4, 64)).astype(np.float32)
@@ -605,7 +605,7 @@ def test_activation_rounding_matches_numpy_bit_for_bit(act):
     got = kernels.round_q8(x, act == "q8_1")
     if got is None:
         pytest.skip("the compiler has no _Float16")
-    want = qmatmul._round_q8_0(x, with_sum=act == "q8_1")
+    want = codecs._round_q8_0(x, with_sum=act == "q8_1")
     np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
     if act == "q8_1":
         np.testing.assert_array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
@@ -642,8 +642,8 @@ def test_pass_rms_norm_is_a_decode_step_s_on_any_thread_count(shape, monkeypatch
     """cpu.k_rms_norm over a pass's float32 rows is the compiled decode step's norm (ggml's double
     sums) row for row, the same bits on any thread count, and within float32 rounding of numpy's
     float32 sums and of float64."""
-    from llmtune.backends import cpu
-    from llmtune.backends.threads import blas_threads
+    from llmtune.backends.cpu import backend as cpu
+    from llmtune.backends.cpu.threads import blas_threads
 
     rng = np.random.default_rng(6)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -676,8 +676,8 @@ def _decode_norm(row):
 def test_rms_norm_gradient_matches_numpy_on_any_thread_count(shape, monkeypatch):
     """cpu.k_rms_norm_back compiled (its sums in float32 lanes) against numpy's passes and
     float64 within float32 rounding, and the same bits on one thread and all of them."""
-    from llmtune.backends import cpu
-    from llmtune.backends.threads import blas_threads
+    from llmtune.backends.cpu import backend as cpu
+    from llmtune.backends.cpu.threads import blas_threads
 
     rng = np.random.default_rng(5)
     x, g = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
@@ -707,8 +707,8 @@ def test_the_loss_over_the_vocabulary_matches_numpy_on_any_thread_count(rows, n,
     """cpu.k_logsumexp, k_cross_entropy_back and k_token_nll_back compiled (one pass a row, the
     vector exp, double lane sums) against numpy's passes and float64, a masked row included, and
     the same bits on one thread and all of them."""
-    from llmtune.backends import cpu
-    from llmtune.backends.threads import blas_threads
+    from llmtune.backends.cpu import backend as cpu
+    from llmtune.backends.cpu.threads import blas_threads
 
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((rows, n)) * 4).astype(np.float32)

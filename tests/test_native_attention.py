@@ -12,9 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from llmtune.backends import cpu_attention as cpu
-from llmtune.backends.threads import blas_threads
-from llmtune.native import kernels
+from llmtune.backends.cpu import attention as cpu
+from llmtune.backends.cpu.native import kernels
+from llmtune.backends.cpu.threads import blas_threads
 
 
 def _inputs(B, T, H, Hkv, d, seed=0):

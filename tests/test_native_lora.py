@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmtune.backends import cpu
-from llmtune.backends.threads import blas_threads
-from llmtune.native import kernels
+from llmtune.backends.cpu import backend as cpu
+from llmtune.backends.cpu.native import kernels
+from llmtune.backends.cpu.threads import blas_threads
 
 needs_native = pytest.mark.skipif(not kernels.available(), reason=f"no compiled layer: {kernels.reason()}")
 

@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 
 import llmtune
-from llmtune.backends.cpu import CPUBackend
-from llmtune.backends.threads import blas_threads
+from llmtune.backends.cpu import CPUBackend, products as qmatmul
+from llmtune.backends.cpu.native import kernels
+from llmtune.backends.cpu.threads import blas_threads
 from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
-from llmtune.native import kernels
-from llmtune.quant import matmul as qmatmul
 from llmtune.train.trainer import RunningStats, Trainer
 
 needs_packed = pytest.mark.skipif(not kernels.pack_wt_available(),
@@ -199,7 +198,7 @@ def test_a_pack_another_worker_makes_meanwhile_is_found_not_refused():
     two-worker LoRA run in ten.)"""
     import threading
 
-    from llmtune.quant.matmul import FloatCopies
+    from llmtune.backends.cpu.products import FloatCopies
 
     w = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
     copies = FloatCopies(FloatCopies.packed_bytes(w.shape), pack=True)
@@ -247,7 +246,7 @@ def test_packed_copies_all_or_none(stories_path, monkeypatch):
     products packed would run the rest on a single-threaded OpenBLAS), and OpenBLAS's thread
     count is tuned by timing again."""
     import llmtune.train.memory as memory_module
-    from llmtune.backends.threads import BlasTuner
+    from llmtune.backends.cpu.threads import BlasTuner
 
     monkeypatch.setattr(memory_module, "training_budget", lambda quantized, need, available, packed=0: packed // 2)
     tr = _lora_trainer(stories_path, None)

@@ -15,7 +15,7 @@ from cli_helpers import run_cli
 from family_check import REPO
 from llmtune.arch.packing import packing_inputs, segment_positions
 from llmtune.backends import get_backend
-from llmtune.backends.threads import blas_threads
+from llmtune.backends.cpu.threads import blas_threads
 from llmtune.errors import LlmtuneError
 from llmtune.model.loaded import load_model
 from llmtune.train.chat import ExampleDataset, PackedDataset, build_dataset, pack_lengths

@@ -97,7 +97,7 @@ def test_batch_larger_than_ctx_gives_same_numbers(stories, ids):
 
 @pytest.mark.determinism
 def test_workers_give_same_numbers_and_restore_blas_threads(stories, ids):
-    from llmtune.backends.threads import blas_threads
+    from llmtune.backends.cpu.threads import blas_threads
 
     if not blas_threads.available():
         pytest.skip("numpy's BLAS is not OpenBLAS: one worker only")

@@ -160,8 +160,8 @@ def test_a_build_without_the_packed_product_keeps_float_copies(exports, monkeypa
     """QLoRA's frozen matrices: packed copies where the compiled product is built, else float32
     copies (numpy's products then skip the per-block decode). A build without it used to plan
     packed copies of 0 bytes and keep neither."""
+    from llmtune.backends.cpu.native import kernels
     from llmtune.model.adapter import attach, init_adapter
-    from llmtune.native import kernels
     from llmtune.train.trainer import Trainer
 
     if packing and not kernels.pack_wt_available():
@@ -181,18 +181,19 @@ def test_a_build_without_the_packed_product_keeps_float_copies(exports, monkeypa
 def test_evaluation_copies_follow_the_decoder_and_the_model_size(exports, monkeypatch):
     """An evaluation keeps no float copies where the compiled decoders run (its peak stays near
     the file's size), else at most the stored size (and a quarter of the free memory)."""
-    from llmtune.native import kernels
+    from llmtune.backends.cpu.native import kernels
     from llmtune.quant.qtensor import evaluation_budget, float_copy_bytes
 
     model = load_model(exports["q4_k_m"])
     stored = sum(w.nbytes for w in model.weights.values() if isinstance(w, QTensor))
     monkeypatch.setattr(kernels, "dequantize_available", lambda: True)
-    assert evaluation_budget(model.weights) == 0
+    assert evaluation_budget(model.weights, compiled_decoders=True) == 0
     assert CPUBackend().bind(model, float_copies=True).float_copies is None
     monkeypatch.setattr(kernels, "dequantize_available", lambda: False)
-    assert evaluation_budget(model.weights) == min(stored, float_copy_bytes(model.weights)) == stored > 0
+    assert evaluation_budget(model.weights, False) == min(stored, float_copy_bytes(model.weights)) == stored > 0
+    assert CPUBackend().bind(model, float_copies=True).float_copies.budget == stored
     monkeypatch.setenv("LLMTUNE_MEMORY_LIMIT", str(stored))
-    assert evaluation_budget(model.weights) == stored // 4
+    assert evaluation_budget(model.weights, False) == stored // 4
 
 
 def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
@@ -253,7 +254,7 @@ def test_decoded_copies_give_the_stored_products(qtype):
     the copies belong to the FloatCopies (the bound weights), nothing is kept without one."""
     from gguf import GGMLQuantizationType as QT
 
-    from llmtune.quant import matmul as qm
+    from llmtune.backends.cpu import products as qm
     from llmtune.quant.blocks import quantize
 
     rng = np.random.default_rng(0)
@@ -276,16 +277,17 @@ def test_evaluation_keeps_decoded_copies_and_the_numbers(exports, wikitext_ids, 
     """perplexity on a quantized file, with a budget for every copy, decodes each matrix once (not
     per pass) with the same numbers; with none (the default where the compiled decoders run,
     test_evaluation_copies_follow_*) it decodes per product."""
-    from llmtune.quant import matmul as qm, qtensor
+    from llmtune.backends.cpu import backend as cpu_backend, products as qm
+    from llmtune.quant import qtensor
 
-    monkeypatch.setattr(qtensor, "evaluation_budget", qtensor.float_copy_bytes)
+    monkeypatch.setattr(cpu_backend, "evaluation_budget", lambda tensors, compiled: qtensor.float_copy_bytes(tensors))
     model = load_model(exports["q8_0"])
     decodes = []
     real = qm.dequantize_rows
     monkeypatch.setattr(qm, "dequantize_rows", lambda *a: decodes.append(1) or real(*a))
     cached = perplexity_from_ids(model, wikitext_ids, ctx=64, batch=64, chunks=6, workers=1)
     n_cached = len(decodes)
-    monkeypatch.setattr(qtensor, "evaluation_budget", lambda tensors: 0)
+    monkeypatch.setattr(cpu_backend, "evaluation_budget", lambda tensors, compiled: 0)
     decodes.clear()
     stored = perplexity_from_ids(model, wikitext_ids, ctx=64, batch=64, chunks=6, workers=1)
     n_matrices = sum(isinstance(w, QTensor) for w in model.weights.values())

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from llmtune.backends import threads
+from llmtune.backends.cpu import threads
 
 pytestmark = pytest.mark.determinism
 

@@ -9,9 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from llmtune.backends import threads
-from llmtune.backends.cpu import CPUBackend
-from llmtune.backends.cpu_attention import _ROPE_TABLES, k_rope
+from llmtune.backends.cpu import CPUBackend, threads
+from llmtune.backends.cpu.attention import _ROPE_TABLES, k_rope
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import Program, Replay

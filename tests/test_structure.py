@@ -68,10 +68,11 @@ def test_package_imports_have_no_circles():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
-def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The module graph folded onto llmtune's first-level packages (and top-level modules)."""
+def package_graph(graph: dict[str, set[str]], depth: int = 2) -> dict[str, set[str]]:
+    """The module graph folded onto packages: depth 2, llmtune's first-level packages (and top-level
+    modules); depth 3, their subpackages too (backends.cpu, backends.cuda, model.adapter, ...)."""
     def room(module: str) -> str:
-        return ".".join(module.split(".")[:2])
+        return ".".join(module.split(".")[:depth])
 
     folded: dict[str, set[str]] = {}
     for module, edges in graph.items():
@@ -79,17 +80,24 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return folded
 
 
-# the package loops left all pass through the compiled layer (native/): it reads the thread policy
-# in backends/threads.py (which keeps its probe in native/build.py's cache folder) and rope's
-# frequencies in graph/ops.py, while backends/ and quant/'s CPU products call it. Issue 38 moves
-# native/, threads.py and quant/'s products into backends/cpu/; until then no other loop may appear.
 def test_packages_import_each_other_in_one_direction():
-    folded = package_graph(import_graph())
-    assert find_cycle(folded) is not None, "no loop is left: check the whole graph, native/ included"
-    del folded["llmtune.native"]
-    for edges in folded.values():
-        edges.discard("llmtune.native")
-    assert find_cycle(folded) is None, " -> ".join(find_cycle(folded))
+    graph = import_graph()
+    for depth in (2, 3):
+        folded = package_graph(graph, depth)
+        assert find_cycle(folded) is None, " -> ".join(find_cycle(folded))
+    assert find_cycle(package_graph({"llmtune.a.x": {"llmtune.b.y"}, "llmtune.b.y": {"llmtune.a.z"},
+                                     "llmtune.a.z": set()})) == ["llmtune.a", "llmtune.b", "llmtune.a"]
+
+
+def test_nothing_outside_backends_imports_a_backends_internals():
+    """A backend is its package's face (backends/cpu/__init__.py, backends/cuda/__init__.py): its
+    modules can move and split without touching the rest of llmtune. backends/ itself (base.py,
+    dist.py, the registry) is the interface everyone uses."""
+    internals = ("llmtune.backends.cpu.", "llmtune.backends.cuda.")
+    for name, edges in import_graph().items():
+        if not name.startswith("llmtune.backends"):
+            assert not any(e.startswith(internals) for e in edges), (name, sorted(e for e in edges
+                                                                                 if e.startswith(internals)))
 
 
 def test_cycle_finder_finds_cycles():
@@ -99,12 +107,12 @@ def test_cycle_finder_finds_cycles():
 
 def test_top_level_folders_are_one_concern_each():
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
-    assert folders == ["arch", "backends", "convert", "eval", "gguf", "graph", "model", "native", "quant", "tokenizer",
-                       "train", "ui"]
+    assert folders == ["arch", "backends", "convert", "eval", "gguf", "graph", "model", "quant", "tokenizer", "train",
+                       "ui"]
     # the engine knows no model, the library no terminal
     graph = import_graph()
     for name, edges in graph.items():
-        if name.startswith(("llmtune.graph", "llmtune.backends", "llmtune.native")):
+        if name.startswith(("llmtune.graph", "llmtune.backends")):
             assert not any(e.startswith(("llmtune.arch", "llmtune.model", "llmtune.train")) for e in edges), name
         if name.startswith(("llmtune.train", "llmtune.eval", "llmtune.convert", "llmtune.model", "llmtune.arch")):
             assert not any(e.startswith("llmtune.ui") or e == "llmtune.cli" for e in edges), name

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
-from llmtune.backends.threads import run_in_order, share_cores
+from llmtune.backends.cpu.threads import run_in_order, share_cores
 from llmtune.errors import LlmtuneError, LlmtuneWarning
 
 TIMEOUT_ENV = "LLMTUNE_DIST_TIMEOUT"

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from llmtune.backends.cpu import logsumexp_rows
 from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.graph.planner import Program, ProgramCache
 
@@ -143,7 +144,7 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     error ~1e-7), the rest in float64.
     """
     target_logit = np.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(np.float64)
-    lse = _compiled_logsumexp(logits)
+    lse = logsumexp_rows(logits)
     if lse is not None:
         return lse - target_logit
     row_max = logits.max(axis=-1, keepdims=True)
@@ -154,20 +155,6 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     np.exp(logits, out=logits)
     lse = np.log(logits.sum(axis=-1).astype(np.float64)) + shift[..., 0]
     return lse - target_logit
-
-
-def _compiled_logsumexp(logits: np.ndarray) -> Optional[np.ndarray]:
-    """Row logsumexps (float64 [...]) by the compiled kernel, a contiguous [rows, V] block of
-    logits [..., V] at a time; None (nothing computed) where it does not take them."""
-    from llmtune.native import kernels as native
-
-    if logits.dtype != np.float32 or logits.ndim not in (2, 3) or not native.available():
-        return None
-    out = np.empty(logits.shape[:-1], np.float32)
-    blocks = zip(out, logits) if logits.ndim == 3 else [(out, logits)]
-    if not all(native.logsumexp(dst, block) for dst, block in blocks):
-        return None
-    return out.astype(np.float64)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

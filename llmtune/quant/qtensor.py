@@ -1,13 +1,14 @@
 """A matrix kept in its GGUF storage type: the block bytes (usually a view of the file's memory
 map) with its logical shape, decoded only where a product or a row lookup needs it
-(quant/matmul.py). Code that wants floats gets them: `np.asarray(w)` and `w.astype(np.float32)`
-dequantize the whole matrix."""
+(backends/cpu/products.py, backends/cuda/quant.py). Code that wants floats gets them:
+`np.asarray(w)` and `w.astype(np.float32)` dequantize the whole matrix (quant/codecs.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from llmtune.quant.matmul import QTYPES, dequantize_rows, row_bytes
+from llmtune.quant.codecs import dequantize_rows
+from llmtune.quant.types import QTYPES, row_bytes
 from llmtune.resources import available_memory
 
 
@@ -81,18 +82,16 @@ def float_copy_bytes(tensors) -> int:
     return sum(4 * w.size for w in tensors.values() if isinstance(w, QTensor))
 
 
-def evaluation_budget(tensors) -> int:
+def evaluation_budget(tensors, compiled_decoders: bool) -> int:
     """Bytes of float32 copies an evaluation command may keep of the quantized matrices among
     `tensors` (perplexity, eval, generate: the same frozen weights multiplied pass after pass).
     A copy saves a product its block decode and costs 4 bytes a weight, 4-8x the stored size, so
     the budget follows the decoder's speed, the model's size and the free memory: with the compiled
-    decoders (native.dequantize_rows, ~1 GB/s a core) the decode is a few percent of a pass of
+    decoders (`compiled_decoders`: the CPU backend's, ~1 GB/s a core) the decode is a few percent of a pass of
     perplexity's or eval's batch (and a decode step multiplies the blocks directly), so none are
     kept and the peak stays near llama.cpp's (the file plus activations); with numpy's decoders
     (~10x slower) up to the stored size again, within a quarter of the available memory."""
-    from llmtune.native import kernels
-
-    if kernels.dequantize_available():
+    if compiled_decoders:
         return 0
     avail = available_memory()
     stored = sum(w.nbytes for w in tensors.values() if isinstance(w, QTensor))

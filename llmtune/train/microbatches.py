@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from llmtune.backends.threads import blas_threads
+from llmtune.backends.cpu import blas_threads
 from llmtune.model.adapter import dropout_masks
 
 

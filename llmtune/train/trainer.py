@@ -17,12 +17,11 @@ from typing import Callable
 import numpy as np
 
 from llmtune.arch.packing import packing_inputs
+from llmtune.backends.cpu import FloatCopies, blas_threads
 from llmtune.backends.dist import Communicator, DistributedError, run_split, world
-from llmtune.backends.threads import blas_threads
 from llmtune.errors import LlmtuneError
 from llmtune.graph.planner import ProgramCache
 from llmtune.model.loaded import Model
-from llmtune.quant.matmul import FloatCopies
 from llmtune.quant.qtensor import QTensor, shape_only
 from llmtune.resources import available_memory
 from llmtune.train import guard, memory

@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType as VT
 
-from llmtune.backends.threads import cpu_workers, run_in_order
+from llmtune.backends.cpu import cpu_workers, run_in_order
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import MetaValue
 from llmtune.model.adapter.core import EMBD, LoraAdapter, LoraPair

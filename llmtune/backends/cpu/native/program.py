@@ -16,8 +16,8 @@ import ctypes
 
 import numpy as np
 
+from llmtune.backends.cpu.native import kernels
 from llmtune.graph.ops import rope_inv_freq
-from llmtune.native import kernels
 from llmtune.quant.types import QTYPES
 
 OPS = {"add": 0, "mul": 1, "rms_norm": 2, "qlinear": 3, "f32_linear": 4, "rope": 5, "cache_write": 6,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmtune.backends.cpu.native import kernels as native, program as native_program
 from llmtune.graph.ops import rope_inv_freq
-from llmtune.native import kernels as native, program as native_program
 
 
 class _RopeCache:

@@ -1,4 +1,7 @@
-"""numpy backend: float32 (or float64 for gradient checks); matmuls through BLAS.
+"""The CPU backend: numpy kernels in float32 (or float64 for gradient checks), matmuls through
+BLAS, the compiled kernels of native/ where they are built (each tested against the numpy kernel it
+stands in for), the products of stored matrices in products.py and the attention family in
+attention.py.
 
 Kernels write into planned `out` buffers and avoid temporaries where numpy allows it.
 """
@@ -10,11 +13,12 @@ import sys
 
 import numpy as np
 
-from llmtune.backends import cpu_attention as attention
 from llmtune.backends.base import Backend, kernel_table
-from llmtune.backends.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
-from llmtune.native import kernels as native, program as native_program
-from llmtune.quant import dynamic8, matmul as qmatmul
+from llmtune.backends.cpu import attention, products
+from llmtune.backends.cpu.native import kernels as native, program as native_program
+from llmtune.backends.cpu.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
+from llmtune.quant import dynamic8
+from llmtune.quant.qtensor import QTensor, evaluation_budget
 from llmtune.resources import process_rss
 
 
@@ -190,14 +194,14 @@ def _frozen_input_gradient(a, b, ta, tb):
     pass's backward through its base), else None."""
     if ta or tb or b.ndim != 2 or a.dtype != b.dtype:
         return None
-    return qmatmul.frozen_copies(b)
+    return products.frozen_copies(b)
 
 
 def k_matmul(out, a, b, ta, tb):
     copies = _frozen_input_gradient(a, b, ta, tb)
     if copies is not None:
         rows = _native_rows(out, a)
-        if rows is not None and qmatmul.packed_product(*rows, b, copies, transposed=True):
+        if rows is not None and products.packed_product(*rows, b, copies, transposed=True):
             return out
     if _weight_product(a, b, ta, tb):
         # a few rows times a weight matrix (a KV-cached decode step, a short prompt): the compiled
@@ -205,7 +209,7 @@ def k_matmul(out, a, b, ta, tb):
         # rows once, about twice OpenBLAS's sgemv_t when W is not in cache
         rows = _native_rows(out, a)
         if rows is not None and (native.f32_linear(*rows, b)
-                                 or qmatmul.packed_product(*rows, b, qmatmul.frozen_copies(b))):
+                                 or products.packed_product(*rows, b, products.frozen_copies(b))):
             return out  # (more rows: a training pass's frozen base through its packed copy, where kept)
         if a.size == a.shape[-1]:
             np.einsum("nk,k->n", b, a.reshape(-1), out=out.reshape(-1))
@@ -269,9 +273,9 @@ def _bind_lora_back(out, x, a, b, g, s, dx):
 
 
 # a stored matrix is bound as its block bytes, or (an evaluation's weights, CPUBackend.bind) as
-# qmatmul.WithCopies: the bytes and the float copies its products may keep
+# products.WithCopies: the bytes and the float copies its products may keep
 def _raw(w):
-    return w.raw if type(w) is qmatmul.WithCopies else w
+    return w.raw if type(w) is products.WithCopies else w
 
 
 def _bind_matmul(out, a, b, ta, tb):
@@ -281,17 +285,17 @@ def _bind_matmul(out, a, b, ta, tb):
     copies = _frozen_input_gradient(a, b, ta, tb)
     if copies is not None:
         rows = _native_rows(out, a)
-        return None if rows is None else qmatmul.bind_packed_product(*rows, b, copies, transposed=True)
+        return None if rows is None else products.bind_packed_product(*rows, b, copies, transposed=True)
     rows = _native_rows(out, a) if _weight_product(a, b, ta, tb) else None
     if rows is None:
         return None
-    return native.bind_f32_linear(*rows, b) or qmatmul.bind_packed_product(*rows, b, qmatmul.frozen_copies(b))
+    return native.bind_f32_linear(*rows, b) or products.bind_packed_product(*rows, b, products.frozen_copies(b))
 
 
 
 
 def k_qlinear(out, x, w, qtype, round_x):
-    if type(w) is qmatmul.WithCopies:
+    if type(w) is products.WithCopies:
         if round_x and x.size <= native.MAX_ROWS * x.shape[-1] and x.flags.c_contiguous and out.flags.c_contiguous:
             # a few rows (a prompt, a decode step): the packed product where there is one, the
             # weight packed at its first product (as llama.cpp repacks at load)
@@ -299,16 +303,16 @@ def k_qlinear(out, x, w, qtype, round_x):
             if packed is not None and native.qlinear_packed(out.reshape(-1, out.shape[-1]), x.reshape(-1, x.shape[-1]),
                                                             packed, w.raw, qtype):
                 return out
-        return qmatmul.qlinear(out, x, w.raw, qtype, round_x, w.copies)
-    return qmatmul.qlinear(out, x, w, qtype, round_x)
+        return products.qlinear(out, x, w.raw, qtype, round_x, w.copies)
+    return products.qlinear(out, x, w, qtype, round_x)
 
 
 def _bind_qlinear(out, x, w, qtype, round_x):
     """A replayed few-row product over stored blocks as one pre-bound compiled call; a training
     pass's product (activations unrounded) through its float copy's packed form likewise; or None."""
-    if type(w) is qmatmul.WithCopies and not round_x:
+    if type(w) is products.WithCopies and not round_x:
         return _bind_packed_copy(out, x, w, qtype, transposed=False)
-    return qmatmul.bind_qlinear(out, x, _raw(w), qtype, round_x)
+    return products.bind_qlinear(out, x, _raw(w), qtype, round_x)
 
 
 def _bind_packed_copy(out, x, w, qtype, transposed: bool):
@@ -319,27 +323,27 @@ def _bind_packed_copy(out, x, w, qtype, transposed: bool):
     if rows is None:
         return None
     n_in = (out if transposed else x).shape[-1]
-    return qmatmul.stored_packed_product(*rows, w.raw, qtype, n_in, w.copies, transposed, bind=True)
+    return products.stored_packed_product(*rows, w.raw, qtype, n_in, w.copies, transposed, bind=True)
 
 
 
 
 def k_qlinear_back(out, g, w, qtype):
-    if type(w) is qmatmul.WithCopies:
-        return qmatmul.qlinear_back(out, g, w.raw, qtype, w.copies)
-    return qmatmul.qlinear_back(out, g, w, qtype)
+    if type(w) is products.WithCopies:
+        return products.qlinear_back(out, g, w.raw, qtype, w.copies)
+    return products.qlinear_back(out, g, w, qtype)
 
 
 def _bind_qlinear_back(out, g, w, qtype):
-    return _bind_packed_copy(out, g, w, qtype, transposed=True) if type(w) is qmatmul.WithCopies else None
+    return _bind_packed_copy(out, g, w, qtype, transposed=True) if type(w) is products.WithCopies else None
 
 
 def k_qget_rows(out, w, ids, qtype):
-    return qmatmul.qget_rows(out, _raw(w), ids, qtype)
+    return products.qget_rows(out, _raw(w), ids, qtype)
 
 
 def k_dequantize(out, w, qtype):
-    return qmatmul.dequantize(out, _raw(w), qtype)
+    return products.dequantize(out, _raw(w), qtype)
 
 
 def k_reshape(out, x, shape):
@@ -473,6 +477,19 @@ def k_cache_write(out, cache, x, pos):
 _LSE_BLOCK = 1 << 16  # elements of exp temporary per block of rows: stays in L2
 
 
+def logsumexp_rows(logits: np.ndarray) -> np.ndarray | None:
+    """Row logsumexps (float64 [...]) of float32 logits [..., V] by the compiled kernel, a contiguous
+    [rows, V] block at a time (eval/scoring.py token_nll); None (nothing computed) where it does not
+    take them."""
+    if logits.dtype != np.float32 or logits.ndim not in (2, 3) or not native.available():
+        return None
+    out = np.empty(logits.shape[:-1], np.float32)
+    blocks = zip(out, logits) if logits.ndim == 3 else [(out, logits)]
+    if not all(native.logsumexp(dst, block) for dst, block in blocks):
+        return None
+    return out.astype(np.float64)
+
+
 def k_logsumexp(out, x):
     """max + log(sum(exp(x - max))) over the last axis, a block of rows at a time: the exp
     temporary stays in cache, where a whole [rows, vocab] one costs more in page faults than
@@ -585,7 +602,7 @@ _ENCODE = {
     **{op: getattr(native_program, op) for op in ("add", "mul", "scale", "rms_norm", "swiglu", "matmul", "rope",
                                                   "cache_write", "softmax_causal", "get_rows")},
     "qlinear": lambda out, x, w, qtype, round_x: native_program.qlinear(
-        out, x, _raw(w), qtype, round_x, w.packed(qtype) if type(w) is qmatmul.WithCopies else None),
+        out, x, _raw(w), qtype, round_x, w.packed(qtype) if type(w) is products.WithCopies else None),
     "qget_rows": lambda out, w, ids, qtype: native_program.qget_rows(out, _raw(w), ids, qtype),
 }
 
@@ -700,24 +717,22 @@ class CPUBackend(Backend):
         the evaluation budget (qtensor.evaluation_budget, none bound when it is 0); or the
         FloatCopies given, whatever its budget (models evaluated together share one; a trainer
         sets its budget once it knows what the rest of the run takes)."""
-        from llmtune.quant.qtensor import QTensor, evaluation_budget
-
         bound = super().bind(model)
         if float_copies is False or float_copies is None:
             return bound
         tensors = model.tensors() if hasattr(model, "tensors") else model
-        if isinstance(float_copies, qmatmul.FloatCopies):
+        if isinstance(float_copies, products.FloatCopies):
             copies = float_copies
         else:
-            copies = qmatmul.FloatCopies(evaluation_budget(tensors))
+            copies = products.FloatCopies(evaluation_budget(tensors, native.dequantize_available()))
             copies = copies if copies.budget > 0 else None
         # wrapped even without float copies: the wrapper also holds the weight's packed form, which
         # an evaluation's few-row products (decode) use where the compiled layer has it
         for name, w in tensors.items():
             if isinstance(w, QTensor):
-                bound[name] = qmatmul.WithCopies(bound[name], copies)
+                bound[name] = products.WithCopies(bound[name], copies)
             elif copies is not None and copies.pack and bound[name].dtype == np.float32 and bound[name].ndim == 2:
-                qmatmul.register_frozen(bound[name], copies)  # its products may keep a packed copy
+                products.register_frozen(bound[name], copies)  # its products may keep a packed copy
         if copies is not None:
             bound.float_copies = copies
         return bound

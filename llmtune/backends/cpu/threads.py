@@ -321,7 +321,7 @@ class ProbeCache:
     def __init__(self, name: str, identity: str):
         import hashlib
 
-        from llmtune.native.build import cache_dir
+        from llmtune.backends.cpu.native.build import cache_dir
 
         self.path = cache_dir() / f"{name}.json"
         self.key = hashlib.sha256(identity.encode()).hexdigest()[:16]

@@ -18,8 +18,8 @@ import threading
 
 import numpy as np
 
-from llmtune.backends.threads import blas_threads, n_cores
-from llmtune.native import build
+from llmtune.backends.cpu.native import build
+from llmtune.backends.cpu.threads import blas_threads, n_cores
 from llmtune.quant.types import ACT_TYPES, QTYPES
 
 # The codes the C kernels switch on are the registry's (quant/types.py; build.py generates their
