@@ -12,6 +12,11 @@ quant  llmtune export vs llama-quantize on the same input: tensor types and byte
 No llama.cpp code is part of llmtune: build one yourself, e.g. from the llama.cpp sources vendored
 in PyPI's llama-cpp-python sdist: `cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
 -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-perplexity llama-quantize -j2`.
+Where the CPU lists AMX but the machine (a VM) does not enable it, a native build dies with SIGILL
+in ggml's AMX Q8_0 product (tinygemm_kernel_amx, seen on this project's Xeon VMs): list the ISA
+instead, `-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON`
+(the flags of /proc/cpuinfo, AMX left out).
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def llama_ppl(bin_dir: Path, model: Path, text: Path, ctx: int, batch: int, chun
         m = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
         if m:
             return float(m.group(1)), wall
-    raise RuntimeError(f"llama-perplexity failed on {model}:\n{(done.stdout + done.stderr)[-2000:]}")
+    why = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+    raise RuntimeError(f"llama-perplexity failed on {model} ({why}):\n{(done.stdout + done.stderr)[-2000:]}")
 
 
 def llama_tokens_per_s(bin_dir, model, text, ctx, chunks) -> float:

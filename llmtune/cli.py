@@ -468,7 +468,7 @@ def generate_cmd(
     backend: str = backend_option(),
     precision: str = precision_option(),
 ):
-    """Generate text with a KV cache, sampling as llama.cpp's llama-completion (greedy output is token for token llama.cpp's).
+    """Generate text with a KV cache, sampling as llama.cpp's llama-completion (greedy output is token for token llama.cpp's on f32/f16 files; docs/generate.md).
 
     The text streams to stdout as it comes; a summary (tokens, speed, seed) goes to stderr. Generation stops after -n tokens, at an end-of-generation token (EOS, <|im_end|>, <|eot_id|>, ...) or when the context is full.
 
