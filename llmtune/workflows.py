@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+from llmtune.eval.train_hooks import training_hooks
+from llmtune.train.finetune import finetune as train_finetune
+
 
 def finetune(model_path, data_path, out_path, **kwargs):
     """llmtune.finetune: train/finetune.py's finetune (every argument and setting as documented
     there) with eval/train_hooks.py's hooks."""
-    from llmtune.eval.train_hooks import training_hooks
-    from llmtune.train.finetune import finetune as train_finetune
 
     return train_finetune(model_path, data_path, out_path, hooks=training_hooks, **kwargs)
 

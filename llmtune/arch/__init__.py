@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from llmtune.arch.family import Family
+from llmtune.arch.hparams import MetaKeys
 from llmtune.errors import LlmtuneError
 
 _FAMILIES: dict = {}
@@ -54,8 +56,6 @@ def read_hparams(md: dict, tensor_names: set[str] | None = None, source: str = "
     `tensor_names` (when given) decides `tied_output`: no output.weight means the output
     projection reuses token_embd.weight, as llama.cpp does. any_arch: read an architecture
     llmtune cannot run with the keys every decoder shares (for `info`)."""
-    from llmtune.arch.family import Family
-    from llmtune.arch.hparams import MetaKeys
 
     arch = md.get("general.architecture")
     if not isinstance(arch, str) or not arch:

@@ -21,6 +21,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from llmtune.errors import LlmtuneError
+from llmtune.graph.ops import OPS
+from llmtune.quant.qtensor import backend_array
+
 
 class Backend:
     name = "base"  # for reports and metadata only: policies are the capabilities below
@@ -70,7 +74,6 @@ class Backend:
         bytes, everything else as floats in the backend's dtype. float_copies: an evaluation that
         multiplies the same frozen weights pass after pass may keep float copies of the quantized
         ones (a backend that can: the cpu), owned by the returned weights."""
-        from llmtune.quant.qtensor import backend_array
 
         tensors = model.tensors() if hasattr(model, "tensors") else model
         return BoundWeights({name: backend_array(self, w) for name, w in tensors.items()})
@@ -140,7 +143,6 @@ class BoundWeights(dict):
 
 
 def _check_workers(requested: Optional[int]) -> None:
-    from llmtune.errors import LlmtuneError
 
     if requested is not None and requested < 1:
         raise LlmtuneError(f"workers: must be positive (got {requested})")
@@ -172,7 +174,6 @@ def kernel_table(source, prefix: str, names: bool = False, bind: Optional[dict] 
     a Kernel record with the op's entries of
     `bind` and `encode` (op -> callable); names=True gives the attribute names instead.
     tests/test_kernels_cover_ops.py checks that every op has one and that none is left over."""
-    from llmtune.graph.ops import OPS
 
     sources = source if isinstance(source, tuple) else (source,)
     found = {op: src for op in OPS for src in reversed(sources) if hasattr(src, prefix + op)}

@@ -24,6 +24,8 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType as VT
 
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, MetaValue, TensorSpec, check_output_path, load_gguf, write_gguf
+from llmtune.model.adapter import attach, merged_weight
+from llmtune.model.loaded import Model, check_model
 from llmtune.quant import blocks as quants
 from llmtune.quant.plan import ExportType, ModelFacts, TensorPlan, export_type, plan_types
 
@@ -132,8 +134,6 @@ def _export_metadata(gf: GGUFFile, xt: ExportType) -> dict[str, MetaValue]:
 def _merger(gf: GGUFFile, lora: list, lora_scale) -> Callable[[str], np.ndarray | None]:
     """name -> the merged float32 tensor when an adapter changes it, else None. The adapters are
     checked against the model's shapes; each base tensor is decoded only when it is merged."""
-    from llmtune.model.adapter import attach, merged_weight
-    from llmtune.model.loaded import Model, check_model
 
     hp, present = check_model(gf)
     shapes = {spec.name: np.broadcast_to(np.float32(0), gf.tensors[spec.name].shape) for spec in present}

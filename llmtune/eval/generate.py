@@ -22,12 +22,15 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from llmtune.arch.kvcache import CacheShape, KVCache
+from llmtune.backends import get_backend
 from llmtune.errors import LlmtuneError
 from llmtune.eval.sampling import Sampler, SamplerConfig
 from llmtune.eval.scoring import warn_past_training
 from llmtune.graph.planner import Program, ProgramCache, Replay
+from llmtune.model.adapter import attach
+from llmtune.model.loaded import Model, load_model
 from llmtune.quant.qtensor import QTensor
-from llmtune.tokenizer.chat_template import eog_ids
+from llmtune.tokenizer.chat_template import encode, eog_ids
 from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
 
 DEFAULT_N_CTX = 4096  # llama.cpp's common default context; never more than the model's n_ctx_train
@@ -71,7 +74,6 @@ class Generator:
 
     def __init__(self, model, backend=None, *, n_ctx: Optional[int] = None, n_batch: int = DEFAULT_N_BATCH,
                  values: Optional[dict] = None):
-        from llmtune.backends import get_backend
 
         self.model = model
         self.backend = (backend if backend is not None and not isinstance(backend, str)
@@ -277,7 +279,6 @@ class ChatSession:
 
     def reply(self, text: str, on_token: Optional[Callable[[int, str], None]] = None) -> GenerateResult:
         """The model's answer to a user message (appended to the conversation, as is the answer)."""
-        from llmtune.tokenizer.chat_template import encode
 
         messages = self.messages + [{"role": "user", "content": text}]
         ids = encode(self.gen.tokenizer, self.template.render(messages, add_generation_prompt=True))
@@ -292,8 +293,6 @@ class ChatSession:
 
 def load_for_generation(model_path, lora=None, lora_scale=None):
     """The model with its adapters (llama.cpp's --lora / --lora-scaled)."""
-    from llmtune.model.adapter import attach
-    from llmtune.model.loaded import load_model
 
     return attach(load_model(model_path), lora, lora_scale)
 
@@ -305,10 +304,8 @@ def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[Sampl
     """Generate a continuation of `prompt` (a string: tokenized as llama-completion does) with
     `model` (a path or a loaded Model). on_prompt: called once the prompt is known to fit, before
     the first token (the CLI prints the prompt there); ignore_eos: llama.cpp's --ignore-eos."""
-    from llmtune.model.loaded import Model
 
     if isinstance(model, Model):
-        from llmtune.model.adapter import attach
 
         model = attach(model, lora, lora_scale)
     else:
@@ -337,7 +334,6 @@ class TrainingSampler:
     def __init__(self, trainer, prompt: str, template=None):
         tok = trainer.model.tokenizer
         if template is not None:
-            from llmtune.tokenizer.chat_template import encode
 
             self.ids = encode(tok, template.render([{"role": "user", "content": prompt}], add_generation_prompt=True))
         else:

@@ -46,6 +46,7 @@ from llmtune.eval.scoring import (
     token_nll,
     warn_past_training,
 )
+from llmtune.model.adapter import attach
 from llmtune.tokenizer import read_text, require_text
 
 MIN_CTX = 3  # n_ctx/2 .. n_ctx-2 must hold at least one scored position
@@ -370,7 +371,6 @@ def perplexity(
     lora_scale=None,
 ) -> PerplexityResult:
     """llama-perplexity over a text file: see the module docstring and `perplexity_from_ids`."""
-    from llmtune.model.adapter import attach
 
     text = require_text(read_text(text_path), text_path)  # a missing or empty text fails before the model load
     model = attach(as_model(model_path), lora, lora_scale)  # bad adapters fail before tokenizing

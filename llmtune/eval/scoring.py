@@ -10,9 +10,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from llmtune.backends import Backend, get_backend
 from llmtune.backends.cpu import logsumexp_rows
 from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.graph.planner import Program, ProgramCache
+from llmtune.model.adapter import attach
+from llmtune.model.loaded import Model, load_model, past_training
+from llmtune.resources import check_memory
 
 
 class ChunkScorer:
@@ -87,13 +91,11 @@ def add_bos_of(model) -> tuple[bool, int]:
 
 
 def as_model(model_or_path):
-    from llmtune.model.loaded import Model, load_model
 
     return model_or_path if isinstance(model_or_path, Model) else load_model(model_or_path)
 
 
 def as_backend(backend, precision: str = "f32"):
-    from llmtune.backends import Backend, get_backend
 
     return backend if isinstance(backend, Backend) else get_backend(backend, precision=precision)
 
@@ -111,7 +113,6 @@ def check_same_vocab(model, base) -> None:
 def load_models(model, kl_base, lora=None, lora_scale=None) -> list:
     """[model] or [model, base]: Models from Models or GGUF paths, vocabularies checked; the
     adapters in `lora` (paths or LoraAdapters, llama.cpp's --lora) applied to the model only."""
-    from llmtune.model.adapter import attach
 
     models = [attach(as_model(model), lora, lora_scale)]
     if kl_base is not None:
@@ -176,7 +177,6 @@ def kl_rows(base_logp: np.ndarray, model_logp: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------ memory
 def pass_bytes(model, backend, n_seq: int, n_tok: int, first: int, prefix=None) -> int:
     """The arena one forward pass of this shape needs (planned, not allocated)."""
-    from llmtune.graph.planner import Program
 
     _, nodes, logits = model.build(n_seq, n_tok, logits_start=first, prefix=prefix,
                                    plain_attention_max=backend.plain_attention_max)
@@ -202,7 +202,6 @@ def weight_copy_bytes(models, backend) -> int:
 def check_evaluation_memory(models, backend, arenas: int, n_programs: int, what: str) -> None:
     """Refuse, before anything is allocated, an evaluation whose weights and `n_programs` planned
     arenas of `arenas` bytes each (per model: the workers' programs) need more than is available."""
-    from llmtune.resources import check_memory
 
     need = weight_copy_bytes(models, backend) + arenas * n_programs * len(models)
     check_memory(need, what, "--batch or --ctx", backend)
@@ -211,7 +210,6 @@ def check_evaluation_memory(models, backend, arenas: int, n_programs: int, what:
 def warn_past_training(model, ctx: int) -> None:
     """A LlmtuneWarning when ctx is beyond the model's training context (model/loaded.py
     past_training; llama.cpp warns too: "possible training context overflow")."""
-    from llmtune.model.loaded import past_training
 
     message = past_training(model, ctx)
     if message:

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from llmtune.graph.node import Node
+from llmtune.quant.types import qtype_of
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,6 @@ def qweight(shape, qtype: str, name: str = "") -> Node:
     quant/types.QTYPES): bound to a uint8 array [out, bytes per row]. qlinear, qlinear_back, qget_rows
     and dequantize read its blocks (linear and get_rows pick them for it); any other op reads it
     decoded; it never has a gradient."""
-    from llmtune.quant.types import qtype_of
 
     qtype_of(qtype)
     if len(tuple(shape)) != 2:

@@ -21,6 +21,7 @@ from llmtune.graph import ops
 from llmtune.graph.node import name_intermediates, topo_order
 from llmtune.model.adapter import LoraGraph
 from llmtune.quant.qtensor import stored
+from llmtune.tokenizer import Tokenizer
 
 
 @dataclass
@@ -41,7 +42,6 @@ class Model:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from llmtune.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_gguf(self.gguf)
         return self._tokenizer

@@ -7,6 +7,10 @@ import platform
 
 import numpy as np
 
+from llmtune import __version__
+from llmtune.backends.dist import digest
+from llmtune.train.checkpoint import run_fingerprint
+
 
 def agree_ranks(run) -> None:
     """Every rank must train the same thing: same llmtune, numpy and Python, the same model, data
@@ -15,9 +19,6 @@ def agree_ranks(run) -> None:
     comm = run.trainer.comm
     if comm.size == 1:
         return
-    from llmtune import __version__
-    from llmtune.backends.dist import digest
-    from llmtune.train.checkpoint import run_fingerprint
 
     tr, fp = run.trainer, run_fingerprint(run)
     facts = {"llmtune's version": __version__, "numpy's version": np.__version__,

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from llmtune.backends import get_backend
 from llmtune.backends.dist import world
 from llmtune.errors import Interrupted, LlmtuneError
+from llmtune.model.adapter import A, attach, dora_init, init_adapter, load_adapter, pissa_init
 from llmtune.model.loaded import Model, load_model, past_training
 from llmtune.train import checkpoint as ckpts, events as ev, preflight
 from llmtune.train.chat import build_dataset, data_info
@@ -181,7 +182,6 @@ def _lora_info(model: Model, cfg: FinetuneConfig) -> Optional[dict]:
 
 def _with_adapter(model: Model, cfg: FinetuneConfig) -> tuple[Model, list[str]]:
     """The model with the adapter to train (new, or --lora-init's) and the adapter's tensor keys."""
-    from llmtune.model.adapter import attach, dora_init, init_adapter, load_adapter, pissa_init
 
     if cfg.lora_init is not None:
         adapter = load_adapter(cfg.lora_init, model, flag="--lora-init")
@@ -203,7 +203,6 @@ def _with_adapter(model: Model, cfg: FinetuneConfig) -> tuple[Model, list[str]]:
 def lr_factors(cfg: FinetuneConfig, trainable: list[str]) -> dict[str, float]:
     """LoRA+ (PEFT's create_loraplus_optimizer): B and DoRA's magnitudes (its 1-d parameters) learn
     at --lora-plus times the learning rate of A; {} when off."""
-    from llmtune.model.adapter import A
 
     if not cfg.lora_plus:
         return {}

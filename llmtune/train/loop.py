@@ -16,6 +16,7 @@ import numpy as np
 
 from llmtune.errors import Interrupted, TrainingStopped
 from llmtune.train import events as ev
+from llmtune.train.checkpoint import save_checkpoint
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.data import WindowDataset
 from llmtune.train.guard import Diverged
@@ -177,7 +178,6 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
 def _checkpoint_or_stop(run: Run, stop: StopRequest, due: bool) -> None:
     """A checkpoint when one is due or a stop was requested; then the stop (every rank stops at
     the same step)."""
-    from llmtune.train.checkpoint import save_checkpoint
 
     stopping = run.trainer.comm.any(stop.requested, "a stop request")
     saved = save_checkpoint(run) if due or stopping else None

@@ -7,7 +7,11 @@ with BLAS single-threaded keep every core on useful work.
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import json
 import os
+import platform
 import queue
 import threading
 import time
@@ -16,7 +20,11 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
+from llmtune.backends.cpu.native.build import cache_dir
 from llmtune.errors import LlmtuneError
+from llmtune.resources import write_atomically
 
 MAX_CPU_WORKERS = 4  # each worker holds its own activations (and logits or a gradient buffer)
 
@@ -191,7 +199,6 @@ class _BlasThreads:
         return self._keeps_bits[1]
 
     def _probe_bits(self, n: int) -> bool:
-        import numpy as np
 
         rng = np.random.default_rng(0)
         for m, k, c in self._PROBE_SHAPES:
@@ -319,15 +326,12 @@ class ProbeCache:
     damaged file) only means measuring again: get() says None, put() does nothing."""
 
     def __init__(self, name: str, identity: str):
-        import hashlib
 
-        from llmtune.backends.cpu.native.build import cache_dir
 
         self.path = cache_dir() / f"{name}.json"
         self.key = hashlib.sha256(identity.encode()).hexdigest()[:16]
 
     def _read(self) -> dict:
-        import json
 
         try:
             facts = json.loads(self.path.read_text())
@@ -340,9 +344,7 @@ class ProbeCache:
         return value if isinstance(value, bool) else None
 
     def put(self, value: bool) -> None:
-        import json
 
-        from llmtune.resources import write_atomically
 
         facts = self._read()
         facts[self.key] = bool(value)
@@ -358,7 +360,6 @@ def blas_kernel() -> str:
     """The OpenBLAS numpy runs and the kernel it picked for this CPU ("OpenBLAS 0.3.31 Haswell";
     threadpoolctl's `architecture`): benchmarks print it beside their figures, since
     OPENBLAS_CORETYPE can make a current OpenBLAS run older, slower kernels. "" where none is loaded."""
-    import ctypes
 
     import numpy  # noqa: F401 - loads its OpenBLAS
 
@@ -379,7 +380,6 @@ def _blas_identity(n_threads: int) -> str:
     """What OpenBLAS's threaded summation order depends on: the library files numpy loaded (path,
     size, modification time), the kernel it picked (its config and OPENBLAS_CORETYPE), the CPU
     (model and flags) and the thread count."""
-    import ctypes
 
     parts = [f"threads {n_threads}", f"coretype {os.environ.get('OPENBLAS_CORETYPE', '')}"]
     for lib in _loaded_openblas():
@@ -400,7 +400,6 @@ def _blas_identity(n_threads: int) -> str:
         cpu = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith(("model name", "flags"))]
         parts.extend(sorted(set(cpu)))
     except OSError:
-        import platform
 
         parts.append(platform.processor())
     return "\n".join(parts)
@@ -408,7 +407,6 @@ def _blas_identity(n_threads: int) -> str:
 
 def _loaded_openblas() -> list:
     """ctypes handles of the OpenBLAS libraries numpy has loaded (Linux: from /proc/self/maps)."""
-    import ctypes
 
     try:
         maps = Path("/proc/self/maps").read_text()
