@@ -10,6 +10,8 @@ Library entry points (the CLI calls the same functions):
 
 __version__ = "0.1.0"
 
+import importlib
+
 _LAZY = {
     "finetune": ("llmtune.workflows", "finetune"),
     "perplexity": ("llmtune.eval.perplexity", "perplexity"),
@@ -23,8 +25,6 @@ _LAZY = {
 
 def __getattr__(name):  # lazy so `import llmtune` stays fast for the CLI
     if name in _LAZY:
-        import importlib
-
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)
     raise AttributeError(name)

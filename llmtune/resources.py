@@ -89,10 +89,10 @@ def prefer_small_pages() -> bool:
     if os.environ.get(HUGEPAGE_ENV, "").strip():
         return False
     try:
-        from numpy._core.multiarray import _set_madvise_hugepage
+        from numpy._core.multiarray import _set_madvise_hugepage  # noqa: PLC0415 - private: tried, numpy 2
     except ImportError:  # numpy < 2: numpy.core
         try:
-            from numpy.core.multiarray import _set_madvise_hugepage
+            from numpy.core.multiarray import _set_madvise_hugepage  # noqa: PLC0415 - numpy 1's place
         except ImportError:
             return False
     _set_madvise_hugepage(False)

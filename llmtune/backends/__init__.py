@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from llmtune.backends.base import Backend
+from llmtune.errors import LlmtuneError
 
 _FACTORIES: dict[str, Callable[..., Backend]] = {}
 
@@ -24,8 +25,7 @@ def register_backend(name: str, factory: Callable[..., Backend]) -> None:
 
 
 def _cpu(dtype, precision: str) -> Backend:
-    from llmtune.backends.cpu import CPUBackend
-    from llmtune.errors import LlmtuneError
+    from llmtune.backends.cpu import CPUBackend  # noqa: PLC0415 - a backend loads when asked for (docstring)
 
     if precision != "f32":
         raise LlmtuneError(f"--precision {precision}: needs the cuda backend (cpu computes in f32)")
@@ -33,8 +33,8 @@ def _cpu(dtype, precision: str) -> Backend:
 
 
 def _cuda(dtype, precision: str) -> Backend:
-    from llmtune.backends.cuda import CUDABackend, available
-    from llmtune.backends.dist import use_local_device, world
+    from llmtune.backends.cuda import CUDABackend, available  # noqa: PLC0415 - a backend loads when asked for
+    from llmtune.backends.dist import use_local_device, world  # noqa: PLC0415 - ranks matter to the cuda backend only
 
     if world().size > 1 and available():  # one GPU per rank, chosen from its rank on the machine
         use_local_device()
@@ -51,11 +51,9 @@ def get_backend(name: str = "cpu", dtype=np.float32, precision: str = "f32") -> 
 
     precision: matmul precision, "f32", or on cuda "tf32" / "bf16" (tensor cores, float32
     accumulation and weights)."""
-    from llmtune.errors import LlmtuneError
-
     name = (name or "cpu").lower()
     if name == "auto":
-        from llmtune.backends import cuda
+        from llmtune.backends import cuda  # noqa: PLC0415 - its availability probe only when asked
 
         name = "cuda" if cuda.available() else "cpu"
     factory = _FACTORIES.get(name)

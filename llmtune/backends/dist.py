@@ -321,7 +321,7 @@ class MPICommunicator(Communicator):
                               "gradients go through host memory and MPI instead (slower)", LlmtuneWarning, stacklevel=2)
                 self._for_cuda = HostStagedCommunicator(self, backend)
             else:
-                import cupy
+                import cupy  # noqa: PLC0415 - optional ([cuda] extra), loaded where used
 
                 self._for_cuda = NCCLCommunicator(self, nccl, cupy)
         return self._for_cuda
@@ -384,7 +384,7 @@ class HostStagedCommunicator(_Delegating):
 # ------------------------------------------------------------------------------------ NCCL
 def _import_nccl():
     try:
-        from cupy.cuda import nccl
+        from cupy.cuda import nccl  # noqa: PLC0415 - optional ([cuda] extra), loaded where used
     except Exception:  # noqa: BLE001 - no cupy, or cupy without NCCL
         return None
     return nccl if getattr(nccl, "available", True) else None
@@ -457,7 +457,7 @@ def use_local_device(comm: Optional[Communicator] = None, cupy=None) -> Optional
     if comm.size == 1:
         return None
     if cupy is None:
-        import cupy
+        import cupy  # noqa: PLC0415 - optional ([cuda] extra), loaded where used
     device = device_for_rank(comm.local_rank, comm.local_size, cupy.cuda.runtime.getDeviceCount())
     cupy.cuda.Device(device).use()
     return device
@@ -537,7 +537,7 @@ def _from_launcher() -> Communicator:
     size, rank, var = launch
     timeout = collective_timeout()
     try:
-        from mpi4py import MPI
+        from mpi4py import MPI  # noqa: PLC0415 - optional ([mpi] extra), loaded where used
     except ImportError:
         raise DistributedError(f"an MPI launcher started this process as rank {rank} of {size} ({var}={size}), "
                                f"but mpi4py is not installed: {INSTALL_HINT}") from None

@@ -22,6 +22,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from llmtune.errors import LlmtuneError
 from llmtune.tokenizer import tokenizer as tk
 
@@ -33,9 +37,6 @@ class ChatTemplateError(LlmtuneError):
 
 
 def _environment():
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationTag(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` (transformers' AssistantTracker): renders its body."""
@@ -81,7 +82,6 @@ class ChatTemplate:
     """A compiled chat template and the special-token strings it is rendered with."""
 
     def __init__(self, source: str, origin: str, special: Optional[dict] = None):
-        import jinja2
 
         self.source, self.origin = source, origin
         self.special = dict(special or {})

@@ -359,10 +359,8 @@ class ProbeCache:
 def blas_kernel() -> str:
     """The OpenBLAS numpy runs and the kernel it picked for this CPU ("OpenBLAS 0.3.31 Haswell";
     threadpoolctl's `architecture`): benchmarks print it beside their figures, since
-    OPENBLAS_CORETYPE can make a current OpenBLAS run older, slower kernels. "" where none is loaded."""
-
-    import numpy  # noqa: F401 - loads its OpenBLAS
-
+    OPENBLAS_CORETYPE can make a current OpenBLAS run older, slower kernels. "" where none is loaded
+    (numpy, imported above, has loaded its own)."""
     for lib in _loaded_openblas():
         for prefix in ("scipy_openblas", "openblas"):
             for suffix in ("64_", ""):

@@ -48,7 +48,7 @@ def _one_line(exc: BaseException) -> str:
 def unavailable_reason() -> str | None:
     """Why the CUDA backend cannot run here, or None when cupy sees a device."""
     try:
-        import cupy
+        import cupy  # noqa: PLC0415 - optional ([cuda] extra), loaded where used
     except Exception as exc:  # ImportError, or a broken install raising something else
         return f"cupy is not importable ({_one_line(exc)}); install it with pip install 'llmtune[cuda]'"
     try:
@@ -73,7 +73,7 @@ class CupyRuntime:
         reason = unavailable_reason()
         if reason is not None:
             raise LlmtuneError(f"--backend cuda: {reason}")
-        import cupy
+        import cupy  # noqa: PLC0415 - optional ([cuda] extra), loaded where used
 
         self.xp = cupy
         self._functions = {}
@@ -90,7 +90,7 @@ class CupyRuntime:
         """Compile the kernels and load cuBLAS now, so a broken toolkit fails with one clear line."""
         try:
             self._function("sgd_step", dtype)
-            from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
+            from cupy_backends.cuda.libs import cublas  # noqa: F401, PLC0415 - loads libcublas (optional, [cuda])
 
             self.xp.cuda.device.get_cublas_handle()
         except Exception as exc:
@@ -114,7 +114,7 @@ class CupyRuntime:
     def gemm(self, dtype, plan, x_ptr: int, y_ptr: int, c_ptr: int, precision: str = "f32") -> None:
         """precision "tf32" / "bf16": float32 in and out, tensor-core products of inputs rounded to
         TF32 / bf16 with float32 accumulation (cuBLAS's FAST_TF32 / FAST_16BF compute types)."""
-        from cupy_backends.cuda.libs import cublas
+        from cupy_backends.cuda.libs import cublas  # noqa: PLC0415 - optional ([cuda] extra)
 
         dtype = np.dtype(dtype)
         one, zero = np.ones((), dtype), np.zeros((), dtype)
