@@ -103,10 +103,10 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
         warn(past)
     # plain text / {"text"}: overlapping windows; prompt-completion / chat: one masked example per window
     if cfg.method == "sft":
-        dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
+        dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.holdout, cfg.format, cfg.chat_template,
                                           cfg.train_on_prompt, cfg.pack)
     else:  # preference pairs, one per window (train/preference.py)
-        dataset, n_tokens = build_pairs(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
+        dataset, n_tokens = build_pairs(model, data_path, cfg.ctx, cfg.holdout, cfg.format, cfg.chat_template,
                                         cfg.method)
     steps_per_epoch = preflight.steps_per_epoch(dataset, cfg, data_path)
     preflight.check_selection(dataset, cfg)
