@@ -533,7 +533,7 @@ def plot_cmd(
     metrics: Path = typer.Argument(..., help="A finetune --metrics file (JSON lines).", show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the PNG.", show_default=False),
 ):
-    """Draw a finished or running finetune's --metrics file as finetune --plot draws it: train and validation loss and the learning rate against steps, as a PNG (needs matplotlib).
+    """Draw a finished or running finetune's --metrics file as finetune --plot draws it: train and validation loss and the learning rate against steps, the best validation pass and an early stop marked, and a preference run's reward margin and accuracy below, as a PNG (needs matplotlib).
 
     Example: llmtune plot out/demo-metrics.jsonl -o out/demo.png
     """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
@@ -542,8 +542,10 @@ def plot_cmd(
     from llmtune.ui.finetune import loss_line
 
     curves = plot_metrics(metrics, check_output_path(output, metrics))
-    out.print(f"wrote {output}: {len(curves.steps)} steps, {len(curves.val_steps)} validation passes", highlight=False,
-              soft_wrap=True)
+    marks = f", best: step {curves.best_step}" if curves.best_step else ""
+    marks += f", stopped early at step {curves.stopped_at}" if curves.stopped_at else ""
+    out.print(f"wrote {output}: {len(curves.steps)} steps, {len(curves.val_steps)} validation passes{marks}",
+              highlight=False, soft_wrap=True)
     out.print(loss_line(list(zip(curves.steps, curves.loss))), highlight=False, soft_wrap=True)
 
 

@@ -15,7 +15,7 @@ from llmtune.backends.cpu import CPUBackend
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import load_gguf
 from llmtune.model.loaded import load_model
-from llmtune.train.data import WindowDataset
+from llmtune.train.data import Holdout, WindowDataset
 from llmtune.train.optim import LRSchedule
 from llmtune.train.trainer import RunningStats, Trainer
 
@@ -52,6 +52,56 @@ def test_windows_follow_llama_cpp_layout():
     assert list(ds.train_order(0, 1, False)) == list(range(ds.n_train))
     assert sorted(ds.train_order(0, 1, True)) == list(range(ds.n_train))
     assert list(ds.train_order(0, 1, True)) != list(ds.train_order(1, 1, True))
+
+
+def test_val_pick_random_draws_a_seeded_sample_apart_from_training():
+    """--val-pick random: the same windows for the same --seed (what a resume and every MPI rank
+    rebuild), none of them, nor a window overlapping one, trained on; `last` unchanged."""
+    tokens = np.arange(3000, dtype=np.int32)
+    n_windows = (3000 - 65) // 32 + 1
+    last = WindowDataset.build(tokens, 64, Holdout(0.1, "last", 7))
+    assert last.starts is None and (last.n_train, last.n_val) == (WindowDataset.build(tokens, 64, 0.1).n_train, 9)
+    ds = WindowDataset.build(tokens, 64, Holdout(0.1, "random", 7))
+    again = WindowDataset.build(tokens, 64, Holdout(0.1, "random", 7))
+    other = WindowDataset.build(tokens, 64, Holdout(0.1, "random", 8))
+    np.testing.assert_array_equal(ds.starts, again.starts)
+    assert not np.array_equal(ds.starts, other.starts)
+    val = ds.gather(ds.val_indices())[0][:, 0] // 32  # window index = first token / stride
+    train = ds.gather(ds.train_order(0, 1, False))[0][:, 0] // 32
+    assert ds.n_val == 9 and list(val) == sorted(val) and list(val) != list(range(n_windows - 9, n_windows))
+    assert list(train) == sorted(train) and not set(train) & (set(val) | set(val - 1) | set(val + 1))
+    assert ds.n_train + ds.n_val + ds.n_left_out == n_windows and 0 < ds.n_left_out <= 2 * ds.n_val
+    # separate items (examples, pairs): nothing left out, each part in file order
+    items, n_train, n_val = Holdout(0.25, "random", 7).arrange(list(range(40)), "data", "example(s)")
+    assert (n_train, n_val) == (30, 10) and sorted(items) == list(range(40))
+    assert items[:30] == sorted(items[:30]) and items[30:] == sorted(items[30:]) and items[30:] != list(range(30, 40))
+    assert Holdout(0.25, "last").arrange(list(range(40)), "data", "example(s)") == (list(range(40)), 30, 10)
+    with pytest.raises(LlmtuneError, match="too few for a random validation split"):
+        WindowDataset.build(np.arange(100, dtype=np.int32), 64, Holdout(0.5, "random", 1))
+
+
+def test_val_pick_random_resumes_to_the_same_bytes(stories_path, small_text, tmp_path):
+    """A --val-pick random run resumed from its first epoch's checkpoint writes the uninterrupted
+    run's model: the resume draws the same validation windows (and trains on the same others)."""
+    out = tmp_path / "o.gguf"
+    kw = dict(ctx=64, batch=128, epochs=2, lr=1e-3, val_split=0.2, val_pick="random", seed=3)
+    res = llmtune.finetune(stories_path, small_text, out, keep_checkpoints=2, **kw)
+    assert res.config.val_pick == "random" and res.n_val_windows > 0
+    first = sorted(tmp_path.glob("o.gguf.ckpt-*.npz"))[0]
+    whole = out.read_bytes()
+    llmtune.finetune(stories_path, small_text, out, resume=first)
+    assert out.read_bytes() == whole
+    with pytest.raises(LlmtuneError, match=r"^--val-pick: 'last' differs from the 'random' checkpoint"):
+        llmtune.finetune(stories_path, small_text, out, resume=first, val_pick="last")
+
+
+def test_val_pick_flag_mistakes_are_one_line(stories_path, small_text, tmp_path):
+    r = run_cli("finetune", stories_path, small_text, "-o", tmp_path / "o.gguf", "--val-pick", "middle")
+    assert r.returncode == 2 and "--val-pick: unknown choice 'middle' (choose last, random)" in r.stderr
+    r = run_cli("finetune", stories_path, small_text, "-o", tmp_path / "o.gguf", "--val-pick", "random",
+                "--val-split", "0")
+    assert r.returncode == 2 and "--val-pick random: needs --val-split above 0" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o.gguf").exists()
 
 
 def test_ubatch_does_not_change_the_result(stories_path, wikitext_ids):

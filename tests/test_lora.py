@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import json
 import sys
+import warnings
 
 import gguf
 import numpy as np
@@ -21,7 +22,8 @@ from conftest import DATA, REPO
 from llmtune.arch import get_family
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.backends.cpu import CPUBackend
-from llmtune.errors import LlmtuneError
+from llmtune.convert.init import init_model
+from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.gguf.file import MetaValue, load_gguf, write_gguf
 from llmtune.graph import ops
 from llmtune.graph.gradcheck import check_gradients
@@ -299,7 +301,11 @@ def test_lora_init_continues_a_converted_adapter(stories_path, small_text, tmp_p
     assert code == 0, err
     assert "LoRA adapter (rank 2, alpha 4, 15 matrices" in " ".join(err.split())
     src, got = load_gguf(CONVERT_F16), load_gguf(out)
-    assert list(got.meta) == list(src.meta) and got.get("general.name") == "Lora"
+    # the converter's keys in order, then the base it was trained on now (variant unknown: no llmtune.lora.*)
+    assert list(got.meta)[: len(src.meta)] == list(src.meta) and got.get("general.name") == "Lora"
+    assert list(got.meta)[len(src.meta):] == ["llmtune.base.name", "llmtune.base.file", "llmtune.base.tensors",
+                                              "llmtune.base.sha256"]
+    assert lora.BaseFingerprint.read(got.meta) == lora.BaseFingerprint.of(load_gguf(stories_path))
     assert list(got.tensors) == list(src.tensors) and {t.type for t in got.tensors.values()} == {QT.F16}
     moved = [n for n in src.tensors if not np.array_equal(src.tensor(n), got.tensor(n))]
     assert len(moved) == len(src.tensors)
@@ -317,6 +323,113 @@ def test_lora_init_round_trip_of_our_own_adapter(stories_path, small_text, tmp_p
     assert list(two.meta) == list(resumed.meta) and list(two.tensors) == list(resumed.tensors)
     for name in two.tensors:
         np.testing.assert_allclose(resumed.tensor(name), two.tensor(name), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ the base it was trained on
+def test_the_base_fingerprint_is_as_documented(stories_path):
+    """model/adapter/provenance.py's definition: sha256 over name, type, ne and the first 16 rows'
+    stored bytes of token_embd, then output_norm; every tensor's name, ne and type listed."""
+    gf = load_gguf(stories_path)
+    digest = hashlib.sha256()
+    for name in ("token_embd.weight", "output_norm.weight"):
+        info = gf.tensors[name]
+        ne = ",".join(map(str, reversed(info.shape)))
+        digest.update(f"{name}\0F32\0{ne}\0".encode() + np.ascontiguousarray(info.raw[:16]).tobytes())
+    fp = lora.BaseFingerprint.of(gf)
+    assert fp.sha256 == digest.hexdigest() and (fp.name, fp.file) == ("llama", "stories260K.gguf")
+    assert fp.tensors[:2] == ("token_embd.weight:64,512:F32", "output_norm.weight:64:F32")
+    assert len(fp.tensors) == len(gf.tensors) and lora.BaseFingerprint.read(fp.meta()) == fp
+
+
+def test_finetune_writes_the_base_and_variant_and_info_shows_them(stories_path, small_text, tmp_path, monkeypatch,
+                                                                  capsys):
+    out = tmp_path / "rs.gguf"
+    llmtune.finetune(stories_path, small_text, out, ctx=32, batch=128, epochs=1, lr=1e-2, lora_rank=4, lora_alpha=8,
+                     rslora=True, lora_targets="attn_(q|v)")
+    gf = load_gguf(out)
+    assert gf.get("llmtune.lora.init") == "kaiming" and gf.get("llmtune.lora.rslora") is True
+    assert lora.BaseFingerprint.read(gf.meta) == lora.BaseFingerprint.of(load_gguf(stories_path))
+    keys = list(gf.meta)  # llama.cpp's keys first, as convert_lora_to_gguf.py writes them; ours after
+    assert keys[:6] == list(load_gguf(CONVERT_F16).meta) and all(k.startswith("llmtune.") for k in keys[6:])
+    code, text, err = run_cli(monkeypatch, capsys, "info", out)
+    text = " ".join(text.split())
+    assert code == 0, err
+    for words in ("rank 4 lora_b's ne[0]", "alpha 16 adapter.lora.alpha; scale alpha / rank = 4",
+                  "method rsLoRA, --lora-alpha 8 (scale alpha / sqrt(rank)", "targets attn_q, attn_v in blocks 0-4",
+                  "10 matrices", "base llama (stories260K.gguf)", "base tensors 48, mostly F32",
+                  f"base fingerprint {gf.get('llmtune.base.sha256')[:12]}"):
+        assert words in text, words
+
+
+@pytest.mark.parametrize("init, rslora, words", [
+    ("kaiming", False, "method LoRA, --lora-alpha 8 llmtune.lora.init"),
+    ("gaussian", False, "method LoRA (gaussian init), --lora-alpha 8"),
+    ("pissa", True, "method PiSSA + rsLoRA, --lora-alpha 8 (scale alpha / sqrt(rank)"),
+    (None, False, "method LoRA no llmtune.lora.init (variant unknown"),
+])
+def test_info_names_the_variant(init, rslora, words, stories, tmp_path, monkeypatch, capsys):
+    adapter = lora.init_adapter(stories, 4, 8.0, r"attn_q", method=init or "kaiming", rslora=rslora)
+    if init == "pissa":
+        lora.pissa_init(stories, adapter)
+    out = lora.write_adapter(tmp_path / "a.gguf", adapter, base=stories.gguf if init else None)
+    code, text, err = run_cli(monkeypatch, capsys, "info", out)
+    text = " ".join(text.split())
+    assert code == 0 and words in text, text
+    assert ("rank 8 (PiSSA" in text) == (init == "pissa")
+    assert ("base unknown no llmtune.base.*" in text) == (init is None)
+
+
+@pytest.fixture(scope="module")
+def other_bases(stories_path, tmp_path_factory):
+    """Bases an adapter of stories260K may meet: its Q8_0 export, a copy with other weights, another model."""
+    folder = tmp_path_factory.mktemp("bases")
+    gf = load_gguf(stories_path)
+    tuned = write_gguf(folder / "tuned.gguf", "llama", dict(gf.meta),
+                       [(n, gf.tensor(n) * np.float32(1.5 if n == "output_norm.weight" else 1), QT.F32)
+                        for n in gf.tensors])
+    llmtune.export(stories_path, folder / "q8.gguf", "q8_0")
+    return {"q8": folder / "q8.gguf", "tuned": tuned,
+            "tiny": init_model(REPO / "configs" / "llama-tiny.toml", stories_path, folder / "tiny.gguf", seed=1)}
+
+
+def test_an_adapter_on_another_copy_of_its_base_warns_naming_both(stories, stories_path, other_bases, tmp_path,
+                                                                  wiki_text, monkeypatch, capsys):
+    ours = lora.write_adapter(tmp_path / "ours.gguf", random_adapter(stories, targets="attn_q"), base=stories.gguf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its own base, and an adapter without a fingerprint: not a word
+        lora.load_adapter(ours, stories)
+        lora.load_adapter(CONVERT_F16, load_model(other_bases["q8"]))
+    trained = f"ours.gguf was trained on base 'llama' (stories260K.gguf, fingerprint {stories_fp(stories)})"
+    with pytest.warns(LlmtuneWarning, match=r"stored as Q8_0 where the adapter's base was F32, a requantized copy") \
+            as caught:
+        lora.load_adapter(ours, load_model(other_bases["q8"]))
+    assert trained in str(caught[0].message) and "q8.gguf is 'llama' (q8.gguf, fingerprint" in str(caught[0].message)
+    with pytest.warns(LlmtuneWarning, match=r"the same tensor shapes and types with other weights"):
+        lora.load_adapter(ours, load_model(other_bases["tuned"]))
+    code, _, err = run_cli(monkeypatch, capsys, "perplexity", other_bases["q8"], wiki_text, "--ctx", 64, "--chunks", 1,
+                           "--lora", ours)
+    lines = [line for line in err.splitlines() if "warning:" in line]
+    assert code == 0 and len(lines) == 1 and f"--lora {ours}: {trained}" in " ".join(err.split()), err
+
+
+def test_an_adapter_for_another_model_names_its_base(stories, stories_path, other_bases, small_text, tmp_path,
+                                                     monkeypatch, capsys):
+    tiny = load_model(other_bases["tiny"])
+    both = lora.write_adapter(tmp_path / "both.gguf", random_adapter(tiny, targets="attn_q|ffn_down"), base=tiny.gguf)
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, small_text, "--lora-init", both, "-o",
+                           tmp_path / "x.gguf", "--ctx", 32)
+    line = " ".join(err.split())
+    assert code == 2 and err.count("error:") == 1 and "blk.0.ffn_down.weight has the wrong shape" in line, err
+    assert "both.gguf was trained on base 'llama-tiny' (tiny.gguf, fingerprint" in line
+    assert "stories260K.gguf is 'llama'" in line and "another model (blk.0.ffn_gate.weight is ne [64, 96] there" in line
+    fits = lora.write_adapter(tmp_path / "fits.gguf", random_adapter(tiny, targets="attn_q"), base=tiny.gguf)
+    with pytest.warns(LlmtuneWarning, match=r"fits.gguf was trained on base 'llama-tiny' .* another model .* its "
+                                            r"matrices fit this one's, so it is applied"):
+        lora.load_adapter(fits, stories)
+
+
+def stories_fp(model) -> str:
+    return lora.BaseFingerprint.of(model.gguf).sha256[:12]
 
 
 # ------------------------------------------------------------------------------ merge and perplexity

@@ -222,3 +222,61 @@ def test_plot_is_redrawn_at_validation_and_every_minute_and_a_failure_only_warns
     hook.on_record(run, {"type": "validation", "epoch": 1, "global_step": 4, "loss": 2.8})
     hook.on_stop(run, "done")
     assert len(warnings) == 1 and warnings[0].startswith(f"--plot {png}: cannot write") and "goes on" in warnings[0]
+
+
+# ------------------------------------------------------------------------------ marks and preference runs
+RED, PURPLE, BROWN, PINK = "#d62728", "#9467bd", "#8c564b", "#e377c2"  # C3 best, C4 early stop; C5, C6 rewards
+
+
+def test_plot_marks_the_best_pass_and_the_early_stop(stories_path, small_text, tmp_path, monkeypatch, capsys):
+    """--min-delta 100: the first pass (step 2) stays the best and the next one (step 4) stops the
+    run; the live --plot and `llmtune plot` of its --metrics file mark both."""
+    pytest.importorskip("matplotlib")
+    png, metrics = tmp_path / "live.png", tmp_path / "m.jsonl"
+    result = llmtune.finetune(stories_path, small_text, tmp_path / "o.gguf", metrics=str(metrics), plot=str(png),
+                              eval_every=2, early_stop=1, min_delta=100.0, **SETTINGS)
+    assert (result.best_step, result.stopped_at) == (2, 4)
+    curves = observe.Curves.of(map(json.loads, metrics.read_text().splitlines()))
+    assert (curves.best_step, curves.stopped_at, curves.preference) == (2, 4, False)
+    again = tmp_path / "again.png"
+    code, out, err = run_cli(monkeypatch, capsys, "plot", metrics, "-o", again)
+    assert code == 0 and "4 steps, 2 validation passes, best: step 2, stopped early at step 4" in out, err
+    for path in (png, again):
+        pixels = _pixels(path)
+        assert pixels.shape[:2] == (450, 800)
+        assert _share_of_colour(pixels, RED) > 0.0005 and _share_of_colour(pixels, PURPLE) > 0.0005
+
+
+def test_without_a_selection_the_lowest_validation_loss_is_marked_and_no_stop(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = [{"type": "train_step", "epoch": 1, "global_step": i, "loss": 3.0 - i / 10, "lr": 1e-3}
+               for i in range(1, 9)]
+    records += [{"type": "validation", "epoch": 1, "global_step": s, "loss": v} for s, v in ((4, 2.5), (8, 2.6))]
+    curves = observe.Curves.of(records)
+    assert (curves.best_step, curves.stopped_at) == (4, 0)
+    pixels = _pixels(observe.draw_curves(curves, tmp_path / "p.png"))
+    assert _share_of_colour(pixels, RED) > 0.0005 and _share_of_colour(pixels, PURPLE) == 0
+    assert observe.Curves.of(records[:8]).best_step == 0  # no validation pass: nothing to mark
+
+
+PAIRS = [{"prompt": f"Once upon a time, {n} had a {t}.", "chosen": f" {n} was happy and played with the {t}.",
+          "rejected": f" The {t} {t} was sad sad."}
+         for n, t in zip(["Lily", "Tom", "Ben", "Sue", "Max", "Anna", "Tim", "Mia"],
+                         ["ball", "cat", "dog", "tree", "cake", "boat", "kite", "toy"])]
+
+
+def test_a_preference_run_plots_its_reward_margin_and_accuracy(stories_path, tmp_path):
+    """DPO's records carry TRL's rewards/margins and rewards/accuracies (train/preference.py): a
+    panel below the loss draws them, per step and per validation pass."""
+    pytest.importorskip("matplotlib")
+    data, png, metrics = tmp_path / "pairs.jsonl", tmp_path / "dpo.png", tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    llmtune.finetune(stories_path, data, tmp_path / "o.gguf", method="dpo", lora_rank=2, ctx=64, batch=128, epochs=2,
+                     lr=5e-3, val_split=0.25, metrics=str(metrics), plot=str(png))
+    curves = observe.Curves.of(map(json.loads, metrics.read_text().splitlines()))
+    assert curves.preference and len(curves.margin) == len(curves.steps) and len(curves.val_margin) == 2
+    assert all(math.isfinite(v) for v in curves.margin + curves.reward_accuracy + curves.val_reward_accuracy)
+    pixels = _pixels(png)
+    assert pixels.shape[:2] == (750, 800)  # PREFERENCE_PLOT_SIZE
+    assert _share_of_colour(pixels, BROWN) > 0.0005 and _share_of_colour(pixels, PINK) > 0.0005
+    assert _share_of_colour(pixels, "#1f77b4") > 0.001  # the loss panel is still there

@@ -33,8 +33,8 @@ needed, at the price of the padding's compute. With --pack (PackedDataset) sever
 window, each attending only to itself with positions restarting at 0 (arch/packing.py), so the loss
 and gradients are the same and the padding mostly goes. An example longer than the window is
 truncated to its first ctx + 1 tokens (counted and reported); one left with no loss-carrying token is
-dropped (counted). The last val_split of the examples validate; training windows are shuffled each
-epoch.
+dropped (counted). A val_split of the examples validate (the last ones, or with --val-pick random a
+sample drawn with --seed: train/data.py's Holdout); training windows are shuffled each epoch.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.train.data import TrainValSplit, held_out
+from llmtune.train.data import Holdout, TrainValSplit
 from llmtune.train.records import FORMATS, Records, read_records  # noqa: F401 - the data-reading half
 
 
@@ -175,8 +175,9 @@ class ExampleDataset(TrainValSplit):
     template: object = None  # the chat template the examples were rendered with (chat data)
 
     @classmethod
-    def build(cls, examples: list[Example], n_ctx: int, val_split: float, pad_id: int, source: str = "data",
+    def build(cls, examples: list[Example], n_ctx: int, val_split, pad_id: int, source: str = "data",
               fmt: str = "chat") -> "ExampleDataset":
+        """val_split: a train/data.py Holdout, or the fraction of examples (the last ones) that validate."""
         kept, truncated, dropped = [], 0, 0
         for ex in examples:
             if len(ex.ids) > n_ctx + 1:
@@ -189,9 +190,8 @@ class ExampleDataset(TrainValSplit):
         if not kept:
             raise LlmtuneError(f"{source}: no example has a loss-carrying token within --ctx {n_ctx} "
                                f"({truncated} truncated, {dropped} dropped): raise --ctx")
-        n = len(kept)
-        n_val = held_out(n, val_split, source, "example(s)")
-        return cls(kept, n_ctx, int(pad_id), n - n_val, n_val, truncated, dropped, fmt)
+        kept, n_train, n_val = Holdout.of(val_split).arrange(kept, source, "example(s)")
+        return cls(kept, n_ctx, int(pad_id), n_train, n_val, truncated, dropped, fmt)
 
     @property
     def tokens(self) -> int:
@@ -304,11 +304,12 @@ def pad_token(tokenizer) -> int:
 
 
 # ------------------------------------------------------------------------------------ entry
-def build_dataset(model, data_path, ctx: int, val_split: float, fmt: str = "auto", chat_template=None,
+def build_dataset(model, data_path, ctx: int, val_split, fmt: str = "auto", chat_template=None,
                   train_on_prompt: bool = False, pack: bool = False):
     """(dataset, n_tokens) for finetune: plain text and {"text"} records as train/data.py's
     overlapping windows (every token carries loss), completion, chat, sharegpt and alpaca records
-    one example per window with their loss masks, or several per window with `pack`."""
+    one example per window with their loss masks, or several per window with `pack`. val_split:
+    a train/data.py Holdout (--val-split, --val-pick), or the fraction that validates (the last)."""
     from llmtune.train.data import WindowDataset, tokenize_documents
 
     records = read_records(data_path, fmt)
@@ -362,7 +363,7 @@ def data_info(ds, seqs_per_epoch: int) -> dict:
     if hasattr(ds, "info"):  # a dataset that reports itself (train/preference.py's pairs)
         return ds.info(seqs_per_epoch)
     if not isinstance(ds, (ExampleDataset, PackedDataset)):
-        return {"format": "text", "loss_tokens_per_epoch": seqs_per_epoch * ds.n_ctx}
+        return {"format": "text", "loss_tokens_per_epoch": seqs_per_epoch * ds.n_ctx, "left_out": ds.n_left_out}
     examples = ds.source if isinstance(ds, PackedDataset) else ds
     train = ds.loss_tokens(range(ds.n_train))
     return {"format": ds.format, "examples": examples.n_train + examples.n_val, "truncated": examples.n_truncated,

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from llmtune.errors import LlmtuneError
 from llmtune.tomlfile import read_toml
+from llmtune.train.data import VAL_PICKS, Holdout
 
 
 def setting(default, help: str, *, short: Optional[str] = None, metavar: Optional[str] = None,
@@ -56,7 +57,12 @@ class FinetuneConfig:
                                     "all-reduce, before the update). Off by default, as llama.cpp's finetune, so "
                                     "existing recipes keep their results; HF Trainer uses 1.0. "
                                     "The norm before clipping is logged every step.", metavar="X", unset="off")
-    val_split: float = setting(0.05, "Fraction of windows (the last ones) held out for validation.", metavar="X")
+    val_split: float = setting(0.05, "Fraction of windows (examples, pairs) held out for validation: the last ones, "
+                                     "or see --val-pick.", metavar="X")
+    val_pick: str = setting("last", "Which windows (examples, pairs) --val-split holds out: last (the last ones, as "
+                                    "llama.cpp's finetune) or random (a sample drawn with --seed, the same on resume "
+                                    "and on every MPI rank; plain text: the training windows overlapping a drawn "
+                                    "window are left out, so no validation token is trained on).", metavar="NAME")
     eval_every: int = setting(0, "Also run the validation pass (and --eval-benchmark) every N optimizer steps.",
                               metavar="N", unset="at epoch ends only")
     early_stop: int = setting(0, "Stop training once this many validation passes in a row have not improved "
@@ -87,7 +93,9 @@ class FinetuneConfig:
                                                "tensorboardX (pip install tensorboardX; the extra \"tensorboard\").",
                                          metavar="DIR", path=True)
     plot: Optional[str] = setting(None, "Draw the train and validation loss and the learning rate against steps into "
-                                        "this PNG, redrawn after each validation pass, every minute, and at the end. "
+                                        "this PNG, the best validation pass and an early stop marked (preference "
+                                        "methods: their reward margin and accuracy below), redrawn after each "
+                                        "validation pass, every minute, and at the end. "
                                         "Needs matplotlib (pip install matplotlib; the extra \"plot\").",
                                   metavar="FILE", path=True)
     out_type: Optional[str] = setting(None, "A full finetune of a quantized or f16 model writes its trained tensors as "
@@ -167,6 +175,11 @@ class FinetuneConfig:
     def lora(self) -> bool:
         return self.lora_rank is not None or self.lora_init is not None
 
+    @property
+    def holdout(self) -> Holdout:
+        """What validates: --val-split of the items, picked by --val-pick (random: with --seed)."""
+        return Holdout(self.val_split, self.val_pick, self.seed)
+
     def resolved(self) -> "FinetuneConfig":
         """Fill derived defaults and validate ranges (one-line errors naming the flag)."""
         c = dataclasses.replace(self)
@@ -182,6 +195,10 @@ class FinetuneConfig:
             raise LlmtuneError(f"--epochs: must be at least 1, got {c.epochs}")
         if not 0 <= c.val_split < 1:
             raise LlmtuneError(f"--val-split: must be in [0, 1), got {c.val_split}")
+        if c.val_pick not in VAL_PICKS:
+            raise LlmtuneError(f"--val-pick: unknown choice {c.val_pick!r} (choose {', '.join(VAL_PICKS)})")
+        if c.val_pick != "last" and not c.val_split:
+            raise LlmtuneError(f"--val-pick {c.val_pick}: needs --val-split above 0 (no window is held out)")
         if not c.grad_clip >= 0:
             raise LlmtuneError(f"--grad-clip: must be >= 0 (0: off), got {c.grad_clip}")
         if c.wd < 0:

@@ -104,10 +104,10 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
         warn(past)
     # plain text / {"text"}: overlapping windows; prompt-completion / chat: one masked example per window
     if cfg.method == "sft":
-        dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
+        dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.holdout, cfg.format, cfg.chat_template,
                                           cfg.train_on_prompt, cfg.pack)
     else:  # preference pairs, one per window (train/preference.py)
-        dataset, n_tokens = build_pairs(model, data_path, cfg.ctx, cfg.val_split, cfg.format, cfg.chat_template,
+        dataset, n_tokens = build_pairs(model, data_path, cfg.ctx, cfg.holdout, cfg.format, cfg.chat_template,
                                         cfg.method)
     steps_per_epoch = preflight.steps_per_epoch(dataset, cfg, data_path)
     preflight.check_selection(dataset, cfg)
@@ -188,8 +188,8 @@ def _with_adapter(model: Model, cfg: FinetuneConfig) -> tuple[Model, list[str]]:
         if cfg.lora_rank is not None and adapter.ranks != {cfg.lora_rank}:
             raise LlmtuneError(f"--lora-rank: {cfg.lora_rank} differs from --lora-init {cfg.lora_init}'s rank "
                                f"{', '.join(map(str, sorted(adapter.ranks)))}")
-        if cfg.lora_alpha is not None:
-            adapter.alpha = float(cfg.lora_alpha)
+        if cfg.lora_alpha is not None:  # the scale is alpha / rank now, whatever the file's variant
+            adapter.alpha, adapter.rslora = float(cfg.lora_alpha), False
     else:
         adapter = init_adapter(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.seed, cfg.lora_init_method,
                                cfg.rslora)

@@ -25,6 +25,8 @@ TAG_GROUPS = {"train_step": "train", "validation": "val", "benchmark": "benchmar
 NOT_SCALARS = {"type", "epoch", "step", "steps", "global_step", "elapsed_s", "n_tasks"}  # positions and counts
 TB_FLUSH_S = 10  # a TensorBoard watching the run sees a step within this many seconds
 PLOT_SIZE, PLOT_DPI = (8.0, 4.5), 100  # 800 x 450 pixels
+PREFERENCE_PLOT_SIZE = (8.0, 7.5)  # 800 x 750: the loss above, reward margin and accuracy below
+MARGIN, REWARD_ACCURACY = "rewards/margins", "rewards/accuracies"  # what the preference trainer records (TRL's)
 REDRAW_S = 60.0  # --plot is redrawn at least this often while steps come (an epoch may be long)
 
 
@@ -118,7 +120,9 @@ class TensorBoardHook(_Writer):
 
 @dataclass
 class Curves:
-    """What the picture shows: the loss and learning rate of each step, the validation passes."""
+    """What the picture shows: the loss and learning rate of each step, the validation passes, the
+    best pass and the early stop (the "selected" record of --early-stop / --save-best), and for a
+    preference run (--method dpo|orpo|simpo) the reward margin and accuracy of each step and pass."""
 
     steps: list = field(default_factory=list)
     loss: list = field(default_factory=list)
@@ -126,6 +130,12 @@ class Curves:
     epoch: list = field(default_factory=list)
     val_steps: list = field(default_factory=list)
     val_loss: list = field(default_factory=list)
+    margin: list = field(default_factory=list)  # per step (NaN: not a preference run)
+    reward_accuracy: list = field(default_factory=list)
+    val_margin: list = field(default_factory=list)  # per validation pass
+    val_reward_accuracy: list = field(default_factory=list)
+    selected_step: int = 0  # the run's best pass by its --select-metric (0: no "selected" record)
+    stopped_at: int = 0  # the step --early-stop ended the run at (0: it did not)
 
     @classmethod
     def of(cls, records) -> "Curves":
@@ -140,16 +150,40 @@ class Curves:
             self.loss.append(_number(record.get("loss")))
             self.lr.append(_number(record.get("lr")))
             self.epoch.append(record.get("epoch"))
+            self.margin.append(_number(record.get(MARGIN)))
+            self.reward_accuracy.append(_number(record.get(REWARD_ACCURACY)))
         elif record.get("type") == "validation":
             self.val_steps.append(record["global_step"])
             self.val_loss.append(_number(record.get("loss")))
+            self.val_margin.append(_number(record.get(MARGIN)))
+            self.val_reward_accuracy.append(_number(record.get(REWARD_ACCURACY)))
+        elif record.get("type") == "selected":
+            self.selected_step = _step(record.get("global_step"))
+            self.stopped_at = _step(record.get("stopped_at"))
 
     def __len__(self) -> int:
-        return len(self.steps) + len(self.val_steps)
+        return len(self.steps) + len(self.val_steps) + bool(self.selected_step or self.stopped_at)
+
+    @property
+    def best_step(self) -> int:
+        """The best validation pass's step: the run's own choice when it made one (--early-stop,
+        --save-best: its --select-metric), else the pass with the lowest validation loss; 0: none."""
+        if self.selected_step:
+            return self.selected_step
+        finite = [(v, s) for s, v in zip(self.val_steps, self.val_loss) if math.isfinite(v)]
+        return min(finite)[1] if finite else 0
+
+    @property
+    def preference(self) -> bool:
+        return any(math.isfinite(v) for v in self.margin + self.val_margin)
 
 
 def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan  # None: NaN in the record
+
+
+def _step(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 class PlotHook(_Writer):
@@ -211,19 +245,21 @@ def plot_metrics(metrics, out) -> Curves:
 
 def draw_curves(curves: Curves, path: Path, title: str = "") -> Path:
     """Train loss per step (faint) and its moving mean, validation loss, the learning rate on a
-    second axis, epoch boundaries: a PNG of PLOT_SIZE at PLOT_DPI, written atomically. Drawn with
+    second axis, epoch boundaries, the best validation pass (a red star and line) and the early
+    stop (a purple line): a PNG of PLOT_SIZE at PLOT_DPI, written atomically. A preference run
+    adds a panel below with its reward margin and accuracy (PREFERENCE_PLOT_SIZE). Drawn with
     matplotlib's object API on an Agg canvas (no pyplot), so a caller's own figures and backend are
     left alone."""
+    # optional dependency (the extra "plot"): imported only when a picture is drawn
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=PLOT_SIZE, dpi=PLOT_DPI)
+    preference = curves.preference
+    fig = Figure(figsize=PREFERENCE_PLOT_SIZE if preference else PLOT_SIZE, dpi=PLOT_DPI)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(2, 1, 1) if preference else fig.add_subplot()
     handles = _loss_lines(ax, curves)
-    for s, before, after in zip(curves.steps[1:], curves.epoch, curves.epoch[1:]):
-        if before != after:
-            ax.axvline(s - 0.5, color="0.6", lw=0.6, ls=":")  # an epoch boundary
+    handles += _marks(ax, curves, labels=True)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats per token)")
     ax.grid(True, alpha=0.25)
@@ -236,19 +272,73 @@ def draw_curves(curves: Curves, path: Path, title: str = "") -> Path:
     lr_ax.legend(handles=handles, loc="upper right", fontsize=8, framealpha=0.9)  # the twin axis is drawn on top
     if title:
         ax.set_title(title, fontsize=10)
+    if preference:
+        _reward_panel(fig.add_subplot(2, 1, 2, sharex=ax), curves)
     fig.tight_layout()
     return write_atomically(path, lambda fh: fig.savefig(fh, format="png", dpi=PLOT_DPI), "cannot write the plot")
 
 
+def _marks(ax, curves: Curves, labels: bool) -> list:
+    """Epoch boundaries (dotted grey), the best validation pass (dotted red line; a red star on the
+    validation loss) and the early stop (dashed purple line); the legend's handles when `labels`."""
+    handles = []
+    for s, before, after in zip(curves.steps[1:], curves.epoch, curves.epoch[1:]):
+        if before != after:
+            ax.axvline(s - 0.5, color="0.6", lw=0.6, ls=":")  # an epoch boundary
+    best = curves.best_step
+    if best:
+        line = ax.axvline(best, color="C3", lw=1.0, ls=":", label=f"best: step {best}" if labels else None)
+        at = [v for s, v in zip(curves.val_steps, curves.val_loss) if s == best and math.isfinite(v)]
+        if labels and at:
+            handles += ax.plot([best], at[-1:], "*", color="C3", ms=14, zorder=5, label=f"best: step {best}")
+        elif labels:
+            handles.append(line)
+    if curves.stopped_at:
+        line = ax.axvline(curves.stopped_at, color="C4", lw=1.4, ls="--",
+                          label=f"stopped early at step {curves.stopped_at}" if labels else None)
+        handles += [line] if labels else []
+    return handles
+
+
+def _reward_panel(ax, curves: Curves) -> None:
+    """A preference run's reward margin per step (faint) and its moving mean, per validation pass,
+    and the reward accuracy (the share of pairs whose chosen reward beats the rejected one) on a
+    second axis, in [0, 1]."""
+    handles = _step_and_mean(ax, curves.steps, curves.margin, "C5", "reward margin")
+    if any(math.isfinite(v) for v in curves.val_margin):
+        handles += ax.plot(curves.val_steps, curves.val_margin, "o-", color="C5", lw=1.6, ms=4,
+                           label="reward margin (validation)")
+    _marks(ax, curves, labels=False)
+    ax.axhline(0.0, color="0.6", lw=0.6)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reward margin (chosen - rejected)")
+    ax.grid(True, alpha=0.25)
+    acc_ax = ax.twinx()
+    handles += _step_and_mean(acc_ax, curves.steps, curves.reward_accuracy, "C6", "reward accuracy", faint_only=True)
+    if any(math.isfinite(v) for v in curves.val_reward_accuracy):
+        handles += acc_ax.plot(curves.val_steps, curves.val_reward_accuracy, "s--", color="C6", lw=1.2, ms=4,
+                               label="reward accuracy (validation)")
+    acc_ax.set_ylim(-0.02, 1.3)  # headroom for the legend
+    acc_ax.set_ylabel("reward accuracy")
+    acc_ax.legend(handles=handles, loc="upper left", fontsize=8, framealpha=0.9, ncol=2)
+
+
+def _step_and_mean(ax, steps, values, colour: str, name: str, faint_only: bool = False) -> list:
+    """Each step's value (faint) and its moving mean over about a 40th of the run (the curve to read)."""
+    steps, values = np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+    window = max(1, len(steps) // 40)
+    faint = dict(alpha=0.3, lw=0.8) if window > 1 else dict(lw=1.4)
+    handles = ax.plot(steps, values, color=colour, label=f"{name} (step)", **faint)
+    if window > 1:
+        mean = ax.plot(steps[window - 1:], _moving_mean(values, window), color=colour, lw=1.6,
+                       label=f"{name} (mean of {window} steps)")
+        handles = mean if faint_only else handles + mean
+    return handles
+
+
 def _loss_lines(ax, curves: Curves) -> list:
     """Each step's loss (faint), its moving mean over about a 40th of the run, the validation passes."""
-    steps, loss = np.asarray(curves.steps, dtype=float), np.asarray(curves.loss, dtype=float)
-    window = max(1, len(steps) // 40)
-    faint = dict(alpha=0.3, lw=0.8) if window > 1 else dict(lw=1.4)  # the mean, when drawn, is the curve to read
-    handles = ax.plot(steps, loss, color="C0", label="train loss (step)", **faint)
-    if window > 1:
-        handles += ax.plot(steps[window - 1:], _moving_mean(loss, window), color="C0", lw=1.6,
-                           label=f"train loss (mean of {window} steps)")
+    handles = _step_and_mean(ax, curves.steps, curves.loss, "C0", "train loss")
     if curves.val_steps:
         handles += ax.plot(curves.val_steps, curves.val_loss, "o-", color="C1", lw=1.6, ms=4, label="validation loss")
     return handles

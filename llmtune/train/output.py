@@ -82,7 +82,7 @@ def write_model(trainer: Trainer, out_path: Path, inputs: list, out_type: Option
     elif model.adapters:
         from llmtune.model.adapter import write_adapter
 
-        write_adapter(out_path, model.adapters[0].with_tensors(trained), inputs=inputs)
+        write_adapter(out_path, model.adapters[0].with_tensors(trained), inputs=inputs, base=model.gguf)
     elif out_type is None:
         write_gguf(out_path, model.gguf.arch, model.gguf.meta, _kept_or_f32(model, trained), inputs=inputs)
     else:

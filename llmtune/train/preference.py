@@ -32,7 +32,7 @@ import numpy as np
 from llmtune.arch.packing import pair_inputs
 from llmtune.errors import LlmtuneError
 from llmtune.train import guard
-from llmtune.train.data import TrainValSplit, held_out
+from llmtune.train.data import Holdout, TrainValSplit
 from llmtune.train.programs import WeightedTokenNLL
 from llmtune.train.trainer import RunningStats, Trainer
 
@@ -98,8 +98,9 @@ class PairLayout:
 
 @dataclass
 class PairDataset(TrainValSplit):
-    """One pair per window of n_ctx input slots (see the module docstring); the last val_split of
-    the pairs validate. Same interface as train/chat.py's datasets; gather adds a PairLayout."""
+    """One pair per window of n_ctx input slots (see the module docstring); a val_split of the
+    pairs validate (the last ones, or drawn with --val-pick random: train/data.py's Holdout). Same
+    interface as train/chat.py's datasets; gather adds a PairLayout."""
 
     pairs: list
     n_ctx: int
@@ -112,14 +113,15 @@ class PairDataset(TrainValSplit):
     ref: Optional[np.ndarray] = None  # float64 [n_pairs, 2]: the reference's log-probabilities (DPO)
 
     @classmethod
-    def build(cls, pairs: list[Pair], n_ctx: int, val_split: float, pad_id: int, source: str = "data") -> "PairDataset":
+    def build(cls, pairs: list[Pair], n_ctx: int, val_split, pad_id: int, source: str = "data") -> "PairDataset":
+        """val_split: a train/data.py Holdout, or the fraction of pairs (the last ones) that validate."""
         kept = [p for p in pairs if len(p.prompt) >= 1 and len(p.chosen) and len(p.rejected) and p.slots <= n_ctx]
         if not kept:
             raise LlmtuneError(f"{source}: no pair fits in --ctx {n_ctx} (prompt + chosen + rejected, less one token): "
                                f"raise --ctx")
         n = len(kept)
-        n_val = held_out(n, val_split, source, "pair(s)")
-        return cls(kept, n_ctx, int(pad_id), n - n_val, n_val, len(pairs) - n)
+        kept, n_train, n_val = Holdout.of(val_split).arrange(kept, source, "pair(s)")
+        return cls(kept, n_ctx, int(pad_id), n_train, n_val, len(pairs) - n)
 
     @property
     def tokens(self) -> int:
@@ -159,7 +161,7 @@ class PairDataset(TrainValSplit):
                 "padding": self.padding(range(self.n_train))}
 
 
-def build_pairs(model, data_path, ctx: int, val_split: float, fmt: str = "auto", chat_template=None,
+def build_pairs(model, data_path, ctx: int, val_split, fmt: str = "auto", chat_template=None,
                 method: str = "dpo") -> tuple[PairDataset, int]:
     """(dataset, n_tokens) of a preference file: {"prompt", "chosen", "rejected"} records."""
     from llmtune.tokenizer.chat_template import ChatTemplate

@@ -64,9 +64,10 @@ class FinetuneReporter:
                 + "".join(f"{v}, " for v in lora.get("variants", ())) +
                 f"{lora['n_targets']} matrices, {e.n_trainable:,} parameters) on a frozen base of "
                 f"{e.n_params:,}")
+        drawn = f" (drawn with --seed {cfg.seed})" if cfg.val_pick == "random" and e.n_val else ""
         self.err.print(
             f"[bold]finetune[/] on {e.backend}: {e.n_tokens:,} tokens -> {e.n_train} train / "
-            f"{e.n_val} validation windows of {cfg.ctx}; {e.steps_per_epoch} steps/epoch "
+            f"{e.n_val} validation windows{drawn} of {cfg.ctx}; {e.steps_per_epoch} steps/epoch "
             f"(batch {cfg.batch}, ubatch {cfg.ubatch}); {what} with {cfg.optimizer}"
         )
         types = e.base_types or {}
@@ -226,7 +227,10 @@ def data_line(data: dict) -> str:
     """The start report's line on the data (train/chat.py data_info)."""
     per_epoch = f"{data['loss_tokens_per_epoch']:,} tokens carry loss per epoch"
     if data["format"] == "text":
-        return f"data: text, every token of each window carries loss; {per_epoch}"
+        left_out = data.get("left_out")
+        left_out = (f"; {left_out} training windows overlapping a validation window left out (--val-pick random)"
+                    if left_out else "")
+        return f"data: text, every token of each window carries loss{left_out}; {per_epoch}"
     if data["format"] == "preference":
         dropped = f"; {data['dropped']} dropped (longer than --ctx)" if data["dropped"] else ""
         return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} preference "

@@ -19,6 +19,8 @@ from rich.text import Text
 from llmtune.arch import read_hparams, supported
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile, load_gguf
+from llmtune.model.adapter import adapter_facts
+from llmtune.model.adapter.provenance import INIT, RSLORA, SHORT
 from llmtune.model.loaded import check_model
 from llmtune.ui.format import human_bytes, human_count
 
@@ -49,6 +51,8 @@ NO_TOKEN = 0xFFFFFFFF  # -1 stored as uint32: "no such token"
 
 def render_info(path: str | os.PathLike) -> "_Printable":
     gf = load_gguf(path)
+    if gf.get("general.type") == "adapter":  # no hyper-parameters or tokenizer: what it adapts, and on what
+        return _Printable(Group(_overview(gf), _adapter_table(gf), _tensor_type_table(gf)))
     return _Printable(Group(
         _overview(gf),
         _hparams_table(gf),
@@ -194,6 +198,82 @@ def _attention_rows(hp, source) -> list[tuple]:
     if hp.final_softcap:
         rows.append(("final softcap", _fmt_float(hp.final_softcap), source("final_logit_softcapping")))
     return rows
+
+
+def _adapter_table(gf: GGUFFile) -> Table:
+    """A LoRA adapter: rank, alpha and scale, variant, targets, and the base it was trained on."""
+    table = _section("LoRA adapter")
+    facts = adapter_facts(gf)
+    ranks = sorted(set(facts.ranks.values()))
+    rank_words = ", ".join(map(str, ranks)) if ranks else "—"
+    if facts.init == "pissa":
+        rank_words += " (PiSSA: the trained rank-r pair and its start, as one rank-2r pair)"
+    table.add_row("rank", rank_words, "lora_b's ne[0]")
+    if not facts.alpha:
+        table.add_row("alpha", "none", "scale = --lora-scale alone (adapter.lora.alpha absent or 0)")
+    else:
+        scale = " / ".join(f"{facts.alpha / r:.4g}" for r in ranks)
+        table.add_row("alpha", _fmt_float(facts.alpha), f"adapter.lora.alpha; scale alpha / rank = {scale}")
+    table.add_row("method", *_variant(facts, ranks))
+    table.add_row("targets", Text(_targets(list(facts.ranks))),
+                  f"{len(facts.ranks)} matrices, {facts.n_params:,} parameters")
+    base = facts.base
+    if base is None:
+        table.add_row("base", "unknown", "no llmtune.base.* metadata (an older llmtune's or another tool's adapter)")
+        return table
+    file = f" ({base.file})" if base.file != base.name else ""
+    table.add_row("base", Text(f"{base.name}{file}"), "llmtune.base.name, llmtune.base.file")
+    table.add_row("base tensors", f"{len(base.tensors)}, mostly {base.main_type()}", "llmtune.base.tensors")
+    table.add_row("base fingerprint", base.sha256[:SHORT], "llmtune.base.sha256 (token_embd's first rows, output_norm)")
+    return table
+
+
+def _variant(facts, ranks: list[int]) -> tuple[str, str]:
+    """The LoRA variant in words (with the --lora-alpha it was trained with), and where that comes from."""
+    if not facts.init:
+        return "LoRA", f"no {INIT} (variant unknown: an older llmtune's or another tool's adapter)"
+    pissa = facts.init == "pissa"
+    words = "PiSSA" + (" + rsLoRA" if facts.rslora else "") if pissa else "rsLoRA" if facts.rslora else "LoRA"
+    if facts.init == "gaussian":
+        words += " (gaussian init)"
+    if facts.alpha and ranks:  # as_plain doubles PiSSA's alpha with its rank; rsLoRA stores alpha * sqrt(r)
+        trained = [r // 2 if pissa else r for r in ranks]
+        given = [facts.alpha / (2 if pissa else 1) / (r ** 0.5 if facts.rslora else 1) for r in trained]
+        words += f", --lora-alpha {' / '.join(f'{a:.4g}' for a in given)}"
+        if facts.rslora:
+            words += " (scale alpha / sqrt(rank); the file stores alpha x sqrt(rank))"
+    return words, f"{INIT}, {RSLORA}"
+
+
+def _targets(names: list[str]) -> str:
+    """Adapted tensors in short: 'attn_q, attn_v in blocks 0-4; output'."""
+    kinds: dict[str, list[int]] = {}
+    others = []
+    for name in names:
+        match = re.fullmatch(r"blk\.(\d+)\.(.+?)(\.weight)?", name)
+        if match:
+            kinds.setdefault(match.group(2), []).append(int(match.group(1)))
+        else:
+            others.append(name.removesuffix(".weight"))
+    groups: dict[str, list[str]] = {}  # blocks in words -> kinds
+    for kind, blocks in kinds.items():
+        groups.setdefault(_ranges(blocks), []).append(kind)
+    parts = [f"{', '.join(k)} in block{'s' if ',' in b or '-' in b else ''} {b}" for b, k in groups.items()]
+    return "; ".join(parts + ([", ".join(others)] if others else [])) or "none"
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 4] -> '0-2, 4'."""
+    out, values = [], sorted(set(values))
+    start = prev = values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+        if v is not None:
+            start = prev = v
+    return ", ".join(out)
 
 
 def _tied_output(gf: GGUFFile) -> tuple[str, str]:

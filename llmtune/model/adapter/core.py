@@ -55,6 +55,10 @@ class LoraAdapter:
     extra: dict[str, tuple[np.ndarray, QT]] = field(default_factory=dict)  # skipped tensors, kept verbatim
     magnitudes: dict[str, np.ndarray] = field(default_factory=dict)  # DoRA: float32 [n_out] per pair
     initial: dict[str, LoraPair] = field(default_factory=dict)  # PiSSA: A0, B0 (taken out of the base)
+    # the variant (provenance.py's llmtune.lora.* keys): how A and B started (kaiming, gaussian,
+    # pissa; "" unknown: another tool's file), and whether alpha holds alpha * sqrt(r) (rsLoRA)
+    init: str = ""
+    rslora: bool = False
 
     @property
     def ranks(self) -> set[int]:

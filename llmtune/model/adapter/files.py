@@ -4,15 +4,17 @@ written as convert_lora_to_gguf.py writes it, and attached to a model."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 
-from llmtune.errors import LlmtuneError
+from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.gguf.file import GGUFFile, MetaValue, load_gguf, write_gguf
 from llmtune.model.adapter.core import _SKIPPED_SUFFIX, EMBD, A, B, LoraAdapter, LoraPair
+from llmtune.model.adapter.provenance import INIT, RSLORA, BaseFingerprint, check_base
 from llmtune.model.adapter.targets import _tied_note, adaptable
 from llmtune.quant import blocks as quants
 
@@ -30,7 +32,9 @@ def _meta_str(gf: GGUFFile, key: str) -> str:
 
 def load_adapter(path, model: "Model", scale: float = 1.0, flag: str = "--lora") -> LoraAdapter:
     """An adapter GGUF checked against `model` as llama_adapter_lora_init does (and a little more:
-    every pair must be applied by the graph). Errors are one line naming `flag` and the file."""
+    every pair must be applied by the graph). Errors are one line naming `flag` and the file. An
+    adapter carrying its base's fingerprint (provenance.py) loaded on another base says so in one
+    line: appended to the error when the adapter does not fit, else a LlmtuneWarning."""
     if not np.isfinite(scale):
         raise LlmtuneError(f"--lora-scale: must be a finite number, got {scale}")
     gf = load_gguf(path)
@@ -41,6 +45,21 @@ def load_adapter(path, model: "Model", scale: float = 1.0, flag: str = "--lora")
                                 "llmtune finetune --lora-rank or llama.cpp's convert_lora_to_gguf.py")
     if _meta_str(gf, "adapter.type") != "lora":
         raise _fail(flag, path, f"adapter.type is {_meta_str(gf, 'adapter.type') or 'missing'!r}, expected 'lora'")
+    other_base, other_shapes = check_base(BaseFingerprint.read(gf.meta), model.gguf, Path(path).name)
+    try:
+        adapter = _checked(gf, path, model, scale, flag)
+    except LlmtuneError as exc:
+        if other_shapes:  # the adapter was made for another model: say which
+            raise LlmtuneError(f"{exc}; {other_base}") from None
+        raise
+    if other_base:
+        fits = "; its matrices fit this one's, so it is applied, but it means little here" if other_shapes else ""
+        warnings.warn(f"{flag} {path}: {other_base}{fits}", LlmtuneWarning, stacklevel=2)
+    return adapter
+
+
+def _checked(gf: GGUFFile, path, model: "Model", scale: float, flag: str) -> LoraAdapter:
+    """The adapter of an adapter GGUF, every tensor checked against `model` (load_adapter)."""
     arch = _meta_str(gf, "general.architecture")
     if arch != model.hp.arch:
         raise _fail(flag, path,
@@ -80,7 +99,33 @@ def load_adapter(path, model: "Model", scale: float = 1.0, flag: str = "--lora")
         _check_pair_shape(base, model.weights[base].shape, a, b, flag, path)
         pairs[base] = LoraPair(a, b)
     types = {n: info.type for n, info in gf.tensors.items()}
-    return LoraAdapter(arch, alpha, pairs, float(scale), Path(path), dict(gf.meta), types, list(gf.tensors), extra)
+    return LoraAdapter(arch, alpha, pairs, float(scale), Path(path), dict(gf.meta), types, list(gf.tensors), extra,
+                       init=_meta_str(gf, INIT), rslora=gf.get(RSLORA) is True)
+
+
+@dataclasses.dataclass
+class AdapterFacts:
+    """What an adapter file says about itself, read without a base (`llmtune info`)."""
+
+    alpha: float  # adapter.lora.alpha (0: absent, the scale is the user's alone)
+    ranks: dict[str, int]  # adapted base tensor -> rank (B's last numpy axis, as LoraPair.rank), file order
+    n_params: int
+    init: str  # llmtune.lora.init ("" when absent)
+    rslora: bool
+    base: Optional[BaseFingerprint]  # None: no fingerprint (an older llmtune's file, or another tool's)
+
+
+def adapter_facts(gf: GGUFFile) -> AdapterFacts:
+    """The facts of an adapter GGUF, tolerating what load_adapter refuses (a lone half is left out)."""
+    names = set(gf.tensors)
+    ranks = {}
+    for name, info in gf.tensors.items():
+        base = name[: -len(B) - 1]
+        if name.endswith("." + B) and f"{base}.{A}" in names and len(info.shape) == 2:
+            ranks[base] = int(info.shape[-1])
+    alpha = gf.get("adapter.lora.alpha")
+    return AdapterFacts(float(alpha) if isinstance(alpha, (int, float)) else 0.0, ranks, gf.n_params(),
+                        _meta_str(gf, INIT), gf.get(RSLORA) is True, BaseFingerprint.read(gf.meta))
 
 
 def _float_tensor(gf: GGUFFile, name: str, flag: str, path) -> np.ndarray:
@@ -129,13 +174,19 @@ def adapter_tensors(adapter: LoraAdapter) -> Iterable[tuple[str, np.ndarray, QT]
             raise LlmtuneError(f"{adapter.path}: cannot re-encode {name} as {qtype.name} ({exc})") from None
 
 
-def write_adapter(path, adapter: LoraAdapter, inputs: Iterable = ()) -> Path:
+def write_adapter(path, adapter: LoraAdapter, inputs: Iterable = (), base: Optional[GGUFFile] = None) -> Path:
     """Write `adapter` as llama.cpp's adapter GGUF (atomically); the metadata of the file it came
     from is kept, with adapter.lora.alpha set to the adapter's alpha (PiSSA: its plain rank-2r
-    form, as_plain)."""
+    form, as_plain). `base`: the model file it was trained on (finetune's); its fingerprint and
+    the adapter's variant are written under llmtune.* (provenance.py), replacing any it had."""
     adapter = adapter.as_plain()
     meta = dict(adapter.meta)
     meta["adapter.lora.alpha"] = MetaValue(float(adapter.alpha), VT.FLOAT32)
+    if base is not None:
+        meta.update(BaseFingerprint.of(base).meta())
+        if adapter.init:
+            meta[INIT] = MetaValue(adapter.init, VT.STRING)
+            meta[RSLORA] = MetaValue(bool(adapter.rslora), VT.BOOL)
     return write_gguf(path, adapter.arch, meta, adapter_tensors(adapter), inputs=list(inputs))
 
 

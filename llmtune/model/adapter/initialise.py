@@ -45,7 +45,7 @@ def init_adapter(model: "Model", rank: int, alpha: Optional[float] = None, targe
                 a = rng.uniform(-bound, bound, (rank, n_in)).astype(np.float32)
             b = np.zeros((n_out, rank), np.float32)
         pairs[n] = LoraPair(a, b)
-    return LoraAdapter(model.hp.arch, alpha, pairs, meta=_new_metadata(model, alpha))
+    return LoraAdapter(model.hp.arch, alpha, pairs, meta=_new_metadata(model, alpha), init=method, rslora=rslora)
 
 
 def _refuse_embd(adapter: LoraAdapter, flag: str) -> None:
