@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from llmtune.errors import LlmtuneError, require_file
-from llmtune.tokenizer import json_why
+from llmtune.tokenizer import json_why, strip_bom
 
 HELLASWAG_LINES = 6
 HELLASWAG_ENDINGS = 4
@@ -80,6 +80,8 @@ def _read_bytes(path) -> tuple[Path, bytes]:
 
 
 def _decode(path: Path, data: bytes) -> str:
+    """A text task file's text (a leading byte-order mark dropped)."""
+    data = strip_bom(data)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -282,7 +284,7 @@ def read_multiple_choice_jsonl(path, text: Optional[str] = None) -> list[Multipl
 
 
 def _looks_like_jsonl(data: bytes) -> bool:
-    return data.lstrip()[:1] == b"{"
+    return strip_bom(data).lstrip()[:1] == b"{"
 
 
 def read_multiple_choice(path) -> list[MultipleChoiceTask]:
@@ -300,7 +302,7 @@ def detect_kind(path) -> str:
         return "multiple-choice"
     if path.suffix.lower() == ".csv":
         return "winogrande"
-    head = data[:4096]
+    head = strip_bom(data)[:4096]
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError as exc:
