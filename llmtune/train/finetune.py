@@ -96,7 +96,7 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     warn = lambda message: emit(ev.Warning(message))  # noqa: E731
     inputs = {"model": model_path, "data": data_path, **({"lora_init": cfg.lora_init} if cfg.lora_init else {})}
     out_path = preflight.check_outputs(out_path, cfg, inputs, ckpt, warn)
-    model = load_model(model_path)
+    model = load_model(model_path, adapter_flag="--lora-init")  # finetune continues an adapter with --lora-init
     model, trainable = _with_adapter(model, cfg) if cfg.lora else (model, model.select(cfg.params))
     run_hooks = _hooks(cfg, model, hooks)
     if (past := past_training(model, cfg.ctx)) is not None:
