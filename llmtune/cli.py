@@ -531,9 +531,10 @@ def generate_cmd(
 @app.command("plot")
 def plot_cmd(
     metrics: Path = typer.Argument(..., help="A finetune --metrics file (JSON lines).", show_default=False),
-    output: Path = typer.Option(..., "-o", "--output", help="Where to write the PNG.", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the picture: PNG, or the format its "
+                                "extension names (.jpg, .svg, .pdf...).", show_default=False),
 ):
-    """Draw a finished or running finetune's --metrics file as finetune --plot draws it: train and validation loss and the learning rate against steps, as a PNG (needs matplotlib).
+    """Draw a finished or running finetune's --metrics file as finetune --plot draws it: train and validation loss and the learning rate against steps, as a PNG or the format -o's extension names (needs matplotlib).
 
     Example: llmtune plot out/demo-metrics.jsonl -o out/demo.png
     """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)

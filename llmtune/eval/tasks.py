@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from llmtune.errors import LlmtuneError, require_file
+from llmtune.resources import write_atomically
 from llmtune.tokenizer import json_why, strip_bom
 
 HELLASWAG_LINES = 6
@@ -376,11 +377,8 @@ def write_multiple_choice(tasks: list[MultipleChoiceTask], path, *inputs) -> Pat
     from llmtune.gguf.file import check_output_path
 
     path = check_output_path(path, *inputs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(multiple_choice_bytes(tasks))
-    tmp.replace(path)
-    return path
+    data = multiple_choice_bytes(tasks)
+    return write_atomically(path, lambda fh: fh.write(data))
 
 
 # ------------------------------------------------------------------------------------ selection

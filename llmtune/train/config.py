@@ -87,7 +87,8 @@ class FinetuneConfig:
                                                "tensorboardX (pip install tensorboardX; the extra \"tensorboard\").",
                                          metavar="DIR", path=True)
     plot: Optional[str] = setting(None, "Draw the train and validation loss and the learning rate against steps into "
-                                        "this PNG, redrawn after each validation pass, every minute, and at the end. "
+                                        "this picture (PNG, or the format its extension names: .jpg, .svg, .pdf...), "
+                                        "redrawn after each validation pass, every minute, and at the end. "
                                         "Needs matplotlib (pip install matplotlib; the extra \"plot\").",
                                   metavar="FILE", path=True)
     out_type: Optional[str] = setting(None, "A full finetune of a quantized or f16 model writes its trained tensors as "

@@ -152,15 +152,32 @@ def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan  # None: NaN in the record
 
 
+def picture_format(path, flag: str) -> str:
+    """The format a picture file is written in: the one its extension names when matplotlib writes
+    it (png, jpg, svg, pdf, ...), PNG for a name without one; any other extension is refused in one
+    line, before the run (a .jpg name never holds PNG bytes)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    ext = Path(path).suffix.lower().removeprefix(".")
+    if not ext:
+        return "png"
+    if ext not in FigureCanvasAgg.get_supported_filetypes():
+        raise LlmtuneError(f"{flag} {path}: matplotlib cannot write .{ext} pictures (name it .png, .jpg, .svg, .pdf "
+                           f"or another of {', '.join(sorted(FigureCanvasAgg.get_supported_filetypes()))})")
+    return ext
+
+
 class PlotHook(_Writer):
-    """--plot FILE.png: the curves so far, redrawn after each validation pass (or epoch end), every
-    REDRAW_S seconds of steps, and when the run stops, each time written atomically, so the file is
-    always a whole picture. A resumed run with --metrics starts from that file's records."""
+    """--plot FILE.png (or .jpg, .svg, .pdf...: picture_format): the curves so far, redrawn after
+    each validation pass (or epoch end), every REDRAW_S seconds of steps, and when the run stops,
+    each time written atomically, so the file is always a whole picture. A resumed run with
+    --metrics starts from that file's records."""
 
     flag = "--plot"
 
     def __init__(self, path):
         need("matplotlib.backends.backend_agg", self.flag, "plot")
+        self.format = picture_format(path, self.flag)
         super().__init__(path)
         self.curves: Optional[Curves] = None
         self.drawn, self.last_draw = 0, time.perf_counter()
@@ -195,7 +212,7 @@ class PlotHook(_Writer):
         if self.curves is None or len(self.curves) == self.drawn:
             return
         try:
-            draw_curves(self.curves, self.path, title=Path(run.result.output).name)
+            draw_curves(self.curves, self.path, title=Path(run.result.output).name, fmt=self.format)
             self.drawn = len(self.curves)
         except Exception as exc:  # noqa: BLE001 - an observer never costs the run (it warns and stops)
             self._fail(run, exc)
@@ -204,14 +221,16 @@ class PlotHook(_Writer):
 def plot_metrics(metrics, out) -> Curves:
     """`llmtune plot`: a --metrics file's curves drawn into `out` (the --plot picture)."""
     need("matplotlib.backends.backend_agg", "llmtune plot", "plot")
+    fmt = picture_format(out, "-o")
     curves = Curves.of(read_metrics(metrics))
-    draw_curves(curves, Path(out), title=Path(metrics).name)
+    draw_curves(curves, Path(out), title=Path(metrics).name, fmt=fmt)
     return curves
 
 
-def draw_curves(curves: Curves, path: Path, title: str = "") -> Path:
+def draw_curves(curves: Curves, path: Path, title: str = "", fmt: str = "png") -> Path:
     """Train loss per step (faint) and its moving mean, validation loss, the learning rate on a
-    second axis, epoch boundaries: a PNG of PLOT_SIZE at PLOT_DPI, written atomically. Drawn with
+    second axis, epoch boundaries: a picture of PLOT_SIZE at PLOT_DPI in format `fmt`
+    (picture_format's), written atomically. Drawn with
     matplotlib's object API on an Agg canvas (no pyplot), so a caller's own figures and backend are
     left alone."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -237,7 +256,7 @@ def draw_curves(curves: Curves, path: Path, title: str = "") -> Path:
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    return write_atomically(path, lambda fh: fig.savefig(fh, format="png", dpi=PLOT_DPI), "cannot write the plot")
+    return write_atomically(path, lambda fh: fig.savefig(fh, format=fmt, dpi=PLOT_DPI), "cannot write the plot")
 
 
 def _loss_lines(ax, curves: Curves) -> list:
