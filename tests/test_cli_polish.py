@@ -103,3 +103,32 @@ def test_json_results_get_the_mode_of_every_output(tmp_path, monkeypatch, capsys
         os.umask(old)
     for name in ("p.json", "e.json"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+VOCAB = STORIES.parent / "vocab" / "ggml-vocab-llama-spm.gguf"
+
+
+def test_o_replaces_a_gguf_but_never_a_data_file_without_force(tmp_path, monkeypatch, capsys):
+    """A mistyped -o (a user's data file) is refused in one line, the file untouched; an earlier
+    GGUF output is replaced as before; --force replaces anything; an empty file is nothing to lose."""
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text("[model]\nn_embd = 16\nn_layer = 1\nn_head = 2\nn_ff = 32\nn_ctx = 32\n")
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a cat. " * 40)
+    commands = {"export": ["export", STORIES, "--type", "f16"],
+                "init": ["init", "--config", cfg, "--vocab-from", VOCAB],
+                "finetune": ["finetune", STORIES, text, "--ctx", "32", "--epochs", "1"]}
+    for name, args in commands.items():
+        data = tmp_path / f"{name}-notes.jsonl"
+        data.write_text('{"text": "my only copy"}\n')
+        code, out, err = run_cli(monkeypatch, capsys, *args, "-o", data)
+        assert code == 2 and err.strip() == (f"error: {data}: exists and is not a GGUF; refusing to overwrite it "
+                                             "(choose another -o path, or add --force to replace it)"), (name, err)
+        assert data.read_text() == '{"text": "my only copy"}\n' and not list(tmp_path.glob("*.ckpt-*"))
+        code, _, err = run_cli(monkeypatch, capsys, *args, "-o", data, "--force")
+        assert code == 0 and data.read_bytes()[:4] == b"GGUF", (name, err)
+        code, _, err = run_cli(monkeypatch, capsys, *args, "-o", data)  # now a GGUF: replaced without --force
+        assert code == 0, (name, err)
+        empty = tmp_path / f"{name}-empty"
+        empty.touch()
+        assert run_cli(monkeypatch, capsys, *args, "-o", empty)[0] == 0 and empty.read_bytes()[:4] == b"GGUF"

@@ -158,6 +158,19 @@ def test_a_picture_format_matplotlib_cannot_write_is_refused_before_the_run(obse
     assert not steps and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_llmtune_plot_replaces_a_picture_but_never_a_data_file_without_force(observed, monkeypatch, capsys,
+                                                                            tmp_path):
+    notes = tmp_path / "notes"  # no extension: PNG
+    notes.write_text("my only copy\n")
+    code, _, err = run_cli(monkeypatch, capsys, "plot", observed["metrics"], "-o", notes)
+    assert code == 2 and err.strip() == (f"error: {notes}: exists and is not a .png picture; refusing to overwrite it "
+                                         "(choose another -o path, or add --force to replace it)"), err
+    assert notes.read_text() == "my only copy\n"
+    code, _, err = run_cli(monkeypatch, capsys, "plot", observed["metrics"], "-o", notes, "--force")
+    assert code == 0 and notes.read_bytes()[:4] == b"\x89PNG", err
+    assert run_cli(monkeypatch, capsys, "plot", observed["metrics"], "-o", notes)[0] == 0  # a PNG: replaced
+
+
 def test_llmtune_plot_reads_a_running_finetunes_file(observed, monkeypatch, capsys, tmp_path):
     """The record being written (its last line without its newline yet) is left out."""
     lines = observed["metrics"].read_text().splitlines(keepends=True)

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import check_output_path, check_replaceable
 from llmtune.resources import write_atomically
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.loop import Hook, Run
@@ -218,10 +219,21 @@ class PlotHook(_Writer):
             self._fail(run, exc)
 
 
-def plot_metrics(metrics, out) -> Curves:
-    """`llmtune plot`: a --metrics file's curves drawn into `out` (the --plot picture)."""
+# the first bytes of the pictures matplotlib writes, where a format has them: `llmtune plot -o`
+# replaces an existing file only when it is such a picture (else --force)
+PICTURE_MAGIC = {"png": (b"\x89PNG",), "jpg": (b"\xff\xd8\xff",), "jpeg": (b"\xff\xd8\xff",), "pdf": (b"%PDF",),
+                 "svg": (b"<?xml", b"<svg"), "gif": (b"GIF8",), "webp": (b"RIFF",), "tif": (b"II*\0", b"MM\0*"),
+                 "tiff": (b"II*\0", b"MM\0*"), "eps": (b"%!PS", b"\xc5\xd0\xd3\xc6"), "ps": (b"%!PS",)}
+
+
+def plot_metrics(metrics, out, force: bool = False) -> Curves:
+    """`llmtune plot`: a --metrics file's curves drawn into `out` (the --plot picture); an existing
+    `out` that is not a picture of its format is refused unless `force`."""
     need("matplotlib.backends.backend_agg", "llmtune plot", "plot")
+    out = check_output_path(out, metrics)
     fmt = picture_format(out, "-o")
+    if fmt in PICTURE_MAGIC:
+        check_replaceable(out, (f"a .{fmt} picture", PICTURE_MAGIC[fmt]), "-o", force)
     curves = Curves.of(read_metrics(metrics))
     draw_curves(curves, Path(out), title=Path(metrics).name, fmt=fmt)
     return curves
