@@ -64,6 +64,12 @@ def precision_option(default: Optional[str] = "f32", default_text: str = " \\[de
                         "finetune keeps f32 master weights)." + default_text, show_default=False)
 
 
+def force_option(kind: str = "a GGUF"):
+    """--force of a command that writes -o: `kind` words what it writes (what -o may replace without it)."""
+    return typer.Option(False, "--force", help=f"Replace an existing -o file that is not {kind} (refused without it: "
+                        "a mistyped -o must not destroy a data file).")
+
+
 SHARED_OPTIONS = {"backend": backend_option,
                   "precision": precision_option}  # finetune's settings that other commands share
 
@@ -175,6 +181,7 @@ def finetune(
                                           help="Continue the run saved in this checkpoint (OUT.ckpt-STEP.npz) with its "
                                                "own settings; the result is byte-identical to an uninterrupted run.",
                                           show_default=False, metavar="FILE"),
+    force: bool = force_option(),
     **options,
 ):
     """Train a GGUF model on your text and write a GGUF that llama.cpp loads unchanged.
@@ -201,7 +208,7 @@ def finetune(
     from llmtune.workflows import finetune as run_finetune
 
     with FinetuneReporter(out, err) as reporter:
-        run_finetune(model, data, output, config_file=config, callback=reporter, resume=resume,
+        run_finetune(model, data, output, config_file=config, callback=reporter, resume=resume, force=force,
                      **_settings_given(options))
 
 
@@ -233,6 +240,7 @@ def init_cmd(
                                     show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the new GGUF.", show_default=False),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed writes the same file."),
+    force: bool = force_option(),
 ):
     """Write a new randomly initialised model (to train from scratch) with another model's tokenizer.
 
@@ -250,7 +258,7 @@ def init_cmd(
         config = config_c
     if config is None:
         raise LlmtuneError("--config: missing; init needs a model shape, e.g. --config configs/llama-15m.toml")
-    path = init_model(config, vocab_from, output, seed=seed)
+    path = init_model(config, vocab_from, output, seed=seed, force=force)
     gf = load_gguf(path)
     out.print(f"wrote {path}: {gf.arch}, {human_count(gf.n_params())} parameters, "
               f"{human_bytes(gf.file_size)}, seed {seed}", highlight=False)
@@ -266,6 +274,7 @@ def _export_cmd(
     ),
     lora: Optional[List[Path]] = LoraOption,
     lora_scale: Optional[List[float]] = LoraScaleOption,
+    force: bool = force_option(),
 ):
     """Convert a model's weights to another type (F16, Q8_0, K-quants, llama.cpp's Q4_K_M / Q5_K_M mixes).
 
@@ -277,7 +286,7 @@ def _export_cmd(
     from llmtune.ui.export import export_progress, summary_notes, summary_table
 
     with export_progress(err, type) as on_tensor:
-        summary = export(model, output, type, progress=on_tensor, lora=lora, lora_scale=lora_scale)
+        summary = export(model, output, type, progress=on_tensor, lora=lora, lora_scale=lora_scale, force=force)
     out.print(summary_table(summary))
     for line in summary_notes(summary):
         out.print(line, highlight=False, soft_wrap=True)
@@ -531,17 +540,18 @@ def generate_cmd(
 @app.command("plot")
 def plot_cmd(
     metrics: Path = typer.Argument(..., help="A finetune --metrics file (JSON lines).", show_default=False),
-    output: Path = typer.Option(..., "-o", "--output", help="Where to write the PNG.", show_default=False),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the picture: PNG, or the format its "
+                                "extension names (.jpg, .svg, .pdf...).", show_default=False),
+    force: bool = force_option("a picture in -o's format"),
 ):
-    """Draw a finished or running finetune's --metrics file as finetune --plot draws it: train and validation loss and the learning rate against steps, the best validation pass and an early stop marked, and a preference run's reward margin and accuracy below, as a PNG (needs matplotlib).
+    """Draw a finished or running finetune's --metrics file as finetune --plot draws it: train and validation loss and the learning rate against steps, the best validation pass and an early stop marked, and a preference run's reward margin and accuracy below, as a PNG or the format -o's extension names (needs matplotlib).
 
     Example: llmtune plot out/demo-metrics.jsonl -o out/demo.png
     """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
-    from llmtune.gguf.file import check_output_path
     from llmtune.train.observe import plot_metrics
     from llmtune.ui.finetune import loss_line
 
-    curves = plot_metrics(metrics, check_output_path(output, metrics))
+    curves = plot_metrics(metrics, output, force=force)
     marks = f", best: step {curves.best_step}" if curves.best_step else ""
     marks += f", stopped early at step {curves.stopped_at}" if curves.stopped_at else ""
     out.print(f"wrote {output}: {len(curves.steps)} steps, {len(curves.val_steps)} validation passes{marks}",

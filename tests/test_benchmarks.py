@@ -19,6 +19,7 @@ from llmtune.eval.tasks import (
     float_scale_selection,
     hellaswag_selection,
     multiple_choice_bytes,
+    read_hellaswag,
     read_multiple_choice,
     read_winogrande,
     uniform_below,
@@ -271,6 +272,22 @@ def test_detect_kind():
     assert detect_kind(WINOGRANDE) == "winogrande"
 
 
+def test_letter_answers_and_byte_order_marks(tmp_path):
+    """ARC's letter answers ("A": the first choice) read as indices; a UTF-8 byte-order mark before
+    a JSONL, HellaSwag or Winogrande file is dropped (not a binary file, not part of a context)."""
+    rows = [json.loads(line) for line in MMLU_JSONL.read_text().splitlines() if line.strip()]
+    for k, row in enumerate(rows):
+        row["answer"] = "ABCD"[row["answer"]] if k % 2 else "abcd"[row["answer"]]
+    lettered = _bad(tmp_path, "arc.jsonl", b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    assert detect_kind(lettered) == "multiple-choice"
+    want = [(t.question, t.answers, t.labels) for t in read_multiple_choice(MMLU_JSONL)]
+    assert [(t.question, t.answers, t.labels) for t in read_multiple_choice(lettered)] == want
+    hs = _bad(tmp_path, "hs.txt", b"\xef\xbb\xbf" + HELLASWAG.read_bytes())
+    assert detect_kind(hs) == "hellaswag" and read_hellaswag(hs) == read_hellaswag(HELLASWAG)
+    wg = _bad(tmp_path, "w.csv", b"\xef\xbb\xbf0,The _ sat.,a,b,1\n")
+    assert [t.answer for t in read_winogrande(wg)] == [1]
+
+
 # --- command line --------------------------------------------------------------------------------
 
 
@@ -333,6 +350,12 @@ def _hellaswag_text(n_tasks=2, label="1"):
      ["mc.jsonl", "line 1", "out of range"]),
     ("mc.jsonl", '{"question": "Q?", "choices": ["a", "b"], "answer": 0}\n{nope\n', "--multiple-choice",
      ["mc.jsonl", "line 2", "not JSON"]),
+    ("mc.jsonl", '{"question": "Q?", "choices": ["a", "b"], "answer": 0}\n{"question": "Q?", "choices": ["a"], '
+     '"answer": 0}\n', "--multiple-choice", ["mc.jsonl: line 2: one answer; a task needs at least 2 choices"]),
+    ("mc.jsonl", '{"question": "Q?", "choices": ["a", "b"], "answer": "C"}\n', "--multiple-choice",
+     ["mc.jsonl: line 1: answer 'C' is out of range for 2 choices (a 0-based index 0-1, or a letter A-B)"]),
+    ("mc.jsonl", '{"question": "Q?", "choices": ["a", "b"], "answer": "2"}\n', "--multiple-choice",
+     ["mc.jsonl: line 1: answer '2' is a string of digits: give a 0-based index (1 if 2 counts from 1"]),
 ])
 def test_cli_malformed_tasks(monkeypatch, capsys, tmp_path, name, content, flag, words):
     code, _, err = _eval(monkeypatch, capsys, STORIES, _bad(tmp_path, name, content), flag)
@@ -359,6 +382,7 @@ def _mc_task(question="Q?", answers=("yes", "no"), labels=(1, 0)) -> bytes:
     (_mc_binary([_mc_task()])[:-6], ["task 1", "file ends inside"]),
     (_mc_binary([_mc_task(labels=(2, 0))]), ["task 1", "label 2", "out of range"]),
     (_mc_binary([_mc_task(answers=("yes", ""))]), ["task 1", "answer 2 is empty"]),
+    (_mc_binary([_mc_task(answers=("yes",), labels=(1,))]), ["task 1: one answer; a task needs at least 2 choices"]),
     (struct.pack("<I", 1000) + b"\0" * 8, ["1000 task offsets"]),
 ])
 def test_cli_malformed_binary(monkeypatch, capsys, tmp_path, content, words):

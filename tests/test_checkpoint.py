@@ -262,13 +262,24 @@ def test_resume_refuses_other_inputs_or_settings(stories_path, text, tmp_path, m
         ([text, "--lr", "0.002"], ["--lr: 0.002 differs from the 0.001 checkpoint", str(ckpt)]),
         ([other], ["--resume", str(ckpt), "the data", "differs from the one the checkpoint was trained on"]),
         ([text, "--resume", damaged], [f"--resume {damaged}: not a readable llmtune checkpoint"]),
-        ([text, "--resume", text], [f"--resume {text}: not a readable llmtune checkpoint"]),
+        ([text, "--resume", text], [f"--resume {text}: is not a .npz file, not a finetune checkpoint (--resume takes "
+                                    "a checkpoint: a run writes them beside its -o as OUT.gguf.ckpt-STEP.npz)"]),
+        # the model, or the run's own -o, instead of the checkpoint: never numpy's advice to unpickle it
+        ([text, "--resume", stories_path], [f"--resume {stories_path}: is a GGUF model file, not a finetune "
+                                            "checkpoint (--resume takes a checkpoint: a run writes them beside"]),
+        ([text, "--resume", out], [f"--resume {out}: is a GGUF model file, not a finetune checkpoint (--resume takes "
+                                   f"a checkpoint: the newest beside this file is {ckpt})"]),
+        # a setting the checkpoint's run did not have: no "None" in the words
+        ([text, "--lora-rank", "4"], [f"--lora-rank: 4, but checkpoint {ckpt} is a full finetune (--resume "
+                                      "continues a run"]),
+        ([text, "--pack"], [f"--pack: checkpoint {ckpt} was trained without it (--resume continues"]),
     ):
         resume = [] if "--resume" in map(str, args) else ["--resume", ckpt]
         code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, *args, "-o", tmp_path / "x.gguf", *resume)
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         for word in words:
-            assert word in err, (word, err)
+            assert word in " ".join(err.split()), (word, err)
+        assert "None" not in err and "pickle" not in err, err
     # settings that do not shape the weights may change
     code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, text, "-o", tmp_path / "y.gguf",
                            "--resume", ckpt, "--metrics", tmp_path / "new.jsonl", "--backend", "cpu")

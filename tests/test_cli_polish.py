@@ -5,8 +5,11 @@ fuzzer's (tests/test_fuzz.py, tests/test_loader_hardening.py)."""
 from __future__ import annotations
 
 import io
+import os
 import re
+import stat
 
+import pytest
 import typer
 from gguf import GGUFValueType as VT
 from rich.table import Table
@@ -78,3 +81,54 @@ def test_context_length_stored_as_a_float_is_refused(tmp_path, monkeypatch, caps
     text.write_text("Once upon a time there was a cat. " * 20)
     code, out, err = run_cli(monkeypatch, capsys, "perplexity", path, text, "--ctx", "16", "--chunks", "1")
     assert code == 2 and err.strip() == f"error: {path}: metadata key llama.context_length is not an integer (128.0)"
+
+
+# ------------------------------------------------------------------------------ issue 43: outputs
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_json_results_get_the_mode_of_every_output(tmp_path, monkeypatch, capsys, umask):
+    """perplexity --json and eval --json are written as every output is (0666 less the umask), not
+    mkstemp's 0600."""
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a cat. " * 20)
+    tasks = tmp_path / "mc.jsonl"
+    tasks.write_text('{"question": "Q?", "choices": ["yes", "no"], "answer": 0}\n' * 2)
+    old = os.umask(umask)
+    try:
+        runs = (["perplexity", STORIES, text, "--ctx", "16", "--chunks", "1", "--json", tmp_path / "p.json"],
+                ["eval", STORIES, tasks, "--ctx", "64", "--json", tmp_path / "e.json"])
+        for args in runs:
+            code, _, err = run_cli(monkeypatch, capsys, *args)
+            assert code == 0, err
+    finally:
+        os.umask(old)
+    for name in ("p.json", "e.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+VOCAB = STORIES.parent / "vocab" / "ggml-vocab-llama-spm.gguf"
+
+
+def test_o_replaces_a_gguf_but_never_a_data_file_without_force(tmp_path, monkeypatch, capsys):
+    """A mistyped -o (a user's data file) is refused in one line, the file untouched; an earlier
+    GGUF output is replaced as before; --force replaces anything; an empty file is nothing to lose."""
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text("[model]\nn_embd = 16\nn_layer = 1\nn_head = 2\nn_ff = 32\nn_ctx = 32\n")
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time there was a cat. " * 40)
+    commands = {"export": ["export", STORIES, "--type", "f16"],
+                "init": ["init", "--config", cfg, "--vocab-from", VOCAB],
+                "finetune": ["finetune", STORIES, text, "--ctx", "32", "--epochs", "1"]}
+    for name, args in commands.items():
+        data = tmp_path / f"{name}-notes.jsonl"
+        data.write_text('{"text": "my only copy"}\n')
+        code, out, err = run_cli(monkeypatch, capsys, *args, "-o", data)
+        assert code == 2 and err.strip() == (f"error: {data}: exists and is not a GGUF; refusing to overwrite it "
+                                             "(choose another -o path, or add --force to replace it)"), (name, err)
+        assert data.read_text() == '{"text": "my only copy"}\n' and not list(tmp_path.glob("*.ckpt-*"))
+        code, _, err = run_cli(monkeypatch, capsys, *args, "-o", data, "--force")
+        assert code == 0 and data.read_bytes()[:4] == b"GGUF", (name, err)
+        code, _, err = run_cli(monkeypatch, capsys, *args, "-o", data)  # now a GGUF: replaced without --force
+        assert code == 0, (name, err)
+        empty = tmp_path / f"{name}-empty"
+        empty.touch()
+        assert run_cli(monkeypatch, capsys, *args, "-o", empty)[0] == 0 and empty.read_bytes()[:4] == b"GGUF"

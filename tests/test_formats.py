@@ -8,13 +8,16 @@ record, its keys and the formats accepted (exit 2, nothing written)."""
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 
 from cli_helpers import run_cli
-from llmtune.errors import LlmtuneError
+from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.model.loaded import load_model
 from llmtune.train.chat import build_dataset, read_records
 
@@ -228,3 +231,101 @@ def test_unknown_record_shape_is_one_line(tmp_path, stories_path, monkeypatch, c
     (tmp_path / "d.csv").write_text("q,a\n1,2\n")
     with pytest.raises(LlmtuneError, match=r"d.csv: row 1: unknown record shape \(keys: q, a\)"):
         read_records(tmp_path / "d.csv")
+
+
+# ------------------------------------------------------------------------------ compressed, BOM, misnamed
+BOM = b"\xef\xbb\xbf"
+CHAT = [{"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]}] * 3
+
+
+def data_bytes(suffix: str, rows: list) -> bytes:
+    """`rows` as the bytes of a .jsonl, .json, .csv (keys of the first row as header) or .txt file."""
+    if suffix == ".jsonl":
+        return "".join(json.dumps(r) + "\n" for r in rows).encode()
+    if suffix == ".json":
+        return json.dumps(rows).encode()
+    if suffix == ".csv":
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+        return buf.getvalue().encode()
+    return "".join(r["text"] + "\n" for r in rows).encode()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".txt"])
+@pytest.mark.parametrize("bom", [False, True])
+@pytest.mark.parametrize("gz", [False, True])
+def test_compressed_and_bom_files_read_by_their_inner_suffix(tmp_path, suffix, bom, gz):
+    """chat.jsonl.gz is JSONL (its inner suffix), never its JSON as plain text; a UTF-8 byte-order
+    mark (Excel's "CSV UTF-8", Notepad) is dropped in every format, never a key's first character,
+    a JSON decode error or tokens."""
+    rows = [{"instruction": "Name a color.", "output": "Red."}, {"instruction": "Add.", "output": "Five."}]
+    if suffix == ".txt":
+        rows = [{"text": "One story."}, {"text": "Another one."}]
+    data = (BOM if bom else b"") + data_bytes(suffix, rows)
+    path = tmp_path / f"d{suffix}{'.gz' if gz else ''}"
+    path.write_bytes(gzip.compress(data) if gz else data)
+    records = read_records(path)
+    if suffix == ".txt":
+        assert records.format == "plain" and records.items == ["One story.\nAnother one.\n"]
+    else:
+        assert records.format == "alpaca"
+        assert records.items == [(None, "Name a color.", None, "Red."), (None, "Add.", None, "Five.")]
+
+
+def test_compressed_parquet_and_folders_of_compressed_files(tmp_path):
+    """A .parquet.gz is Parquet (a byte-order mark does not apply: Parquet is binary, and a BOM
+    inside a string cell is that cell's text); a folder takes .jsonl.gz files as JSONL."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "1.jsonl.gz").write_bytes(gzip.compress(data_bytes(".jsonl", ALPACA[:1])))
+    (folder / "2.json").write_text(json.dumps(ALPACA[1:]))
+    (folder / "notes.gz").write_bytes(gzip.compress(b"not data"))
+    assert read_records(folder).wheres == [f"{folder / '1.jsonl.gz'}:1", f"{folder / '2.json'}: record 1"]
+    with pytest.raises(LlmtuneError, match=r"--format plain: .*1.jsonl.gz is a .jsonl file of records"):
+        read_records(folder / "1.jsonl.gz", "plain")
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    plain = tmp_path / "a.parquet"
+    pq.write_table(pa.Table.from_pylist(ALPACA), plain)
+    packed = tmp_path / "a.parquet.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_records(packed).items == read_records(plain).items and read_records(packed).format == "alpaca"
+
+
+@pytest.mark.parametrize("name,content,words", [
+    ("chat.txt", "".join(json.dumps(r) + "\n" for r in CHAT),
+     "chat.txt: 3 of its first 3 lines are JSON records (chat), but a .txt file trains as plain text; to train the "
+     "records name it .jsonl or add --format chat"),
+    ("chat", json.dumps(CHAT, indent=1),
+     "chat: it is a JSON array of records, but a file without a data suffix trains as plain text; to train the "
+     "records name it .json"),
+])
+def test_json_records_in_plain_text_warn_once(tmp_path, stories_path, monkeypatch, capsys, name, content, words):
+    data = tmp_path / name
+    data.write_text(content)
+    with pytest.warns(LlmtuneWarning) as caught:
+        assert read_records(data).format == "plain"
+    assert len(caught) == 1 and str(caught[0].message).startswith(f"{data}: " + words.split(": ", 1)[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_records(data, "plain").format == "plain"  # asked for: no warning
+        (tmp_path / "story.txt").write_text('Once upon a time.\n{"a": 1}\nThe end.\n')
+        assert read_records(tmp_path / "story.txt").format == "plain"  # one JSON line is not records
+    # the CLI: one warning line, then the run goes on as plain text (stopped here: too short for --ctx 1024)
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, data, "-o", tmp_path / "o.gguf",
+                           "--ctx", "1024")
+    assert code == 2 and "shorter than one training window" in err
+    assert [line for line in err.splitlines() if line.startswith("warning:")] == [
+        f"warning: {data}: " + words.split(": ", 1)[1] + " (--format plain: the text, without this warning)"], err
+
+
+def test_a_record_format_on_plain_text_names_format_plain(tmp_path):
+    data = tmp_path / "notes.txt"
+    data.write_text("Once upon a time.\n")
+    with pytest.raises(LlmtuneError) as exc:
+        read_records(data, "text")
+    assert str(exc.value) == (f"{data}:1: invalid JSON (expecting value at column 1); --format text reads JSON "
+                              "records, one per line: plain text is --format plain (or auto)")

@@ -553,11 +553,14 @@ def test_lora_scale_count_must_match(stories_path, fixture_adapter, wiki_text, m
 
 
 def test_an_adapter_given_as_the_model(stories_path, fixture_adapter, wiki_text, tmp_path, monkeypatch, capsys):
-    for args in (["perplexity", fixture_adapter, wiki_text],
-                 ["export", fixture_adapter, "--type", "f16", "-o", tmp_path / "o.gguf"],
-                 ["finetune", fixture_adapter, wiki_text, "--lora-rank", 4, "-o", tmp_path / "o.gguf"]):
+    for args, flag in ((["perplexity", fixture_adapter, wiki_text], "--lora"),
+                       (["export", fixture_adapter, "--type", "f16", "-o", tmp_path / "o.gguf"], "--lora"),
+                       (["finetune", fixture_adapter, wiki_text, "--lora-rank", 4, "-o", tmp_path / "o.gguf"],
+                        "--lora-init")):  # each command's own flag for an adapter (finetune has no --lora)
         code, _, err = run_cli(monkeypatch, capsys, *args)
-        assert code == 2 and "is a LoRA adapter, not a model" in " ".join(err.split()), err
+        words = " ".join(err.split()) + " "
+        assert code == 2 and "is a LoRA adapter, not a model" in words and f" {flag} " in words, err
+        assert args[0] != "finetune" or "--lora " not in words, err
     code, out, _ = run_cli(monkeypatch, capsys, "info", fixture_adapter)
     assert code == 0 and "a LoRA adapter (lora): apply it to a llama model with --lora" in " ".join(out.split())
 

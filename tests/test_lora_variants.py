@@ -262,10 +262,10 @@ def test_lora_plus_off_keeps_one_group(stories):
 
 # ------------------------------------------------------------------------------ bad combinations
 @pytest.mark.parametrize("args, words", [
-    (["--rslora"], "--rslora: needs --lora-rank"),
-    (["--dora"], "--dora: needs --lora-rank"),
-    (["--lora-plus", 4], "--lora-plus: needs --lora-rank"),
-    (["--lora-init-method", "pissa"], "--lora-init-method: needs --lora-rank"),
+    (["--rslora"], "--rslora: needs --lora-rank (a new adapter)"),  # --lora-init is refused with it
+    (["--dora"], "--dora: needs --lora-rank (or --lora-init)"),
+    (["--lora-plus", 4], "--lora-plus: needs --lora-rank (or --lora-init)"),
+    (["--lora-init-method", "pissa"], "--lora-init-method: needs --lora-rank (a new adapter)"),
     (["--lora-rank", 4, "--lora-init-method", "olora"], "--lora-init-method: unknown method 'olora'"),
     (["--lora-rank", 4, "--lora-plus", -2], "--lora-plus: must be a positive ratio"),
     (["--lora-init", CONVERT_F16, "--lora-init-method", "pissa"], "--lora-init-method: starts a new adapter"),

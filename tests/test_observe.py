@@ -137,6 +137,40 @@ def test_llmtune_plot_refuses_a_bad_file_in_one_line(monkeypatch, capsys, tmp_pa
     assert code == 2 and "refusing to overwrite the input file" in err
 
 
+@pytest.mark.parametrize("name, magic", [("a.jpg", b"\xff\xd8\xff"), ("a.JPEG", b"\xff\xd8\xff"),
+                                         ("a.svg", b"<?xml"), ("a.pdf", b"%PDF"), ("a.png", b"\x89PNG"),
+                                         ("a", b"\x89PNG")])
+def test_llmtune_plot_writes_the_format_its_name_says(observed, monkeypatch, capsys, tmp_path, name, magic):
+    """A .jpg holds JPEG bytes (never PNG under a .jpg name); a name without an extension gets PNG."""
+    code, _, err = run_cli(monkeypatch, capsys, "plot", observed["metrics"], "-o", tmp_path / name)
+    assert code == 0 and (tmp_path / name).read_bytes().startswith(magic), err
+
+
+def test_a_picture_format_matplotlib_cannot_write_is_refused_before_the_run(observed, stories_path, small_text,
+                                                                           monkeypatch, capsys, tmp_path):
+    code, _, err = run_cli(monkeypatch, capsys, "plot", observed["metrics"], "-o", tmp_path / "a.doc")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: -o {tmp_path / 'a.doc'}: matplotlib cannot write .doc pictures (name it .png"), err
+    steps = []
+    with pytest.raises(LlmtuneError, match=r"^--plot .*a.doc: matplotlib cannot write .doc pictures"):
+        llmtune.finetune(stories_path, small_text, tmp_path / "o.gguf", plot=str(tmp_path / "a.doc"),
+                         callback=lambda e: e.kind == "step" and steps.append(e), **SETTINGS)
+    assert not steps and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_llmtune_plot_replaces_a_picture_but_never_a_data_file_without_force(observed, monkeypatch, capsys,
+                                                                            tmp_path):
+    notes = tmp_path / "notes"  # no extension: PNG
+    notes.write_text("my only copy\n")
+    code, _, err = run_cli(monkeypatch, capsys, "plot", observed["metrics"], "-o", notes)
+    assert code == 2 and err.strip() == (f"error: {notes}: exists and is not a .png picture; refusing to overwrite it "
+                                         "(choose another -o path, or add --force to replace it)"), err
+    assert notes.read_text() == "my only copy\n"
+    code, _, err = run_cli(monkeypatch, capsys, "plot", observed["metrics"], "-o", notes, "--force")
+    assert code == 0 and notes.read_bytes()[:4] == b"\x89PNG", err
+    assert run_cli(monkeypatch, capsys, "plot", observed["metrics"], "-o", notes)[0] == 0  # a PNG: replaced
+
+
 def test_llmtune_plot_reads_a_running_finetunes_file(observed, monkeypatch, capsys, tmp_path):
     """The record being written (its last line without its newline yet) is left out."""
     lines = observed["metrics"].read_text().splitlines(keepends=True)

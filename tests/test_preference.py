@@ -180,7 +180,11 @@ def test_bad_preference_records_are_one_line_naming_file_and_record(tmp_path, re
     (["--method", "dpo", "--gamma", "1"], "--gamma: only --method simpo uses it"),
     (["--method", "orpo", "--label-smoothing", "0.1"], "--label-smoothing: only --method dpo or simpo uses it"),
     (["--method", "kto"], "--method: unknown method 'kto'"),
-    (["--method", "simpo", "--pack"], "--pack: not with --method simpo"),
+    (["--method", "simpo", "--pack"], "--pack: not with --method simpo (one pair per window)"),
+    (["--method", "dpo", "--train-on-prompt"], "--train-on-prompt: not with --method dpo (DPO compares the chosen and "
+     "rejected answers given the prompt, which both share)"),
+    (["--method", "orpo", "--train-on-prompt"], "--train-on-prompt: not with --method orpo (ORPO's NLL term counts "
+     "the prompt's tokens already"),
 ])
 def test_bad_method_settings_are_one_line_exit_2(tmp_path, stories_path, monkeypatch, capsys, args, message):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}] * 4)

@@ -23,7 +23,15 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFValueType as VT
 
 from llmtune.errors import LlmtuneError
-from llmtune.gguf.file import GGUFFile, MetaValue, TensorSpec, check_output_path, load_gguf, write_gguf
+from llmtune.gguf.file import (
+    GGUF_KIND,
+    GGUFFile,
+    MetaValue,
+    TensorSpec,
+    check_output_path,
+    load_gguf,
+    write_gguf,
+)
 from llmtune.model.adapter import attach, merged_weight
 from llmtune.model.loaded import Model, check_model
 from llmtune.quant import blocks as quants
@@ -88,17 +96,17 @@ class ExportSummary:
 
 
 def export(model_path: str | os.PathLike, out_path: str | os.PathLike, type: str,
-           progress: Progress | None = None, lora=None, lora_scale=None) -> ExportSummary:
+           progress: Progress | None = None, lora=None, lora_scale=None, force: bool = False) -> ExportSummary:
     """Write `model_path` to `out_path` with its weights stored as `type` (a name in EXPORT_TYPES);
     `lora`: adapter GGUF path(s) merged into the weights first (`lora_scale`: one scale for all or
-    one per adapter, default 1)."""
+    one per adapter, default 1); `force`: replace an existing `out_path` that is not a GGUF (--force)."""
     xt = export_type(type)
     lora = [lora] if isinstance(lora, (str, os.PathLike)) else list(lora or [])
     gf = load_gguf(model_path)
     if gf.get("general.type") == "adapter":
         raise LlmtuneError(f"{model_path}: is a LoRA adapter, not a model; to merge it: "
                            f"llmtune export BASE.gguf --lora {model_path} --type {type} -o OUT.gguf")
-    out = check_output_path(out_path, model_path, *lora)
+    out = check_output_path(out_path, model_path, *lora, replaces=GGUF_KIND, force=force)
     if lora_scale is not None and not lora and (isinstance(lora_scale, (int, float)) or list(lora_scale)):
         raise LlmtuneError("--lora-scale: needs --lora (the adapter it scales)")
     merged = _merger(gf, lora, lora_scale) if lora else None

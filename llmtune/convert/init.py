@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT, LlamaFileType
 from llmtune.arch import get_family, supported
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
-from llmtune.gguf.file import MetaValue, check_output_path, load_gguf, write_gguf
+from llmtune.gguf.file import GGUF_KIND, MetaValue, check_output_path, load_gguf, write_gguf
 from llmtune.resources import available_memory, check_disk_space
 from llmtune.tomlfile import read_toml
 
@@ -222,15 +222,17 @@ def init_model(
     *,
     test_weights: bool = False,
     optional=(),
+    force: bool = False,
 ) -> Path:
     """Write a new model shaped by `config_path` with the tokenizer of `vocab_from`.
 
     The same config, vocabulary and seed give a byte-identical file. test_weights/optional:
-    see init_tensors (random-everything models for cross-checks)."""
+    see init_tensors (random-everything models for cross-checks). force: replace an existing
+    `out_path` that is not a GGUF (--force)."""
     if seed < 0:
         raise LlmtuneError(f"--seed: must be 0 or more, got {seed}")
     config = load_init_config(config_path)
-    out_path = check_output_path(out_path, config_path, vocab_from)
+    out_path = check_output_path(out_path, config_path, vocab_from, replaces=GGUF_KIND, force=force)
     tok_meta = tokenizer_metadata(vocab_from)
     hp = config.model.hparams(n_vocab=len(tok_meta["tokenizer.ggml.tokens"].value))
     _check_resources(config_path, out_path, hp, optional)

@@ -9,8 +9,9 @@ Formats (tools/perplexity/perplexity.cpp):
 - Multiple choice (`--multiple-choice -bf`): binary, little-endian: u32 n_task, n_task u32 byte
   offsets of the tasks, then per task a string (u32 length + UTF-8 bytes) question and two answer
   lists mc1 and mc2 (u32 n <= 100, n strings, n int32 labels; 1 marks a correct answer; llama.cpp
-  scores mc1 only). Also JSONL, one task per line: {"question", "choices", "answer" (index),
-  optional "topic"}, e.g. MMLU; `write_multiple_choice` converts any of these to the binary form.
+  scores mc1 only). Also JSONL, one task per line: {"question", "choices", "answer" (a 0-based
+  index, or ARC's letter: "A" is the first choice), optional "topic"}, e.g. MMLU;
+  `write_multiple_choice` converts any of these to the binary form. A task needs 2 choices or more.
 
 Where llama.cpp skips a malformed task silently, crashes or reads past the end of its data, these
 readers raise a one-line LlmtuneError naming the file and the task.
@@ -33,7 +34,8 @@ from typing import Optional
 import numpy as np
 
 from llmtune.errors import LlmtuneError, require_file
-from llmtune.tokenizer import json_why
+from llmtune.resources import write_atomically
+from llmtune.tokenizer import json_why, strip_bom
 
 HELLASWAG_LINES = 6
 HELLASWAG_ENDINGS = 4
@@ -80,6 +82,8 @@ def _read_bytes(path) -> tuple[Path, bytes]:
 
 
 def _decode(path: Path, data: bytes) -> str:
+    """A text task file's text (a leading byte-order mark dropped)."""
+    data = strip_bom(data)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -205,12 +209,17 @@ class _Reader:
         return answers, labels
 
 
+def _check_count(path: Path, name: str, n: int) -> None:
+    if n < 2:
+        raise LlmtuneError(f"{path}: {name}: {'one answer' if n else 'no answers'}; a task needs at least 2 "
+                           f"choices (with one, it is always right)")
+
+
 def _check_mc(path: Path, task: MultipleChoiceTask, name: str) -> MultipleChoiceTask:
     """llama.cpp refuses empty questions and answers; labels must be 0/1 with one correct answer."""
     if not task.question:
         raise LlmtuneError(f"{path}: {name}: empty question")
-    if not task.answers:
-        raise LlmtuneError(f"{path}: {name}: no answers")
+    _check_count(path, name, len(task.answers))
     for k, (answer, label) in enumerate(zip(task.answers, task.labels)):
         if not answer:
             raise LlmtuneError(f"{path}: {name}: answer {k + 1} is empty")
@@ -269,9 +278,8 @@ def read_multiple_choice_jsonl(path, text: Optional[str] = None) -> list[Multipl
             raise LlmtuneError(f"{path}: {name}: \"choices\" must be a list of strings")
         if len(choices) > MAX_ANSWERS:
             raise LlmtuneError(f"{path}: {name}: {len(choices)} choices (llama.cpp reads at most {MAX_ANSWERS})")
-        if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
-            raise LlmtuneError(f"{path}: {name}: answer {answer!r} is out of range for {len(choices)} choices "
-                               f"(a 0-based index)")
+        _check_count(path, name, len(choices))
+        answer = _answer_index(answer, choices, f"{path}: {name}")
         topic = obj.get("topic", obj.get("subject"))
         labels = [int(k == answer) for k in range(len(choices))]
         tasks.append(_check_mc(path, MultipleChoiceTask(question, list(choices), labels,
@@ -281,8 +289,25 @@ def read_multiple_choice_jsonl(path, text: Optional[str] = None) -> list[Multipl
     return tasks
 
 
+def _answer_index(answer, choices: list, where: str) -> int:
+    """A JSONL task's "answer" as a choice index: a 0-based index (MMLU), or a letter (ARC's answerKey:
+    A is the first choice). A string of digits is refused: ARC's "1" is the first choice, an index's 1
+    the second."""
+    letters = "".join(chr(ord("A") + k) for k in range(min(len(choices), 26)))
+    if isinstance(answer, str) and len(answer.strip()) == 1 and answer.strip().upper() in letters:
+        return letters.index(answer.strip().upper())
+    if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices):
+        return answer
+    if isinstance(answer, str) and answer.strip().isdigit():
+        raise LlmtuneError(f"{where}: answer {answer!r} is a string of digits: give a 0-based index "
+                           f"({int(answer) - 1} if {answer.strip()} counts from 1, as ARC's labels do) or a letter "
+                           f"(A-{letters[-1]})")
+    raise LlmtuneError(f"{where}: answer {answer!r} is out of range for {len(choices)} choices "
+                       f"(a 0-based index 0-{len(choices) - 1}, or a letter A-{letters[-1]})")
+
+
 def _looks_like_jsonl(data: bytes) -> bool:
-    return data.lstrip()[:1] == b"{"
+    return strip_bom(data).lstrip()[:1] == b"{"
 
 
 def read_multiple_choice(path) -> list[MultipleChoiceTask]:
@@ -300,7 +325,7 @@ def detect_kind(path) -> str:
         return "multiple-choice"
     if path.suffix.lower() == ".csv":
         return "winogrande"
-    head = data[:4096]
+    head = strip_bom(data)[:4096]
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -352,11 +377,8 @@ def write_multiple_choice(tasks: list[MultipleChoiceTask], path, *inputs) -> Pat
     from llmtune.gguf.file import check_output_path
 
     path = check_output_path(path, *inputs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(multiple_choice_bytes(tasks))
-    tmp.replace(path)
-    return path
+    data = multiple_choice_bytes(tasks)
+    return write_atomically(path, lambda fh: fh.write(data))
 
 
 # ------------------------------------------------------------------------------------ selection

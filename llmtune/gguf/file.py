@@ -427,12 +427,20 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike, flag: str = "-o") -> Path:
+# what an output may replace without --force: (its words, the first bytes such a file starts with)
+FileKind = tuple[str, tuple[bytes, ...]]
+GGUF_KIND: FileKind = ("a GGUF", (GGUF_MAGIC,))
+
+
+def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike, flag: str = "-o",
+                      replaces: FileKind | None = None, force: bool = False) -> Path:
     """Refuse to write over an input file or into something that is not a folder; returns the path.
 
     A missing output folder is created here, so `-o out/model.gguf` works on a fresh checkout
     and every writer that checks its path first (GGUF, JSON, metrics) can simply open it.
     `flag` is the option that named the path (-o, --json, --metrics), so the message names it.
+    `replaces`: the kind of file the command writes; an existing non-empty file of another kind
+    (a user's data file under a mistyped -o) is refused unless `force` (the commands' --force).
     """
     out = Path(out)
     for src in inputs:
@@ -440,6 +448,8 @@ def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike, flag: 
             raise LlmtuneError(f"{out}: refusing to overwrite the input file {src}; choose another {flag} path")
     if out.is_dir():
         raise LlmtuneError(f"{out}: is a directory; give a file name with {flag}")
+    if replaces is not None:
+        check_replaceable(out, replaces, flag, force)
     ancestor = out.resolve().parent
     while not ancestor.exists():
         ancestor = ancestor.parent
@@ -450,6 +460,21 @@ def check_output_path(out: str | os.PathLike, *inputs: str | os.PathLike, flag: 
     except OSError as exc:
         raise LlmtuneError(f"{out}: cannot create its folder ({exc.strerror or exc})") from None
     return out
+
+
+def check_replaceable(out: Path, kind: FileKind, flag: str = "-o", force: bool = False) -> None:
+    """Refuse (unless `force`) to write over an existing non-empty file that is not of `kind`."""
+    if force or not out.is_file():
+        return
+    words, magics = kind
+    try:
+        with open(out, "rb") as fh:
+            head = fh.read(max(map(len, magics)))
+    except OSError:
+        return  # unreadable: the writer's own check (check_writable_folder, the write) says why
+    if head and not head.startswith(magics):
+        raise LlmtuneError(f"{out}: exists and is not {words}; refusing to overwrite it (choose another {flag} path, "
+                           f"or add --force to replace it)")
 
 
 TensorSpec = tuple[str, np.ndarray, QT]  # name, data (float array, or raw quantized bytes), stored type

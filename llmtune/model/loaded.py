@@ -137,11 +137,13 @@ def hparams_of(gf: GGUFFile) -> HParams:
     return read_hparams(gf.metadata, set(gf.tensors), str(gf.path))
 
 
-def check_model(gf: GGUFFile) -> tuple[HParams, list]:
-    """What load_model accepts, without reading tensor data: (hparams, the tensors present)."""
+def check_model(gf: GGUFFile, adapter_flag: str = "--lora") -> tuple[HParams, list]:
+    """What load_model accepts, without reading tensor data: (hparams, the tensors present).
+    `adapter_flag`: the command's flag that takes an adapter, named when `gf` is one (finetune's is
+    --lora-init)."""
     if gf.get("general.type") == "adapter":
         raise LlmtuneError(f"{gf.path}: is a LoRA adapter, not a model; "
-                           "give its base model and the adapter with --lora")
+                           f"give its base model and the adapter with {adapter_flag}")
     hp = hparams_of(gf)
     present = check_tensors(hp, {name: info.shape for name, info in gf.tensors.items()}, str(gf.path))
     if hp.n_vocab != gf.tensors["token_embd.weight"].shape[0]:
@@ -158,12 +160,12 @@ def past_training(model, ctx: int) -> "str | None":
             f"({model.hp.arch}.context_length): positions past it are untrained")
 
 
-def load_model(path, quantized: bool = True) -> Model:
+def load_model(path, quantized: bool = True, adapter_flag: str = "--lora") -> Model:
     """quantized: matrices stored in a quantized or 16-bit type stay as their bytes (QTensor; a
     frozen one is multiplied as llama.cpp multiplies it, activations rounded to its vec_dot type);
-    False decodes every tensor to float32 (products in plain float32)."""
+    False decodes every tensor to float32 (products in plain float32). adapter_flag: check_model's."""
     gf = load_gguf(path)
-    hp, present = check_model(gf)
+    hp, present = check_model(gf, adapter_flag)
     # read-only views of the memory map, no second copy of the file in RAM (F32, and kept types)
     weights = {}
     for spec in present:

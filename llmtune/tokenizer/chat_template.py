@@ -101,7 +101,7 @@ class ChatTemplate:
             if not path.is_file():
                 raise LlmtuneError(f"{path}: no such file ({flag})")
             try:
-                source = path.read_text(encoding="utf-8")
+                source = tk.strip_bom(path.read_bytes()).decode("utf-8")
             except (OSError, UnicodeDecodeError) as exc:
                 raise LlmtuneError(f"{path}: cannot read the chat template ({exc})") from None
             return cls(source, str(path), special)

@@ -649,25 +649,48 @@ def _byte_lookup(token_to_id: dict[str, int], source: str):
 # -- file helpers (used by `llmtune tokenize`) --------------------------------------------------
 
 
+GZIP_SUFFIX = ".gz"  # the one compression data files may carry (read_text gunzips it)
+UTF8_BOM = b"\xef\xbb\xbf"  # Excel's "CSV UTF-8", Notepad: dropped where text is read, as Python's utf-8-sig
+
+
+def data_suffix(path: str | Path) -> str:
+    """The suffix that says what a file holds, lower case, read through a .gz: ".jsonl" for
+    chat.jsonl.gz, ".txt" for notes.txt and notes.txt.gz, "" for a name without one (data.gz)."""
+    suffixes = [s.lower() for s in Path(path).suffixes]
+    if suffixes and suffixes[-1] == GZIP_SUFFIX:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def strip_bom(data: bytes) -> bytes:
+    """`data` without a leading UTF-8 byte-order mark (every reader of data text drops it)."""
+    return data[len(UTF8_BOM):] if data.startswith(UTF8_BOM) else data
+
+
+def read_bytes(path: str | Path) -> bytes:
+    """The bytes of a file, gunzipped when its name ends in .gz; unreadable input is a one-line error."""
+    p = require_file(path, "a text file")
+    try:
+        data = p.read_bytes()
+        return gzip.decompress(data) if p.suffix.lower() == GZIP_SUFFIX else data
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+        raise LlmtuneError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+
+
 def read_text(path: str | Path | None) -> str:
-    """UTF-8 text of a file (gunzipped when its name ends in .gz), or of stdin for None / "-";
-    unreadable input is a one-line error."""
+    """UTF-8 text of a file (gunzipped when its name ends in .gz), or of stdin for None / "-",
+    without a leading byte-order mark; unreadable input is a one-line error."""
     if path is None or str(path) == "-":
         name, data = "<stdin>", sys.stdin.buffer.read()
     else:
-        name = str(path)
-        p = require_file(path, "a text file")
-        try:
-            data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
-        except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
-            raise LlmtuneError(f"{name}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+        name, data = str(path), read_bytes(path)
+    skip = len(data) - len(strip_bom(data))
     try:
-        return data.decode("utf-8")
+        return data[skip:].decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise LlmtuneError(
-            f"{name}:{line}: not valid UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
-        ) from None
+        at = skip + exc.start  # the offset in the file
+        line = data[:at].count(b"\n") + 1
+        raise LlmtuneError(f"{name}:{line}: not valid UTF-8 text (byte 0x{data[at]:02x} at offset {at})") from None
 
 
 def require_text(text: str, name) -> str:

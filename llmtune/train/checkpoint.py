@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import GGUF_MAGIC
 from llmtune.resources import write_atomically
 from llmtune.train import guard
 
@@ -131,6 +132,7 @@ def read_checkpoint(path, flag: str = "--resume") -> Checkpoint:
         raise LlmtuneError(f"{where}: no such file")
     if path.is_dir():
         raise LlmtuneError(f"{where}: is a directory, not a checkpoint")
+    _check_zip(path, flag)
     try:
         with np.load(path, allow_pickle=False) as z:
             if "meta" not in z.files:
@@ -149,6 +151,23 @@ def read_checkpoint(path, flag: str = "--resume") -> Checkpoint:
     if missing or "weights" not in arrays or "order" not in arrays:
         raise LlmtuneError(f"{where}: damaged checkpoint (missing {', '.join(missing) or 'arrays'})")
     return Checkpoint(path, meta, arrays)
+
+
+def _check_zip(path: Path, flag: str) -> None:
+    """A checkpoint is a .npz (a zip): a GGUF (the model, or -o itself) or any other file is one line
+    naming what `flag` takes, not numpy's advice to unpickle it."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+    except OSError as exc:
+        raise LlmtuneError(f"{flag} {path}: cannot read ({exc.strerror or exc})") from None
+    if head.startswith(b"PK"):
+        return
+    found = checkpoints_of(path)
+    takes = (f"the newest beside this file is {found[-1][1]}" if found
+             else "a run writes them beside its -o as OUT.gguf.ckpt-STEP.npz")
+    what = "is a GGUF model file" if head == GGUF_MAGIC else "is not a .npz file"
+    raise LlmtuneError(f"{flag} {path}: {what}, not a finetune checkpoint ({flag} takes a checkpoint: {takes})")
 
 
 def check_fingerprint(ckpt: Checkpoint, now: dict[str, str], names: dict[str, str], flag: str = "--resume") -> None:

@@ -93,8 +93,9 @@ class FinetuneConfig:
                                                "tensorboardX (pip install tensorboardX; the extra \"tensorboard\").",
                                          metavar="DIR", path=True)
     plot: Optional[str] = setting(None, "Draw the train and validation loss and the learning rate against steps into "
-                                        "this PNG, the best validation pass and an early stop marked (preference "
-                                        "methods: their reward margin and accuracy below), redrawn after each "
+                                        "this picture (PNG, or the format its extension names: .jpg, .svg, .pdf...), "
+                                        "the best validation pass and an early stop marked (preference methods: their "
+                                        "reward margin and accuracy below), redrawn after each "
                                         "validation pass, every minute, and at the end. "
                                         "Needs matplotlib (pip install matplotlib; the extra \"plot\").",
                                   metavar="FILE", path=True)
@@ -278,10 +279,12 @@ def _check_method(c: "FinetuneConfig") -> None:
     for name, on in given.items():
         if on and c.method not in readers[name]:
             raise LlmtuneError(f"{flag_name(name)}: only --method {' or '.join(readers[name])} uses it")
-    if c.method != "sft":
-        for name in ("pack", "train_on_prompt"):
-            if getattr(c, name):
-                raise LlmtuneError(f"{flag_name(name)}: not with --method {c.method} (one pair per window)")
+    if c.method != "sft" and c.pack:
+        raise LlmtuneError(f"--pack: not with --method {c.method} (one pair per window)")
+    if c.method != "sft" and c.train_on_prompt:
+        why = ("ORPO's NLL term counts the prompt's tokens already, as TRL's ORPOTrainer does" if c.method == "orpo"
+               else f"{c.method.upper()} compares the chosen and rejected answers given the prompt, which both share")
+        raise LlmtuneError(f"--train-on-prompt: not with --method {c.method} ({why})")
 
 
 def _check_schedule(c: FinetuneConfig) -> None:
@@ -336,7 +339,8 @@ def _check_lora_variants(c: FinetuneConfig) -> None:
     given = [flag for flag, on in (("--rslora", c.rslora), ("--dora", c.dora), ("--lora-plus", c.lora_plus),
                                    ("--lora-init-method", c.lora_init_method != "kaiming")) if on]
     if given and not c.lora:
-        raise LlmtuneError(f"{given[0]}: needs --lora-rank (or --lora-init)")
+        new_only = given[0] in ("--rslora", "--lora-init-method")  # --lora-init is refused with these below
+        raise LlmtuneError(f"{given[0]}: needs --lora-rank{' (a new adapter)' if new_only else ' (or --lora-init)'}")
     if c.lora_init is not None and c.lora_init_method != "kaiming":
         raise LlmtuneError(f"--lora-init-method: starts a new adapter; --lora-init {c.lora_init} continues one "
                            f"(drop one of them)")
@@ -430,6 +434,19 @@ def make_config(config_file: str | Path | None = None, **flags) -> FinetuneConfi
         raise LlmtuneError(f"{config_file or 'settings'}: {exc}") from None
 
 
+def _differs(key: str, value: Any, saved: dict, checkpoint) -> str:
+    """How a flag differs from the setting a checkpoint was trained with, in words for a switch and
+    for a setting the run did not have (a full finetune has no --lora-rank)."""
+    then = saved.get(key)
+    if isinstance(then, bool) or isinstance(value, bool):
+        flag_means = not FIELDS[key].default  # a switch names the value that is not the default
+        return f"checkpoint {checkpoint} was trained {'with' if then == flag_means else 'without'} it"
+    if then is None:
+        full = key in ("lora_rank", "lora_init") and saved.get("lora_rank") is None and saved.get("lora_init") is None
+        return f"{value!r}, but checkpoint {checkpoint} {'is a full finetune' if full else 'was trained without it'}"
+    return f"{value!r} differs from the {then!r} checkpoint {checkpoint} was trained with"
+
+
 def resume_config(saved: dict, checkpoint, config_file: str | Path | None = None, **flags) -> FinetuneConfig:
     """The settings of a resumed run: the checkpoint's (`saved`, FinetuneConfig fields), so the
     resume command needs no flags. A flag or config key that would change the trained weights must
@@ -440,9 +457,7 @@ def resume_config(saved: dict, checkpoint, config_file: str | Path | None = None
     for key, value in _explicit(config_file, flags).items():
         fixed = key not in RUN_ONLY or (key == "eval_benchmark" and selects_by_benchmark)
         if fixed and value != values.get(key):
-            raise LlmtuneError(
-                f"{flag_name(key)}: {value!r} differs from the {values.get(key)!r} checkpoint {checkpoint} was trained "
-                f"with (--resume continues a run with its own settings: drop the flag, or start a new run)"
-            )
+            raise LlmtuneError(f"{flag_name(key)}: {_differs(key, value, values, checkpoint)} (--resume continues a "
+                               f"run with its own settings: drop the flag, or start a new run)")
         values[key] = value
     return FinetuneConfig(**values).resolved()

@@ -37,7 +37,7 @@ HookFactory = Callable[[FinetuneConfig, Model], list[Hook]]
 
 
 def finetune(model_path, data_path, out_path, *, config_file=None, callback: Optional[ev.Callback] = None,
-             resume=None, hooks: Optional[HookFactory] = None, **settings) -> FinetuneResult:
+             resume=None, hooks: Optional[HookFactory] = None, force: bool = False, **settings) -> FinetuneResult:
     """Train `model_path` on `data_path` and write the result to `out_path` (llama.cpp's
     examples/training/finetune.cpp, with validation, batching and schedules as flags).
 
@@ -48,7 +48,8 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
     in eval/'s --sample-prompt and --eval-benchmark.
 
     LoRA (lora_rank or lora_init): the base stays frozen, only the adapter's A/B train, and
-    `out_path` receives llama.cpp's adapter GGUF (load it with llama.cpp's --lora).
+    `out_path` receives llama.cpp's adapter GGUF (load it with llama.cpp's --lora). An existing
+    `out_path` that is not a GGUF is refused unless `force` (--force).
 
     Checkpoints (train/checkpoint.py) go beside `out_path` at every epoch end and every
     checkpoint_every steps; `resume` (a checkpoint path) continues one with its own settings and
@@ -63,7 +64,7 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
             cfg = make_config(config_file, **settings)
         else:
             cfg = resume_config(ckpt.meta["config"], ckpt.path, config_file, **settings)
-        return ckpt, cfg, _prepare(model_path, data_path, out_path, cfg, ckpt, emit, hooks)
+        return ckpt, cfg, _prepare(model_path, data_path, out_path, cfg, ckpt, emit, hooks, force)
 
     # under an MPI launcher (backends/dist.py) every rank sets up; an error on any stops all alike
     ckpt, cfg, run = world().together(setup)
@@ -92,12 +93,12 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
 
 
 def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: ev.Callback,
-             hooks: Optional[HookFactory]) -> Run:
+             hooks: Optional[HookFactory], force: bool = False) -> Run:
     """Every check and allocation before the first step (train/preflight.py), in that order."""
     warn = lambda message: emit(ev.Warning(message))  # noqa: E731
     inputs = {"model": model_path, "data": data_path, **({"lora_init": cfg.lora_init} if cfg.lora_init else {})}
-    out_path = preflight.check_outputs(out_path, cfg, inputs, ckpt, warn)
-    model = load_model(model_path)
+    out_path = preflight.check_outputs(out_path, cfg, inputs, ckpt, warn, force)
+    model = load_model(model_path, adapter_flag="--lora-init")  # finetune continues an adapter with --lora-init
     model, trainable = _with_adapter(model, cfg) if cfg.lora else (model, model.select(cfg.params))
     run_hooks = _hooks(cfg, model, hooks)
     if (past := past_training(model, cfg.ctx)) is not None:

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import check_output_path, check_replaceable
 from llmtune.resources import write_atomically
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.loop import Hook, Run
@@ -184,17 +185,32 @@ def _number(value) -> float:
 
 def _step(value) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+def picture_format(path, flag: str) -> str:
+    """The format a picture file is written in: the one its extension names when matplotlib writes
+    it (png, jpg, svg, pdf, ...), PNG for a name without one; any other extension is refused in one
+    line, before the run (a .jpg name never holds PNG bytes)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    ext = Path(path).suffix.lower().removeprefix(".")
+    if not ext:
+        return "png"
+    if ext not in FigureCanvasAgg.get_supported_filetypes():
+        raise LlmtuneError(f"{flag} {path}: matplotlib cannot write .{ext} pictures (name it .png, .jpg, .svg, .pdf "
+                           f"or another of {', '.join(sorted(FigureCanvasAgg.get_supported_filetypes()))})")
+    return ext
 
 
 class PlotHook(_Writer):
-    """--plot FILE.png: the curves so far, redrawn after each validation pass (or epoch end), every
-    REDRAW_S seconds of steps, and when the run stops, each time written atomically, so the file is
-    always a whole picture. A resumed run with --metrics starts from that file's records."""
+    """--plot FILE.png (or .jpg, .svg, .pdf...: picture_format): the curves so far, redrawn after
+    each validation pass (or epoch end), every REDRAW_S seconds of steps, and when the run stops,
+    each time written atomically, so the file is always a whole picture. A resumed run with
+    --metrics starts from that file's records."""
 
     flag = "--plot"
 
     def __init__(self, path):
         need("matplotlib.backends.backend_agg", self.flag, "plot")
+        self.format = picture_format(path, self.flag)
         super().__init__(path)
         self.curves: Optional[Curves] = None
         self.drawn, self.last_draw = 0, time.perf_counter()
@@ -229,25 +245,38 @@ class PlotHook(_Writer):
         if self.curves is None or len(self.curves) == self.drawn:
             return
         try:
-            draw_curves(self.curves, self.path, title=Path(run.result.output).name)
+            draw_curves(self.curves, self.path, title=Path(run.result.output).name, fmt=self.format)
             self.drawn = len(self.curves)
         except Exception as exc:  # noqa: BLE001 - an observer never costs the run (it warns and stops)
             self._fail(run, exc)
 
 
-def plot_metrics(metrics, out) -> Curves:
-    """`llmtune plot`: a --metrics file's curves drawn into `out` (the --plot picture)."""
+# the first bytes of the pictures matplotlib writes, where a format has them: `llmtune plot -o`
+# replaces an existing file only when it is such a picture (else --force)
+PICTURE_MAGIC = {"png": (b"\x89PNG",), "jpg": (b"\xff\xd8\xff",), "jpeg": (b"\xff\xd8\xff",), "pdf": (b"%PDF",),
+                 "svg": (b"<?xml", b"<svg"), "gif": (b"GIF8",), "webp": (b"RIFF",), "tif": (b"II*\0", b"MM\0*"),
+                 "tiff": (b"II*\0", b"MM\0*"), "eps": (b"%!PS", b"\xc5\xd0\xd3\xc6"), "ps": (b"%!PS",)}
+
+
+def plot_metrics(metrics, out, force: bool = False) -> Curves:
+    """`llmtune plot`: a --metrics file's curves drawn into `out` (the --plot picture); an existing
+    `out` that is not a picture of its format is refused unless `force`."""
     need("matplotlib.backends.backend_agg", "llmtune plot", "plot")
+    out = check_output_path(out, metrics)
+    fmt = picture_format(out, "-o")
+    if fmt in PICTURE_MAGIC:
+        check_replaceable(out, (f"a .{fmt} picture", PICTURE_MAGIC[fmt]), "-o", force)
     curves = Curves.of(read_metrics(metrics))
-    draw_curves(curves, Path(out), title=Path(metrics).name)
+    draw_curves(curves, Path(out), title=Path(metrics).name, fmt=fmt)
     return curves
 
 
-def draw_curves(curves: Curves, path: Path, title: str = "") -> Path:
+def draw_curves(curves: Curves, path: Path, title: str = "", fmt: str = "png") -> Path:
     """Train loss per step (faint) and its moving mean, validation loss, the learning rate on a
     second axis, epoch boundaries, the best validation pass (a red star and line) and the early
-    stop (a purple line): a PNG of PLOT_SIZE at PLOT_DPI, written atomically. A preference run
-    adds a panel below with its reward margin and accuracy (PREFERENCE_PLOT_SIZE). Drawn with
+    stop (a purple line): a picture of PLOT_SIZE at PLOT_DPI in format `fmt` (picture_format's),
+    written atomically. A preference run adds a panel below with its reward margin and accuracy
+    (PREFERENCE_PLOT_SIZE). Drawn with
     matplotlib's object API on an Agg canvas (no pyplot), so a caller's own figures and backend are
     left alone."""
     # optional dependency (the extra "plot"): imported only when a picture is drawn
@@ -275,7 +304,7 @@ def draw_curves(curves: Curves, path: Path, title: str = "") -> Path:
     if preference:
         _reward_panel(fig.add_subplot(2, 1, 2, sharex=ax), curves)
     fig.tight_layout()
-    return write_atomically(path, lambda fh: fig.savefig(fh, format="png", dpi=PLOT_DPI), "cannot write the plot")
+    return write_atomically(path, lambda fh: fig.savefig(fh, format=fmt, dpi=PLOT_DPI), "cannot write the plot")
 
 
 def _marks(ax, curves: Curves, labels: bool) -> list:

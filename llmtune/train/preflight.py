@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.gguf.file import check_output_path
+from llmtune.gguf.file import GGUF_KIND, check_output_path
 from llmtune.resources import available_memory, check_disk_space, check_writable_folder, memory_limit
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.config import FinetuneConfig
@@ -17,11 +17,11 @@ from llmtune.train.output import output_bytes
 from llmtune.train.trainer import Trainer
 
 
-def check_outputs(out_path, cfg: FinetuneConfig, inputs: dict, ckpt, warn) -> Path:
-    """-o, --metrics, --plot and --tensorboard: writable, not one of the inputs, not each other;
-    leftovers reported."""
+def check_outputs(out_path, cfg: FinetuneConfig, inputs: dict, ckpt, warn, force: bool = False) -> Path:
+    """-o, --metrics, --plot and --tensorboard: writable, not one of the inputs, not each other, -o
+    not an existing file other than a GGUF unless `force`; leftovers reported."""
     paths = [*inputs.values(), *([ckpt.path] if ckpt is not None else [])]
-    out_path = check_output_path(out_path, *paths)
+    out_path = check_output_path(out_path, *paths, replaces=GGUF_KIND, force=force)
     report_leftovers(out_path, ckpt, warn)
     check_writable_folder(out_path, "-o")
     taken = {out_path.resolve(): "-o"}

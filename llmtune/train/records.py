@@ -1,7 +1,8 @@
 """Training records for `finetune`: files (JSONL, JSON, Parquet, CSV, a folder of them, or plain
 text) read into one record format, each record checked and normalised for train/chat.py.
 
-Files (by suffix; anything else is a plain text file):
+Files (by suffix, read through a .gz: chat.jsonl.gz is JSONL; anything else is a plain text file,
+with a warning when its lines look like JSON records; a leading UTF-8 byte-order mark is dropped):
 - .jsonl / .ndjson  one JSON object per line (a record names its file and line: FILE:LINE);
 - .json             an array of objects, or an object holding one array (FILE: record N), never
                     plain text;
@@ -30,11 +31,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-from llmtune.errors import LlmtuneError
+from llmtune.errors import LlmtuneError, LlmtuneWarning
+from llmtune.tokenizer import data_suffix, json_why, read_bytes, read_text, require_text
 
 FORMATS = ("auto", "plain", "text", "completion", "chat", "sharegpt", "alpaca", "preference")
 ROLES = ("system", "user", "assistant", "tool")
@@ -60,7 +63,7 @@ def data_files(path: Path) -> list[Path]:
     """The files a data path stands for: itself, or a folder's data files in name order."""
     if not path.is_dir():
         return [path]
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES)
+    files = sorted(p for p in path.iterdir() if p.is_file() and data_suffix(p) in SUFFIXES)
     if not files:
         raise LlmtuneError(f"{path}: the folder holds no data file ({', '.join(SUFFIXES)})")
     return files
@@ -87,23 +90,24 @@ def record_format(record: dict) -> Optional[str]:
 def read_records(path, fmt: str = "auto") -> Records:
     """The records of a file or folder in one format; every problem is one line naming the file
     and the record."""
-    from llmtune.tokenizer import read_text, require_text
-
     path = Path(path)
     if fmt not in FORMATS:
         raise LlmtuneError(f"--format: unknown format {fmt!r} (choose {', '.join(FORMATS)})")
     if not path.exists():
         raise LlmtuneError(f"{path}: no such file")
-    structured = path.is_dir() or path.suffix.lower() in SUFFIXES
+    structured = path.is_dir() or data_suffix(path) in SUFFIXES
     if fmt == "plain" and structured:
-        raise LlmtuneError(f"--format plain: {path} is {'a folder' if path.is_dir() else 'a ' + path.suffix + ' file'} "
+        what = "a folder" if path.is_dir() else f"a {data_suffix(path)} file"
+        raise LlmtuneError(f"--format plain: {path} is {what} "
                            f"of records, not plain text (choose auto, {', '.join(FORMATS[2:])})")
     if fmt == "plain" or (fmt == "auto" and not structured):
         text = require_text(read_text(path), path)  # the words perplexity uses too
+        if fmt == "auto" and (warning := _records_warning(path, text)):
+            warnings.warn(warning, LlmtuneWarning, stacklevel=2)
         return Records(path, "plain", [text], [str(path)])
     out = Records(path, fmt)
     for file in data_files(path):
-        for where, record in _raw_records(file):
+        for where, record in _raw_records(file, fmt):
             if not isinstance(record, dict):
                 raise LlmtuneError(f"{where}: a record must be an object (got {type(record).__name__})")
             if out.format == "auto":
@@ -120,19 +124,21 @@ def read_records(path, fmt: str = "auto") -> Records:
 
 
 # ------------------------------------------------------------------------------------ files
-def _raw_records(path: Path) -> Iterator[tuple[str, object]]:
-    """(where, record) of each record of one file, by its suffix."""
-    from llmtune.tokenizer import read_text
-
-    kind = SUFFIXES.get(path.suffix.lower(), "jsonl")  # a forced format reads other files as JSONL
+def _raw_records(path: Path, fmt: str = "auto") -> Iterator[tuple[str, object]]:
+    """(where, record) of each record of one file, by its suffix; a record format named with
+    --format reads any other file as JSONL."""
+    kind = SUFFIXES.get(data_suffix(path), "jsonl")
     if kind == "parquet":
         yield from _parquet_rows(path)
         return
     text = read_text(path)
     if kind == "jsonl":
+        # a plain text file given a record format: say how it trains as text
+        hint = (f"; --format {fmt} reads JSON records, one per line: plain text is --format plain (or auto)"
+                if data_suffix(path) not in SUFFIXES else "")
         for lineno, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                yield f"{path}:{lineno}", _json(line, f"{path}:{lineno}")
+                yield f"{path}:{lineno}", _json(line, f"{path}:{lineno}", hint)
     elif kind == "json":
         for i, record in enumerate(_json_array(_json(text, str(path)), path), 1):
             yield f"{path}: record {i}", record
@@ -141,16 +147,47 @@ def _raw_records(path: Path) -> Iterator[tuple[str, object]]:
             yield f"{path}: row {i}", _csv_record(row, f"{path}: row {i}")
 
 
-def _json(text: str, where: str):
-    from llmtune.tokenizer import json_why
-
+def _json(text: str, where: str, hint: str = ""):
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         why = json_why(exc) if "\n" not in text else f"{exc.msg} at line {exc.lineno} column {exc.colno}"
         extra = exc.msg == "Extra data" and "\n" in text
-        hint = "; one record per line is JSONL: name the file .jsonl" if extra else ""
+        hint = "; one record per line is JSONL: name the file .jsonl" if extra else hint
         raise LlmtuneError(f"{where}: invalid JSON ({why}){hint}") from None
+
+
+SNIFF_LINES = 100  # the lines of a plain text file _records_warning looks at
+
+
+def _records_warning(path: Path, text: str) -> Optional[str]:
+    """The warning for plain text that looks like JSON records (None when it does not): most of its
+    first non-empty lines are JSON objects (JSONL), or the whole text is a JSON array of objects."""
+    lines = [line for line in text[:1 << 20].splitlines() if line.strip()][:SNIFF_LINES]
+    objects = []
+    for line in lines:
+        if line.lstrip().startswith("{"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                objects.append(record)
+    kind_of_file = f"{data_suffix(path)} file" if data_suffix(path) else "file without a data suffix"
+    plain = f"but a {kind_of_file} trains as plain text; to train the records name it"
+    quiet = "(--format plain: the text, without this warning)"
+    if lines and len(objects) * 2 > len(lines):
+        kind = next((k for k in map(record_format, objects) if k), None)
+        return (f"{path}: {len(objects)} of its first {len(lines)} lines are JSON records"
+                f"{f' ({kind})' if kind else ''}, {plain} .jsonl or add --format {kind or 'NAME'} {quiet}")
+    if text.lstrip().startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
+            return f"{path}: it is a JSON array of records, {plain} .json {quiet}"
+    return None
 
 
 def _json_array(data, path: Path) -> list:
@@ -187,7 +224,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
         raise LlmtuneError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow, or pip install "
                            "-e \".[parquet]\")") from None
     try:
-        rows = pq.read_table(path).to_pylist()
+        source = path if path.suffix.lower() == ".parquet" else io.BytesIO(read_bytes(path))  # .parquet.gz
+        rows = pq.read_table(source).to_pylist()
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds for a damaged file
         raise LlmtuneError(f"{path}: cannot read as Parquet "
                            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None

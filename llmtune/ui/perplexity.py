@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -15,6 +13,7 @@ from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from llmtune.errors import Interrupted
 from llmtune.eval.perplexity import PerplexityProgress, PerplexityResult
 from llmtune.gguf.file import check_output_path
+from llmtune.resources import write_atomically
 from llmtune.train.signals import signals_held
 from llmtune.ui.progress import progress_bar
 
@@ -106,17 +105,8 @@ def format_report(res: PerplexityResult, running: bool = True) -> str:
 
 
 def write_json(result: PerplexityResult, path, *inputs) -> Path:
-    """Write the result as JSON atomically (a temp file renamed into place); never over an input file."""
+    """Write the result as JSON atomically (resources.write_atomically: a temp file renamed into place,
+    with the mode every output gets); never over an input file."""
     path = check_output_path(path, *inputs)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(result.to_dict(), fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    text = json.dumps(result.to_dict(), indent=1) + "\n"
+    return write_atomically(path, lambda fh: fh.write(text.encode("utf-8")))
