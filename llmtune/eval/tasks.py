@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from llmtune.errors import LlmtuneError, require_file
+from llmtune.gguf.file import check_output_path
 from llmtune.resources import write_atomically
 from llmtune.tokenizer import json_why, strip_bom
 
@@ -374,7 +375,6 @@ def multiple_choice_bytes(tasks: list[MultipleChoiceTask]) -> bytes:
 
 def write_multiple_choice(tasks: list[MultipleChoiceTask], path, *inputs) -> Path:
     """Write `tasks` as llama.cpp's binary multiple-choice file (atomically; never over an input)."""
-    from llmtune.gguf.file import check_output_path
 
     path = check_output_path(path, *inputs)
     data = multiple_choice_bytes(tasks)

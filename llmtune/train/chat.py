@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.train.data import Holdout, TrainValSplit
+from llmtune.tokenizer.chat_template import TEMPLATE_KEY, ChatTemplate, ChatTemplateError, encode, eog_ids
+from llmtune.train.data import Holdout, TrainValSplit, WindowDataset, tokenize_documents
 from llmtune.train.records import FORMATS, Records, read_records  # noqa: F401 - the data-reading half
 
 
@@ -68,7 +69,6 @@ class ExampleBuilder:
     """Token ids and loss masks of records, for one tokenizer (and chat template)."""
 
     def __init__(self, tokenizer, template=None, train_on_prompt: bool = False):
-        from llmtune.tokenizer.chat_template import eog_ids
 
         self.tok, self.template, self.train_on_prompt = tokenizer, template, train_on_prompt
         texts = tokenizer.tokens
@@ -95,7 +95,6 @@ class ExampleBuilder:
         return self.completion(alpaca_prompt(system, instruction, extra), output)
 
     def chat(self, messages: list[dict], where: str) -> Example:
-        from llmtune.tokenizer.chat_template import ChatTemplateError, encode
 
         try:
             text = self.template.render(messages, add_generation_prompt=False)
@@ -310,7 +309,6 @@ def build_dataset(model, data_path, ctx: int, val_split, fmt: str = "auto", chat
     overlapping windows (every token carries loss), completion, chat, sharegpt and alpaca records
     one example per window with their loss masks, or several per window with `pack`. val_split:
     a train/data.py Holdout (--val-split, --val-pick), or the fraction that validates (the last)."""
-    from llmtune.train.data import WindowDataset, tokenize_documents
 
     records = read_records(data_path, fmt)
     if records.format == "preference":
@@ -345,7 +343,6 @@ def build_dataset(model, data_path, ctx: int, val_split, fmt: str = "auto", chat
 def _template(model, records: Records, data_path, override):
     """The chat template the records render with: conversations need one (the model's or
     --chat-template's), Alpaca records use it when there is one, prompt/completion records never."""
-    from llmtune.tokenizer.chat_template import TEMPLATE_KEY, ChatTemplate
 
     if records.format == "completion":
         if override is not None:

@@ -45,6 +45,10 @@ from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUF_MAGIC
 from llmtune.resources import write_atomically
 from llmtune.train import guard
+from llmtune.train.config import RUN_ONLY
+from llmtune.train.events import Checkpoint as CheckpointEvent, EpochResult, Resumed
+from llmtune.train.records import data_files
+from llmtune.train.trainer import RunningStats
 
 FORMAT = "llmtune-finetune-checkpoint"
 VERSION = 1
@@ -78,7 +82,6 @@ def file_sha256(path) -> str:
     """sha256 of a file's bytes; of a data folder (train/records.py data_files): of each data
     file's name and sha256, in order."""
     if Path(path).is_dir():
-        from llmtune.train.records import data_files
 
         listing = "".join(f"{f.name}\0{file_sha256(f)}\n" for f in data_files(Path(path)))
         return hashlib.sha256(listing.encode()).hexdigest()
@@ -93,7 +96,6 @@ def settings_sha256(config, names=None) -> str:
     """Hash of the settings that shape the trained weights (not backend, metrics or checkpointing);
     `names`: only these (a checkpoint's own settings: one written before a setting existed hashes
     without it, and that setting's default keeps what runs did before it)."""
-    from llmtune.train.config import RUN_ONLY
 
     shaping = {k: v for k, v in dataclasses.asdict(config).items()
                if k not in RUN_ONLY and (names is None or k in names)}
@@ -196,7 +198,6 @@ def run_fingerprint(run) -> dict:
 def save_checkpoint(run) -> Path | None:
     """Write the run's position atomically and drop its older checkpoints beyond
     --keep-checkpoints. A failed write warns and training goes on (the last one stays)."""
-    from llmtune.train.events import Checkpoint as CheckpointEvent
 
     tr, res = run.trainer, run.result
     guard.check_finite(tr, run.step)  # never a NaN checkpoint: the step that did this stops the run
@@ -280,8 +281,6 @@ def same_gradient_sum(meta: dict, backend: str, workers: int, ranks: int, base_p
 
 def restore(run, ckpt: Checkpoint) -> None:
     """Continue `run` from `ckpt` after checking it belongs to the run's inputs and settings."""
-    from llmtune.train.events import EpochResult, Resumed
-    from llmtune.train.trainer import RunningStats
 
     meta, where = ckpt.meta, f"--resume {ckpt.path}"
     names = {"model": f"the model {run.inputs['model']}", "data": f"the data {run.inputs['data']}",

@@ -189,7 +189,7 @@ def picture_format(path, flag: str) -> str:
     """The format a picture file is written in: the one its extension names when matplotlib writes
     it (png, jpg, svg, pdf, ...), PNG for a name without one; any other extension is refused in one
     line, before the run (a .jpg name never holds PNG bytes)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 - optional (the plot extra)
 
     ext = Path(path).suffix.lower().removeprefix(".")
     if not ext:
@@ -280,8 +280,8 @@ def draw_curves(curves: Curves, path: Path, title: str = "", fmt: str = "png") -
     matplotlib's object API on an Agg canvas (no pyplot), so a caller's own figures and backend are
     left alone."""
     # optional dependency (the extra "plot"): imported only when a picture is drawn
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 - optional (the plot extra)
+    from matplotlib.figure import Figure  # noqa: PLC0415 - optional (the plot extra)
 
     preference = curves.preference
     fig = Figure(figsize=PREFERENCE_PLOT_SIZE if preference else PLOT_SIZE, dpi=PLOT_DPI)

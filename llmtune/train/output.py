@@ -23,9 +23,13 @@ from typing import Optional
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from llmtune.convert.export import export_plans, write_converted
 from llmtune.errors import LlmtuneError, TrainingStopped
 from llmtune.gguf.file import load_gguf, write_gguf
+from llmtune.model.adapter import write_adapter
 from llmtune.model.loaded import Model
+from llmtune.quant import blocks as quants
+from llmtune.quant.plan import export_type
 from llmtune.train import checkpoint as ckpts, guard
 from llmtune.train.events import OutputChecked, Saved
 from llmtune.train.trainer import RunningStats, Trainer
@@ -43,15 +47,12 @@ def output_types(model: Model, trained: list[str], out_type: Optional[str]) -> d
 
 def _plans(model: Model, out_type: str) -> dict:
     """--out-type's plan: every tensor's type as `llmtune export --type out_type` would write it."""
-    from llmtune.convert.export import export_plans
-    from llmtune.quant.plan import export_type
 
     return export_plans(model.gguf, export_type(out_type))
 
 
 def output_bytes(model: Model, trained: list[str], out_type: Optional[str]) -> int:
     """About the bytes a full finetune's output takes (for the disk check before training)."""
-    from llmtune.quant import blocks as quants
 
     gf = model.gguf
     if out_type is None:  # the input file, its trained tensors grown to F32
@@ -80,14 +81,11 @@ def write_model(trainer: Trainer, out_path: Path, inputs: list, out_type: Option
         merged = {n: adapter.dora_merged(n, model.weights[n]) for n in adapter.pairs}
         write_gguf(out_path, model.gguf.arch, model.gguf.meta, _kept_or_f32(model, merged), inputs=inputs)
     elif model.adapters:
-        from llmtune.model.adapter import write_adapter
 
         write_adapter(out_path, model.adapters[0].with_tensors(trained), inputs=inputs, base=model.gguf)
     elif out_type is None:
         write_gguf(out_path, model.gguf.arch, model.gguf.meta, _kept_or_f32(model, trained), inputs=inputs)
     else:
-        from llmtune.convert.export import write_converted
-        from llmtune.quant.plan import export_type
 
         write_converted(model.gguf, out_path, export_type(out_type), trained.get, inputs=inputs)
 
@@ -150,7 +148,6 @@ def _check_written(run) -> None:
 def _load_as_written(run, names: list[str], types: dict[str, QT]) -> None:
     """The trainer's trained tensors replaced by their values as written: decoded from the file
     on rank 0, the same encoding redone on the other ranks (it is deterministic)."""
-    from llmtune.quant import blocks as quants
 
     tr, be = run.trainer, run.trainer.backend
     gf = load_gguf(run.result.output) if tr.comm.is_root else None

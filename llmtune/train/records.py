@@ -219,7 +219,7 @@ def _csv_record(row: dict, where: str) -> dict:
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # noqa: PLC0415 - optional (the Parquet extra), loaded for .parquet files
     except ImportError:
         raise LlmtuneError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow, or pip install "
                            "-e \".[parquet]\")") from None
