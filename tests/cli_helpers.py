@@ -2,10 +2,11 @@
 
 import sys
 
+from llmtune import cli
+
 
 def run_cli(monkeypatch, capsys, *args):
     """-> (exit code, stdout, stderr) of `llmtune ARGS...`."""
-    from llmtune import cli
 
     monkeypatch.setattr(sys, "argv", ["llmtune", *map(str, args)])
     code = 0

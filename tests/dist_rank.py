@@ -12,6 +12,9 @@ import os
 import signal
 import sys
 
+from llmtune.cli import main as cli_main
+from llmtune.train.trainer import Trainer
+
 
 def main() -> None:
     args = sys.argv[1:]
@@ -22,7 +25,6 @@ def main() -> None:
         args = args[2:]
     args = args[1:]
     if fault is not None:
-        from llmtune.train.trainer import Trainer
 
         sig, at = fault
         original = Trainer.train_step
@@ -34,7 +36,6 @@ def main() -> None:
 
         Trainer.train_step = train_step
     sys.argv = ["llmtune", *args]
-    from llmtune.cli import main as cli_main
 
     cli_main()
 

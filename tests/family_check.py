@@ -21,6 +21,9 @@ import hashlib
 import json
 from pathlib import Path
 
+import llmtune
+from llmtune.convert.init import init_model
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "data" / "families"
 TEXT = REPO / "data" / "wikitext-100k.txt"  # the first bytes of WikiText-2's test split
@@ -68,7 +71,6 @@ def check_text(tmp: Path, text: str | Path = TEXT, text_bytes: int = TEXT_BYTES)
 
 def make_model(fixture: dict, tmp: Path) -> Path:
     """The fixture's random-weight model (init with test_weights: every tensor random)."""
-    from llmtune.convert.init import init_model
 
     out = tmp / f"{fixture['family']}.gguf"
     vocab = local_copy(fixture["vocab"], tmp)
@@ -88,7 +90,6 @@ def new_fixture(name: str, config: str | Path, vocab: str | Path, optional=(), s
 
 
 def llmtune_running_ppl(model: Path, text: Path, ctx: int, chunks: int) -> list[float]:
-    import llmtune
 
     return llmtune.perplexity(model, text, ctx=ctx, chunks=chunks).chunks
 

@@ -13,7 +13,10 @@ import json
 from pathlib import Path
 
 import family_check
+import llmtune
 from llmtune.backends.cpu.threads import blas_threads
+from llmtune.eval.generate import Generator, load_for_generation
+from llmtune.eval.sampling import Sampler, SamplerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -36,7 +39,6 @@ def train_text(tmp: Path) -> Path:
 
 def finetuned(tmp: Path) -> Path:
     """stories260K after one epoch of llmtune finetune on the text slice (deterministic)."""
-    import llmtune
 
     out = tmp / "stories260K-tuned.gguf"
     if not out.exists():
@@ -48,7 +50,6 @@ def finetuned(tmp: Path) -> Path:
 
 def lora_adapter(tmp: Path) -> Path:
     """A rank-4 LoRA adapter for stories260K trained one epoch on the text slice (deterministic)."""
-    import llmtune
 
     out = tmp / "stories260K-lora.gguf"
     if not out.exists():
@@ -105,8 +106,6 @@ def cases(tmp: Path) -> dict[str, dict]:
 
 def ours(case: dict) -> bytes:
     """llmtune's continuation for a case (bytes of the generated tokens, control tokens empty)."""
-    from llmtune.eval.generate import Generator, load_for_generation
-    from llmtune.eval.sampling import Sampler, SamplerConfig
 
     model = load_for_generation(case["model_path"], [case["lora_path"]] if case.get("lora") else None)
     gen = Generator(model, "cpu", n_ctx=case["ctx"])

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from llmtune.model.adapter import init_adapter, write_adapter
+from llmtune.model.loaded import load_model
+
 
 def _values(shape, salt: int) -> np.ndarray:
     n = int(np.prod(shape))
@@ -20,7 +23,6 @@ def _values(shape, salt: int) -> np.ndarray:
 
 
 def fixture_adapter(model):
-    from llmtune.model.adapter import init_adapter
 
     adapter = init_adapter(model, 4, 8.0, r"weight$", seed=0)
     for k, pair in enumerate(adapter.pairs.values()):
@@ -30,7 +32,5 @@ def fixture_adapter(model):
 
 
 def write_fixture_adapter(model_path, out) -> Path:
-    from llmtune.model.adapter import write_adapter
-    from llmtune.model.loaded import load_model
 
     return write_adapter(out, fixture_adapter(load_model(model_path)))

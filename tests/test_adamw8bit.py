@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import llmtune
+from llmtune.backends.cpu import CPUBackend
 from llmtune.errors import LlmtuneError
 from llmtune.quant import dynamic8
 from llmtune.train import checkpoint as ckpts
@@ -208,7 +209,6 @@ TENSORS = [("token_embd.weight", 5000), ("blk.0.attn_norm.weight", 17), ("blk.0.
 def test_state_bytes_are_two_per_value_plus_scales():
     """The 8-bit tensors: 2 bytes per value, a float32 per block and moment, the block tables; the
     float32 exceptions (the embedding, tensors under 4096 values): 8 bytes per value."""
-    from llmtune.backends.cpu import CPUBackend
 
     n = sum(k for _, k in TENSORS)
     opt8, opt32 = (Optimizer(k, CPUBackend(), n, tensors=TENSORS) for k in ("adamw8bit", "adamw"))
@@ -245,7 +245,6 @@ def test_float32_exceptions_step_as_adamw(name):  # noqa: F811
 def test_lr_factors_scale_each_tensor_as_its_own_optimizer(kind):
     """LoRA+'s learning-rate factors (Optimizer lr_factors) with every optimizer kind: a buffer of
     tensors with factors 1 and 4 steps exactly as one optimizer per tensor at lr x factor."""
-    from llmtune.backends.cpu import CPUBackend
 
     be = CPUBackend()
     tensors = [("a", 8192), ("b", 4608), ("c", 8192)]

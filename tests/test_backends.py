@@ -17,18 +17,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
 import cuda_emu
 from llmtune.arch.context import causal_attention
-from llmtune.backends import get_backend
-from llmtune.backends.cpu import CPUBackend
+from llmtune.backends import cuda, get_backend
+from llmtune.backends.cpu import CPUBackend, attention as cpu_attention, products as qmatmul
+from llmtune.backends.cuda import CUDABackend
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.gradcheck import check_gradients
 from llmtune.graph.planner import Program
+from llmtune.model.loaded import load_model
+from llmtune.quant import blocks
+from llmtune.train.trainer import RunningStats, Trainer
 
 BACKEND_NAMES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda), "cuda-emu"]
 _backends: dict = {}
@@ -37,11 +42,9 @@ _backends: dict = {}
 def _make_backend(name: str, dtype):
     if name == "cpu":
         return CPUBackend(dtype)
-    from llmtune.backends.cuda import CUDABackend
 
     if name == "cuda":
         pytest.importorskip("cupy")
-        from llmtune.backends import cuda
 
         if not cuda.available():
             pytest.skip("cupy sees no CUDA device")
@@ -408,7 +411,6 @@ def test_rope_freq_factors(name, mode, n_rot, n_factors):
 def test_rope_freq_factors_are_frozen():
     """No gradient flows into the factors, even when they are a trainable parameter, and they do
     not make the rotation of a constant need one; the old positional call still works."""
-    from llmtune.graph.autodiff import grad
 
     x, ff, c = ops.param((1, 3, 2, 4), name="x"), ops.param((2,), name="ff"), ops.input((1, 3, 2, 4), name="c")
     pos = ops.input((3,), "i32", name="pos")
@@ -561,7 +563,6 @@ def test_reduced_precision_matmul(name, precision, lo, hi):
     pick a more precise kernel for a FAST compute type, so on a GPU only the upper bound holds."""
     if name == "cpu":
         pytest.skip("a CUDA backend option")
-    from llmtune.backends.cuda import CUDABackend
 
     base = backend_for(name)
     be = CUDABackend(np.float32, runtime=base.rt, precision=precision)
@@ -719,7 +720,6 @@ FLASH_CASES = [(2, 13, 4, 2, 3, 0.0, 0), (1, 11, 6, 2, 4, 1.5, 0), (1, 14, 2, 1,
 @pytest.mark.parametrize("case", FLASH_CASES)
 def test_flash_attention_matches_plain_composition(name, case, monkeypatch):
     """Blockwise attention equals the [T, T] composition in float64, forward and gradients."""
-    from llmtune.backends.cpu import attention as cpu_attention
 
     monkeypatch.setattr(cpu_attention, "_FA_BLOCK", 4)
     B, T, H, Hkv, d, cap, window = case
@@ -738,7 +738,6 @@ def test_flash_attention_matches_plain_composition(name, case, monkeypatch):
 @pytest.mark.parametrize("cap,window", [(0.0, 0), (1.5, 3)])
 def test_flash_attention_gradients_across_blocks(name, cap, window, monkeypatch):
     """Finite differences through several query and key blocks (blocks of 2 positions on the cpu)."""
-    from llmtune.backends.cpu import attention as cpu_attention
 
     monkeypatch.setattr(cpu_attention, "_FA_BLOCK", 2)
     arrays = {"q": rng.standard_normal((1, 5, 4, 2)), "k": rng.standard_normal((1, 5, 2, 2)),
@@ -805,9 +804,7 @@ _VEC_DOT = {"F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q8_0", "Q5_0"
 
 def stored_matrix(w: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     """(uint8 block bytes [rows, bytes per row], their float64 values decoded by gguf-py)."""
-    import gguf
 
-    from llmtune.quant import blocks
 
     qt = gguf.GGMLQuantizationType[qtype]
     raw = np.ascontiguousarray(blocks.quantize(w.astype(np.float32), qt)).view(np.uint8).reshape(w.shape[0], -1)
@@ -890,7 +887,6 @@ def test_stored_weight_ops(name, qtype, monkeypatch):
     """qlinear (activations rounded as ggml's CPU matmul rounds them, and not), qlinear_back,
     qget_rows and dequantize against gguf-py's decoding and a transcription of ggml's activation
     quantizers; W is dequantized in blocks of 3 rows, so the blocked paths run."""
-    from llmtune.backends.cpu import products as qmatmul
 
     be = backend_for(name)
     n_out, n_in = 7, 512
@@ -918,7 +914,6 @@ def test_stored_weight_ops(name, qtype, monkeypatch):
 @pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q5_1"])
 def test_stored_weight_gradient(name, qtype):
     """Only the input gets a gradient, g @ W, straight through the activations' rounding."""
-    from llmtune.graph.autodiff import grad
 
     be = backend_for(name, np.float64)
     raw, wd = stored_matrix(0.3 * randn(3, 64), qtype)
@@ -947,7 +942,6 @@ def test_stored_weight_matches_ggml_kernels():
     """Products recorded from ggml's own CPU kernels (bench/check_qmatmul.py --record: from_float of
     each type's vec_dot_type, then vec_dot) on this fixture's bytes: qlinear gives them to float
     summation order, and the same product with unrounded activations does not."""
-    from llmtune.backends.cpu import products as qmatmul
 
     rec = np.load(DATA_DIR / "qmatmul" / "ggml-products.npz")
     x = rec["x"]
@@ -966,8 +960,6 @@ def test_training_steps_match_cpu(name, stories_path, wikitext_ids):
     the CPU backend, so every kernel also works on the layouts the real llama graph produces."""
     if name == "cpu":
         pytest.skip("the reference itself")
-    from llmtune.model.loaded import load_model
-    from llmtune.train.trainer import RunningStats, Trainer
 
     model = load_model(stories_path)
     x = np.stack([wikitext_ids[0:64], wikitext_ids[300:364]])
@@ -993,7 +985,6 @@ def test_cuda_module_import_does_not_import_cupy():
 
 
 def test_cuda_without_device_is_a_one_line_user_error():
-    from llmtune.backends import cuda
 
     assert isinstance(cuda.available(), bool)
     if cuda.available():
@@ -1026,7 +1017,6 @@ def _views():
 def test_gemm_plan_reads_views_in_place(ta, tb):
     """plan_gemm + cuBLAS's column-major contract (executed literally on the raw memory) == np.matmul,
     without copying transposed, permuted, sliced or broadcast operands."""
-    from llmtune.backends import cuda
 
     runtime = cuda_emu.EmuRuntime()
     st = cuda.element_strides
@@ -1042,7 +1032,6 @@ def test_gemm_plan_reads_views_in_place(ta, tb):
 
 
 def test_gemm_plan_refuses_unreadable_views():
-    from llmtune.backends import cuda
 
     a = randn(6, 8)[::2, ::2]  # neither rows nor columns contiguous
     b = randn(4, 2)
@@ -1054,12 +1043,11 @@ def test_cuda_kernels_compile_with_nvrtc():
     """The CUDA sources compile for both dtypes (needs cupy + NVRTC, not a GPU)."""
     pytest.importorskip("cupy")
     try:
-        from cupy_backends.cuda.libs import nvrtc
+        from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415 - optional, probed where used
 
         nvrtc.getVersion()
     except Exception as exc:  # the NVRTC shared library is not installed
         pytest.skip(f"NVRTC unavailable: {exc}")
-    from llmtune.backends import cuda
 
     for dtype in (np.float32, np.float64):
         prog = nvrtc.createProgram(cuda.kernel_source(dtype), "llmtune.cu", [], [])

@@ -2,6 +2,7 @@
 them (choices recorded from llama.cpp in tests/data/benchmarks/llamacpp-choices.json by
 `bench/check_benchmarks.py fixtures`), its random task selection, batching, JSON and input errors."""
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -9,10 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import cuda_emu
+import family_check
+import llmtune
 from cli_helpers import run_cli
+from llmtune.backends import cuda, get_backend
 from llmtune.backends.cpu.threads import blas_threads
 from llmtune.errors import LlmtuneError
 from llmtune.eval.benchmarks import evaluate, prepare_benchmark, score_benchmark, wilson_interval
+from llmtune.eval.continuations import Row, score_rows
 from llmtune.eval.tasks import (
     MT19937,
     detect_kind,
@@ -130,7 +136,6 @@ def test_lora_adapter_matches_llamacpp(stories):
 
 def test_finetune_eval_benchmark(tmp_path):
     """--eval-benchmark: scored before training and after each epoch, in the result and the metrics."""
-    import llmtune
 
     text = tmp_path / "train.txt"
     text.write_text("Once upon a time there was a little girl named Lily. She liked to play outside. " * 12)
@@ -162,9 +167,6 @@ def test_shared_prefixes_score_as_separate_rows(family, tmp_path):
     """Rows of a group (a question's answers) computed from one shared trunk (arch/prefix.py) give
     each row's numbers alone: biases, sliding windows, softcaps, rope variants and learned
     positions included. Lengths vary so passes mix trunks and branches of several sizes."""
-    import family_check
-    from llmtune.backends import get_backend
-    from llmtune.eval.continuations import Row, score_rows
 
     model = load_model(family_check.make_model(family_check.load_fixture(family), tmp_path))
     rows = _grouped_rows(model.hp.n_vocab, [(9, 4), (30, 3), (2, 2), (17, 4), (60, 1)])
@@ -181,9 +183,6 @@ def test_shared_prefixes_score_as_separate_rows(family, tmp_path):
 def test_shared_prefixes_fit_learned_positions(tmp_path):
     """gpt2-tiny has 256 learned positions: a task whose longest sequence takes all 256 is scored
     with shared prefixes too (its pass keeps exact lengths where rounding would pass 256)."""
-    import family_check
-    from llmtune.backends import get_backend
-    from llmtune.eval.continuations import Row, score_rows
 
     model = load_model(family_check.make_model(family_check.load_fixture("gpt2"), tmp_path))
     assert model.max_positions == 256
@@ -202,7 +201,6 @@ def test_shared_prefixes_fit_learned_positions(tmp_path):
 
 def _grouped_rows(n_vocab: int, tasks: list[tuple[int, int]]) -> list:
     """Random tasks of (prefix tokens, answers): each answer a row of the task's group."""
-    from llmtune.eval.continuations import Row
 
     rng = np.random.default_rng(0)
     rows = []
@@ -219,9 +217,6 @@ def _grouped_rows(n_vocab: int, tasks: list[tuple[int, int]]) -> list:
 def test_shared_prefixes_on_the_cuda_kernels(stories, device):
     """The shared-prefix layout through the CUDA backend's kernels (on a GPU, or under the C++
     emulator) gives the cpu's numbers."""
-    import cuda_emu
-    from llmtune.backends import cuda, get_backend
-    from llmtune.eval.continuations import score_rows
 
     if device == "cuda":
         pytest.importorskip("cupy")
@@ -410,7 +405,6 @@ def test_cli_bad_flags(monkeypatch, capsys, tmp_path):
 
 
 def test_library_errors(stories):
-    import dataclasses
 
     with pytest.raises(LlmtuneError, match="unknown benchmark"):
         evaluate(stories, HELLASWAG, "arc")

@@ -12,11 +12,14 @@ import jinja2
 import numpy as np
 import pytest
 
+import llmtune
 from cli_helpers import run_cli
 from family_check import REPO, local_copy
+from llmtune.backends.cpu import CPUBackend
 from llmtune.backends.cpu.threads import blas_threads
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import load_gguf
+from llmtune.graph.planner import Program
 from llmtune.model.loaded import load_model
 from llmtune.tokenizer import Tokenizer
 from llmtune.tokenizer.chat_template import ChatTemplate, encode
@@ -183,8 +186,6 @@ def independent_loss(model, rows: list[dict]) -> float:
     without llmtune's data code: jinja2 renders, the assistant spans come from rendering the
     conversation up to each turn (with the generation prompt, and through the turn), and the logits
     of one full forward pass per conversation give the log-probabilities, in float64."""
-    from llmtune.backends.cpu import CPUBackend
-    from llmtune.graph.planner import Program
 
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     tmpl = env.from_string(TOY_TEMPLATE)
@@ -215,7 +216,6 @@ def independent_loss(model, rows: list[dict]) -> float:
 def test_trainer_loss_is_the_mean_over_assistant_tokens(tmp_path, stories_path, toy_template):
     """The first step's loss (before any update) over 6 conversations in micro-batches of 2 (each
     with its own number of loss tokens) equals the independent mean over all assistant tokens."""
-    import llmtune
 
     rows = chat_rows(system=True)[:6]
     rows[1]["messages"][2]["content"] = "A much longer answer, so the micro-batches differ in loss tokens."

@@ -7,6 +7,7 @@ SIGKILL, at a step the test picks (at random for the kill), with no timing races
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import os
@@ -19,12 +20,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType as VT
 
 import llmtune
+import llmtune.convert.init as init
+import llmtune.resources as resources
+import llmtune.train.metrics as ft
+import llmtune.ui.info as info_ui
 from cli_helpers import run_cli
+from llmtune import cli
 from llmtune.errors import Interrupted, LlmtuneError
+from llmtune.gguf.file import load_gguf, write_gguf
 from llmtune.train import checkpoint as ckpts
+from llmtune.train.metrics import LossWatch
 from llmtune.train.signals import StopRequest, signals_held
+from test_fuzz import STORIES, parse, with_kv
 
 CTX, BATCH, EPOCHS, LR = 16, 32, 2, 1e-3
 ARGS = ["-c", CTX, "-b", BATCH, "--epochs", EPOCHS, "--lr", LR, "--seed", 3]
@@ -120,7 +130,6 @@ def test_resume_after_sigkill_is_byte_identical(kind, stories_path, text, refere
 
 def run_cli_inprocess(*args):
     """The CLI in this process, its output left to pytest's capture: the exit code."""
-    from llmtune import cli
 
     saved = sys.argv
     sys.argv = ["llmtune", *map(str, args)]
@@ -209,7 +218,6 @@ def test_signals_held_deliver_after_the_block():
 
 def test_ctrl_c_in_other_commands_says_interrupted(stories_path, monkeypatch, capsys):
     """Typer turns KeyboardInterrupt into a silent exit 130; main's handler speaks first."""
-    import llmtune.ui.info as info
 
     def interrupted(path):
         os.kill(os.getpid(), signal.SIGINT)
@@ -217,7 +225,7 @@ def test_ctrl_c_in_other_commands_says_interrupted(stories_path, monkeypatch, ca
             pass
         raise AssertionError("not interrupted")
 
-    monkeypatch.setattr(info, "render_info", interrupted)
+    monkeypatch.setattr(info_ui, "render_info", interrupted)
     code, out, err = run_cli(monkeypatch, capsys, "info", stories_path)
     assert code == 130 and "interrupted by Ctrl-C (SIGINT)" in err
 
@@ -323,7 +331,6 @@ def test_lr_1e3_stops_naming_the_step_and_writes_nothing(stories_path, text, tmp
 
 def test_nan_weights_stop_at_step_one_naming_the_tensor_and_perplexity_says_so(stories_path, text, tmp_path,
                                                                               monkeypatch, capsys):
-    from llmtune.gguf.file import load_gguf, write_gguf
 
     src = load_gguf(stories_path)
     nan_model = tmp_path / "nan.gguf"
@@ -346,7 +353,6 @@ def test_nan_weights_stop_at_step_one_naming_the_tensor_and_perplexity_says_so(s
 
 def test_huge_finite_logits_give_an_infinite_perplexity(stories_path, text, tmp_path, monkeypatch, capsys):
     """A diverged model's mean nll can be past exp's range: ppl inf, not OverflowError."""
-    from llmtune.gguf.file import load_gguf, write_gguf
 
     src = load_gguf(stories_path)
     big = tmp_path / "big.gguf"
@@ -357,7 +363,6 @@ def test_huge_finite_logits_give_an_infinite_perplexity(stories_path, text, tmp_
 
 
 def test_loss_spike_warns():
-    from llmtune.train.metrics import LossWatch
 
     watch = LossWatch()
     messages = [watch.check(x) for x in [2.0, 2.1, 1.9, 2.0, 2.05, 2.0, 9.0, 9.5, 2.0, 30.0]]
@@ -369,7 +374,6 @@ def test_loss_spike_warns():
 
 
 def test_disk_space_is_checked_before_the_first_step(stories_path, text, tmp_path, monkeypatch):
-    import llmtune.resources as resources
 
     monkeypatch.setattr(resources, "free_disk", lambda folder: 10_000)
     events = []
@@ -379,9 +383,7 @@ def test_disk_space_is_checked_before_the_first_step(stories_path, text, tmp_pat
 
 
 def test_a_failing_metrics_file_never_costs_the_model(stories_path, text, tmp_path, monkeypatch):
-    import builtins
 
-    import llmtune.train.metrics as ft
 
     class Full:
         def __init__(self):
@@ -425,7 +427,6 @@ def test_metrics_equal_to_output_and_unwritable_folders(stories_path, text, tmp_
     same = tmp_path / "o.gguf"
     code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, text, "-o", same, "--metrics", same, *ARGS)
     assert code == 2 and "--metrics" in err and "is the -o file too" in err
-    import llmtune.resources as resources
 
     def no_temp(*a, **k):
         raise PermissionError(13, "Permission denied")
@@ -441,9 +442,7 @@ def test_json_dir_names_json(stories_path, text, tmp_path, monkeypatch, capsys):
 
 
 def test_ctx_beyond_the_training_context_warns(stories_path, text, tmp_path, monkeypatch, capsys):
-    from gguf import GGUFValueType as VT
 
-    from test_fuzz import STORIES, parse, with_kv
 
     short = tmp_path / "short.gguf"
     short.write_bytes(with_kv(parse(STORIES.read_bytes()), "llama.context_length", VT.UINT32, 8))
@@ -458,7 +457,6 @@ def test_ctx_beyond_the_training_context_warns(stories_path, text, tmp_path, mon
 
 
 def test_init_refuses_a_model_that_does_not_fit(tmp_path, monkeypatch, capsys):
-    import llmtune.convert.init as init
 
     monkeypatch.setattr(init, "available_memory", lambda: 50 * 2**20)
     vocab = Path(__file__).parent / "data" / "vocab" / "ggml-vocab-llama-spm.gguf"

@@ -5,6 +5,7 @@ errors with the closest real flag, unwrapped piped output, literal help, consist
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import re
@@ -14,13 +15,24 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import typer
+from rich.console import Console
 from rich.text import Text
 
+import llmtune
 from cli_helpers import run_cli
 from llmtune import cli
-from llmtune.errors import plural
+from llmtune.errors import Interrupted, plural
+from llmtune.eval import perplexity as ppl
+from llmtune.eval.perplexity import PerplexityProgress, PerplexityResult
+from llmtune.resources import prefer_small_pages
+from llmtune.train.events import EpochEnd, EpochResult, Step
+from llmtune.ui.console import NoWrapConsole
+from llmtune.ui.finetune import FinetuneReporter
+from llmtune.ui.format import percent
+from llmtune.ui.perplexity import perplexity_progress
 from llmtune.ui.usage import closest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,9 +78,7 @@ def test_a_run_that_does_not_fit_is_refused_before_allocating(command, small_tex
 
 def test_an_allocation_that_fails_anyway_is_one_line(small_text, monkeypatch, capsys):
     """numpy's (or cupy's) MemoryError from any command: the same one line, exit 2, no traceback."""
-    import numpy as np
 
-    from llmtune.eval import perplexity as ppl
 
     def no_memory(*args, **kwargs):
         np.empty((2**40, 2**20), dtype=np.float32)  # numpy's own _ArrayMemoryError (4 EiB)
@@ -329,7 +339,6 @@ def test_tokenize_shows_a_carriage_return_escaped(tmp_path, monkeypatch, capsys)
 
 
 def test_benchmark_accuracy_is_a_percentage_everywhere():
-    from llmtune.ui.format import percent
 
     assert percent(0.35) == "35.00 %" and percent(0.35, 0.109424) == "35.00 ± 10.94 %" and percent(None) == "-"
 
@@ -364,10 +373,7 @@ def test_finetune_progress_streams_off_a_terminal(small_text, tmp_path, monkeypa
 
 def _reporter_at(width: int):
     """A FinetuneReporter whose consoles are a terminal of `width` columns (captured)."""
-    import io
 
-    from llmtune.ui.console import NoWrapConsole
-    from llmtune.ui.finetune import FinetuneReporter
 
     out = NoWrapConsole(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
     err = NoWrapConsole(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
@@ -375,7 +381,6 @@ def _reporter_at(width: int):
 
 
 def _epoch(i: int):
-    from llmtune.train.events import EpochEnd, EpochResult
 
     return EpochEnd(EpochResult(i, 2.684712, 0.052143, 0.382144, 0.004102, 2.804401, 0.154503, 0.313804, 0.016802,
                                 tokens_per_s=1845.2, seconds=7.71, bench_accuracy=0.35, bench_accuracy_err=0.1094))
@@ -384,7 +389,6 @@ def _epoch(i: int):
 def test_finetune_at_80_columns_breaks_between_fields_never_inside(monkeypatch):
     """On an 80-column terminal the bar keeps its step counter, and the epoch line and summary
     break between fields: every number is whole on one line."""
-    from llmtune.train.events import Step
 
     reporter, out, err = _reporter_at(80)
     numbers = ["2.6847 ± 0.0521", "0.3821 ± 0.0041", "2.8044 ± 0.1545", "0.3138 ± 0.0168", "35.00 ± 10.94 %"]
@@ -408,7 +412,6 @@ def test_finetune_summary_and_elapsed_cover_a_resumed_run(small_text, tmp_path, 
     """After --resume the summary lists every epoch of the run, and --metrics' elapsed_s goes on
     from where the checkpoint left it instead of starting again at 0."""
     out, metrics = tmp_path / "o.gguf", tmp_path / "m.jsonl"
-    import llmtune
 
     llmtune.finetune(STORIES, small_text, out, ctx=32, epochs=2, lr=1e-3, keep_checkpoints=2, metrics=str(metrics))
     first = next(p for p in sorted(tmp_path.glob("o.gguf.ckpt-*.npz")))
@@ -425,13 +428,8 @@ def test_finetune_summary_and_elapsed_cover_a_resumed_run(small_text, tmp_path, 
 def test_a_signal_between_a_pass_and_its_report_still_shows_its_chunks():
     """Interrupted after a pass's sums but before its values streamed: the line gets the values of
     every chunk the partial estimate counts before it closes (no estimate over unseen chunks)."""
-    import io
 
-    from rich.console import Console
 
-    from llmtune.errors import Interrupted
-    from llmtune.eval.perplexity import PerplexityProgress, PerplexityResult
-    from llmtune.ui.perplexity import perplexity_progress
 
     buf = io.StringIO()
     out, err = Console(file=buf, force_terminal=False), Console(file=io.StringIO(), force_terminal=False)
@@ -449,9 +447,8 @@ def test_commands_take_no_huge_page_advice_unless_asked(monkeypatch):
     """A command turns off numpy's transparent-huge-page advice before any big array (first
     touches of advised memory compact fragmented memory: seconds), unless the user set
     NUMPY_MADVISE_HUGEPAGE, which then decides."""
-    from numpy._core.multiarray import _set_madvise_hugepage
+    from numpy._core.multiarray import _set_madvise_hugepage  # noqa: PLC0415 - optional, probed where used
 
-    from llmtune.resources import prefer_small_pages
 
     previous = _set_madvise_hugepage(True)
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -18,11 +19,13 @@ import time
 import types
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
 from cli_helpers import run_cli
-from llmtune.backends import dist
+from llmtune import cli
+from llmtune.backends import dist, get_backend
 from llmtune.backends.dist import (
     Communicator,
     DistributedError,
@@ -33,6 +36,13 @@ from llmtune.backends.dist import (
     launched,
     use_local_device,
 )
+from llmtune.errors import LlmtuneError
+from llmtune.eval.benchmarks import evaluate
+from llmtune.eval.perplexity import perplexity
+from llmtune.model.loaded import load_model
+from llmtune.train.checkpoint import resume_workers, same_gradient_sum
+from llmtune.train.finetune import finetune
+from llmtune.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 RANK = Path(__file__).resolve().parent / "dist_rank.py"
@@ -43,7 +53,7 @@ RUN = ["--ctx", "64", "--batch", "256", "--ubatch", "64", "--epochs", "1", "--lr
 # ------------------------------------------------------------------------------ helpers
 def _mpiexec() -> str | None:
     try:
-        import mpi4py  # noqa: F401
+        import mpi4py  # noqa: PLC0415, F401
     except ImportError:
         return None
     here = Path(sys.executable).parent
@@ -85,7 +95,6 @@ def small_text(tmp_path_factory, wiki100k_path) -> Path:
 
 
 def weights(path) -> dict:
-    from llmtune.model.loaded import load_model
 
     return {k: np.asarray(v, dtype=np.float64) for k, v in load_model(path).weights.items()}
 
@@ -107,7 +116,6 @@ def records(path, kind) -> list[dict]:
 
 
 def single_process(model, data, out, **settings):
-    from llmtune.train.finetune import finetune
 
     flags = dict(zip(RUN[::2], RUN[1::2]))
     base = {k.lstrip("-"): (float(v) if k == "--lr" else int(v)) for k, v in flags.items()}
@@ -183,7 +191,6 @@ def test_checkpoints_resume_on_another_number_of_ranks(two_rank_run, one_process
 @pytest.mark.determinism
 @needs_mpi
 def test_lora_two_ranks_equal_one_process(tmp_path, stories_path, small_text):
-    import gguf
 
     lora = ["--lora-rank", "4", "--lora-dropout", "0.1"]  # dropout masks follow the sequence, not the rank
     args = [sys.executable, "-m", "llmtune", "finetune", stories_path, small_text, "-o", tmp_path / "two.gguf", *RUN,
@@ -297,7 +304,6 @@ def test_perplexity_splits_its_passes_across_ranks(tmp_path, stories_path, small
             "--json", tmp_path / "two.json"]
     code, out, err, _ = mpirun(args, args)
     assert code == 0 and out.count("Final estimate") == 1, out + err
-    from llmtune.eval.perplexity import perplexity
 
     one = perplexity(stories_path, small_text, ctx=64, batch=64)
     two = json.loads((tmp_path / "two.json").read_text())
@@ -314,7 +320,6 @@ def test_eval_splits_its_passes_across_ranks(tmp_path, stories_path):
             "--json", tmp_path / "two.json"]
     code, out, err, _ = mpirun(args, args)
     assert code == 0 and out.count("Final result") == 1, out + err
-    from llmtune.eval.benchmarks import evaluate
 
     one = evaluate(stories_path, mmlu, ctx=256, batch=256)
     two = json.loads((tmp_path / "two.json").read_text())
@@ -328,7 +333,6 @@ def test_a_resume_keeps_the_gradient_sum_of_its_checkpoint():
     """A checkpoint resumed on another number of ranks keeps its number of gradient buffers
     (workers x ranks) where the ranks divide it, and says the result may differ only where the
     sum's order may: another backend, or more than two buffers laid out otherwise (MPI's order)."""
-    from llmtune.train.checkpoint import resume_workers, same_gradient_sum
 
     two_ranks = {"workers": 1, "ranks": 2, "backend": "cpu"}
     assert resume_workers(two_ranks, 1) == 2 and resume_workers(two_ranks, 2) == 1
@@ -358,7 +362,6 @@ def test_launcher_detection():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_launched_run_without_mpi4py_says_what_to_install(monkeypatch, capsys, stories_path, rank):
-    from llmtune import cli
 
     monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setenv("PMI_RANK", str(rank))
@@ -477,7 +480,6 @@ def test_together_raises_the_failing_ranks_error_on_every_rank():
         def allgather(self, obj, what=""):
             return [obj if r == self.rank else o for r, o in enumerate(self.outcomes)]
 
-    from llmtune.errors import LlmtuneError
 
     # rank 1 failed: rank 0 reports it, naming the rank, with its exit status
     with pytest.raises(DistributedError, match=r"^rank 1: data.txt: no such file$") as info:
@@ -601,7 +603,6 @@ def test_each_rank_takes_its_own_gpu():
         def allgather(self, obj, what=""):
             return [obj if r == self.rank else s for r, s in enumerate(self.seen)]
 
-    import socket
 
     host = socket.gethostname()
     cupy = fake_cupy(n_devices=2)
@@ -614,9 +615,6 @@ def test_each_rank_takes_its_own_gpu():
 
 
 def test_trainer_refuses_more_ranks_than_micro_batches(stories_path):
-    from llmtune.backends import get_backend
-    from llmtune.model.loaded import load_model
-    from llmtune.train.trainer import Trainer
 
     class Four(Communicator):
         rank, size = 3, 4
@@ -645,7 +643,6 @@ def test_evaluation_passes_are_split_across_ranks_and_merged_in_order():
     out = list(dist.run_split(score, lambda: None, range(5), 1, Rank0Of2()))
     assert seen == [0, 2, 4] and out == [0, "theirs", 20, "theirs", 40]
 
-    from llmtune.errors import LlmtuneError
 
     def bad(state, item):
         if item == 2:
@@ -659,8 +656,8 @@ def test_evaluation_passes_are_split_across_ranks_and_merged_in_order():
 # ------------------------------------------------------------------------- on a GPU (bench/gpu_check.sh runs these)
 def _cuda_nccl():
     try:
-        import cupy
-        from cupy.cuda import nccl
+        import cupy  # noqa: PLC0415 - optional, probed where used
+        from cupy.cuda import nccl  # noqa: PLC0415 - optional, probed where used
 
         return (cupy, nccl) if cupy.cuda.runtime.getDeviceCount() > 0 and getattr(nccl, "available", True) else None
     except Exception:  # noqa: BLE001

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
 import llmtune
 from llmtune.errors import LlmtuneError
-from llmtune.train.config import make_config
+from llmtune.model.loaded import load_model
+from llmtune.train.config import make_config, resume_config
 from llmtune.train.events import Evaluation
 from llmtune.train.selection import Selection
 
@@ -35,7 +37,6 @@ def records(path, kind) -> list[dict]:
 
 
 def weights(path) -> dict:
-    from llmtune.model.loaded import load_model
 
     return {k: np.asarray(v, np.float32) for k, v in load_model(path).weights.items()}
 
@@ -141,7 +142,6 @@ def test_no_validation_windows_to_select_on(stories_path, rising, tmp_path):
 
 def test_save_best_writes_the_best_adapter(stories_path, rising, tmp_path):
     """LoRA: -o is the adapter of the best pass (its A/B equal the checkpoint written at that step)."""
-    import gguf
 
     out = tmp_path / "a.gguf"
     res = llmtune.finetune(stories_path, rising, out, lora_rank=2, early_stop=2, save_best=True, checkpoint_every=3,
@@ -157,7 +157,6 @@ def test_save_best_writes_the_best_adapter(stories_path, rising, tmp_path):
 def test_resume_keeps_the_benchmark_that_selects():
     """--eval-benchmark may change on resume (it only reports), except when it is the selection
     metric: then a different file would choose the best step by other numbers."""
-    from llmtune.train.config import resume_config
 
     saved = {**RUN, "save_best": True, "eval_benchmark": str(WINOGRANDE)}
     other = str(WINOGRANDE.with_name("other.csv"))

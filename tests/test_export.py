@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import gguf
@@ -10,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT, LlamaFileType as FT
 
 import kquant_ref
+import llmtune
 from cli_helpers import run_cli as _run_cli
 from llmtune.convert.export import export
 from llmtune.errors import LlmtuneError
@@ -284,7 +286,6 @@ def test_cli_save_alias_writes_and_summarises(monkeypatch, capsys, tmp_path):
 
 @pytest.fixture(scope="module")
 def wikitext(tmp_path_factory):
-    import gzip
 
     path = tmp_path_factory.mktemp("text") / "wikitext-2-raw-test.txt"
     path.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
@@ -293,14 +294,12 @@ def wikitext(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ppl_f32(wikitext):
-    import llmtune
 
     return llmtune.perplexity(STORIES, wikitext, ctx=128, chunks=40).ppl
 
 
 @pytest.mark.parametrize("type_name, tolerance", [("f16", 1e-4), ("q8_0", 5e-3)])
 def test_exported_perplexity_close_to_f32(tmp_path, wikitext, ppl_f32, type_name, tolerance):
-    import llmtune
 
     out = tmp_path / f"s-{type_name}.gguf"
     export(STORIES, out, type_name)

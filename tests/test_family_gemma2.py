@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 import llmtune
 from cli_helpers import run_cli
@@ -16,7 +17,9 @@ from family_check import check_family
 from llmtune.arch import check_tensors, get_family, read_hparams
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.backends.cpu import CPUBackend
+from llmtune.convert.init import init_model
 from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import load_gguf, write_gguf
 from llmtune.graph import ops
 from llmtune.graph.gradcheck import check_gradients
 
@@ -44,7 +47,6 @@ def gemma_gradient_errors(family, hp, seed: int) -> dict[str, float]:
 
 def run_commands(name, tmp_path, monkeypatch, capsys, wiki100k_path):
     """info says supported; a short finetune lowers the loss on its text; export q8_0 runs."""
-    from llmtune.convert.init import init_model
 
     model = init_model(REPO_CONFIGS / f"{name}-tiny.toml", STORIES, tmp_path / "m.gguf", seed=1)
     code, out, err = run_cli(monkeypatch, capsys, "info", model)
@@ -64,9 +66,7 @@ def run_commands(name, tmp_path, monkeypatch, capsys, wiki100k_path):
 
 def extra_tensor_is_refused(model_path, extra: str, tmp_path, monkeypatch, capsys):
     """A file with a tensor the family does not know: one line naming it, exit code 2."""
-    from gguf import GGMLQuantizationType as QT
 
-    from llmtune.gguf.file import load_gguf, write_gguf
 
     gf = load_gguf(model_path)
     tensors = [(n, gf.tensor(n), QT.F32) for n in gf.tensors] + [(extra, gf.tensor("token_embd.weight"), QT.F32)]
@@ -105,8 +105,6 @@ def test_gemma2_hparams_defaults_and_keys():
 
 
 def test_gemma2_init_writes_the_converter_keys(tmp_path):
-    from llmtune.convert.init import init_model
-    from llmtune.gguf.file import load_gguf
 
     gf = load_gguf(init_model(REPO_CONFIGS / "gemma2-tiny.toml", STORIES, tmp_path / "g.gguf"))
     keys = {k[len("gemma2."):] for k in gf.metadata if k.startswith("gemma2.")}
@@ -133,7 +131,6 @@ def test_gemma2_commands(tmp_path, monkeypatch, capsys, wiki100k_path):
 
 def test_gemma2_unknown_tensor_is_refused(tmp_path, monkeypatch, capsys):
     """llama.cpp never loads a gemma2 output.weight (the output is token_embd): neither does llmtune."""
-    from llmtune.convert.init import init_model
 
     model = init_model(REPO_CONFIGS / "gemma2-tiny.toml", STORIES, tmp_path / "g.gguf")
     extra_tensor_is_refused(model, "output.weight", tmp_path, monkeypatch, capsys)

@@ -7,6 +7,8 @@ import pytest
 
 from family_check import check_family
 from llmtune.arch import get_family, read_hparams
+from llmtune.convert.init import init_model
+from llmtune.gguf.file import load_gguf
 from test_family_gemma2 import REPO_CONFIGS, STORIES, extra_tensor_is_refused, gemma_gradient_errors, run_commands
 
 
@@ -40,8 +42,6 @@ def test_gemma3_hparams_defaults_and_keys():
 
 
 def test_gemma3_init_writes_the_converter_keys(tmp_path):
-    from llmtune.convert.init import init_model
-    from llmtune.gguf.file import load_gguf
 
     gf = load_gguf(init_model(REPO_CONFIGS / "gemma3-tiny.toml", STORIES, tmp_path / "g.gguf"))
     keys = {k[len("gemma3."):] for k in gf.metadata if k.startswith("gemma3.")}
@@ -69,7 +69,6 @@ def test_gemma3_commands(tmp_path, monkeypatch, capsys, wiki100k_path):
 
 
 def test_gemma3_unknown_tensor_is_refused(tmp_path, monkeypatch, capsys):
-    from llmtune.convert.init import init_model
 
     model = init_model(REPO_CONFIGS / "gemma3-tiny.toml", STORIES, tmp_path / "g.gguf")
     extra_tensor_is_refused(model, "blk.0.attn_qkv.weight", tmp_path, monkeypatch, capsys)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 import llmtune
 from cli_helpers import run_cli
@@ -13,7 +14,9 @@ from family_check import check_family
 from llmtune.arch import get_family
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.backends.cpu import CPUBackend
+from llmtune.convert.init import init_model
 from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import load_gguf, write_gguf
 from llmtune.graph import ops
 from llmtune.graph.gradcheck import check_gradients
 
@@ -50,8 +53,6 @@ def test_gpt2_gradients_through_every_feature():
 
 def test_gpt2_metadata_is_the_converters(tmp_path):
     """init writes the keys convert_hf_to_gguf.py's GPT2Model writes (no head_count_kv, no rope)."""
-    from llmtune.convert.init import init_model
-    from llmtune.gguf.file import load_gguf
 
     path = init_model(REPO / "configs" / "gpt2-tiny.toml", STORIES, tmp_path / "m.gguf", seed=1)
     gf = load_gguf(path)
@@ -67,10 +68,7 @@ def test_gpt2_metadata_is_the_converters(tmp_path):
 def test_gpt2_commands_and_limits(tmp_path, monkeypatch, capsys, wiki100k_path):
     """info says supported; a short finetune lowers the perplexity; export q8_0 runs; a context
     longer than the position table, or a tensor gpt2 does not have, ends in one error line (exit 2)."""
-    from gguf import GGMLQuantizationType as QT
 
-    from llmtune.convert.init import init_model
-    from llmtune.gguf.file import load_gguf, write_gguf
 
     model = init_model(REPO / "configs" / "gpt2-tiny.toml", STORIES, tmp_path / "m.gguf", seed=1)
     code, out, err = run_cli(monkeypatch, capsys, "info", model)

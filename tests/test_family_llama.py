@@ -7,7 +7,9 @@ import pytest
 
 from family_check import check_family
 from llmtune.arch import check_tensors, get_family, read_hparams
+from llmtune.convert.init import init_model
 from llmtune.errors import LlmtuneError
+from llmtune.model.loaded import load_model
 
 LLAMA_KEYS = {
     "general.architecture": "llama", "llama.context_length": 512, "llama.embedding_length": 64,
@@ -66,9 +68,6 @@ def test_rope_freqs_is_optional_with_half_the_rotary_dims():
 
 def test_rope_factors_never_train(tmp_path):
     """rope_freqs.weight gets no gradient; training it would only let weight decay shrink it."""
-    from llmtune.convert.init import init_model
-    from llmtune.errors import LlmtuneError
-    from llmtune.model.loaded import load_model
 
     path = init_model(Path(__file__).parents[1] / "configs" / "llama-tiny.toml",
                       Path(__file__).parent / "data" / "stories260K.gguf",

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 import llmtune
 from cli_helpers import run_cli
@@ -14,10 +15,13 @@ from family_check import check_family
 from llmtune.arch import check_tensors, get_family
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.backends.cpu import CPUBackend
+from llmtune.convert.init import init_model
 from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import load_gguf, write_gguf
 from llmtune.graph import ops
 from llmtune.graph.gradcheck import check_gradients
 from llmtune.graph.planner import Program
+from llmtune.model.loaded import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "tests" / "data" / "stories260K.gguf"  # a 512-token SPM vocabulary: small, fast models
@@ -87,9 +91,6 @@ def test_phi3_long_or_short_factors_as_llama_cpp_chooses():
 
 def test_phi3_metadata_is_the_converters(tmp_path):
     """init writes the keys convert_hf_to_gguf.py's Phi3MiniModel writes, and reads them back."""
-    from llmtune.convert.init import init_model
-    from llmtune.gguf.file import load_gguf
-    from llmtune.model.loaded import load_model
 
     path = init_model(REPO / "configs" / "phi3-tiny.toml", STORIES, tmp_path / "m.gguf", seed=1)
     keys = {k[len("phi3."):] for k in load_gguf(path).meta if k.startswith("phi3.")}
@@ -105,10 +106,7 @@ def test_phi3_metadata_is_the_converters(tmp_path):
 def test_phi3_commands_and_unknown_tensor(tmp_path, monkeypatch, capsys, wiki100k_path):
     """info says supported; a short finetune lowers the perplexity; export q8_0 runs; a tensor
     phi3 does not have (separate attn_q) is one line naming it, exit code 2."""
-    from gguf import GGMLQuantizationType as QT
 
-    from llmtune.convert.init import init_model
-    from llmtune.gguf.file import load_gguf, write_gguf
 
     model = init_model(REPO / "configs" / "phi3-tiny.toml", STORIES, tmp_path / "m.gguf", seed=1)
     code, out, err = run_cli(monkeypatch, capsys, "info", model)

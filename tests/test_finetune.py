@@ -11,10 +11,21 @@ import numpy as np
 import pytest
 
 import llmtune
-from llmtune.backends.cpu import CPUBackend
+import llmtune.backends.cpu.backend as cpu
+import llmtune.train.config as config
+import llmtune.train.output as output
+import llmtune.train.preflight as preflight
+import llmtune.train.trainer as trainer
+from cli_helpers import run_cli as run_cli_in_process
+from llmtune.backends.base import Backend
+from llmtune.backends.cpu import CPUBackend, threads
+from llmtune.backends.cpu.threads import MAX_CPU_WORKERS, blas_threads
+from llmtune.cli import _finetune_default
+from llmtune.convert.init import init_model
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import load_gguf
 from llmtune.model.loaded import load_model
+from llmtune.train.config import make_config
 from llmtune.train.data import Holdout, WindowDataset
 from llmtune.train.optim import LRSchedule
 from llmtune.train.trainer import RunningStats, Trainer
@@ -191,7 +202,6 @@ def test_config_file_and_flag_precedence(stories_path, small_text, tmp_path):
 
 
 def test_config_file_errors_name_the_file(tmp_path):
-    from llmtune.train.config import make_config
 
     (tmp_path / "broken.toml").write_text("ctx = [\n")
     for path, problem in ((tmp_path / "nope.toml", "no such file"), (tmp_path, "is a directory"),
@@ -202,8 +212,6 @@ def test_config_file_errors_name_the_file(tmp_path):
 
 def test_help_shows_the_config_defaults(monkeypatch):
     """--help's defaults are read from FinetuneConfig, so they follow a changed default."""
-    import llmtune.train.config as config
-    from llmtune.cli import _finetune_default
 
     assert [_finetune_default(n) for n in ("ctx", "lr", "wd", "val_split", "optimizer")] == [
         " \\[default: 512]", " \\[default: 1e-5]", " \\[default: 0]", " \\[default: 0.05]", " \\[default: adamw]"]
@@ -215,8 +223,6 @@ def test_help_shows_the_config_defaults(monkeypatch):
 def test_cpu_workers_rule(monkeypatch):
     """One worker off the cpu, for a single item, or without OpenBLAS thread control; else one per
     core up to 4, whether or not OpenBLAS's bits follow its thread count."""
-    from llmtune.backends.base import Backend
-    from llmtune.backends.cpu import CPUBackend, threads
 
     cpu = CPUBackend()
     for be in (cpu, Backend()):
@@ -253,7 +259,6 @@ def test_jsonl_documents(stories_path, tmp_path):
 
 
 def test_memory_refusal(stories_path, small_text, tmp_path, monkeypatch):
-    import llmtune.train.preflight as preflight
 
     monkeypatch.setattr(preflight, "available_memory", lambda backend: 1000)
     with pytest.raises(LlmtuneError, match="MiB is available"):
@@ -265,16 +270,13 @@ def test_activations_that_do_not_fit_are_refused_before_allocating(stories_path,
                                                                     capsys):
     """The activations' arena is planned, then checked against the memory left, then allocated:
     a run whose pass does not fit ends in one line (exit 2) and no arena is ever asked for."""
-    import llmtune.backends.cpu.backend as cpu
-    import llmtune.train.trainer as trainer
-    from cli_helpers import run_cli
 
     monkeypatch.setattr(trainer, "available_memory", lambda backend: 3 * 2**20)
     asked = []
     real_arena = cpu.CPUBackend.arena
     monkeypatch.setattr(cpu.CPUBackend, "arena", lambda self, n: asked.append(n) or real_arena(self, n))
-    code, out, err = run_cli(monkeypatch, capsys, "finetune", stories_path, small_text, "-o", tmp_path / "m.gguf",
-                             "--ctx", 256, "--batch", 1024, "--epochs", 1)
+    code, out, err = run_cli_in_process(monkeypatch, capsys, "finetune", stories_path, small_text, "-o",
+                                        tmp_path / "m.gguf", "--ctx", 256, "--batch", 1024, "--epochs", 1)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "the run does not fit in memory: it needs" in err
     assert "MiB of activations for one pass of 1,024 tokens" in err
@@ -325,7 +327,6 @@ def test_bad_flags(stories_path, small_text, tmp_path):
 
 def test_validation_with_more_workers_than_the_default_cap(stories_path, wikitext_ids):
     """workers above MAX_CPU_WORKERS: each evaluation worker still gets its own program cache."""
-    from llmtune.backends.cpu.threads import MAX_CPU_WORKERS, blas_threads
 
     if not blas_threads.available():
         pytest.skip("OpenBLAS thread control unavailable: workers fall back to 1")
@@ -341,7 +342,6 @@ def test_validation_with_more_workers_than_the_default_cap(stories_path, wikitex
 
 def test_parallel_micro_batches_match_sequential(stories_path, wikitext_ids):
     """Micro-batches computed one per core give the sequential result (float rounding aside)."""
-    from llmtune.backends.cpu.threads import blas_threads
 
     if not blas_threads.available():
         pytest.skip("OpenBLAS thread control unavailable: workers fall back to 1")
@@ -393,7 +393,6 @@ def test_out_type_rewrites_the_model_and_scores_it_as_written(stories_path, smal
     validation windows scored again from the written file (close to the in-memory loss); a
     coarse type that loses more than the margin warns in one line with both numbers (q4_0 costs
     this tiny model ~0.6 %: the margin is lowered below that)."""
-    import llmtune.train.output as output
 
     out = tmp_path / "q8.gguf"
     events = []
@@ -441,7 +440,6 @@ print(json.dumps({"estimate": sum(res.memory.values()), "memory": res.memory, "p
 def model_15m(tmp_path_factory):
     """The 15M shape (configs/llama-15m.toml, 32000-token vocabulary): 93 MiB of weights, so a full
     finetune's buffers are ~400 MiB against ~50 MiB of interpreter and libraries."""
-    from llmtune.convert.init import init_model
 
     root = Path(__file__).resolve().parents[1]
     path = tmp_path_factory.mktemp("m15") / "llama-15m.gguf"
@@ -473,8 +471,6 @@ def _torch_clip(g: np.ndarray, max_norm: float) -> tuple[float, np.ndarray]:
 
 
 def test_grad_clip_scales_as_torch(stories_path):
-    from llmtune.backends.cpu import CPUBackend
-    from llmtune.model.loaded import load_model
 
     model = load_model(stories_path)
     tr = Trainer(model, CPUBackend(), n_ctx=16, n_batch=16, n_ubatch=16, trainable=model.select(None), grad_clip=0.5)
@@ -508,7 +504,6 @@ def test_memory_check_counts_the_trained_values_once(stories_path, small_text, t
     """Setup has written the trained values before the check, so the host's free memory no longer
     counts them while the estimate does: the run is refused only when what it still needs is more
     than is free (and a full AdamW run is told about --optimizer adamw8bit)."""
-    import llmtune.train.preflight as preflight
 
     kw = dict(ctx=64, epochs=1)
     res = llmtune.finetune(stories_path, small_text, tmp_path / "a.gguf", **kw)

@@ -7,6 +7,7 @@ record, its keys and the formats accepted (exit 2, nothing written)."""
 
 from __future__ import annotations
 
+import builtins
 import csv
 import gzip
 import io
@@ -20,6 +21,7 @@ from cli_helpers import run_cli
 from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.model.loaded import load_model
 from llmtune.train.chat import build_dataset, read_records
+from llmtune.train.checkpoint import file_sha256
 
 # the toy chat template of test_chat.py, with a tool role
 TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}[{{ m.content }}]\n{% elif m.role == 'user' %}"
@@ -131,7 +133,7 @@ def test_json_array_is_records_never_text(tmp_path, model, template, wrap):
 
 def test_parquet_records(tmp_path, model, template):
     pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # noqa: PLC0415 - optional, probed where used
 
     data = tmp_path / "a.parquet"
     pq.write_table(pa.Table.from_pylist([{"system": None, **r} for r in ALPACA]), data)  # a null system: none
@@ -144,7 +146,6 @@ def test_parquet_records(tmp_path, model, template):
 
 
 def test_parquet_without_pyarrow_is_one_line(tmp_path, monkeypatch):
-    import builtins
 
     real = builtins.__import__
 
@@ -181,7 +182,6 @@ def test_folder_of_files(tmp_path, model, template):
     (folder / "2.json").write_text(json.dumps(ALPACA[1:]))
     (folder / "README.md").write_text("not data")
     ds = check_masks(model, folder, ALPACA_LOSS, ALPACA_TEXT, template, want_format="alpaca")
-    from llmtune.train.checkpoint import file_sha256
 
     before = file_sha256(folder)
     write_jsonl(folder / "1.jsonl", ALPACA[:1] * 2)
@@ -286,7 +286,7 @@ def test_compressed_parquet_and_folders_of_compressed_files(tmp_path):
     with pytest.raises(LlmtuneError, match=r"--format plain: .*1.jsonl.gz is a .jsonl file of records"):
         read_records(folder / "1.jsonl.gz", "plain")
     pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # noqa: PLC0415 - optional, probed where used
 
     plain = tmp_path / "a.parquet"
     pq.write_table(pa.Table.from_pylist(ALPACA), plain)

@@ -19,13 +19,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import typer.main
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 from rich.console import Console
 
+from llmtune.arch import get_family
+from llmtune.cli import app
 from llmtune.convert.init import init_model, load_init_config
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import MetaValue, check_output_path, load_gguf, write_gguf
-from llmtune.model.loaded import hparams_of
+from llmtune.model.loaded import hparams_of, load_model
 from llmtune.ui.format import human_bytes, human_count
 from llmtune.ui.info import render_info
 
@@ -111,9 +114,7 @@ def write_mamba(path: Path) -> Path:
 
 
 def registered_commands() -> set[str]:
-    import typer.main
 
-    from llmtune.cli import app
 
     return set(typer.main.get_command(app).commands)
 
@@ -470,7 +471,6 @@ def test_init_15m_info_shows_24m(model_15m):
 
 
 def test_init_15m_loads_as_a_trainable_model(model_15m):
-    from llmtune.model.loaded import load_model
 
     model = load_model(model_15m)
     assert model.n_params() == 24_407_712
@@ -487,7 +487,6 @@ def test_init_is_deterministic(model_15m, tmp_path):
 
 
 def test_110m_config_shape():
-    from llmtune.arch import get_family
 
     hp = load_init_config(CONFIG_110M).model.hparams(n_vocab=N_VOCAB)
     assert (hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_ctx_train) == (768, 12, 12, 12, 2048, 1024)

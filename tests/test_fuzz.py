@@ -34,6 +34,7 @@ families, graph building) are reported by a test of their own, so a finding name
 
 from __future__ import annotations
 
+import argparse
 import io
 import math
 import os
@@ -42,6 +43,7 @@ import resource
 import signal
 import struct
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -52,8 +54,14 @@ from pathlib import Path
 import gguf
 import pytest
 from gguf import GGUFValueType as VT
+from rich.console import Console
 
 import llmtune
+from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import load_gguf
+from llmtune.model.loaded import load_model
+from llmtune.tokenizer import Tokenizer, format_ids, format_pieces
+from llmtune.ui.info import render_info
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -660,12 +668,7 @@ def _origin(exc: BaseException) -> tuple[str, str]:
 
 def _stages(path: Path):
     """(name, callable) for each library call the CLI makes on a model file."""
-    from rich.console import Console
 
-    from llmtune.gguf.file import load_gguf
-    from llmtune.model.loaded import load_model
-    from llmtune.tokenizer import Tokenizer, format_ids, format_pieces
-    from llmtune.ui.info import render_info
 
     state = {}
 
@@ -701,7 +704,6 @@ def run_mutant(mutant: Mutant, tmp: Path, limits: "_Limits | None" = None) -> tu
     """All stages on one mutant: (failures, stage -> 'ok' | 'error' | 'crash' | 'skipped').
 
     With `limits`, each stage runs under its own MUTANT_TIMEOUT_S alarm."""
-    from llmtune.errors import LlmtuneError
 
     path = tmp / f"{mutant.name.replace('#', '-')}.gguf"
     path.write_bytes(mutant.blob)
@@ -866,8 +868,6 @@ def test_fuzz_model_loading_raises_only_user_errors(fuzz_run):
 
 
 def _main(argv: list[str]) -> int:
-    import argparse
-    import tempfile
 
     parser = argparse.ArgumentParser(description="Replay or extend the GGUF fuzzer.")
     parser.add_argument("--seed", type=int, default=SEED)

@@ -9,14 +9,23 @@ import sys
 
 import numpy as np
 import pytest
+from rich.console import Console
 
+import cuda_emu
 import generate_fixture
 from cli_helpers import run_cli
 from family_check import sha256
+from llmtune.backends.cpu import CPUBackend
+from llmtune.backends.cuda import CUDABackend
+from llmtune.errors import LlmtuneError
 from llmtune.eval.generate import ChatSession, Generator, _Utf8Stream, kv_bucket
 from llmtune.eval.sampling import CanonicalUniform, Sampler, SamplerConfig
 from llmtune.graph.planner import Program
 from llmtune.model.loaded import load_model
+from llmtune.quant.qtensor import backend_array
+from llmtune.tokenizer.chat_template import ChatTemplate
+from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
+from llmtune.ui.generate import chat_loop
 
 FIXTURE = generate_fixture.load()
 
@@ -56,8 +65,6 @@ def test_acceptance_command_text():
 # ------------------------------------------------------------------------------ the KV cache
 def full_logits(model, ids: list[int]) -> np.ndarray:
     """Logits at every position from one uncached forward pass."""
-    from llmtune.backends.cpu import CPUBackend
-    from llmtune.quant.qtensor import backend_array
 
     be = CPUBackend()
     _, nodes, logits = model.build(1, len(ids))
@@ -135,7 +142,6 @@ def test_sampler_chain():
 
 
 def test_sampler_rejects_bad_settings():
-    from llmtune.errors import LlmtuneError
 
     for bad in (dict(top_p=1.5), dict(min_p=-0.1), dict(repeat_penalty=0.0), dict(seed=-1), dict(temp=float("nan"))):
         with pytest.raises(LlmtuneError):
@@ -152,7 +158,6 @@ def test_utf8_stream_holds_split_characters():
 def test_sample_previews_end_on_a_whole_character():
     """finetune's --sample-prompt preview (TrainingSampler) stops after a token count: the text is
     cut at the last token boundary that ends a character, else inside the token, never in U+FFFD."""
-    from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
 
     assert [incomplete_tail(b)
             for b in (b"", b"a", b"\xc3", b"\xc3\xa9", b"x\xe2\x82", b"\xf0\x9f\x98", b"\xf0\x9f\x98\x80")] \
@@ -172,7 +177,6 @@ TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' %}[{{ m.content }}]
 
 
 def test_chat_session_keeps_the_conversation(stories_path):
-    from llmtune.tokenizer.chat_template import ChatTemplate
 
     model = load_model(stories_path)
     gen = Generator(model, "cpu", n_ctx=256)
@@ -186,10 +190,7 @@ def test_chat_session_keeps_the_conversation(stories_path):
 
 
 def test_chat_loop(stories_path, tmp_path):
-    from rich.console import Console
 
-    from llmtune.tokenizer.chat_template import ChatTemplate
-    from llmtune.ui.generate import chat_loop
 
     gen = Generator(load_model(stories_path), "cpu", n_ctx=256)
     chat = ChatSession(gen, ChatTemplate(TEMPLATE, "test"), Sampler(SamplerConfig(temp=0)), n_predict=4)
@@ -279,8 +280,6 @@ def test_cli_generate_template_that_raises(monkeypatch, capsys, stories_path, tm
 def test_cuda_kernels_generate_as_the_cpu(family, built):
     """The CUDA backend's kernels (cache write, run-time-position softmax) under the CPU emulator
     of tests/cuda_emu.py give the cpu's tokens and logits."""
-    import cuda_emu
-    from llmtune.backends.cuda import CUDABackend
 
     if not cuda_emu.available():
         pytest.skip("no C++ compiler for the CUDA kernel emulator")

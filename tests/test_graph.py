@@ -8,10 +8,12 @@ from llmtune.arch import get_family
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.backends.cpu import CPUBackend
 from llmtune.graph import ops
+from llmtune.graph.autodiff import checkpoint_segments
 from llmtune.graph.gradcheck import check_gradients
+from llmtune.graph.node import topo_order
 from llmtune.graph.planner import Program
 from llmtune.model.loaded import load_model
-from llmtune.train.trainer import Trainer
+from llmtune.train.trainer import RunningStats, Trainer
 
 REFERENCE_FIRST_WINDOW_LOSS = 5.326544  # shared/README.md: PyTorch and llama.cpp agree
 
@@ -142,7 +144,6 @@ def _trainer(model, checkpoint, dtype=np.float32, n_ctx=128):
 def test_grad_checkpoint_gives_the_same_gradients(stories_path, wikitext_ids):
     """Recomputed activations are the very ops on the very inputs: float64 gradients agree to
     rounding (exactly, in practice), and the loss too."""
-    from llmtune.train.trainer import RunningStats
 
     model = load_model(stories_path, quantized=False)
     x = np.stack([wikitext_ids[:128], wikitext_ids[300:428]])
@@ -166,8 +167,6 @@ def test_grad_checkpoint_lowers_planned_memory(stories):
 
 def test_checkpoint_segments_are_the_residual_stream(stories):
     """Cuts fall on the residual adds, two per layer (after attention, after the FFN)."""
-    from llmtune.graph.autodiff import checkpoint_segments
-    from llmtune.graph.node import topo_order
 
     _, _, logits = stories.build(1, 16)
     loss = ops.cross_entropy(logits, ops.input((16,), "i32", name="targets"))

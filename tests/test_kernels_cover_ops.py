@@ -1,6 +1,8 @@
 """Every backend's kernel table covers exactly the ops of graph/ops.OPS, checked without a GPU:
 a missing or stale kernel fails here, not when some program first needs it."""
 
+import pytest
+
 from llmtune.backends.base import Kernel, kernel_table
 from llmtune.backends.cpu import attention as cpu_attention, backend as cpu
 from llmtune.backends.cuda import CUDABackend
@@ -34,7 +36,6 @@ def test_cuda_table_covers_every_op():
 
 
 def test_a_bind_or_encode_for_an_op_without_a_kernel_is_refused():
-    import pytest
 
     with pytest.raises(ValueError, match="without a kernel"):
         kernel_table(cpu, "k_", bind={"no_such_op": print})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import re
 import struct
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -283,7 +284,6 @@ def test_fuzzer_parser_round_trips_the_base_files(bpe_layout):
 
 
 def _plain(layout) -> dict:
-    import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         return load_gguf(write(Path(tmp), layout.blob, "v.gguf")).metadata

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import importlib.util
 import json
 import sys
 import warnings
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 
+import cuda_emu
 import llmtune
 import lora_fixture
 from cli_helpers import run_cli
@@ -22,6 +24,8 @@ from conftest import DATA, REPO
 from llmtune.arch import get_family
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.backends.cpu import CPUBackend
+from llmtune.backends.cpu.threads import blas_threads
+from llmtune.backends.cuda import CUDABackend
 from llmtune.convert.init import init_model
 from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.gguf.file import MetaValue, load_gguf, write_gguf
@@ -40,7 +44,6 @@ RECORDED = DATA / "lora" / "llamacpp-lora.json"  # bench/check_lora.py --record
 def _one_blas_thread():
     """The models here are tiny: two OpenBLAS threads on a busy 2-core machine make each small
     matmul ~25x slower (thread hand-offs), one thread keeps the module fast."""
-    from llmtune.backends.cpu.threads import blas_threads
 
     with blas_threads(1):
         yield
@@ -567,7 +570,6 @@ def test_an_adapter_given_as_the_model(stories_path, fixture_adapter, wiki_text,
 
 def test_tied_output_refuses_a_token_embd_adapter(tmp_path, stories_path):
     """llama.cpp would apply a token_embd pair to the tied output matmul too (and fail): refused."""
-    from llmtune.convert.init import init_model
 
     config = tmp_path / "tied.toml"
     config.write_text('[model]\narchitecture = "llama"\nn_embd = 32\nn_layer = 1\nn_head = 4\nn_ff = 48\n'
@@ -582,7 +584,6 @@ def test_tied_output_refuses_a_token_embd_adapter(tmp_path, stories_path):
 def test_every_family_takes_adapters(tmp_path):
     """A random model of every family: its fused/plain attention and FFN matrices are targets, and a
     random adapter applied in the graph equals the merged weights."""
-    import importlib.util
 
     spec = importlib.util.spec_from_file_location("check_families", REPO / "bench" / "check_families.py")
     check_families = importlib.util.module_from_spec(spec)
@@ -609,8 +610,6 @@ def test_every_family_takes_adapters(tmp_path):
 def test_lora_training_on_the_cuda_backend_matches_cpu(stories, wikitext_ids):
     """The CUDA backend's kernels (under tests/cuda_emu.py's CPU emulator): two LoRA steps with
     dropout, token_embd and output adapters give the CPU's adapter."""
-    import cuda_emu
-    from llmtune.backends.cuda import CUDABackend
 
     if not cuda_emu.available():
         pytest.skip("no C++ compiler for the CUDA kernel emulator")

@@ -4,20 +4,24 @@ numpy transcriptions of PEFT's formulas; bench/check_lora.py --peft checks them 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
 
+import cuda_emu
 import llmtune
 from cli_helpers import run_cli
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.backends.cpu import CPUBackend
+from llmtune.backends.cuda import CUDABackend
 from llmtune.gguf.file import load_gguf
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import Program
 from llmtune.model import adapter as lora
 from llmtune.model.loaded import load_model
+from llmtune.train import checkpoint as ckpts
 from llmtune.train.config import make_config
 from llmtune.train.finetune import lr_factors
 from llmtune.train.trainer import RunningStats, Trainer
@@ -289,9 +293,7 @@ def test_bad_variant_flags(args, words, stories_path, small_text, tmp_path, monk
 def test_resume_of_a_variant_run_is_byte_identical(variant, stories_path, wiki100k_path, tmp_path):
     """The epoch-1 checkpoint resumed writes the uninterrupted run's bytes: the SVD and the magnitudes
     are made again from the same base, the LoRA+ groups laid out alike."""
-    import hashlib
 
-    from llmtune.train import checkpoint as ckpts
 
     text = tmp_path / "t.txt"
     text.write_text(wiki100k_path.read_text(encoding="utf-8")[:1500], encoding="utf-8")
@@ -310,8 +312,6 @@ def test_resume_of_a_variant_run_is_byte_identical(variant, stories_path, wiki10
 def test_variant_training_on_the_cuda_backend_matches_cpu(stories, wikitext_ids):
     """The CUDA backend's kernels (tests/cuda_emu.py's CPU emulator; row_rnorm's included): two
     steps of PiSSA + DoRA with dropout and LoRA+ groups give the CPU's values."""
-    import cuda_emu
-    from llmtune.backends.cuda import CUDABackend
 
     if not cuda_emu.available():
         pytest.skip("no C++ compiler for the CUDA kernel emulator")

@@ -5,6 +5,8 @@ cannot build it (no compiler)."""
 from __future__ import annotations
 
 import multiprocessing
+import platform
+import re
 import threading
 from pathlib import Path
 
@@ -12,9 +14,17 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from llmtune.backends.cpu import attention as cpu_attention, products as qmatmul
-from llmtune.backends.cpu.native import build, kernels
+import llmtune
+from llmtune.backends.cpu import attention as cpu_attention, backend as cpu, products as qmatmul
+from llmtune.backends.cpu.backend import k_rms_norm
+from llmtune.backends.cpu.native import build, kernels, program
+from llmtune.backends.cpu.threads import blas_threads
+from llmtune.eval import scoring
+from llmtune.eval.generate import Generator
+from llmtune.eval.sampling import Sampler, SamplerConfig
+from llmtune.model.loaded import load_model
 from llmtune.quant import blocks, codecs
+from llmtune.quant.types import ACT_TYPES, QTYPES as REGISTRY
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 QTYPES = tuple(kernels.TYPE_CODES)
@@ -209,7 +219,6 @@ def test_portable_build_matches_numpy(fresh, monkeypatch):
 
 
 def _is_x86() -> bool:
-    import platform
 
     return platform.machine() in ("x86_64", "AMD64", "i686")
 
@@ -232,10 +241,7 @@ def test_sources_share_one_header_and_the_type_registry(tmp_path, monkeypatch):
     file keeps type codes of its own: build.py generates them (lt_types.h) from quant/types.py,
     which kernels.py and program.py read too, and the library key covers every source, every
     header and the generated one."""
-    import re
 
-    from llmtune.backends.cpu.native import program
-    from llmtune.quant.types import ACT_TYPES, QTYPES as REGISTRY
 
     c_files = sorted([*build.HERE.glob("*.c"), *build.HERE.glob("*.h")])
     assert {p.name for p in build.sources("qdot")} <= {p.name for p in c_files}
@@ -271,8 +277,6 @@ def test_sources_share_one_header_and_the_type_registry(tmp_path, monkeypatch):
 def test_no_compiler_falls_back_to_numpy(fresh, monkeypatch, stories_path):
     """A machine without a C compiler: the kernels say why, every entry declines, and a quantized
     model generates on the numpy path the tokens it generates with the kernels."""
-    import llmtune
-    from llmtune.eval.sampling import SamplerConfig
 
     q8 = llmtune.export(stories_path, fresh / "q8.gguf", "q8_0").out_path
     greedy = SamplerConfig(temp=0.0)
@@ -314,7 +318,6 @@ def test_a_failed_build_is_a_reason_not_an_error(fresh, monkeypatch):
 def test_rms_norm_matches_numpy():
     """The decode step's rms_norm (a replayed program binds it): numpy's kernel within a few float32
     ulps (ggml sums the squares in double, numpy's einsum in float32)."""
-    from llmtune.backends.cpu.backend import k_rms_norm
 
     x = _activations(3, 576, np.random.default_rng(6))
     out = np.empty_like(x)
@@ -328,7 +331,6 @@ def test_rms_norm_matches_numpy():
 
 # ------------------------------------------------------------------------------ compiled programs (lt_run)
 def _compiled(step):
-    from llmtune.backends.cpu.native import program
 
     assert step is not None
     call = program.compile_steps([step])
@@ -349,8 +351,6 @@ def test_compiled_elementwise_ops_are_numpy_bit_for_bit():
     """add, mul (a gain over the rows), scale, rope (norm and neox, inverse, a partial rotation, freq
     factors), the embedding row gathers: the same operations in the same order as backends/cpu.py,
     so the same bits."""
-    from llmtune.backends.cpu import backend as cpu
-    from llmtune.backends.cpu.native import program
 
     rng = np.random.default_rng(7)
     a, b = (rng.standard_normal((3, 576)).astype(np.float32) for _ in range(2))
@@ -379,8 +379,6 @@ def test_compiled_attention_ops_match_numpy():
     (its pairwise sum numpy's; exp the C library's, or where AVX-512 is built a polynomial within
     ~1 ulp) and swiglu within 1e-6 relative (a few float32 ulps); the small matmuls to float summation
     order (relative to |a| |b|: below 1e-6); rms_norm within 1e-6."""
-    from llmtune.backends.cpu import backend as cpu
-    from llmtune.backends.cpu.native import program
 
     rng = np.random.default_rng(8)
     cache = rng.standard_normal((1, 3, 256, 64)).astype(np.float32)
@@ -416,7 +414,6 @@ def test_training_swiglu_and_its_gradients_match_numpy(monkeypatch, n):
     against the numpy passes they replace, within 1e-6 relative (exp within ~1 ulp; near the gate
     gradient's zero, relative to its factors); in place too.
     Inputs reach |gate| = 40, where the sigmoid saturates."""
-    from llmtune.backends.cpu import backend as cpu
 
     rng = np.random.default_rng(9)
     gate, up, g = (rng.standard_normal(n).astype(np.float32) * 4 for _ in range(3))
@@ -440,7 +437,6 @@ def test_training_swiglu_and_its_gradients_match_numpy(monkeypatch, n):
 def test_training_swiglu_is_the_same_on_any_thread_count():
     """The passes run in chunks over the pool (a multiple of the vector width): one thread and all
     of them write the same bits."""
-    from llmtune.backends.cpu.threads import blas_threads
 
     rng = np.random.default_rng(3)
     gate, up, g = (rng.standard_normal(128 * 1536 + 9).astype(np.float32) for _ in range(3))
@@ -460,7 +456,6 @@ def test_training_swiglu_is_the_same_on_any_thread_count():
 def test_compiled_steps_decline_and_fail_in_one_line():
     """Encoders decline what the compiled ops do not take (float64, a broadcast they do not know),
     and a position past the cache is an IndexError naming the op, not a write out of bounds."""
-    from llmtune.backends.cpu.native import program
 
     a64 = np.ones((2, 8))
     assert program.add(np.empty_like(a64), a64, a64) is None
@@ -476,8 +471,6 @@ def test_compiled_steps_decline_and_fail_in_one_line():
 def test_decode_step_is_one_compiled_call(stories_path):
     """stories260K's decode step: one compiled call per token after the recording run, its logits
     those of the Python-call replay to float rounding and its 32 greedy tokens the same."""
-    from llmtune.eval.generate import Generator
-    from llmtune.model.loaded import load_model
 
     model = load_model(stories_path)
     runs = []
@@ -529,7 +522,6 @@ def test_scores_only_a_causal_softmax_reads_are_computed_for_visible_keys():
     """q k^T, the causal softmax and p v, each the only reader of the one before (program._fuse):
     the masked scores are not computed and the masked probabilities not written (left as they
     were), and the attention output is the unfused program's exactly."""
-    from llmtune.backends.cpu.native import program
 
     rng = np.random.default_rng(10)
     q = rng.standard_normal((1, 3, 4, 64)).astype(np.float32)
@@ -556,9 +548,6 @@ def test_scores_only_a_causal_softmax_reads_are_computed_for_visible_keys():
 def test_one_compiled_decode_program_for_the_whole_cache(stories_path, monkeypatch):
     """With the compiled attention a decode step attends over the whole cache (one program past
     every 64-position bucket), and its greedy tokens are the bucketed numpy path's."""
-    from llmtune.eval.generate import Generator
-    from llmtune.eval.sampling import Sampler, SamplerConfig
-    from llmtune.model.loaded import load_model
 
     model = load_model(stories_path)
     results = []
@@ -642,8 +631,6 @@ def test_pass_rms_norm_is_a_decode_step_s_on_any_thread_count(shape, monkeypatch
     """cpu.k_rms_norm over a pass's float32 rows is the compiled decode step's norm (ggml's double
     sums) row for row, the same bits on any thread count, and within float32 rounding of numpy's
     float32 sums and of float64."""
-    from llmtune.backends.cpu import backend as cpu
-    from llmtune.backends.cpu.threads import blas_threads
 
     rng = np.random.default_rng(6)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -676,8 +663,6 @@ def _decode_norm(row):
 def test_rms_norm_gradient_matches_numpy_on_any_thread_count(shape, monkeypatch):
     """cpu.k_rms_norm_back compiled (its sums in float32 lanes) against numpy's passes and
     float64 within float32 rounding, and the same bits on one thread and all of them."""
-    from llmtune.backends.cpu import backend as cpu
-    from llmtune.backends.cpu.threads import blas_threads
 
     rng = np.random.default_rng(5)
     x, g = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
@@ -707,8 +692,6 @@ def test_the_loss_over_the_vocabulary_matches_numpy_on_any_thread_count(rows, n,
     """cpu.k_logsumexp, k_cross_entropy_back and k_token_nll_back compiled (one pass a row, the
     vector exp, double lane sums) against numpy's passes and float64, a masked row included, and
     the same bits on one thread and all of them."""
-    from llmtune.backends.cpu import backend as cpu
-    from llmtune.backends.cpu.threads import blas_threads
 
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((rows, n)) * 4).astype(np.float32)
@@ -751,7 +734,6 @@ def test_evaluation_token_nll_is_numpy_s_and_unbiased(monkeypatch):
     vocab] view whose blocks are contiguous) and on 2-D rows: within float32 rounding of the lse
     (~1e-6 at these magnitudes) of float64, and no drift one way (the mean error is what a
     perplexity sees), as numpy's path."""
-    from llmtune.eval import scoring
 
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((2, 64, 49152)) * 3).astype(np.float32)

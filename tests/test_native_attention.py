@@ -12,9 +12,13 @@ import math
 import numpy as np
 import pytest
 
-from llmtune.backends.cpu import attention as cpu
+from llmtune.arch.context import PLAIN_ATTENTION_MAX_T
+from llmtune.backends.cpu import CPUBackend, attention as cpu
 from llmtune.backends.cpu.native import kernels
 from llmtune.backends.cpu.threads import blas_threads
+from llmtune.eval.perplexity import perplexity_from_ids
+from llmtune.model.loaded import load_model
+from llmtune.train.trainer import RunningStats, Trainer
 
 
 def _inputs(B, T, H, Hkv, d, seed=0):
@@ -182,9 +186,6 @@ def _numpy_attention(monkeypatch):
 @needs_attention
 def test_perplexity_past_plain_attention_is_numpy_s(stories_path, wikitext_ids, monkeypatch):
     """Perplexity at ctx 512 (blockwise attention): the compiled forward's estimate is numpy's."""
-    from llmtune.arch.context import PLAIN_ATTENTION_MAX_T
-    from llmtune.eval.perplexity import perplexity_from_ids
-    from llmtune.model.loaded import load_model
 
     assert PLAIN_ATTENTION_MAX_T < 512
     model = load_model(stories_path)
@@ -203,9 +204,6 @@ def test_perplexity_past_plain_attention_is_numpy_s(stories_path, wikitext_ids, 
 def test_training_past_plain_attention_is_numpy_s(stories_path, monkeypatch):
     """Full training steps at 300 positions: numpy's backward from the compiled forward's O and
     logsumexp gives numpy's losses and weights within float32 summation order."""
-    from llmtune.backends.cpu import CPUBackend
-    from llmtune.model.loaded import load_model
-    from llmtune.train.trainer import RunningStats, Trainer
 
     def run():
         model = load_model(stories_path)

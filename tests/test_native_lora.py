@@ -8,9 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmtune.backends.cpu import backend as cpu
+from llmtune.backends.cpu import CPUBackend, backend as cpu
 from llmtune.backends.cpu.native import kernels
 from llmtune.backends.cpu.threads import blas_threads
+from llmtune.model import adapter as lora
+from llmtune.model.loaded import load_model
+from llmtune.train.trainer import RunningStats, Trainer
 
 needs_native = pytest.mark.skipif(not kernels.available(), reason=f"no compiled layer: {kernels.reason()}")
 
@@ -104,10 +107,6 @@ def test_declines_what_it_does_not_take():
 def test_lora_training_is_numpy_s(stories_path, wikitext_ids, monkeypatch):
     """Three LoRA steps on stories260K, micro-batched (replayed passes): the compiled terms give
     numpy's losses and adapters within float32 summation order."""
-    from llmtune.backends.cpu import CPUBackend
-    from llmtune.model import adapter as lora
-    from llmtune.model.loaded import load_model
-    from llmtune.train.trainer import RunningStats, Trainer
 
     def run(steps=3):
         model = load_model(stories_path)

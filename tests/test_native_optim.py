@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmtune.backends.cpu import backend as cpu
+from llmtune.backends.cpu import backend as cpu, threads
 from llmtune.backends.cpu.native import kernels
 from llmtune.backends.cpu.threads import PARALLEL_MIN
 
@@ -68,7 +68,6 @@ def test_sum_squares_in_float64_and_the_same_bits_on_any_core_count(compiled, mo
     """The step's gradient norm squared: float64 (the compiled pass and numpy's agree to ~1e-15),
     finite for large float32 values, not finite for a NaN or inf, and the same bits however
     many parts the buffer is split into."""
-    from llmtune.backends.cpu import threads
 
     if compiled and kernels._load_optim() is None:
         pytest.skip("no compiled kernels")

@@ -6,7 +6,9 @@ import json
 import math
 import sys
 import types
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import llmtune
@@ -71,14 +73,13 @@ def observed(stories_path, small_text, tmp_path_factory):
 
 
 def _pixels(path):
-    import matplotlib.image
+    import matplotlib.image  # noqa: PLC0415 - optional, probed where used
 
     return matplotlib.image.imread(str(path))  # float RGBA in [0, 1]
 
 
 def _share_of_colour(pixels, hex_colour: str) -> float:
     """The fraction of pixels within 0.06 (per channel) of a colour."""
-    import numpy as np
 
     rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
     return float((np.abs(pixels[..., :3] - rgb).max(axis=-1) < 0.06).mean())
@@ -231,7 +232,6 @@ def test_finetune_summary_ends_with_the_loss_sparkline(stories_path, small_text,
 
 def _fake_run(warnings, tmp_path):
     """What PlotHook reads of a run: rank, --metrics file, output name, warn."""
-    from types import SimpleNamespace
 
     return SimpleNamespace(trainer=SimpleNamespace(comm=SimpleNamespace(is_root=True)),
                            log=SimpleNamespace(fh=None, path=None), result=SimpleNamespace(output=tmp_path / "o.gguf"),

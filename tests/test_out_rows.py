@@ -7,6 +7,7 @@ import pytest
 from llmtune.backends.cpu import CPUBackend
 from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
+from llmtune.train.programs import NextTokenLoss, StepPrograms, WeightedTokenNLL
 from llmtune.train.trainer import RunningStats, Trainer
 
 CTX = 32
@@ -62,7 +63,6 @@ def test_out_row_passes_share_the_arena_and_the_estimate(stories_path):
 
 
 def test_out_rows_buckets():
-    from llmtune.train.programs import NextTokenLoss, StepPrograms, WeightedTokenNLL
 
     progs = StepPrograms.__new__(StepPrograms)
     progs.loss, progs.n_ubatch = NextTokenLoss, 512

@@ -5,13 +5,18 @@ product (no compiler, no AVX-512)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 import llmtune
+import llmtune.train.memory as memory_module
 from llmtune.backends.cpu import CPUBackend, products as qmatmul
 from llmtune.backends.cpu.native import kernels
-from llmtune.backends.cpu.threads import blas_threads
+from llmtune.backends.cpu.products import FloatCopies
+from llmtune.backends.cpu.threads import BlasTuner, blas_threads
+from llmtune.gguf.file import GGUFFile
 from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
 from llmtune.train.trainer import RunningStats, Trainer
@@ -161,7 +166,6 @@ def test_packed_matrices_give_their_file_pages_back(fixture, request, monkeypatc
     """Once a frozen matrix has both packed forms, the file pages under it are released (one
     drop_pages per packed matrix, its own view of the mapping), and what the run reads from the
     file afterwards (a token table's rows) faults back in intact: the same losses."""
-    from llmtune.gguf.file import GGUFFile
 
     path = request.getfixturevalue(fixture)
     released, real_drop = [], GGUFFile.drop_pages
@@ -179,7 +183,6 @@ def test_dropping_pages_touches_only_the_file_s_own(stories_path):
     """drop_pages(part) hands back the whole pages under a view of the file's mapping (read back
     from the file on the next access) and leaves memory of its own alone: MADV_DONTNEED would
     zero that."""
-    from llmtune.gguf.file import GGUFFile
 
     f = GGUFFile(stories_path)
     info = max(f.tensors.values(), key=lambda t: t.raw.nbytes)
@@ -196,9 +199,7 @@ def test_a_pack_another_worker_makes_meanwhile_is_found_not_refused():
     finds no pack waits for the other's and multiplies through it. (It used to read the budget as
     full once the other had packed, and ran that product on numpy's BLAS: other bits, in about one
     two-worker LoRA run in ten.)"""
-    import threading
 
-    from llmtune.backends.cpu.products import FloatCopies
 
     w = np.random.default_rng(0).standard_normal((96, 64)).astype(np.float32)
     copies = FloatCopies(FloatCopies.packed_bytes(w.shape), pack=True)
@@ -245,8 +246,6 @@ def test_packed_copies_all_or_none(stories_path, monkeypatch):
     """A budget that holds only some of the packed copies keeps none of them (a step with some
     products packed would run the rest on a single-threaded OpenBLAS), and OpenBLAS's thread
     count is tuned by timing again."""
-    import llmtune.train.memory as memory_module
-    from llmtune.backends.cpu.threads import BlasTuner
 
     monkeypatch.setattr(memory_module, "training_budget", lambda quantized, need, available, packed=0: packed // 2)
     tr = _lora_trainer(stories_path, None)

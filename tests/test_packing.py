@@ -11,12 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import cuda_emu
+import llmtune
 from cli_helpers import run_cli
 from family_check import REPO
 from llmtune.arch.packing import packing_inputs, segment_positions
 from llmtune.backends import get_backend
 from llmtune.backends.cpu.threads import blas_threads
+from llmtune.backends.cuda import CUDABackend
+from llmtune.convert.init import init_model
 from llmtune.errors import LlmtuneError
+from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
 from llmtune.train.chat import ExampleDataset, PackedDataset, build_dataset, pack_lengths
 from llmtune.train.trainer import RunningStats, Trainer
@@ -53,7 +58,6 @@ def step(model, ds, packed: bool, ctx: int, backend=None):
 
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
-    from llmtune.convert.init import init_model
 
     tmp = tmp_path_factory.mktemp("families")
     vocab = REPO / "tests" / "data" / "stories260K.gguf"
@@ -87,8 +91,6 @@ def test_packed_step_equals_one_example_per_window(tmp_path, stories_path, famil
 def test_packed_step_on_the_cuda_backend_matches_cpu(tmp_path, stories_path):
     """The CUDA backend's kernels (tests/cuda_emu.py's emulator) on packed windows: the cpu's
     loss and gradients (the masks, per-sequence positions and rope of the flattened batch)."""
-    import cuda_emu
-    from llmtune.backends.cuda import CUDABackend
 
     if not cuda_emu.available():
         pytest.skip("no C++ compiler for the CUDA kernel emulator")
@@ -101,7 +103,6 @@ def test_packed_step_on_the_cuda_backend_matches_cpu(tmp_path, stories_path):
 
 def test_packed_lora_step_and_evaluation_equal_unpacked(tmp_path, stories_path):
     """The same with a LoRA adapter training, and validation passes (the eval programs)."""
-    from llmtune.model.adapter import attach, init_adapter
 
     base = load_model(stories_path)
     adapter = init_adapter(base, 4, None, None, 0)
@@ -167,7 +168,6 @@ def test_pack_report_and_refusals(tmp_path, stories_path, monkeypatch, capsys):
     pad, windows = ds.padding(range(ds.n_train)), ds.n_train + ds.n_val
     assert ds.n_val and (f"16 completion examples, packed into {windows} windows ({16 / windows:.1f} examples per "
                          f"window, {pad:.0%} of the training windows padding)") in err, err
-    import llmtune
 
     res = llmtune.finetune(stories_path, data, tmp_path / "o1.gguf", ctx=64, epochs=1, val_split=0.25, pack=True)
     assert np.isfinite(res.epochs[0].val_loss) and res.n_val_windows == ds.n_val

@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from cli_helpers import run_cli
+from llmtune.backends.cpu import CPUBackend
+from llmtune.backends.cpu.threads import blas_threads
 from llmtune.errors import LlmtuneError
-from llmtune.eval.perplexity import perplexity, perplexity_from_ids
+from llmtune.eval.perplexity import perplexity, perplexity_from_ids, token_nll
 from llmtune.gguf.file import MetaValue, load_gguf, write_gguf
+from llmtune.graph.planner import Program
 from llmtune.model.loaded import load_model
 
 DATA = Path(__file__).parent / "data"
@@ -74,8 +77,6 @@ def test_scores_second_half_of_each_chunk(stories, ids):
 
 def _full_logits(model, ids, ctx, n_chunks):
     """Logits of every position (logits_start=0), tokens with BOS at each chunk start."""
-    from llmtune.backends.cpu import CPUBackend
-    from llmtune.graph.planner import Program
 
     backend = CPUBackend()
     _, nodes, logits = model.build(n_chunks, ctx)
@@ -97,7 +98,6 @@ def test_batch_larger_than_ctx_gives_same_numbers(stories, ids):
 
 @pytest.mark.determinism
 def test_workers_give_same_numbers_and_restore_blas_threads(stories, ids):
-    from llmtune.backends.cpu.threads import blas_threads
 
     if not blas_threads.available():
         pytest.skip("numpy's BLAS is not OpenBLAS: one worker only")
@@ -244,7 +244,6 @@ def _stories_with_other_vocab(path: Path) -> Path:
 @pytest.mark.parametrize("offset", [0.0, 120.0, -120.0])
 def test_token_nll_exact_for_extreme_logits(offset):
     """Rows far from 0 take the shifted exp path; both paths agree with float64."""
-    from llmtune.eval.perplexity import token_nll
 
     rng = np.random.default_rng(1)
     logits = (rng.standard_normal((3, 5, 1000)) * 4 + offset).astype(np.float32)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import lora_fixture
 from cli_helpers import run_cli
 from llmtune.arch.packing import pair_inputs
 from llmtune.backends.cpu import CPUBackend
@@ -15,7 +16,11 @@ from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import Program
+from llmtune.model.adapter import load_adapter
+from llmtune.model.loaded import load_model
 from llmtune.train import checkpoint as ckpts
+from llmtune.train.finetune import finetune
+from llmtune.train.loop import Hook
 from llmtune.train.preference import CHOSEN, PAD, REJECTED, TRUNK, Objective, Pair, PairDataset, SeqLogps
 from llmtune.train.records import read_records
 
@@ -117,7 +122,6 @@ def _nll_program(model, n_seq, n_tok, packed):
 def test_one_pass_pair_scoring_equals_two_separate_passes(stories_path):
     """Prompt + chosen + rejected in one window (the prompt computed once, each completion seeing
     it) gives each completion's and the prompt's log-probabilities of a pass of its own."""
-    from llmtune.model.loaded import load_model
 
     model = load_model(stories_path)
     ids = lambda k: rng.integers(3, model.hp.n_vocab, k).astype(np.int32)  # noqa: E731
@@ -216,8 +220,6 @@ class Crash(Exception):
 
 
 def _run(stories_path, data, out, crash_at=None, **kw):
-    from llmtune.train.finetune import finetune
-    from llmtune.train.loop import Hook
 
     class CrashAt(Hook):
         def on_step(self, run, step):
@@ -233,7 +235,6 @@ def test_resume_is_byte_identical(stories_path, tmp_path, method, kind):
     """A run stopped after its step-2 checkpoint and resumed from it writes the uninterrupted
     run's bytes (a full DPO finetune: the reference log-probabilities come from the checkpoint,
     since the weights they were computed from are gone)."""
-    from llmtune.train.finetune import finetune
 
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     extra = {"lora_rank": 2} if kind == "lora" else {"params": "attn_q"}
@@ -264,9 +265,6 @@ def test_resume_is_byte_identical(stories_path, tmp_path, method, kind):
 def test_dpo_continues_an_sft_adapter_whose_model_is_the_reference(stories_path, tmp_path):
     """--lora-init: DPO trains the given adapter on, and its reference is the model with that
     adapter (the SFT policy), so the first step's loss is ln 2 although B != 0."""
-    import lora_fixture
-    from llmtune.model.adapter import load_adapter
-    from llmtune.model.loaded import load_model
 
     init = lora_fixture.write_fixture_adapter(stories_path, tmp_path / "sft.gguf")
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 import llmtune
-from llmtune.backends.cpu import CPUBackend
+from llmtune.backends.cpu import CPUBackend, backend as cpu_backend, products as qm
+from llmtune.backends.cpu.native import kernels
 from llmtune.eval.perplexity import perplexity_from_ids
+from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
-from llmtune.quant.qtensor import QTensor
+from llmtune.quant import qtensor
+from llmtune.quant.blocks import quantize
+from llmtune.quant.qtensor import QTensor, evaluation_budget, float_copy_bytes, training_budget
+from llmtune.train.trainer import RunningStats, Trainer
+from test_backends import backend_for
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +63,6 @@ def _windows(ids, n, ctx=64):
 def test_lora_on_a_quantized_base(exports, wikitext_ids):
     """QLoRA: the base stays as its file's bytes (the trainer binds the memory map itself and
     counts it as stored), only the adapters train, and the loss follows the decoded model's."""
-    from llmtune.model.adapter import attach, init_adapter
-    from llmtune.train.trainer import RunningStats, Trainer
 
     model = load_model(exports["q8_0"])
     adapter = init_adapter(model, 4, seed=0)
@@ -92,9 +97,6 @@ def test_qlora_float_copies_change_no_bit(qtype, exports, wikitext_ids):
     product, packed copies replace the float copies (FloatCopies.stored_pack); those change the
     summation order (tests/test_packed_products.py), so here they are turned off after the
     estimate and the float copies given their budget, as a build without them keeps them."""
-    from llmtune.model.adapter import attach, init_adapter
-    from llmtune.quant.qtensor import QTensor, float_copy_bytes
-    from llmtune.train.trainer import RunningStats, Trainer
 
     model = load_model(exports[qtype])
     adapter = init_adapter(model, 4, seed=0)
@@ -136,9 +138,6 @@ def test_qlora_float_copies_change_no_bit(qtype, exports, wikitext_ids):
 
 def test_float_copies_follow_the_memory_left(exports, wikitext_ids, monkeypatch):
     """The copies' budget is what the run leaves free (half of it), none when memory is unknown."""
-    from llmtune.model.adapter import attach, init_adapter
-    from llmtune.quant.qtensor import float_copy_bytes, training_budget
-    from llmtune.train.trainer import Trainer
 
     model = load_model(exports["q8_0"])
     dense = float_copy_bytes(model.weights)
@@ -160,9 +159,6 @@ def test_a_build_without_the_packed_product_keeps_float_copies(exports, monkeypa
     """QLoRA's frozen matrices: packed copies where the compiled product is built, else float32
     copies (numpy's products then skip the per-block decode). A build without it used to plan
     packed copies of 0 bytes and keep neither."""
-    from llmtune.backends.cpu.native import kernels
-    from llmtune.model.adapter import attach, init_adapter
-    from llmtune.train.trainer import Trainer
 
     if packing and not kernels.pack_wt_available():
         pytest.skip("this build has no packed product")
@@ -181,8 +177,6 @@ def test_a_build_without_the_packed_product_keeps_float_copies(exports, monkeypa
 def test_evaluation_copies_follow_the_decoder_and_the_model_size(exports, monkeypatch):
     """An evaluation keeps no float copies where the compiled decoders run (its peak stays near
     the file's size), else at most the stored size (and a quarter of the free memory)."""
-    from llmtune.backends.cpu.native import kernels
-    from llmtune.quant.qtensor import evaluation_budget, float_copy_bytes
 
     model = load_model(exports["q4_k_m"])
     stored = sum(w.nbytes for w in model.weights.values() if isinstance(w, QTensor))
@@ -200,7 +194,6 @@ def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
     """Trained matrices of a quantized file become float32 master weights, written as F32 (the
     output policy: re-quantizing would round the training away), and --out-type q8_0 stores them
     back in the file's type; the frozen ones stay as stored."""
-    from llmtune.train.trainer import RunningStats, Trainer
 
     model = load_model(exports["q8_0"])
     trainable = model.select("attn_q")
@@ -227,9 +220,6 @@ def test_full_finetune_of_a_quantized_file(exports, wiki100k_path, tmp_path):
 def test_lora_on_a_quantized_base_matches_cpu(name, exports, wikitext_ids):
     """The CUDA backend's stored-weight kernels inside a real QLoRA step (token lookup from a Q8_0
     table, rounded products, input gradients): losses and adapter updates as on the CPU."""
-    from llmtune.model.adapter import attach, init_adapter
-    from llmtune.train.trainer import RunningStats, Trainer
-    from test_backends import backend_for
 
     model = load_model(exports["q4_k_m"])
     adapter = init_adapter(model, 2, targets=r"blk\.1\.(attn_q|ffn_down)", seed=0)
@@ -252,10 +242,7 @@ def test_decoded_copies_give_the_stored_products(qtype):
     """With a FloatCopies a product reads a float32 copy of the weight (made once, within the
     budget) and gives the stored path's numbers; a matrix over the budget keeps the stored path;
     the copies belong to the FloatCopies (the bound weights), nothing is kept without one."""
-    from gguf import GGMLQuantizationType as QT
 
-    from llmtune.backends.cpu import products as qm
-    from llmtune.quant.blocks import quantize
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((96, 256)).astype(np.float32)
@@ -277,8 +264,6 @@ def test_evaluation_keeps_decoded_copies_and_the_numbers(exports, wikitext_ids, 
     """perplexity on a quantized file, with a budget for every copy, decodes each matrix once (not
     per pass) with the same numbers; with none (the default where the compiled decoders run,
     test_evaluation_copies_follow_*) it decodes per product."""
-    from llmtune.backends.cpu import backend as cpu_backend, products as qm
-    from llmtune.quant import qtensor
 
     monkeypatch.setattr(cpu_backend, "evaluation_budget", lambda tensors, compiled: qtensor.float_copy_bytes(tensors))
     model = load_model(exports["q8_0"])

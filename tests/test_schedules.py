@@ -6,14 +6,17 @@ min_lr does, the default keeps earlier runs' schedules, and a resumed run contin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
+import numpy as np
 import pytest
 
 import llmtune
 from llmtune.errors import LlmtuneError
-from llmtune.train.config import make_config
+from llmtune.train.checkpoint import write_checkpoint
+from llmtune.train.config import RUN_ONLY, make_config
 from llmtune.train.optim import LRSchedule
 
 
@@ -120,12 +123,8 @@ def test_a_run_follows_cosine_and_a_resume_continues_it(stories_path, tmp_path, 
 def test_a_checkpoint_from_before_these_settings_resumes(stories_path, tmp_path, wiki100k_path):
     """A checkpoint written before --lr-schedule, --eval-every, ... existed (its config and settings
     hash without them, as the earlier llmtune wrote them) resumes, and writes the same bytes."""
-    import hashlib
 
-    import numpy as np
 
-    from llmtune.train.checkpoint import write_checkpoint
-    from llmtune.train.config import RUN_ONLY
 
     new = ("lr_schedule", "eval_every", "early_stop", "min_delta", "select_metric", "save_best")
     data = tmp_path / "d.txt"

@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import toy_backend
 import toy_family
 from cli_helpers import run_cli
+from llmtune import arch
 from llmtune.arch import get_family, supported
 from llmtune.arch.context import Batch, BuildContext
+from llmtune.backends import get_backend
 from llmtune.backends.cpu import CPUBackend
-from llmtune.graph import ops
+from llmtune.convert.init import init_model
+from llmtune.errors import LlmtuneError
+from llmtune.eval.generate import generate
+from llmtune.eval.perplexity import perplexity_from_ids
+from llmtune.eval.sampling import SamplerConfig
+from llmtune.gguf import load_gguf
+from llmtune.graph import dump, ops
 from llmtune.graph.gradcheck import check_gradients
+from llmtune.graph.node import topo_order
+from llmtune.graph.planner import Program
+from llmtune.model.loaded import load_model
+from llmtune.train.finetune import finetune
+from llmtune.train.loop import Hook
+from llmtune.train.trainer import RunningStats, Trainer
 
 PACKAGE = Path(__file__).resolve().parents[1] / "llmtune"
 
@@ -130,8 +146,6 @@ def small_text(tmp_path, wiki100k_path):
 def test_training_hooks_run_at_their_points(stories_path, small_text, tmp_path):
     """A hook handed to the loop is called at each of its points, in order, with the loop's own
     events and results (what --sample-prompt and --eval-benchmark are built on)."""
-    from llmtune.train.finetune import finetune
-    from llmtune.train.loop import Hook
 
     calls = []
 
@@ -162,8 +176,6 @@ def test_training_hooks_run_at_their_points(stories_path, small_text, tmp_path):
 
 
 def test_sample_prompt_needs_the_workflow_hooks(stories_path, small_text, tmp_path):
-    from llmtune.errors import LlmtuneError
-    from llmtune.train.finetune import finetune
 
     with pytest.raises(LlmtuneError, match="^--sample-prompt: needs eval's training hooks"):
         finetune(stories_path, small_text, tmp_path / "o.gguf", ctx=64, epochs=1, sample_prompt="Once")
@@ -270,12 +282,6 @@ def test_the_structure_checks_find_what_they_look_for(tmp_path, monkeypatch):
 def test_a_toy_backend_needs_only_its_module(stories_path, wikitext_ids):
     """tests/toy_backend.py (a numpy subclass under another name, its own policies) registers
     itself; perplexity, generation and training then run on it by name, with cpu's numbers."""
-    import toy_backend
-    from llmtune.backends import get_backend
-    from llmtune.eval.generate import generate
-    from llmtune.eval.perplexity import perplexity_from_ids
-    from llmtune.model.loaded import load_model
-    from llmtune.train.trainer import RunningStats, Trainer
 
     toy = get_backend("toy")
     assert isinstance(toy, toy_backend.ToyBackend) and toy.workers(None, 8) == 1
@@ -283,7 +289,6 @@ def test_a_toy_backend_needs_only_its_module(stories_path, wikitext_ids):
     ours = perplexity_from_ids(model, wikitext_ids, ctx=64, chunks=4, backend="toy")
     cpu = perplexity_from_ids(model, wikitext_ids, ctx=64, chunks=4, backend="cpu")
     np.testing.assert_allclose(ours.chunks, cpu.chunks, rtol=1e-5)
-    from llmtune.eval.sampling import SamplerConfig
 
     greedy = SamplerConfig(temp=0.0)
     assert generate(model, "Once upon", n_predict=8, sampler=greedy, backend=toy).tokens == \
@@ -301,11 +306,7 @@ def test_a_toy_backend_needs_only_its_module(stories_path, wikitext_ids):
 def test_a_misspelled_required_weight_fails_at_build(toy_model, monkeypatch):
     """A family whose build misspells a norm (looked up as optional, so silently skipped) fails at
     Model.build naming the required weight the graph never read."""
-    import dataclasses
 
-    from llmtune import arch
-    from llmtune.errors import LlmtuneError
-    from llmtune.model.loaded import load_model
 
     model = load_model(toy_model)
     model.build(1, 8)  # the toy family itself builds
@@ -318,10 +319,6 @@ def test_a_misspelled_required_weight_fails_at_build(toy_model, monkeypatch):
 def test_nodes_carry_cb_names_and_the_dump_writes_them(toy_model, tmp_path, monkeypatch):
     """Every computed node is named (llama.cpp's cb() names, or one derived from its input), and
     LLMTUNE_DUMP writes the named intermediates of the first forward pass, the logits among them."""
-    from llmtune.graph import dump
-    from llmtune.graph.node import topo_order
-    from llmtune.graph.planner import Program
-    from llmtune.model.loaded import load_model
 
     model = load_model(toy_model)
     _, nodes, logits = model.build(1, 8)
@@ -359,7 +356,6 @@ n_ff = 48
 
 @pytest.fixture()
 def toy_model(tmp_path, stories_path):
-    from llmtune.convert.init import init_model
 
     config = tmp_path / "toy.toml"
     config.write_text(TOY_CONFIG)
@@ -372,8 +368,6 @@ def test_toy_family_is_registered_by_its_module_alone():
 
 
 def test_toy_family_runs_every_command(tmp_path, toy_model, wiki100k_path, monkeypatch, capsys):
-    from llmtune.gguf import load_gguf
-    from llmtune.model.loaded import load_model
 
     gf = load_gguf(toy_model)
     assert gf.tensors["blk.1.attn_k.bias"].shape == (16,) and gf.get("general.architecture") == "toy-qkv-bias"
@@ -395,7 +389,6 @@ def test_toy_family_runs_every_command(tmp_path, toy_model, wiki100k_path, monke
 def test_toy_family_biases_enter_the_graph_and_its_gradients(toy_model):
     """Zero biases give llama's logits for the same matrices; non-zero ones change them, and
     finite differences confirm the biases' gradients (float64)."""
-    from llmtune.model.loaded import load_model
 
     model = load_model(toy_model)
     rng = np.random.default_rng(0)
@@ -404,7 +397,6 @@ def test_toy_family_biases_enter_the_graph_and_its_gradients(toy_model):
 
     def logits_of(family_name, weights):
         hp = get_family(family_name).make_hparams(**{k: v for k, v in vars(model.hp).items() if k != "arch"})
-        from llmtune.graph.planner import Program
 
         nodes = {n: ops.param(w.shape, name=n, requires_grad=False) for n, w in weights.items()}
         batch = Batch.make(1, 6)

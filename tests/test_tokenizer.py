@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValueType as VT
 from typer.testing import CliRunner
 
 from llmtune.cli import app
 from llmtune.errors import LlmtuneError
-from llmtune.gguf.file import load_gguf
+from llmtune.gguf.file import MetaValue, load_gguf, write_gguf
 from llmtune.tokenizer import Tokenizer
 from llmtune.tokenizer.bpe import PRE_TOKENIZERS, RegexSplitter
 from llmtune.tokenizer.unicode_data import category
@@ -368,9 +369,7 @@ def test_unknown_tokenizer_model_is_an_error():
 
 
 def test_cli_unsupported_tokenizer_model_is_one_line_exit_2(tmp_path):
-    from gguf import GGUFValueType as VT
 
-    from llmtune.gguf.file import MetaValue, write_gguf
 
     gf = load_gguf(STORIES)
     meta = dict(gf.meta, **{"tokenizer.ggml.model": MetaValue("t5", VT.STRING)})

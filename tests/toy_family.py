@@ -7,6 +7,7 @@ because the build context's `mm` applies a `.bias` whenever the model has one.""
 from llmtune.arch import register
 from llmtune.arch.family import TensorSpec
 from llmtune.arch.llama import Llama
+from llmtune.graph import ops
 
 
 @register
@@ -30,7 +31,6 @@ class MisspelledNorm(LlamaQKVBias):
     name = "toy-misspelled-norm"
 
     def build(self, ctx):
-        from llmtune.graph import ops
 
         x = ctx.inp_embd()
         for il in range(ctx.hp.n_layer):
