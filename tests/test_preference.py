@@ -4,6 +4,7 @@ plain float64 reference, the one-pass pair layout against separate passes, recor
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import Program
-from llmtune.train import checkpoint as ckpts
+from llmtune.train import checkpoint as ckpts, guard
 from llmtune.train.preference import CHOSEN, PAD, REJECTED, TRUNK, Objective, Pair, PairDataset, SeqLogps
 from llmtune.train.records import read_records
 
@@ -104,6 +105,60 @@ def test_dpo_metrics_are_trls():
     assert m["rewards/rejected"] == pytest.approx(np.mean([-0.5, 0.5]))
     assert m["rewards/accuracies"] == 0.5 and m["rewards/margins"] == pytest.approx(np.mean([1.5, -0.5]))
     assert m["logps/chosen"] == -15.0 and m["logps/rejected"] == -17.5
+
+
+# ------------------------------------------------------------------------------------ the divergence guard
+class _GuardedTrainer:
+    """What train/guard.py reads of a trainer: its limits, step count and trained buffer."""
+
+    def __init__(self, weights, n_vocab=512):
+        self.backend, self.steps_done, self.trainable = CPUBackend(), 0, ["w"]
+        self.flat_w = np.asarray(weights, np.float32)
+        self.n_trainable, self.tensors = self.flat_w.size, {"w": self.flat_w}
+        self.model = SimpleNamespace(hp=SimpleNamespace(n_vocab=n_vocab))
+        self.limits = guard.Limits.of(self)
+
+    def _flat_views(self, flat):
+        return {"w": flat}
+
+
+def test_guard_stops_non_finite_or_collapsed_log_probabilities_and_exploding_weights():
+    tr = _GuardedTrainer(np.full(100, 0.05))
+    assert tr.limits.max_preferred_nll == pytest.approx(2 * np.log(512))  # 2 x uniform guessing
+    assert tr.limits.max_loss == pytest.approx(10 * np.log(512)) and tr.limits.max_weight_rms == pytest.approx(5.0)
+    counts = np.array([10, 10])
+    ok = {"chosen": (np.array([-30.0, -40.0]), counts), "rejected": (np.array([-600.0, -900.0]), counts)}
+    guard.check_logps(tr, ok, "chosen")  # the rejected completions may go as low as the loss pushes them
+    guard.check_weights(tr)
+    with pytest.raises(guard.Diverged, match=r"^step 1: the log-probabilities of 1 of the batch's 2 rejected "):
+        guard.check_logps(tr, {**ok, "rejected": (np.array([-5.0, -np.inf]), counts)}, "chosen")
+    collapsed = {**ok, "chosen": (np.array([-100.0, -200.0]), counts)}  # 15 nats per token > 2 ln 512 = 12.5
+    with pytest.raises(guard.Diverged, match=r"the chosen completions collapsed: their mean NLL is 15 per token, "
+                                             r"above 2 x uniform guessing's 6.238"):
+        guard.check_logps(tr, collapsed, "chosen")
+    tr.steps_done, tr.flat_w[:] = 1, 6.0
+    with pytest.raises(guard.Diverged, match=r"^step 1: its update made the trained weights explode: their RMS is 6, "
+                                             r"above the limit 5 \(it was 0.05 at the start\)"):
+        guard.check_weights(tr)
+    tr.flat_w[3] = np.nan
+    with pytest.raises(guard.Diverged, match="the weights of w are no longer finite"):
+        guard.check_weights(tr)
+    assert guard.Limits().max_weight_rms == np.inf  # a trainer outside a finetune run: non-finite values only
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo"])
+def test_lr_1e3_stops_a_preference_run_with_exit_3_and_no_model(tmp_path, stories_path, monkeypatch, capsys, method):
+    """As a supervised run does: a preference loss falls while the model explodes (DPO's to 0), so
+    the guard reads the weights and log-probabilities too."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    out = tmp_path / "o.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, data, "-o", out, "--method", method,
+                           "--lora-rank", 2, "--ctx", 64, "--batch", 128, "--epochs", 2, "--val-split", 0.25,
+                           "--lr", "1e3")
+    line = err.strip().splitlines()[-1]
+    assert code == 3 and line.startswith("error: training diverged at step 1: its update made the trained weights "
+                                         "explode: their RMS is "), err
+    assert "no model written (lower --lr?)" in line and not out.exists()
 
 
 # ------------------------------------------------------------------------------------ one pass per pair

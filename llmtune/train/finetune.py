@@ -4,7 +4,6 @@ model, data, trainer), run the loop (train/loop.py) with the hooks a workflow ha
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 from typing import Callable, Optional
 
@@ -12,7 +11,7 @@ from llmtune.backends import get_backend
 from llmtune.backends.dist import world
 from llmtune.errors import Interrupted, LlmtuneError
 from llmtune.model.loaded import Model, load_model, past_training
-from llmtune.train import checkpoint as ckpts, events as ev, preflight
+from llmtune.train import checkpoint as ckpts, events as ev, guard, preflight
 from llmtune.train.chat import build_dataset, data_info
 from llmtune.train.config import FinetuneConfig, make_config, resume_config
 from llmtune.train.distributed import agree_ranks
@@ -27,8 +26,6 @@ from llmtune.train.preference import Objective, PreferenceTrainer, build_pairs
 from llmtune.train.selection import Selection
 from llmtune.train.signals import StopRequest, signal_name
 from llmtune.train.trainer import Trainer
-
-DIVERGENCE_FACTOR = 10.0  # a step's loss above 10 x ln(n_vocab) (uniform guessing scores 1 x) stops the run
 
 # what a workflow hands in: the hooks of a run, made once the config and the model are known
 # (so a bad --eval-benchmark file fails before the trainer allocates anything)
@@ -111,7 +108,7 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     steps_per_epoch = preflight.steps_per_epoch(dataset, cfg, data_path)
     preflight.check_selection(dataset, cfg)
     trainer = _trainer(model, trainable, cfg, ckpt)
-    trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
+    trainer.limits = guard.Limits.of(trainer)  # from the weights it starts from (a resume restores them below)
     memory = preflight.checked_memory(trainer, model_path, best_copy=cfg.save_best)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
     # linear / cosine span every step of the run: epochs x steps per epoch (a resume checks the latter)

@@ -206,6 +206,7 @@ class SeqLogps:
     n_rejected: np.ndarray
     trunk_nll: float
     n_trunk: int
+    preferred = "chosen"  # the completions the loss pushes up (what guard.check_logps watches)
 
     @classmethod
     def of(cls, nll: np.ndarray, targets: np.ndarray, parts: np.ndarray) -> "SeqLogps":
@@ -215,6 +216,10 @@ class SeqLogps:
         n = lambda part: ((parts == part) & counted).sum(axis=1)  # noqa: E731
         return cls(s(CHOSEN), s(REJECTED), n(CHOSEN), n(REJECTED),
                    float(nll[parts == TRUNK].sum()), int(((parts == TRUNK) & counted).sum()))
+
+    def sequences(self) -> dict:
+        """name -> (log-probability sums, token counts) of each kind of completion (guard.check_logps)."""
+        return {"chosen": (self.chosen, self.n_chosen), "rejected": (self.rejected, self.n_rejected)}
 
 
 @dataclass
@@ -321,15 +326,18 @@ class PreferenceTrainer(Trainer):
             out.append(np.asarray(self.backend.to_numpy(nll), dtype=np.float64).reshape(k, -1)[:n])
         return np.concatenate(out)
 
-    def _score(self, inputs, targets, layout):
-        lp = SeqLogps.of(self.token_nll(inputs, targets, layout), targets, layout.parts)
-        return lp, self.objective.loss(lp, layout.ref)
+    def _logps(self, inputs, targets, layout) -> SeqLogps:
+        return SeqLogps.of(self.token_nll(inputs, targets, layout), targets, layout.parts)
 
     def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats,
                    layout: PairLayout = None) -> float:
-        """One optimizer step over the batch's pairs; returns the step's loss (the mean over its pairs)."""
+        """One optimizer step over the batch's pairs; returns the step's loss (the mean over its pairs).
+        The guard reads the log-probabilities before the backward, the loss and gradient before the
+        update, the weights after it (train/guard.py: a preference loss alone misses a collapse)."""
         be = self.backend
-        lp, (loss, d_c, d_r, nll_w, metrics) = self._score(inputs, targets, layout)
+        lp = self._logps(inputs, targets, layout)
+        guard.check_logps(self, lp.sequences(), lp.preferred)
+        loss, d_c, d_r, nll_w, metrics = self.objective.loss(lp, layout.ref)
         weights = self.objective.token_weights(lp, d_c, d_r, nll_w, targets, layout.parts)
         per_pass = weights.reshape(self.ubatches_per_step, -1).astype(be.dtype)
         self.batches.run(inputs, targets, layout.parts, self.batches.counts(targets),
@@ -338,13 +346,14 @@ class PreferenceTrainer(Trainer):
         stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
         self.step_metrics = metrics
         self.update(lr, sum_squares)
+        guard.check_weights(self)
         return loss
 
     def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats,
                  layout: PairLayout = None) -> None:
         """The loss and metrics over the pairs at once (one batch), without gradients; the
         accuracy recorded is rewards/accuracies."""
-        _, (loss, _, _, _, metrics) = self._score(inputs, targets, layout)
+        loss, _, _, _, metrics = self.objective.loss(self._logps(inputs, targets, layout), layout.ref)
         stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
         self.eval_metrics = metrics
 

@@ -105,7 +105,7 @@ class Trainer:
         self.layout_inputs = layout_inputs or packing_inputs
         self.grad_clip = float(grad_clip)  # > 0: the step's gradient is clipped to this global L2 norm
         self.grad_norm = math.nan  # the last step's global gradient norm, before clipping
-        self.max_loss = math.inf  # a step's mean loss above it stops training (Diverged)
+        self.limits = guard.Limits()  # what stops training besides non-finite values (Diverged); finetune sets them
         # named metrics of the last step and validation pass beyond loss and accuracy (train/preference.py)
         self.step_metrics: dict = {}
         self.eval_metrics: dict = {}
