@@ -107,6 +107,20 @@ def test_dpo_metrics_are_trls():
     assert m["logps/chosen"] == -15.0 and m["logps/rejected"] == -17.5
 
 
+@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo"])
+def test_pair_shares_average_to_the_loss(method):
+    """Objective.terms: each pair's share of the loss, whose mean is the loss (the units of the
+    validation loss's standard error; ORPO's token-weighted NLL included)."""
+    logits, targets, parts = toy_windows()
+    lsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(lsm, np.maximum(targets, 0)[..., None], -1)[..., 0]
+    lp = SeqLogps.of(nll, targets, parts)
+    obj, ref = Objective(method, 0.3, 0.0, 0.5), rng.standard_normal((3, 2)) - 8.0
+    shares = obj.terms(lp, ref)[0]
+    assert shares.shape == (3,) and len(set(np.round(shares, 9))) == 3
+    assert shares.mean() == pytest.approx(reference_loss(method, logits, targets, parts, ref, 0.3, 0.0, 0.5), abs=1e-12)
+
+
 # ------------------------------------------------------------------------------------ the divergence guard
 class _GuardedTrainer:
     """What train/guard.py reads of a trainer: its limits, step count and trained buffer."""
@@ -310,6 +324,16 @@ def test_resume_is_byte_identical(stories_path, tmp_path, method, kind):
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected") + (("nll_loss", "log_odds_ratio") if method == "orpo" else ()):
         assert key in step and key in val
+
+
+def test_preference_validation_has_a_standard_error(stories_path, tmp_path):
+    """The held-out pairs' loss has a ± as every validation loss: the standard error of the mean
+    over the pairs' shares of the loss (Objective.terms)."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    for method in ("dpo", "orpo"):
+        res = _run(stories_path, data, tmp_path / f"{method}.gguf", method=method, lora_rank=2)
+        epoch = res.epochs[-1]
+        assert np.isfinite(epoch.val_loss_err) and epoch.val_loss_err > 0, (method, epoch)
 
 
 def test_dpo_continues_an_sft_adapter_whose_model_is_the_reference(stories_path, tmp_path):

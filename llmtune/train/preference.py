@@ -198,7 +198,7 @@ def _sigmoid(x):
 @dataclass
 class SeqLogps:
     """Per-pair sums of the policy's log-probabilities (float64) and their token counts; ORPO's
-    NLL also reads the chosen sequence's prompt tokens (trunk)."""
+    NLL also reads the chosen sequence's prompt tokens (trunk: their NLL in all, and per pair)."""
 
     chosen: np.ndarray
     rejected: np.ndarray
@@ -206,6 +206,7 @@ class SeqLogps:
     n_rejected: np.ndarray
     trunk_nll: float
     n_trunk: int
+    trunk_rows: Optional[np.ndarray] = None  # each pair's part of trunk_nll (None: spread evenly)
     preferred = "chosen"  # the completions the loss pushes up (what guard.check_logps watches)
 
     @classmethod
@@ -214,8 +215,9 @@ class SeqLogps:
         counted = targets >= 0
         s = lambda part: (-nll * (parts == part)).sum(axis=1)  # noqa: E731
         n = lambda part: ((parts == part) & counted).sum(axis=1)  # noqa: E731
+        trunk = -s(TRUNK)
         return cls(s(CHOSEN), s(REJECTED), n(CHOSEN), n(REJECTED),
-                   float(nll[parts == TRUNK].sum()), int(((parts == TRUNK) & counted).sum()))
+                   float(nll[parts == TRUNK].sum()), int(((parts == TRUNK) & counted).sum()), trunk)
 
     def sequences(self) -> dict:
         """name -> (log-probability sums, token counts) of each kind of completion (guard.check_logps)."""
@@ -234,6 +236,14 @@ class Objective:
     def loss(self, lp: SeqLogps, ref: Optional[np.ndarray]) -> tuple[float, np.ndarray, np.ndarray, float, dict]:
         """(loss, dloss/dchosen_sum, dloss/drejected_sum, dloss/d(each chosen-sequence token's NLL),
         metrics) for a batch of pairs: the mean over its pairs, as TRL."""
+        shares, d_c, d_r, nll_weight, metrics = self.terms(lp, ref)
+        return float(shares.mean()), d_c, d_r, nll_weight, metrics
+
+    def terms(self, lp: SeqLogps, ref: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, float,
+                                                                         dict]:
+        """loss()'s, with each pair's share of the loss in place of the loss (float64 [n]: their mean
+        is the loss; DPO, SimPO: each pair's loss; ORPO: each pair's NLL over the batch's tokens,
+        times n, less beta x its log odds ratio): the units of the loss's standard error."""
         n, b, ls = len(lp.chosen), self.beta, self.label_smoothing
         metrics: dict = {}
         nll_weight = 0.0
@@ -244,7 +254,8 @@ class Objective:
             ratio = _logsigmoid(log_odds)
             n_tok = lp.n_trunk + int(lp.n_chosen.sum())
             nll = (lp.trunk_nll - float(lp.chosen.sum())) / max(n_tok, 1)  # CrossEntropyLoss over prompt + chosen
-            loss = nll - b * float(ratio.mean())
+            trunk = lp.trunk_rows if lp.trunk_rows is not None else np.full(n, lp.trunk_nll / n)
+            shares = n * (trunk - lp.chosen) / max(n_tok, 1) - b * ratio
             d_odds = -b * _sigmoid(-log_odds) / n
             d_c = d_odds / -np.expm1(ac) / lp.n_chosen
             d_r = -d_odds / -np.expm1(ar) / lp.n_rejected
@@ -269,14 +280,14 @@ class Objective:
                 logps = ac, ar
             else:
                 raise ValueError(f"no preference loss for method {self.method!r}")
-            losses = -(1 - ls) * _logsigmoid(z) - ls * _logsigmoid(-z)
-            loss = float(losses.mean())
+            shares = -(1 - ls) * _logsigmoid(z) - ls * _logsigmoid(-z)
             dz = (-(1 - ls) * _sigmoid(-z) + ls * _sigmoid(z)) / n
             d_c, d_r = dz * dz_c, dz * dz_r
         metrics = {"rewards/chosen": float(rc.mean()), "rewards/rejected": float(rr.mean()),
                    "rewards/accuracies": float((rc > rr).mean()), "rewards/margins": float((rc - rr).mean()),
                    "logps/chosen": float(logps[0].mean()), "logps/rejected": float(logps[1].mean()), **metrics}
-        return loss, np.asarray(d_c, dtype=np.float64), np.asarray(d_r, dtype=np.float64), nll_weight, metrics
+        return (np.asarray(shares, dtype=np.float64), np.asarray(d_c, dtype=np.float64),
+                np.asarray(d_r, dtype=np.float64), nll_weight, metrics)
 
     def token_weights(self, lp: SeqLogps, d_c, d_r, nll_weight: float, targets, parts) -> np.ndarray:
         """d loss / d token NLL for every token of the windows [n, n_ctx]: a completion token's
@@ -351,10 +362,11 @@ class PreferenceTrainer(Trainer):
 
     def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats,
                  layout: PairLayout = None) -> None:
-        """The loss and metrics over the pairs at once (one batch), without gradients; the
+        """The loss and metrics over the pairs at once (one batch), without gradients: each pair's
+        share of the loss recorded (their mean is the loss, their spread its standard error); the
         accuracy recorded is rewards/accuracies."""
-        loss, _, _, _, metrics = self.objective.loss(self._logps(inputs, targets, layout), layout.ref)
-        stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
+        shares, _, _, _, metrics = self.objective.terms(self._logps(inputs, targets, layout), layout.ref)
+        stats.add_many(shares, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
         self.eval_metrics = metrics
 
     def reference_logps(self, dataset: PairDataset) -> np.ndarray:
