@@ -114,6 +114,8 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     # linear / cosine span every step of the run: epochs x steps per epoch (a resume checks the latter)
     schedule = LRSchedule(cfg.lr, cfg.lr_min, cfg.decay_epochs, cfg.epochs, cfg.warmup, cfg.lr_schedule,
                           total_steps=cfg.epochs * steps_per_epoch)
+    if ckpt is None:  # a resumed run was told when it started
+        preflight.warn_futile(cfg, schedule, steps_per_epoch, warn)
     result = FinetuneResult(out_path, cfg, n_tokens=n_tokens, n_train_windows=dataset.n_train,
                             n_val_windows=dataset.n_val, memory=memory)
     run = Run(cfg, dataset, trainer, schedule, steps_per_epoch, result, inputs=inputs, run_id=uuid.uuid4().hex,
