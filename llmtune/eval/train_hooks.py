@@ -8,6 +8,7 @@ import dataclasses
 
 from llmtune.model.loaded import Model
 from llmtune.train import events as ev
+from llmtune.train.chat import sample_prompt
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.loop import Hook, Run
 
@@ -27,7 +28,7 @@ class SampleHook(Hook):
     epoch or every `every` optimizer steps. The generator is made when first used."""
 
     def __init__(self, prompt: str, every: int = 0):
-        self.prompt, self.every, self.sampler = prompt, every, None
+        self.prompt, self.every, self.sampler, self.asks = prompt, every, None, False
 
     def on_step(self, run: Run, step: ev.Step) -> None:
         if self.every and run.step % self.every == 0:
@@ -40,12 +41,14 @@ class SampleHook(Hook):
     def _sample(self, run: Run) -> None:
         if not run.trainer.comm.is_root:
             return
-        template = getattr(run.dataset, "template", None)
         if self.sampler is None:
             from llmtune.eval.generate import TrainingSampler
 
-            self.sampler = TrainingSampler(run.trainer, self.prompt, template)
-        run.emit(ev.Sample(epoch=run.epoch + 1, global_step=run.step, prompt=self.prompt, chat=template is not None,
+            # the prompt as training renders the data's prompts (a user turn, the Alpaca prompt, text)
+            ids, self.asks = sample_prompt(run.trainer.model.tokenizer, getattr(run.dataset, "template", None),
+                                           getattr(run.dataset, "format", "text"), self.prompt)
+            self.sampler = TrainingSampler(run.trainer, ids)
+        run.emit(ev.Sample(epoch=run.epoch + 1, global_step=run.step, prompt=self.prompt, chat=self.asks,
                            text=self.sampler.sample()))
 
 

@@ -168,7 +168,7 @@ class Sample(Event):
     epoch: int
     global_step: int
     prompt: str
-    chat: bool
+    chat: bool  # the prompt was rendered as an instruction (a chat user turn, the Alpaca prompt): text answers it
     text: str
 
 

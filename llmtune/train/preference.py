@@ -32,6 +32,7 @@ import numpy as np
 from llmtune.arch.packing import pair_inputs
 from llmtune.errors import LlmtuneError
 from llmtune.train import guard
+from llmtune.train.chat import _common_prefix, pad_token, prompt_ids
 from llmtune.train.data import TrainValSplit, held_out
 from llmtune.train.programs import WeightedTokenNLL
 from llmtune.train.trainer import RunningStats, Trainer
@@ -59,7 +60,6 @@ def tokenize_pair(tokenizer, template, item, where: str) -> Pair:
     strings get EOS after each completion; message lists are rendered with the chat template;
     the completions start where prompt and prompt + completion stop sharing tokens."""
     from llmtune.tokenizer.chat_template import ChatTemplateError, encode
-    from llmtune.train.chat import _common_prefix
 
     prompt, chosen, rejected = item
     if isinstance(prompt, str):
@@ -68,7 +68,7 @@ def tokenize_pair(tokenizer, template, item, where: str) -> Pair:
             if tokenizer.eos_id is not None and tokenizer.eos_id >= 0 and (not ids or ids[-1] != tokenizer.eos_id):
                 ids.append(tokenizer.eos_id)
             return ids
-        p_ids, c_ids, r_ids = list(tokenizer.encode(prompt, add_special=True)), full(chosen), full(rejected)
+        p_ids, c_ids, r_ids = prompt_ids(tokenizer, prompt), full(chosen), full(rejected)
     else:
         if template is None:
             raise LlmtuneError(f"{where}: conversational pairs need a chat template (the model has none: "
@@ -163,7 +163,6 @@ def build_pairs(model, data_path, ctx: int, val_split: float, fmt: str = "auto",
                 method: str = "dpo") -> tuple[PairDataset, int]:
     """(dataset, n_tokens) of a preference file: {"prompt", "chosen", "rejected"} records."""
     from llmtune.tokenizer.chat_template import ChatTemplate
-    from llmtune.train.chat import pad_token
     from llmtune.train.records import read_records
 
     records = read_records(data_path, fmt)

@@ -158,7 +158,7 @@ class FinetuneReporter:
         return self.bench.benchmark if self.bench else "benchmark"
 
     def _on_sample(self, e: ev.Sample):
-        sep = " -> " if e.chat else ""  # chat: the user turn, then the model's answer
+        sep = " -> " if e.chat else ""  # an instruction (chat, Alpaca), then the model's answer
         self.err.print(f"[bold]sample[/] (epoch {e.epoch}, step {e.global_step}) "
                        f"[dim]{escape(e.prompt)}{sep}[/]{escape(e.text)}", soft_wrap=True)
 
