@@ -89,6 +89,7 @@ class Start(Event):
     step: int  # > 0 when resumed
     base_types: dict
     data: dict  # train/chat.py data_info
+    base_mapped: int = 0  # bytes of the frozen base read from the model file's mapping (train/memory.py)
 
 
 @dataclass(frozen=True)

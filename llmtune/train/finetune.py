@@ -18,6 +18,7 @@ from llmtune.train.distributed import agree_ranks
 from llmtune.train.events import EpochResult, FinetuneResult  # noqa: F401 - part of this call's interface
 from llmtune.train.guard import Diverged
 from llmtune.train.loop import Hook, Run, train
+from llmtune.train.memory import mapped_bytes
 from llmtune.train.metrics import MetricsLog
 from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
@@ -157,7 +158,7 @@ def start_event(run: Run) -> ev.Start:
     return ev.Start(config=run.cfg, memory=res.memory, n_tokens=res.n_tokens, n_train=ds.n_train, n_val=ds.n_val,
                     steps_per_epoch=run.steps_per_epoch, n_trainable=tr.n_trainable, n_params=tr.model.n_params(),
                     trainable=tr.trainable, backend=tr.backend.name, lora=_lora_info(tr.model, run.cfg), step=run.step,
-                    base_types=tr.base_types(),
+                    base_types=tr.base_types(), base_mapped=mapped_bytes(tr),
                     data=data_info(ds, run.steps_per_epoch * (run.cfg.batch // run.cfg.ctx)))
 
 

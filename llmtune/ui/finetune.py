@@ -71,6 +71,8 @@ class FinetuneReporter:
         )
         types = e.base_types or {}
         parts = [f"{k} {mib(v)}" for k, v in mem.items()]
+        if "base" in mem and e.base_mapped:  # a memory-mapped base: its size, and what of it the run holds
+            parts[list(mem).index("base")] = f"base {mib(e.base_mapped)} mapped, {mib(mem['base'])} resident"
         if "base" in mem and set(types) - {"F32", "F64"}:  # a base kept in its file types: say what each costs
             parts[list(mem).index("base")] += " (" + ", ".join(f"{t} {mib(v)}" for t, v in types.items()) + ")"
         self.err.print("memory: " + ", ".join(parts) + f"; total {mib(sum(mem.values()))}")
