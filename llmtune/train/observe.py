@@ -19,6 +19,7 @@ from llmtune.resources import write_atomically
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.loop import Hook, Run
 from llmtune.train.metrics import read_metrics
+from llmtune.train.preference import LOSS_LABELS
 
 # record type -> TensorBoard tag group; every number of such a record is a scalar there
 TAG_GROUPS = {"train_step": "train", "validation": "val", "benchmark": "benchmark"}
@@ -126,6 +127,7 @@ class Curves:
     epoch: list = field(default_factory=list)
     val_steps: list = field(default_factory=list)
     val_loss: list = field(default_factory=list)
+    method: str = "sft"  # --method: what the loss is (the y axis's label); files from before it: sft
 
     @classmethod
     def of(cls, records) -> "Curves":
@@ -140,6 +142,7 @@ class Curves:
             self.loss.append(_number(record.get("loss")))
             self.lr.append(_number(record.get("lr")))
             self.epoch.append(record.get("epoch"))
+            self.method = record.get("method", self.method)
         elif record.get("type") == "validation":
             self.val_steps.append(record["global_step"])
             self.val_loss.append(_number(record.get("loss")))
@@ -225,7 +228,7 @@ def draw_curves(curves: Curves, path: Path, title: str = "") -> Path:
         if before != after:
             ax.axvline(s - 0.5, color="0.6", lw=0.6, ls=":")  # an epoch boundary
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats per token)")
+    ax.set_ylabel(LOSS_LABELS.get(curves.method, "loss"))
     ax.grid(True, alpha=0.25)
     lr_ax = ax.twinx()
     handles += lr_ax.plot(curves.steps, curves.lr, color="C2", ls="--", lw=1.0, label="learning rate")

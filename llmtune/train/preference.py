@@ -38,6 +38,11 @@ from llmtune.train.programs import WeightedTokenNLL
 from llmtune.train.trainer import RunningStats, Trainer
 
 METHODS = ("sft", "dpo", "orpo", "simpo")
+# what each method's loss measures (--plot's axis): a next-token loss is a mean NLL per token; a
+# preference loss a mean over pairs of -log sigmoid(a margin) (nats per pair); ORPO's adds both
+LOSS_LABELS = {"sft": "loss (nats per token)", "dpo": "DPO loss (nats per pair)",
+               "orpo": "ORPO loss (NLL per token + beta x odds-ratio nats per pair)",
+               "simpo": "SimPO loss (nats per pair)"}
 TRUNK, CHOSEN, REJECTED, PAD = 0, 1, 2, 3  # the parts of a pair's window
 
 
