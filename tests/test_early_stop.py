@@ -144,14 +144,15 @@ def test_no_validation_windows_to_select_on(stories_path, rising, tmp_path):
 
 def test_an_early_stop_that_can_never_stop_the_run_warns(stories_path, rising, tmp_path, monkeypatch, capsys):
     """One epoch validated once: --early-stop 2 would need 4 passes (the best, 2 without improvement,
-    then one more before the end). One line saying so, and an --eval-every that gives them."""
+    and one left to skip: the last pass ends the run anyway). One line saying so, and an --eval-every
+    that gives them."""
     code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, rising, "-o", tmp_path / "o.gguf",
                            "--ctx", 64, "--batch", 128, "--epochs", 1, "--lr", "3e-3", "--val-split", 0.3,
                            "--early-stop", 2)
     assert code == 0, err
     lines = [line for line in err.splitlines() if "--early-stop" in line]
     assert lines == ["warning: --early-stop 2: can never stop this run: it validates 1 time (at each epoch's end), "
-                     "and stopping before the end takes 4 passes (the best, 2 without improvement, then one more); "
+                     "and stopping early takes 4 (the best, 2 without improvement, and one left to skip); "
                      "add --eval-every 2"], err
     for settings, warned in (({"eval_every": 2}, False), ({"eval_every": 4}, True), ({"epochs": 4}, False)):
         warns = []

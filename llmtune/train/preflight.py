@@ -107,7 +107,7 @@ def warn_futile(cfg: FinetuneConfig, schedule: LRSchedule, steps_per_epoch: int,
         fix = (f"add --eval-every {total // (p + 2)}" if total >= p + 2 and not every
                else f"lower --eval-every to {total // (p + 2)}" if total >= p + 2 else "raise --epochs")
         warn(f"--early-stop {p}: can never stop this run: it validates {plural(passes, 'time')} ({when}), and "
-             f"stopping before the end takes {p + 2} passes (the best, {p} without improvement, then one more); "
+             f"stopping early takes {p + 2} (the best, {p} without improvement, and one left to skip); "
              f"{fix}")
 
 
