@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 import llmtune
+from cli_helpers import run_cli
 from llmtune.errors import LlmtuneError
 from llmtune.model.loaded import load_model
 from llmtune.train.config import make_config, resume_config
 from llmtune.train.events import Evaluation
+from llmtune.train.optim import LRSchedule
+from llmtune.train.preflight import validation_passes, warn_futile
 from llmtune.train.selection import Selection
 
 WINOGRANDE = Path(__file__).parent / "data" / "benchmarks" / "winogrande-10.csv"
@@ -138,6 +141,27 @@ def test_no_validation_windows_to_select_on(stories_path, rising, tmp_path):
         llmtune.finetune(stories_path, rising, tmp_path / "o.gguf", **{**RUN, "val_split": 0.0}, early_stop=2)
     with pytest.raises(LlmtuneError, match="^--eval-every: there are no validation windows"):
         llmtune.finetune(stories_path, rising, tmp_path / "o.gguf", **{**RUN, "val_split": 0.0})
+
+
+def test_an_early_stop_that_can_never_stop_the_run_warns(stories_path, rising, tmp_path, monkeypatch, capsys):
+    """One epoch validated once: --early-stop 2 would need 4 passes (the best, 2 without improvement,
+    and one left to skip: the last pass ends the run anyway). One line saying so, and an --eval-every
+    that gives them."""
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, rising, "-o", tmp_path / "o.gguf",
+                           "--ctx", 64, "--batch", 128, "--epochs", 1, "--lr", "3e-3", "--val-split", 0.3,
+                           "--early-stop", 2)
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "--early-stop" in line]
+    assert lines == ["warning: --early-stop 2: can never stop this run: it validates 1 time (at each epoch's end), "
+                     "and stopping early takes 4 (the best, 2 without improvement, and one left to skip); "
+                     "add --eval-every 2"], err
+    for settings, warned in (({"eval_every": 2}, False), ({"eval_every": 4}, True), ({"epochs": 4}, False)):
+        warns = []
+        cfg = make_config(**{**RUN, "eval_every": 0, "epochs": 1, "early_stop": 2, **settings})
+        warn_futile(cfg, LRSchedule(cfg.lr), 10, warns.append)  # 10 steps an epoch
+        assert bool(warns) == warned and all("lower --eval-every to 2" in w for w in warns), (settings, warns)
+    # the loop's passes: every 3 steps and at the epoch ends of 3 epochs of 10 (step 30 is both)
+    assert validation_passes(3, 10, 3) == 12 and validation_passes(1, 10, 0) == 1 and validation_passes(2, 4, 2) == 4
 
 
 def test_save_best_writes_the_best_adapter(stories_path, rising, tmp_path):

@@ -19,8 +19,9 @@ import pytest
 
 from cli_helpers import run_cli
 from llmtune.errors import LlmtuneError, LlmtuneWarning
+from llmtune.eval import generate
 from llmtune.model.loaded import load_model
-from llmtune.train.chat import build_dataset, read_records
+from llmtune.train.chat import build_dataset, read_records, sample_prompt
 from llmtune.train.checkpoint import file_sha256
 
 # the toy chat template of test_chat.py, with a tool role
@@ -105,6 +106,40 @@ def test_alpaca_without_a_chat_template_uses_the_alpaca_prompt(tmp_path, model):
     assert pieces(model.tokenizer, ds.examples[0].ids[1:]).startswith(" "
         "Below is an instruction that describes a task. Write a response that appropriately completes the request."
         "\n\n### Instruction:\nName a color.\n\n### Response:\n")
+
+
+def test_sample_prompt_is_rendered_as_training_renders_prompts(tmp_path, model, monkeypatch, capsys):
+    """--sample-prompt samples after the prompt the model is trained to answer: on Alpaca data
+    without a chat template the Alpaca prompt of the text (it sampled a raw continuation), with a
+    template a user turn and the generation prompt, on prompt/completion data the text itself:
+    each the tokens a training example has before its first loss-carrying one."""
+    gen = tmp_path / "gen.jinja"
+    gen.write_text(TEMPLATE + "{% if add_generation_prompt %}Bot: {% endif %}")
+    record = {"instruction": "Name a color.", "output": "Red."}
+
+    def prompt_of(rows, template=None):
+        ds, _ = build_dataset(model, write_jsonl(tmp_path / "d.jsonl", rows), 512, 0.0, chat_template=template)
+        ex = ds.examples[0]
+        return ds, ex.ids[: int(ex.loss.argmax())].tolist()
+
+    ds, want = prompt_of([record])
+    assert sample_prompt(model.tokenizer, ds.template, ds.format, "Name a color.") == (want, True)
+    ds, want = prompt_of([record], gen)
+    assert sample_prompt(model.tokenizer, ds.template, ds.format, "Name a color.") == (want, True)
+    assert pieces(model.tokenizer, want).strip() == "User: Name a color.\nBot:"
+    ds, want = prompt_of([{"prompt": "Once upon a time", "completion": " there was a cat."}])
+    assert sample_prompt(model.tokenizer, ds.template, ds.format, "Once upon a time") == (want, False)
+
+    seen = []  # what a run samples after
+    init = generate.TrainingSampler.__init__
+    monkeypatch.setattr(generate.TrainingSampler, "__init__",
+                        lambda self, trainer, ids: seen.append(ids) or init(self, trainer, ids))
+    data = write_jsonl(tmp_path / "a.jsonl", [record] * 4)
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", model.path, data, "-o", tmp_path / "o.gguf", "--ctx", 256,
+                           "--batch", 256, "--epochs", 1, "--val-split", 0, "--sample-prompt", "Name a color.")
+    assert code == 0, err
+    assert seen == [prompt_of([record])[1]]
+    assert [line for line in err.splitlines() if line.startswith("sample (epoch 1")][0].count("Name a color. -> ") == 1
 
 
 def test_sharegpt_masks_the_gpt_turns(tmp_path, model, template):

@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import re
 import sys
 import warnings
 
@@ -34,6 +35,7 @@ from llmtune.graph.gradcheck import check_gradients
 from llmtune.graph.planner import Program
 from llmtune.model import adapter as lora
 from llmtune.model.loaded import load_model
+from llmtune.train.memory import mapped_bytes
 from llmtune.train.trainer import RunningStats, Trainer
 
 CONVERT_F16 = DATA / "lora" / "stories260K-convert-f16.gguf"  # llama.cpp's convert_lora_to_gguf.py --outtype f16
@@ -250,6 +252,21 @@ def test_validation_loss_falls(stories, wikitext_ids):
     after = val_loss()
     assert after < before - 0.3, (before, after)
     assert all(np.array_equal(tr.values[n], stories.weights[n]) for n in stories.weights)  # the base never moved
+
+
+def test_the_memory_line_says_what_of_a_mapped_base_is_resident(stories, stories_path, small_text, tmp_path,
+                                                                 monkeypatch, capsys):
+    """LoRA keeps the base memory-mapped: the start report gives its size as mapped and the part the
+    run holds as resident (a 98 MiB Q4_1 base under LoRA was reported as "base 0.1 MiB")."""
+    tr = _lora_trainer(stories)
+    assert mapped_bytes(tr) == 4 * stories.n_params()  # every frozen tensor is a view of the file (F32)
+    assert tr.memory_bytes()["base"] < mapped_bytes(tr)  # those multiplied through packed copies go back
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, small_text, "-o", tmp_path / "o.gguf",
+                           "--lora-rank", 2, "--ctx", 32, "--batch", 128, "--epochs", 1)
+    assert code == 0, err
+    line = next(line for line in err.splitlines() if line.startswith("memory: "))
+    assert re.match(rf"memory: base {4 * stories.n_params() / 2**20:.1f} MiB mapped, \d+\.\d MiB resident, adapters ",
+                    line), line
 
 
 @pytest.mark.determinism

@@ -121,6 +121,34 @@ def test_llmtune_plot_draws_a_metrics_file(observed, monkeypatch, capsys, tmp_pa
     assert _pixels(png).shape[:2] == (450, 800)
 
 
+def test_the_loss_axis_says_what_each_method_s_loss_is(observed, stories_path, tmp_path, monkeypatch):
+    """A preference loss is not per token: the y axis names the method's loss and its unit, from the
+    --metrics records (each step's names its method), live and in `llmtune plot`."""
+    matplotlib_axes = pytest.importorskip("matplotlib.axes")
+    labels = []
+    set_ylabel = matplotlib_axes.Axes.set_ylabel
+    monkeypatch.setattr(matplotlib_axes.Axes, "set_ylabel", lambda ax, text, *a, **k: labels.append(text) or
+                        set_ylabel(ax, text, *a, **k))
+    observe.plot_metrics(observed["metrics"], tmp_path / "sft.png")
+    assert labels == ["loss (nats per token)", "learning rate"]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Once upon a time, {n} had a ball.", "chosen": f" {n} was happy.",
+                                         "rejected": " The ball ball was sad sad."}) + "\n"
+                             for n in ("Lily", "Tom", "Ben", "Sue")))
+    for method, label in (("dpo", "DPO loss (nats per pair)"), ("simpo", "SimPO loss (nats per pair)")):
+        labels.clear()
+        llmtune.finetune(stories_path, pairs, tmp_path / f"{method}.gguf", method=method, lora_rank=2, ctx=64,
+                         batch=128, epochs=1, val_split=0.0, metrics=str(tmp_path / f"{method}.jsonl"),
+                         plot=str(tmp_path / f"{method}.png"))
+        # the preference panel below (reward margin and accuracy) has its own axes
+        assert labels and set(labels) == {label, "learning rate", "reward margin (chosen - rejected)",
+                                          "reward accuracy"}, labels
+        assert {r["method"] for r in _records(tmp_path / f"{method}.jsonl", "train_step")} == {method}
+        labels.clear()
+        observe.plot_metrics(tmp_path / f"{method}.jsonl", tmp_path / "again.png")
+        assert labels == [label, "learning rate", "reward margin (chosen - rejected)", "reward accuracy"]
+
+
 def test_llmtune_plot_refuses_a_bad_file_in_one_line(monkeypatch, capsys, tmp_path):
     pytest.importorskip("matplotlib")
     not_json, no_steps = tmp_path / "bad.jsonl", tmp_path / "empty.jsonl"

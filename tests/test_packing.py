@@ -6,6 +6,7 @@ best-fit decreasing says, and the start report counts windows, examples per wind
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -178,3 +179,13 @@ def test_pack_report_and_refusals(tmp_path, stories_path, monkeypatch, capsys):
     assert not (tmp_path / "o2.gguf").exists()
     with pytest.raises(LlmtuneError, match="--pack"):
         build_dataset(load_model(stories_path), REPO / "data" / "wikitext-100k.txt", 64, 0.0, pack=True)
+
+
+def test_packed_validation_has_a_standard_error(tmp_path, stories_path, monkeypatch, capsys):
+    """Packing leaves a validation set of few windows (here 4, one pass of --batch 512): it runs in
+    at least two passes, so its loss has the ± (the spread of its passes) every other line shows."""
+    data = write_jsonl(tmp_path / "d.jsonl", completion_rows(40))
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, data, "-o", tmp_path / "o.gguf", "--ctx", 64,
+                           "--batch", 512, "--epochs", 1, "--val-split", 0.25, "--pack")
+    assert code == 0, err
+    assert "/ 4 validation windows" in err and re.search(r"\| val loss \d+\.\d+ ± \d+\.\d+, acc", err), err

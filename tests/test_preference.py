@@ -4,6 +4,7 @@ plain float64 reference, the one-pass pair layout against separate passes, recor
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import Program
 from llmtune.model.adapter import load_adapter
 from llmtune.model.loaded import load_model
-from llmtune.train import checkpoint as ckpts
+from llmtune.train import checkpoint as ckpts, guard
 from llmtune.train.finetune import finetune
 from llmtune.train.loop import Hook
 from llmtune.train.preference import CHOSEN, PAD, REJECTED, TRUNK, Objective, Pair, PairDataset, SeqLogps
@@ -109,6 +110,74 @@ def test_dpo_metrics_are_trls():
     assert m["rewards/rejected"] == pytest.approx(np.mean([-0.5, 0.5]))
     assert m["rewards/accuracies"] == 0.5 and m["rewards/margins"] == pytest.approx(np.mean([1.5, -0.5]))
     assert m["logps/chosen"] == -15.0 and m["logps/rejected"] == -17.5
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo"])
+def test_pair_shares_average_to_the_loss(method):
+    """Objective.terms: each pair's share of the loss, whose mean is the loss (the units of the
+    validation loss's standard error; ORPO's token-weighted NLL included)."""
+    logits, targets, parts = toy_windows()
+    lsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(lsm, np.maximum(targets, 0)[..., None], -1)[..., 0]
+    lp = SeqLogps.of(nll, targets, parts)
+    obj, ref = Objective(method, 0.3, 0.0, 0.5), rng.standard_normal((3, 2)) - 8.0
+    shares = obj.terms(lp, ref)[0]
+    assert shares.shape == (3,) and len(set(np.round(shares, 9))) == 3
+    assert shares.mean() == pytest.approx(reference_loss(method, logits, targets, parts, ref, 0.3, 0.0, 0.5), abs=1e-12)
+
+
+# ------------------------------------------------------------------------------------ the divergence guard
+class _GuardedTrainer:
+    """What train/guard.py reads of a trainer: its limits, step count and trained buffer."""
+
+    def __init__(self, weights, n_vocab=512):
+        self.backend, self.steps_done, self.trainable = CPUBackend(), 0, ["w"]
+        self.flat_w = np.asarray(weights, np.float32)
+        self.n_trainable, self.tensors = self.flat_w.size, {"w": self.flat_w}
+        self.model = SimpleNamespace(hp=SimpleNamespace(n_vocab=n_vocab))
+        self.limits = guard.Limits.of(self)
+
+    def _flat_views(self, flat):
+        return {"w": flat}
+
+
+def test_guard_stops_non_finite_or_collapsed_log_probabilities_and_exploding_weights():
+    tr = _GuardedTrainer(np.full(100, 0.05))
+    assert tr.limits.max_preferred_nll == pytest.approx(2 * np.log(512))  # 2 x uniform guessing
+    assert tr.limits.max_loss == pytest.approx(10 * np.log(512)) and tr.limits.max_weight_rms == pytest.approx(5.0)
+    counts = np.array([10, 10])
+    ok = {"chosen": (np.array([-30.0, -40.0]), counts), "rejected": (np.array([-600.0, -900.0]), counts)}
+    guard.check_logps(tr, ok, "chosen")  # the rejected completions may go as low as the loss pushes them
+    guard.check_weights(tr)
+    with pytest.raises(guard.Diverged, match=r"^step 1: the log-probabilities of 1 of the batch's 2 rejected "):
+        guard.check_logps(tr, {**ok, "rejected": (np.array([-5.0, -np.inf]), counts)}, "chosen")
+    collapsed = {**ok, "chosen": (np.array([-100.0, -200.0]), counts)}  # 15 nats per token > 2 ln 512 = 12.5
+    with pytest.raises(guard.Diverged, match=r"the chosen completions collapsed: their mean NLL is 15 per token, "
+                                             r"above 2 x uniform guessing's 6.238"):
+        guard.check_logps(tr, collapsed, "chosen")
+    tr.steps_done, tr.flat_w[:] = 1, 6.0
+    with pytest.raises(guard.Diverged, match=r"^step 1: its update made the trained weights explode: their RMS is 6, "
+                                             r"above the limit 5 \(it was 0.05 at the start\)"):
+        guard.check_weights(tr)
+    tr.flat_w[3] = np.nan
+    with pytest.raises(guard.Diverged, match="the weights of w are no longer finite"):
+        guard.check_weights(tr)
+    assert guard.Limits().max_weight_rms == np.inf  # a trainer outside a finetune run: non-finite values only
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo", "simpo"])
+def test_lr_1e3_stops_a_preference_run_with_exit_3_and_no_model(tmp_path, stories_path, monkeypatch, capsys, method):
+    """As a supervised run does: a preference loss falls while the model explodes (DPO's to 0), so
+    the guard reads the weights and log-probabilities too."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    out = tmp_path / "o.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, data, "-o", out, "--method", method,
+                           "--lora-rank", 2, "--ctx", 64, "--batch", 128, "--epochs", 2, "--val-split", 0.25,
+                           "--lr", "1e3")
+    line = err.strip().splitlines()[-1]
+    assert code == 3 and line.startswith("error: training diverged at step 1: its update made the trained weights "
+                                         "explode: their RMS is "), err
+    assert "no model written (lower --lr?)" in line and not out.exists()
 
 
 # ------------------------------------------------------------------------------------ one pass per pair
@@ -260,6 +329,16 @@ def test_resume_is_byte_identical(stories_path, tmp_path, method, kind):
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected") + (("nll_loss", "log_odds_ratio") if method == "orpo" else ()):
         assert key in step and key in val
+
+
+def test_preference_validation_has_a_standard_error(stories_path, tmp_path):
+    """The held-out pairs' loss has a ± as every validation loss: the standard error of the mean
+    over the pairs' shares of the loss (Objective.terms)."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    for method in ("dpo", "orpo"):
+        res = _run(stories_path, data, tmp_path / f"{method}.gguf", method=method, lora_rank=2)
+        epoch = res.epochs[-1]
+        assert np.isfinite(epoch.val_loss_err) and epoch.val_loss_err > 0, (method, epoch)
 
 
 def test_dpo_continues_an_sft_adapter_whose_model_is_the_reference(stories_path, tmp_path):

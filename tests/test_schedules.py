@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 import llmtune
+from cli_helpers import run_cli
 from llmtune.errors import LlmtuneError
 from llmtune.train.checkpoint import write_checkpoint
 from llmtune.train.config import RUN_ONLY, make_config
 from llmtune.train.optim import LRSchedule
+from llmtune.train.preflight import warn_futile
 
 
 # ------------------------------------------------------------------ transformers' lr_lambda, re-written
@@ -144,3 +146,22 @@ def test_a_checkpoint_from_before_these_settings_resumes(stories_path, tmp_path,
     write_checkpoint(old.with_name("old.gguf.ckpt-000003.npz"), arrays, meta)
     llmtune.finetune(stories_path, data, old, resume=old.with_name("old.gguf.ckpt-000003.npz"))
     assert old.read_bytes() == whole.read_bytes()
+
+
+def test_a_warmup_as_long_as_the_run_warns(stories_path, tmp_path, wiki100k_path, monkeypatch, capsys):
+    """--warmup past the run's last step: the rate never reaches --lr (it ended at 1e-8 of 1e-5 in
+    the run that found it); one line naming the run's steps and a warmup that fits."""
+    data = tmp_path / "d.txt"
+    data.write_text(wiki100k_path.read_text(encoding="utf-8")[:1500], encoding="utf-8")
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", stories_path, data, "-o", tmp_path / "o.gguf", "--ctx", 64,
+                           "--batch", 128, "--epochs", 1, "--warmup", 1000)
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "--warmup" in line]
+    assert lines == ["warning: --warmup 1000: the run has 13 optimizer steps (1 x 13 per epoch), so it ends still "
+                     "warming up, at a learning rate of 1.3e-07 (--lr 1e-05); try --warmup 1 (about a tenth of the "
+                     "run)"], err
+    for warmup, warned in ((12, False), (13, True)):  # 13: the constant rate reaches --lr at the last step only
+        warns = []
+        cfg = make_config(warmup=warmup, epochs=1)
+        warn_futile(cfg, LRSchedule(cfg.lr, warmup=warmup, kind="constant"), 13, warns.append)
+        assert bool(warns) == warned, (warmup, warns)

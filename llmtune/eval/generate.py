@@ -325,19 +325,14 @@ def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[Sampl
 
 class TrainingSampler:
     """finetune --sample-prompt: a short greedy continuation with the trainer's live weights
-    (its backend arrays bound directly, nothing copied). With chat data the prompt is a user turn
-    rendered with the chat template and its generation prompt, so a sample shows whether the model
-    answers in the trained format."""
+    (its backend arrays bound directly, nothing copied) of the prompt's ids as training renders
+    its prompts (train/chat.py sample_prompt: with chat or Alpaca data a user turn or the Alpaca
+    prompt), so a sample shows whether the model answers in the trained format."""
 
     N_PREDICT = 48
 
-    def __init__(self, trainer, prompt: str, template=None):
-        tok = trainer.model.tokenizer
-        if template is not None:
-
-            self.ids = encode(tok, template.render([{"role": "user", "content": prompt}], add_generation_prompt=True))
-        else:
-            self.ids = tok.encode(prompt, add_special=tok.add_bos, parse_special=True)
+    def __init__(self, trainer, ids: list[int]):
+        self.ids = list(ids)
         if not self.ids:
             raise LlmtuneError("--sample-prompt: the prompt is empty")
         hp = trainer.model.hp

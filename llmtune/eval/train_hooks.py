@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from llmtune.eval.benchmarks import prepare_benchmark, score_benchmark
+from llmtune.eval.generate import TrainingSampler
 from llmtune.model.loaded import Model
 from llmtune.train import events as ev
+from llmtune.train.chat import sample_prompt
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.loop import Hook, Run
 
@@ -27,7 +30,7 @@ class SampleHook(Hook):
     epoch or every `every` optimizer steps. The generator is made when first used."""
 
     def __init__(self, prompt: str, every: int = 0):
-        self.prompt, self.every, self.sampler = prompt, every, None
+        self.prompt, self.every, self.sampler, self.asks = prompt, every, None, False
 
     def on_step(self, run: Run, step: ev.Step) -> None:
         if self.every and run.step % self.every == 0:
@@ -40,12 +43,13 @@ class SampleHook(Hook):
     def _sample(self, run: Run) -> None:
         if not run.trainer.comm.is_root:
             return
-        template = getattr(run.dataset, "template", None)
         if self.sampler is None:
-            from llmtune.eval.generate import TrainingSampler
 
-            self.sampler = TrainingSampler(run.trainer, self.prompt, template)
-        run.emit(ev.Sample(epoch=run.epoch + 1, global_step=run.step, prompt=self.prompt, chat=template is not None,
+            # the prompt as training renders the data's prompts (a user turn, the Alpaca prompt, text)
+            ids, self.asks = sample_prompt(run.trainer.model.tokenizer, getattr(run.dataset, "template", None),
+                                           getattr(run.dataset, "format", "text"), self.prompt)
+            self.sampler = TrainingSampler(run.trainer, ids)
+        run.emit(ev.Sample(epoch=run.epoch + 1, global_step=run.step, prompt=self.prompt, chat=self.asks,
                            text=self.sampler.sample()))
 
 
@@ -55,7 +59,6 @@ class BenchmarkHook(Hook):
     epoch end, and every --eval-every steps)."""
 
     def __init__(self, model: Model, path):
-        from llmtune.eval.benchmarks import prepare_benchmark
 
         self.benchmark = prepare_benchmark(model, path)
 
@@ -69,7 +72,6 @@ class BenchmarkHook(Hook):
         evaluation.bench_accuracy, evaluation.bench_accuracy_err = res.accuracy, res.accuracy_err
 
     def _score(self, run: Run, epoch: int):
-        from llmtune.eval.benchmarks import score_benchmark
 
         res = score_benchmark(current_model(run), self.benchmark, backend=run.trainer.backend)
         run.log.write({"type": "benchmark", "epoch": epoch, "global_step": run.step, "kind": res.kind,

@@ -284,14 +284,20 @@ class GGUFFile:
         if part is None:
             mm.madvise(mmap_module.MADV_DONTNEED)
             return
+        if not self.maps(part):
+            return
         start = part.__array_interface__["data"][0] - self._mm.__array_interface__["data"][0]
         stop = start + part.nbytes
-        if not (part.flags.c_contiguous and 0 <= start and stop <= self._mm.nbytes):
-            return
         page = mmap_module.PAGESIZE
         first, last = -(-start // page) * page, stop // page * page
         if first < last:
             mm.madvise(mmap_module.MADV_DONTNEED, first, last - first)
+
+    def maps(self, part: np.ndarray) -> bool:
+        """Whether `part` is a contiguous view of this file's mapping (a tensor read from it, not a
+        copy): its bytes are the kernel's clean file pages, read in as they are used."""
+        start = part.__array_interface__["data"][0] - self._mm.__array_interface__["data"][0]
+        return part.flags.c_contiguous and 0 <= start and start + part.nbytes <= self._mm.nbytes
 
     def _tensor_info(self, d: _Descriptor) -> TensorInfo:
         qtype = _tensor_type(self.path, d)

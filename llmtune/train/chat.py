@@ -80,7 +80,7 @@ class ExampleBuilder:
         full = tok.encode(prompt + completion, add_special=True)
         if tok.eos_id is not None and (not full or full[-1] != tok.eos_id):
             full = full + [tok.eos_id]
-        n_prompt = _common_prefix(tok.encode(prompt, add_special=True), full)
+        n_prompt = _common_prefix(prompt_ids(tok, prompt), full)
         loss = np.zeros(len(full), dtype=bool)
         loss[max(n_prompt, 1):] = True
         return self._example(full, loss)
@@ -89,9 +89,8 @@ class ExampleBuilder:
         """An Alpaca record: through the chat template when there is one (the user turn: the
         instruction, then the input on the next line, as LLaMA-Factory), else the Alpaca prompt."""
         if self.template is not None:
-            user = instruction if extra is None else f"{instruction}\n{extra}"
-            turns = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
-            return self.chat(([{"role": "system", "content": system}] if system else []) + turns, where)
+            return self.chat(user_turns(system, instruction, extra) + [{"role": "assistant", "content": output}],
+                             where)
         return self.completion(alpaca_prompt(system, instruction, extra), output)
 
     def chat(self, messages: list[dict], where: str) -> Example:
@@ -143,6 +142,35 @@ class ExampleBuilder:
         if len(loss):
             loss[0] = False  # the first token is never a target
         return Example(ids, loss)
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids as an example starts with them: BOS per the model's flags, no EOS
+    (its completion follows)."""
+    ids = list(tokenizer.encode(text, add_special=True))
+    if tokenizer.add_eos and ids and ids[-1] == tokenizer.eos_id:
+        ids.pop()
+    return ids
+
+
+def user_turns(system, instruction: str, extra=None) -> list[dict]:
+    """An instruction as the turns before the answer (LLaMA-Factory's Alpaca): the system turn when
+    there is one, then the user turn: the instruction, and the input on the next line."""
+    user = instruction if extra is None else f"{instruction}\n{extra}"
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+def sample_prompt(tokenizer, template, fmt: str, text: str) -> tuple[list[int], bool]:
+    """(token ids, whether they ask for an answer) of finetune's --sample-prompt `text`, rendered as
+    training renders the prompts of `fmt` data, so the sample shows what the model learns to answer:
+    with a chat template, a user turn and the generation prompt (chat data, Alpaca data with a
+    template, conversational pairs); Alpaca data without one, the Alpaca prompt of `text` as the
+    instruction; any other data, `text` as a prompt to continue."""
+    if template is not None:
+        return encode(tokenizer, template.render(user_turns(None, text), add_generation_prompt=True)), True
+    if fmt == "alpaca":
+        return prompt_ids(tokenizer, alpaca_prompt(None, text)), True
+    return prompt_ids(tokenizer, text), False
 
 
 def alpaca_prompt(system, instruction: str, extra=None) -> str:

@@ -89,6 +89,7 @@ class Start(Event):
     step: int  # > 0 when resumed
     base_types: dict
     data: dict  # train/chat.py data_info
+    base_mapped: int = 0  # bytes of the frozen base read from the model file's mapping (train/memory.py)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class Sample(Event):
     epoch: int
     global_step: int
     prompt: str
-    chat: bool
+    chat: bool  # the prompt was rendered as an instruction (a chat user turn, the Alpaca prompt): text answers it
     text: str
 
 

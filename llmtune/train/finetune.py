@@ -4,7 +4,6 @@ model, data, trainer), run the loop (train/loop.py) with the hooks a workflow ha
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 from typing import Callable, Optional
 
@@ -13,13 +12,14 @@ from llmtune.backends.dist import world
 from llmtune.errors import Interrupted, LlmtuneError
 from llmtune.model.adapter import A, attach, dora_init, init_adapter, load_adapter, pissa_init
 from llmtune.model.loaded import Model, load_model, past_training
-from llmtune.train import checkpoint as ckpts, events as ev, preflight
+from llmtune.train import checkpoint as ckpts, events as ev, guard, preflight
 from llmtune.train.chat import build_dataset, data_info
 from llmtune.train.config import FinetuneConfig, make_config, resume_config
 from llmtune.train.distributed import agree_ranks
 from llmtune.train.events import EpochResult, FinetuneResult  # noqa: F401 - part of this call's interface
 from llmtune.train.guard import Diverged
 from llmtune.train.loop import Hook, Run, train
+from llmtune.train.memory import mapped_bytes
 from llmtune.train.metrics import MetricsLog
 from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
@@ -28,8 +28,6 @@ from llmtune.train.preference import Objective, PreferenceTrainer, build_pairs
 from llmtune.train.selection import Selection
 from llmtune.train.signals import StopRequest, signal_name
 from llmtune.train.trainer import Trainer
-
-DIVERGENCE_FACTOR = 10.0  # a step's loss above 10 x ln(n_vocab) (uniform guessing scores 1 x) stops the run
 
 # what a workflow hands in: the hooks of a run, made once the config and the model are known
 # (so a bad --eval-benchmark file fails before the trainer allocates anything)
@@ -113,12 +111,14 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     steps_per_epoch = preflight.steps_per_epoch(dataset, cfg, data_path)
     preflight.check_selection(dataset, cfg)
     trainer = _trainer(model, trainable, cfg, ckpt)
-    trainer.max_loss = DIVERGENCE_FACTOR * math.log(max(model.hp.n_vocab, 2))
+    trainer.limits = guard.Limits.of(trainer)  # from the weights it starts from (a resume restores them below)
     memory = preflight.checked_memory(trainer, model_path, best_copy=cfg.save_best)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
     # linear / cosine span every step of the run: epochs x steps per epoch (a resume checks the latter)
     schedule = LRSchedule(cfg.lr, cfg.lr_min, cfg.decay_epochs, cfg.epochs, cfg.warmup, cfg.lr_schedule,
                           total_steps=cfg.epochs * steps_per_epoch)
+    if ckpt is None:  # a resumed run was told when it started
+        preflight.warn_futile(cfg, schedule, steps_per_epoch, warn)
     result = FinetuneResult(out_path, cfg, n_tokens=n_tokens, n_train_windows=dataset.n_train,
                             n_val_windows=dataset.n_val, memory=memory)
     run = Run(cfg, dataset, trainer, schedule, steps_per_epoch, result, inputs=inputs, run_id=uuid.uuid4().hex,
@@ -160,7 +160,7 @@ def start_event(run: Run) -> ev.Start:
     return ev.Start(config=run.cfg, memory=res.memory, n_tokens=res.n_tokens, n_train=ds.n_train, n_val=ds.n_val,
                     steps_per_epoch=run.steps_per_epoch, n_trainable=tr.n_trainable, n_params=tr.model.n_params(),
                     trainable=tr.trainable, backend=tr.backend.name, lora=_lora_info(tr.model, run.cfg), step=run.step,
-                    base_types=tr.base_types(),
+                    base_types=tr.base_types(), base_mapped=mapped_bytes(tr),
                     data=data_info(ds, run.steps_per_epoch * (run.cfg.batch // run.cfg.ctx)))
 
 

@@ -158,8 +158,8 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
                        tokens_per_s=(s + 1 - first) * run.cfg.batch / elapsed if elapsed > 0 else 0.0,
                        grad_norm=run.trainer.grad_norm, metrics=dict(run.trainer.step_metrics))
         run.epoch_step = s + 1
-        # elapsed_s: the run's training seconds so far, across epochs and resumes
-        run.log.write({"type": "train_step", **step.as_record(), "elapsed_s": run.elapsed()})
+        # elapsed_s: the run's training seconds so far, across epochs and resumes; method: what the loss is
+        run.log.write({"type": "train_step", **step.as_record(), "elapsed_s": run.elapsed(), "method": run.cfg.method})
         run.emit(step)
         run.call_hooks("on_step", step)
         spike = run.watch.check(step.loss)

@@ -92,6 +92,18 @@ def memory_bytes(tr) -> dict[str, int]:
     return memory
 
 
+def mapped_bytes(tr) -> int:
+    """Bytes of the frozen base weights read from the model file's memory mapping (views of it,
+    in their file types): mapped, not the estimate's resident "base": the kernel reads their pages
+    as they are used and may drop them (those multiplied through packed copies are given back once
+    packed), so a memory-mapped base costs far less than its size."""
+    gguf = getattr(tr.model, "gguf", None)
+    if gguf is None:
+        return 0
+    arrays = [w.raw if isinstance(w, QTensor) else w for n, w in tr.frozen.items() if n in tr.model.weights]
+    return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray) and gguf.maps(a))
+
+
 def base_types(tr) -> dict[str, int]:
     """Bytes of the base weights by how they are held: frozen matrices in their file type ("Q4_K",
     "F16", ...), everything else (trained or float) in the backend's float type; not those

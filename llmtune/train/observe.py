@@ -20,6 +20,7 @@ from llmtune.resources import write_atomically
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.loop import Hook, Run
 from llmtune.train.metrics import read_metrics
+from llmtune.train.preference import LOSS_LABELS
 
 # record type -> TensorBoard tag group; every number of such a record is a scalar there
 TAG_GROUPS = {"train_step": "train", "validation": "val", "benchmark": "benchmark"}
@@ -137,6 +138,7 @@ class Curves:
     val_reward_accuracy: list = field(default_factory=list)
     selected_step: int = 0  # the run's best pass by its --select-metric (0: no "selected" record)
     stopped_at: int = 0  # the step --early-stop ended the run at (0: it did not)
+    method: str = "sft"  # --method: what the loss is (the y axis's label); files from before it: sft
 
     @classmethod
     def of(cls, records) -> "Curves":
@@ -153,6 +155,7 @@ class Curves:
             self.epoch.append(record.get("epoch"))
             self.margin.append(_number(record.get(MARGIN)))
             self.reward_accuracy.append(_number(record.get(REWARD_ACCURACY)))
+            self.method = record.get("method", self.method)
         elif record.get("type") == "validation":
             self.val_steps.append(record["global_step"])
             self.val_loss.append(_number(record.get("loss")))
@@ -290,7 +293,7 @@ def draw_curves(curves: Curves, path: Path, title: str = "", fmt: str = "png") -
     handles = _loss_lines(ax, curves)
     handles += _marks(ax, curves, labels=True)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (nats per token)")
+    ax.set_ylabel(LOSS_LABELS.get(curves.method, "loss"))
     ax.grid(True, alpha=0.25)
     lr_ax = ax.twinx()
     handles += lr_ax.plot(curves.steps, curves.lr, color="C2", ls="--", lw=1.0, label="learning rate")

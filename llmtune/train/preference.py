@@ -31,12 +31,20 @@ import numpy as np
 
 from llmtune.arch.packing import pair_inputs
 from llmtune.errors import LlmtuneError
+from llmtune.tokenizer.chat_template import ChatTemplate, ChatTemplateError, encode
 from llmtune.train import guard
+from llmtune.train.chat import _common_prefix, pad_token, prompt_ids
 from llmtune.train.data import Holdout, TrainValSplit
 from llmtune.train.programs import WeightedTokenNLL
+from llmtune.train.records import read_records
 from llmtune.train.trainer import RunningStats, Trainer
 
 METHODS = ("sft", "dpo", "orpo", "simpo")
+# what each method's loss measures (--plot's axis): a next-token loss is a mean NLL per token; a
+# preference loss a mean over pairs of -log sigmoid(a margin) (nats per pair); ORPO's adds both
+LOSS_LABELS = {"sft": "loss (nats per token)", "dpo": "DPO loss (nats per pair)",
+               "orpo": "ORPO loss (NLL per token + beta x odds-ratio nats per pair)",
+               "simpo": "SimPO loss (nats per pair)"}
 TRUNK, CHOSEN, REJECTED, PAD = 0, 1, 2, 3  # the parts of a pair's window
 
 
@@ -58,8 +66,6 @@ def tokenize_pair(tokenizer, template, item, where: str) -> Pair:
     """A record's (prompt, chosen, rejected) as token ids, as TRL's DPOTrainer._prepare_dataset:
     strings get EOS after each completion; message lists are rendered with the chat template;
     the completions start where prompt and prompt + completion stop sharing tokens."""
-    from llmtune.tokenizer.chat_template import ChatTemplateError, encode
-    from llmtune.train.chat import _common_prefix
 
     prompt, chosen, rejected = item
     if isinstance(prompt, str):
@@ -68,7 +74,7 @@ def tokenize_pair(tokenizer, template, item, where: str) -> Pair:
             if tokenizer.eos_id is not None and tokenizer.eos_id >= 0 and (not ids or ids[-1] != tokenizer.eos_id):
                 ids.append(tokenizer.eos_id)
             return ids
-        p_ids, c_ids, r_ids = list(tokenizer.encode(prompt, add_special=True)), full(chosen), full(rejected)
+        p_ids, c_ids, r_ids = prompt_ids(tokenizer, prompt), full(chosen), full(rejected)
     else:
         if template is None:
             raise LlmtuneError(f"{where}: conversational pairs need a chat template (the model has none: "
@@ -164,9 +170,6 @@ class PairDataset(TrainValSplit):
 def build_pairs(model, data_path, ctx: int, val_split, fmt: str = "auto", chat_template=None,
                 method: str = "dpo") -> tuple[PairDataset, int]:
     """(dataset, n_tokens) of a preference file: {"prompt", "chosen", "rejected"} records."""
-    from llmtune.tokenizer.chat_template import ChatTemplate
-    from llmtune.train.chat import pad_token
-    from llmtune.train.records import read_records
 
     records = read_records(data_path, fmt)
     if records.format != "preference":
@@ -200,7 +203,7 @@ def _sigmoid(x):
 @dataclass
 class SeqLogps:
     """Per-pair sums of the policy's log-probabilities (float64) and their token counts; ORPO's
-    NLL also reads the chosen sequence's prompt tokens (trunk)."""
+    NLL also reads the chosen sequence's prompt tokens (trunk: their NLL in all, and per pair)."""
 
     chosen: np.ndarray
     rejected: np.ndarray
@@ -208,6 +211,8 @@ class SeqLogps:
     n_rejected: np.ndarray
     trunk_nll: float
     n_trunk: int
+    trunk_rows: Optional[np.ndarray] = None  # each pair's part of trunk_nll (None: spread evenly)
+    preferred = "chosen"  # the completions the loss pushes up (what guard.check_logps watches)
 
     @classmethod
     def of(cls, nll: np.ndarray, targets: np.ndarray, parts: np.ndarray) -> "SeqLogps":
@@ -215,8 +220,13 @@ class SeqLogps:
         counted = targets >= 0
         s = lambda part: (-nll * (parts == part)).sum(axis=1)  # noqa: E731
         n = lambda part: ((parts == part) & counted).sum(axis=1)  # noqa: E731
+        trunk = -s(TRUNK)
         return cls(s(CHOSEN), s(REJECTED), n(CHOSEN), n(REJECTED),
-                   float(nll[parts == TRUNK].sum()), int(((parts == TRUNK) & counted).sum()))
+                   float(nll[parts == TRUNK].sum()), int(((parts == TRUNK) & counted).sum()), trunk)
+
+    def sequences(self) -> dict:
+        """name -> (log-probability sums, token counts) of each kind of completion (guard.check_logps)."""
+        return {"chosen": (self.chosen, self.n_chosen), "rejected": (self.rejected, self.n_rejected)}
 
 
 @dataclass
@@ -231,6 +241,14 @@ class Objective:
     def loss(self, lp: SeqLogps, ref: Optional[np.ndarray]) -> tuple[float, np.ndarray, np.ndarray, float, dict]:
         """(loss, dloss/dchosen_sum, dloss/drejected_sum, dloss/d(each chosen-sequence token's NLL),
         metrics) for a batch of pairs: the mean over its pairs, as TRL."""
+        shares, d_c, d_r, nll_weight, metrics = self.terms(lp, ref)
+        return float(shares.mean()), d_c, d_r, nll_weight, metrics
+
+    def terms(self, lp: SeqLogps, ref: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, float,
+                                                                         dict]:
+        """loss()'s, with each pair's share of the loss in place of the loss (float64 [n]: their mean
+        is the loss; DPO, SimPO: each pair's loss; ORPO: each pair's NLL over the batch's tokens,
+        times n, less beta x its log odds ratio): the units of the loss's standard error."""
         n, b, ls = len(lp.chosen), self.beta, self.label_smoothing
         metrics: dict = {}
         nll_weight = 0.0
@@ -241,7 +259,8 @@ class Objective:
             ratio = _logsigmoid(log_odds)
             n_tok = lp.n_trunk + int(lp.n_chosen.sum())
             nll = (lp.trunk_nll - float(lp.chosen.sum())) / max(n_tok, 1)  # CrossEntropyLoss over prompt + chosen
-            loss = nll - b * float(ratio.mean())
+            trunk = lp.trunk_rows if lp.trunk_rows is not None else np.full(n, lp.trunk_nll / n)
+            shares = n * (trunk - lp.chosen) / max(n_tok, 1) - b * ratio
             d_odds = -b * _sigmoid(-log_odds) / n
             d_c = d_odds / -np.expm1(ac) / lp.n_chosen
             d_r = -d_odds / -np.expm1(ar) / lp.n_rejected
@@ -266,14 +285,14 @@ class Objective:
                 logps = ac, ar
             else:
                 raise ValueError(f"no preference loss for method {self.method!r}")
-            losses = -(1 - ls) * _logsigmoid(z) - ls * _logsigmoid(-z)
-            loss = float(losses.mean())
+            shares = -(1 - ls) * _logsigmoid(z) - ls * _logsigmoid(-z)
             dz = (-(1 - ls) * _sigmoid(-z) + ls * _sigmoid(z)) / n
             d_c, d_r = dz * dz_c, dz * dz_r
         metrics = {"rewards/chosen": float(rc.mean()), "rewards/rejected": float(rr.mean()),
                    "rewards/accuracies": float((rc > rr).mean()), "rewards/margins": float((rc - rr).mean()),
                    "logps/chosen": float(logps[0].mean()), "logps/rejected": float(logps[1].mean()), **metrics}
-        return loss, np.asarray(d_c, dtype=np.float64), np.asarray(d_r, dtype=np.float64), nll_weight, metrics
+        return (np.asarray(shares, dtype=np.float64), np.asarray(d_c, dtype=np.float64),
+                np.asarray(d_r, dtype=np.float64), nll_weight, metrics)
 
     def token_weights(self, lp: SeqLogps, d_c, d_r, nll_weight: float, targets, parts) -> np.ndarray:
         """d loss / d token NLL for every token of the windows [n, n_ctx]: a completion token's
@@ -323,15 +342,18 @@ class PreferenceTrainer(Trainer):
             out.append(np.asarray(self.backend.to_numpy(nll), dtype=np.float64).reshape(k, -1)[:n])
         return np.concatenate(out)
 
-    def _score(self, inputs, targets, layout):
-        lp = SeqLogps.of(self.token_nll(inputs, targets, layout), targets, layout.parts)
-        return lp, self.objective.loss(lp, layout.ref)
+    def _logps(self, inputs, targets, layout) -> SeqLogps:
+        return SeqLogps.of(self.token_nll(inputs, targets, layout), targets, layout.parts)
 
     def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats,
                    layout: PairLayout = None) -> float:
-        """One optimizer step over the batch's pairs; returns the step's loss (the mean over its pairs)."""
+        """One optimizer step over the batch's pairs; returns the step's loss (the mean over its pairs).
+        The guard reads the log-probabilities before the backward, the loss and gradient before the
+        update, the weights after it (train/guard.py: a preference loss alone misses a collapse)."""
         be = self.backend
-        lp, (loss, d_c, d_r, nll_w, metrics) = self._score(inputs, targets, layout)
+        lp = self._logps(inputs, targets, layout)
+        guard.check_logps(self, lp.sequences(), lp.preferred)
+        loss, d_c, d_r, nll_w, metrics = self.objective.loss(lp, layout.ref)
         weights = self.objective.token_weights(lp, d_c, d_r, nll_w, targets, layout.parts)
         per_pass = weights.reshape(self.ubatches_per_step, -1).astype(be.dtype)
         self.batches.run(inputs, targets, layout.parts, self.batches.counts(targets),
@@ -340,14 +362,16 @@ class PreferenceTrainer(Trainer):
         stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
         self.step_metrics = metrics
         self.update(lr, sum_squares)
+        guard.check_weights(self)
         return loss
 
     def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats,
                  layout: PairLayout = None) -> None:
-        """The loss and metrics over the pairs at once (one batch), without gradients; the
+        """The loss and metrics over the pairs at once (one batch), without gradients: each pair's
+        share of the loss recorded (their mean is the loss, their spread its standard error); the
         accuracy recorded is rewards/accuracies."""
-        _, (loss, _, _, _, metrics) = self._score(inputs, targets, layout)
-        stats.add(loss, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
+        shares, _, _, _, metrics = self.objective.terms(self._logps(inputs, targets, layout), layout.ref)
+        stats.add_many(shares, int(round(metrics["rewards/accuracies"] * len(inputs))), len(inputs))
         self.eval_metrics = metrics
 
     def reference_logps(self, dataset: PairDataset) -> np.ndarray:

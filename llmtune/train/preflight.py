@@ -1,18 +1,21 @@
 """Checks before the first step of a finetune, cheapest (and likeliest to fail) first: output
-paths (writable, not inputs), leftovers of earlier runs, the batch, memory, disk space."""
+paths (writable, not inputs), leftovers of earlier runs, the batch, settings that cannot do
+their work in this run, memory, disk space."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
-from llmtune.errors import LlmtuneError
+from llmtune.errors import LlmtuneError, plural
 from llmtune.gguf.file import GGUF_KIND, check_output_path
 from llmtune.resources import available_memory, check_disk_space, check_writable_folder, memory_limit
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.data import WindowDataset
+from llmtune.train.optim import LRSchedule
 from llmtune.train.output import output_bytes
 from llmtune.train.trainer import Trainer
 
@@ -86,6 +89,35 @@ def check_selection(dataset: WindowDataset, cfg: FinetuneConfig) -> None:
                                f"(raise --val-split, or --select-metric benchmark with --eval-benchmark)")
     if cfg.eval_every and not dataset.n_val and cfg.eval_benchmark is None:
         raise LlmtuneError("--eval-every: there are no validation windows (raise --val-split) and no --eval-benchmark")
+
+
+def warn_futile(cfg: FinetuneConfig, schedule: LRSchedule, steps_per_epoch: int, warn) -> None:
+    """Settings a new run accepts but cannot act on, one line each: a --warmup as long as the run
+    (the rate never reaches --lr), an --early-stop with too few validation passes to ever stop."""
+    total = cfg.epochs * steps_per_epoch
+    if 0 < total <= cfg.warmup:
+        last = schedule.lr((total - 1) / steps_per_epoch, total - 1)
+        warn(f"--warmup {cfg.warmup}: the run has {plural(total, 'optimizer step')} ({cfg.epochs} x "
+             f"{steps_per_epoch} per epoch), so it ends still warming up, at a learning rate of {last:.2g} "
+             f"(--lr {cfg.lr:g}); try --warmup {total // 10} (about a tenth of the run)")
+    p, every = cfg.early_stop, cfg.eval_every
+    passes = validation_passes(cfg.epochs, steps_per_epoch, every)
+    if p and passes < p + 2:  # the best, p passes without improvement, and a pass after them
+        when = f"every {every} steps and at each epoch's end" if every else "at each epoch's end"
+        fix = (f"add --eval-every {total // (p + 2)}" if total >= p + 2 and not every
+               else f"lower --eval-every to {total // (p + 2)}" if total >= p + 2 else "raise --epochs")
+        warn(f"--early-stop {p}: can never stop this run: it validates {plural(passes, 'time')} ({when}), and "
+             f"stopping early takes {p + 2} (the best, {p} without improvement, and one left to skip); "
+             f"{fix}")
+
+
+def validation_passes(epochs: int, steps_per_epoch: int, eval_every: int) -> int:
+    """Validation passes of a run (train/loop.py): one at each epoch's end, and one every eval_every
+    steps (those falling on an epoch's end are that one)."""
+    total = epochs * steps_per_epoch
+    if not eval_every:
+        return epochs
+    return epochs + total // eval_every - total // math.lcm(eval_every, steps_per_epoch)
 
 
 def checked_memory(trainer: Trainer, model_path, best_copy: bool = False) -> dict[str, int]:

@@ -40,7 +40,11 @@ class RunningStats:
     tokens: int = 0
 
     def add(self, loss: float, correct: int, tokens: int) -> None:
-        self.losses.append(loss)
+        self.add_many([loss], correct, tokens)
+
+    def add_many(self, losses, correct: int, tokens: int) -> None:
+        """Several losses (each a unit of the mean: a pass, a preference pair) and their counts."""
+        self.losses.extend(float(v) for v in losses)
         self.correct += correct
         self.tokens += tokens
 
@@ -105,7 +109,7 @@ class Trainer:
         self.layout_inputs = layout_inputs or packing_inputs
         self.grad_clip = float(grad_clip)  # > 0: the step's gradient is clipped to this global L2 norm
         self.grad_norm = math.nan  # the last step's global gradient norm, before clipping
-        self.max_loss = math.inf  # a step's mean loss above it stops training (Diverged)
+        self.limits = guard.Limits()  # what stops training besides non-finite values (Diverged); finetune sets them
         # named metrics of the last step and validation pass beyond loss and accuracy (train/preference.py)
         self.step_metrics: dict = {}
         self.eval_metrics: dict = {}
@@ -258,8 +262,10 @@ class Trainer:
     def evaluate(self, inputs: np.ndarray, targets: np.ndarray, stats: RunningStats,
                  segments: np.ndarray | None = None) -> None:
         """Loss/accuracy without gradients, in passes of at most n_ubatch tokens (one pass per
-        core at once on the cpu); packed windows with their segments."""
-        k = self.seqs_per_ubatch
+        core at once on the cpu), at least two when there are two windows: the loss's standard
+        error is its passes' spread (a packed validation set is often a few windows); packed
+        windows with their segments."""
+        k = min(self.seqs_per_ubatch, max(1, -(-len(inputs) // 2)))
         starts = list(range(0, len(inputs), k))
         n_w = self.backend.workers(self._requested_workers, len(starts))
 

@@ -72,6 +72,8 @@ class FinetuneReporter:
         )
         types = e.base_types or {}
         parts = [f"{k} {mib(v)}" for k, v in mem.items()]
+        if "base" in mem and e.base_mapped:  # a memory-mapped base: its size, and what of it the run holds
+            parts[list(mem).index("base")] = f"base {mib(e.base_mapped)} mapped, {mib(mem['base'])} resident"
         if "base" in mem and set(types) - {"F32", "F64"}:  # a base kept in its file types: say what each costs
             parts[list(mem).index("base")] += " (" + ", ".join(f"{t} {mib(v)}" for t, v in types.items()) + ")"
         self.err.print("memory: " + ", ".join(parts) + f"; total {mib(sum(mem.values()))}")
@@ -159,7 +161,7 @@ class FinetuneReporter:
         return self.bench.benchmark if self.bench else "benchmark"
 
     def _on_sample(self, e: ev.Sample):
-        sep = " -> " if e.chat else ""  # chat: the user turn, then the model's answer
+        sep = " -> " if e.chat else ""  # an instruction (chat, Alpaca), then the model's answer
         self.err.print(f"[bold]sample[/] (epoch {e.epoch}, step {e.global_step}) "
                        f"[dim]{escape(e.prompt)}{sep}[/]{escape(e.text)}", soft_wrap=True)
 
