@@ -28,7 +28,9 @@ from llmtune.quant.types import ACT_TYPES, QTYPES as REGISTRY
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 QTYPES = tuple(kernels.TYPE_CODES)
-BIT_EXACT = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")  # whose AVX2 path is ggml's AVX2 vec_dot, op for op
+# whose AVX2 path is ggml's AVX2 vec_dot, op for op (the K-quants' kdot.c: lane for lane, the same float steps)
+BIT_EXACT = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 needs_library = pytest.mark.skipif(not kernels.available(), reason=f"no compiled kernels: {kernels.reason()}")
 
@@ -92,9 +94,9 @@ def test_products_match_the_numpy_path(monkeypatch):
 
 @needs_library
 def test_products_match_ggml_kernels():
-    """ggml's own products (tests/data/qmatmul, recorded from its CPU vec_dot): bit for bit for
-    the 32-value block types where the AVX2 path runs (the same operations in the same order),
-    to float summation order for the K-quants and the portable path."""
+    """ggml's own products (tests/data/qmatmul, recorded from its CPU vec_dot, an AVX2 build): bit
+    for bit where the AVX2 path runs (the same integer lanes and float operations in the same
+    order), to float summation order on the portable path."""
     rec = np.load(DATA_DIR / "qmatmul" / "ggml-products.npz")
     x = np.ascontiguousarray(rec["x"])
     for qtype in QTYPES:
@@ -105,6 +107,78 @@ def test_products_match_ggml_kernels():
             np.testing.assert_array_equal(ours, theirs, err_msg=qtype)
         else:
             assert np.abs(ours - theirs).max() <= 2e-6 * np.abs(theirs).max(), qtype
+
+
+def _kquant_rows(qtype: str, n_in: int, rng) -> np.ndarray:
+    """K-quant rows as a quantizer writes them, then random bytes (sane fp16 scales) and the
+    extremes: every quant, scale and high bit at its largest, then at its smallest."""
+    real = _matrix(qtype, 24, n_in, rng)
+    rand = rng.integers(0, 256, (16, n_in // 256, real.shape[1] // (n_in // 256)), dtype=np.uint8)
+    rand[-2], rand[-1] = 0xFF, 0x00
+    scales = np.exp(rng.uniform(-9, -4.6, rand.shape[:2] + (2,))).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":  # d last
+        rand[..., 208:210] = scales[..., :2]
+    else:  # d, dmin first
+        rand[..., 0:4] = scales
+    return np.concatenate([real, rand.reshape(16, -1)])
+
+
+def _kquant_fixture():
+    rec = np.load(DATA_DIR / "kquant_dots.npz")
+    isa = dict(kv.split("=") for kv in str(rec["isa"]).split())
+    return rec, isa.get("avx2") == "1" and isa.get("fma") == "1"
+
+
+@needs_library
+def test_kquant_activation_blocks_are_ggmls():
+    """The q8_K bytes the K-quant kernels multiply are ggml's own (quantize_row_q8_K, recorded in
+    tests/data/kquant_dots.npz by bench/record_kquant_dots.py), an all-zero block included."""
+    rec, _ = _kquant_fixture()
+    for i, row in enumerate(rec["x"]):
+        np.testing.assert_array_equal(kernels.quantize_activations(row, "q8_K"), rec["y"][i])
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_kquant_dots_match_the_portable_loop(qtype):
+    """This build's K-quant kernel (kdot.c; its AVX2 path where built) against the portable loop
+    (ggml's *_generic, run here in any build) on quantized, random and extreme blocks: the same
+    integers, so the floats agree to summation order (relative to sum |w| |y|: below 1e-6, where a
+    wrong scale, lane or bit shows at 1e-3 or more)."""
+    rng = np.random.default_rng(40)
+    raw = _kquant_rows(qtype, 1024, rng)
+    wd = qmatmul.dequantize_rows(raw, qtype, np.empty((raw.shape[0], 1024), np.float32)).astype(np.float64)
+    for x in _activations(3, 1024, rng):
+        yq = kernels.quantize_activations(x, "q8_K")
+        yd = qmatmul.round_activations(x[None], "q8_K")[0][0].astype(np.float64)
+        ours, ref = kernels.kquant_dots(raw, yq, qtype), kernels.kquant_dots(raw, yq, qtype, portable=True)
+        bound = np.abs(wd) @ np.abs(yd)
+        assert np.isfinite(ours).all() and (np.abs(ours - ref) <= 1e-6 * bound + 1e-30).all(), qtype
+        out = np.empty((1, raw.shape[0]), np.float32)
+        assert kernels.qlinear(out, x[None], raw, qtype)  # the product's path, over the pool's threads
+        np.testing.assert_array_equal(out[0], ours)
+
+
+@needs_library
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_kquant_dots_are_ggmls_bit_for_bit(qtype):
+    """ggml's own K-quant products (ggml_vec_dot_q{4,5,6}_K_q8_K from its CPU type traits, recorded
+    in tests/data/kquant_dots.npz with the ISA of that build; quantized, random and extreme blocks):
+    where this build runs its AVX2 path and ggml ran its AVX2 branch (AVX-512 builds take it too),
+    the same bits, through the product (lt_qlinear, the rows over threads) and one row at a time;
+    the portable loop to float summation order, always."""
+    rec, ggml_avx2 = _kquant_fixture()
+    x, y = np.ascontiguousarray(rec["x"]), rec["y"]
+    raw, theirs = rec[f"{qtype}.raw"], rec[f"{qtype}.out"]
+    ref = np.stack([kernels.kquant_dots(raw, y[i], qtype, portable=True) for i in range(len(x))])
+    assert np.abs(ref - theirs).max() <= 1e-6 * np.abs(theirs).max(), qtype
+    if not (kernels.simd() and ggml_avx2):
+        pytest.skip(f"bits compared only between AVX2 paths (this build's: {kernels.simd()}; ggml's: {rec['isa']})")
+    ours = np.empty_like(theirs)
+    assert kernels.qlinear(ours, x, raw, qtype)
+    np.testing.assert_array_equal(ours, theirs, err_msg=qtype)
+    one = np.stack([kernels.kquant_dots(raw, y[i], qtype) for i in range(len(x))])
+    np.testing.assert_array_equal(one, theirs, err_msg=qtype)
 
 
 @needs_library

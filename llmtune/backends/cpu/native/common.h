@@ -1,5 +1,5 @@
-/* What every source of the kernel library (qdot.c, pool.c, sgemm.c, program.c, rope.c, lora.c,
- * attention.c, norm.c, loss.c; dequant.c's decoders too) shares: the SIMD switches and helpers,
+/* What every source of the kernel library (qdot.c, kdot.c, pool.c, sgemm.c, program.c, rope.c,
+ * lora.c, attention.c, norm.c, loss.c; dequant.c's decoders too) shares: the SIMD switches and helpers,
  * fp16 decoding (ggml-impl.h), ggml's activation block layouts, and the storage and activation type
  * codes, which are not written here: build.py generates lt_types.h from llmtune/quant/types.py
  * (c_defines: QT_<NAME> is ggml's type id, ACT_<NAME> a vec_dot type's kind), as the CUDA backend's
@@ -203,6 +203,10 @@ int lt_qlinear_packed(int type, const uint8_t *packed, const uint8_t *w, int64_t
 int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
                   const float *x, int64_t m, float *out, int64_t out_stride, int nth);
 void lt_rms_norm(const float *x, int64_t rows, int64_t n, float eps, float *out);
+/* kdot.c: a Q4_K / Q5_K / Q6_K row against a q8_K row (qdot.c's type table) */
+LT_INTERNAL float dot_q4_k(const uint8_t *w, const void *y, int nb);
+LT_INTERNAL float dot_q5_k(const uint8_t *w, const void *y, int nb);
+LT_INTERNAL float dot_q6_k(const uint8_t *w, const void *y, int nb);
 LT_INTERNAL void swiglu(const float *g, const float *u, float *o, int64_t n);  /* norm.c: one call's rows */
 
 #endif

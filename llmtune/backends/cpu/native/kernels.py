@@ -93,6 +93,8 @@ def _load():
                 lib.lt_lora.restype = _INT
                 lib.lt_lora_back.argtypes = [_PTR] * 7 + [_I64] * 4 + [ctypes.c_float, _INT]
                 lib.lt_lora_back.restype = _INT
+                lib.lt_kdot.argtypes = [_INT, _INT, _PTR, _I64, _I64, _PTR, _I64, _PTR]
+                lib.lt_kdot.restype = _INT
                 lib.lt_attention_built.argtypes = []
                 lib.lt_attention_built.restype = _INT
             except build.BuildError as e:
@@ -542,6 +544,22 @@ def quantize_activations(x: np.ndarray, act: str) -> np.ndarray:
     code = ACT_CODES[act]
     out = np.zeros(lib.lt_act_row_bytes(code, x.size), np.uint8)
     lib.lt_quantize_act(code, _addr(x), x.size, _addr(out))
+    return out
+
+
+def kquant_dots(raw: np.ndarray, yq: np.ndarray, qtype: str, portable: bool = False) -> np.ndarray:
+    """The K-quant rows raw [n, row bytes] (Q4_K, Q5_K, Q6_K) each against the q8_K activation row
+    yq (quantize_activations' bytes) with this build's kernel, or with the portable reference loop
+    (kdot.c lt_kdot): what the tests compare with each other and with ggml's own outputs."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"the compiled kernels are not available: {_state['reason']}")
+    raw, yq = np.ascontiguousarray(raw, np.uint8), np.ascontiguousarray(yq, np.uint8)
+    out = np.empty(raw.shape[0], np.float32)
+    nb = yq.size // lib.lt_act_row_bytes(ACT_CODES["q8_K"], 256)
+    if lib.lt_kdot(TYPE_CODES[qtype], int(portable), _addr(raw), raw.strides[0], raw.shape[0], _addr(yq), nb,
+                   _addr(out)):
+        raise ValueError(f"{qtype} is not a K-quant type")
     return out
 
 

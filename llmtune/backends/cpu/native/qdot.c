@@ -8,7 +8,8 @@
  * llmtune's numpy path (quant/matmul.py round_activations) rounds too, so both paths see the
  * same integers. Where AVX2 is available the dot products follow ggml's AVX2 kernels
  * (ggml_vec_dot_q4_0_q8_0 & co.: per-block int32 pair sums, one fused multiply-add per block into
- * eight float lanes); elsewhere the portable loops of ggml-cpu/quants.c (*_generic).
+ * eight float lanes); elsewhere the portable loops of ggml-cpu/quants.c (*_generic). The K-quant
+ * rows' products (Q4_K, Q5_K, Q6_K against q8_K) are kdot.c's.
  *
  * Output rows are split in chunks of CHUNK_ROWS over the calling thread and the pool's workers
  * (pool.c). A type is named by ggml's type id (QT_* from llmtune/quant/types.py, see common.h), an
@@ -257,80 +258,7 @@ static float dot_q5(const uint8_t *w, const void *vy, int nb, int has_min) {
 static float dot_q5_0(const uint8_t *w, const void *vy, int nb) { return dot_q5(w, vy, nb, 0); }
 static float dot_q5_1(const uint8_t *w, const void *vy, int nb) { return dot_q5(w, vy, nb, 1); }
 
-/* K-quants: ggml-cpu/quants.c ggml_vec_dot_q{4,5,6}_K_q8_K_generic (eight int32 lanes per
- * super-block, scaled into eight float sums). */
-static void k_scales_mins(const uint8_t *sc12, uint8_t scales[8], uint8_t mins[8]) {
-    for (int j = 0; j < 4; j++) {
-        scales[j] = sc12[j] & 63;
-        mins[j] = sc12[j + 4] & 63;
-        scales[j + 4] = (sc12[j + 8] & 0xF) | ((sc12[j] >> 6) << 4);
-        mins[j + 4] = (sc12[j + 8] >> 4) | ((sc12[j + 4] >> 6) << 4);
-    }
-}
-
-static float dot_q45_k(const uint8_t *w, const void *vy, int nb, int five) {
-    const block_q8_K *y = vy;
-    const int bsz = five ? 176 : 144;
-    float sums[8] = {0}, sumf = 0;
-    for (int i = 0; i < nb; i++, w += bsz) {
-        const uint8_t *q4 = w + (five ? 48 : 16), *hm = w + 16;
-        int8_t a[QK_K];
-        uint8_t m = 1;
-        for (int j = 0; j < QK_K / 64; ++j, q4 += 32) {
-            for (int l = 0; l < 32; ++l) a[64 * j + l] = (int8_t)((q4[l] & 0xF) + (five && (hm[l] & m) ? 16 : 0));
-            m <<= 1;
-            for (int l = 0; l < 32; ++l) a[64 * j + 32 + l] = (int8_t)((q4[l] >> 4) + (five && (hm[l] & m) ? 16 : 0));
-            m <<= 1;
-        }
-        uint8_t scales[8], mins[8];
-        k_scales_mins(w + 4, scales, mins);
-        int sumi = 0;
-        for (int j = 0; j < QK_K / 16; ++j) sumi += y[i].bsums[j] * mins[j / 2];
-        int32_t aux32[8] = {0};
-        for (int j = 0; j < QK_K / 32; ++j) {
-            const int32_t scale = scales[j];
-            for (int k = 0; k < 4; ++k)
-                for (int l = 0; l < 8; ++l) aux32[l] += scale * (y[i].qs[32 * j + 8 * k + l] * a[32 * j + 8 * k + l]);
-        }
-        const float d = h2f(w) * y[i].d;
-        for (int l = 0; l < 8; ++l) sums[l] += d * aux32[l];
-        const float dmin = h2f(w + 2) * y[i].d;
-        sumf -= dmin * sumi;
-    }
-    for (int l = 0; l < 8; ++l) sumf += sums[l];
-    return sumf;
-}
-
-static float dot_q4_k(const uint8_t *w, const void *vy, int nb) { return dot_q45_k(w, vy, nb, 0); }
-static float dot_q5_k(const uint8_t *w, const void *vy, int nb) { return dot_q45_k(w, vy, nb, 1); }
-
-static float dot_q6_k(const uint8_t *w, const void *vy, int nb) {
-    const block_q8_K *y = vy;
-    float sums[8] = {0}, sumf = 0;
-    for (int i = 0; i < nb; i++, w += 210) {
-        const uint8_t *q4 = w, *qh = w + 128;
-        const int8_t *sc = (const int8_t *)(w + 192);
-        int8_t a[QK_K];
-        for (int j = 0; j < QK_K; j += 128, q4 += 64, qh += 32) {
-            for (int l = 0; l < 32; ++l) {
-                a[j + l + 0] = (int8_t)((q4[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-                a[j + l + 32] = (int8_t)((q4[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                a[j + l + 64] = (int8_t)((q4[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                a[j + l + 96] = (int8_t)((q4[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            }
-        }
-        int32_t aux32[8] = {0};
-        for (int j = 0; j < QK_K / 16; ++j) {
-            const int scale = sc[j];
-            for (int k = 0; k < 2; ++k)
-                for (int l = 0; l < 8; ++l) aux32[l] += scale * (y[i].qs[16 * j + 8 * k + l] * a[16 * j + 8 * k + l]);
-        }
-        const float d = h2f(w + 208) * y[i].d;
-        for (int l = 0; l < 8; ++l) sums[l] += d * aux32[l];
-    }
-    for (int l = 0; l < 8; ++l) sumf += sums[l];
-    return sumf;
-}
+/* K-quants (Q4_K, Q5_K, Q6_K): kdot.c */
 
 /* ------------------------------------------------------------------ types */
 typedef float (*dot_fn)(const uint8_t *, const void *, int);
