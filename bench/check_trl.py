@@ -284,6 +284,70 @@ def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path, ad
     return {"losses": losses, "metrics": first_metrics, "grads": grads, "kl": kl}
 
 
+# ------------------------------------------------------------------------------ KTO fixture
+KTO_CASES = [  # (loss_type, beta, desirable_weight, undesirable_weight, labels, KL shift)
+    ("kto", 0.1, 1.0, 1.0, [True, False, True, True, False, False], 0.8),
+    ("kto", 0.5, 1.33, 0.7, [False, True, False, False, True, False], 1.5),
+    ("kto", 2.0, 1.0, 1.0, [True, True, False, True], -0.6),  # a negative KL estimate: clamped to 0
+    ("kto", 0.3, 1.0, 2.0, [True, True, True, True, True], 0.4),  # one label only (TRL accepts it)
+    ("apo_zero_unpaired", 0.2, 1.0, 1.0, [True, False, False, True, False], 0.0),
+]
+
+
+def kto_fixture(path: Path) -> None:
+    """tests/data/kto_trl.json: TRL's KTOTrainer._compute_loss run on given per-sequence
+    log-probability sums (float64; a stand-in model answers the sums, precomputed references),
+    its loss, metrics and the gradient of the loss wrt each completion's sum (autograd)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    import torch
+    from trl import KTOTrainer
+
+    rng = np.random.default_rng(11)
+    cases = []
+    for loss_type, beta, dw, uw, labels, shift in KTO_CASES:
+        n = len(labels)
+        ref = rng.normal(-40.0, 8.0, n)
+        logps = ref + rng.normal(0.0, 3.0, n)
+        ref_kl = rng.normal(-60.0, 8.0, n)
+        kl_logps = ref_kl + shift + rng.normal(0.0, 0.3, n)
+        leaf = torch.tensor(logps, dtype=torch.float64, requires_grad=True)
+        ids, kl_ids = torch.zeros((n, 2), dtype=torch.long), torch.zeros((n, 2), dtype=torch.long)
+
+        class Model:  # outputs.log_probs[:, -1:] summed: the sequence's sum
+            training = True
+
+            def __call__(self, input_ids=None, **kw):
+                lp = torch.tensor(kl_logps)[:, None] if input_ids is kl_ids else leaf[:, None]
+                return SimpleNamespace(log_probs=lp, entropy=torch.zeros(n, 1), mean_logits=torch.zeros(n, 1))
+
+        tr = object.__new__(KTOTrainer)
+        accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda x: x)
+        tr.__dict__.update(model=Model(), accelerator=accelerator, beta=beta, loss_type=loss_type,
+                           desirable_weight=dw, undesirable_weight=uw, calculate_KL=loss_type != "apo_zero_unpaired",
+                           precompute_ref_logps=True, aux_loss_enabled=False, _total_train_tokens=0, _tp_size=1,
+                           _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
+        batch = {"input_ids": ids, "attention_mask": torch.ones((n, 2), dtype=torch.long),
+                 "completion_mask": torch.ones((n, 2), dtype=torch.long), "KL_input_ids": kl_ids,
+                 "KL_attention_mask": torch.ones((n, 2), dtype=torch.long),
+                 "KL_completion_mask": torch.ones((n, 2), dtype=torch.long),
+                 "label": torch.tensor(labels), "ref_logps": torch.tensor(ref),
+                 "ref_KL_logps": torch.tensor(ref_kl)}
+        loss = tr._compute_loss(tr.model, batch, return_outputs=False)
+        loss.backward()
+        metrics = {k: float(v[-1]) for k, v in tr._metrics["train"].items()
+                   if v and (k == "kl" or k.startswith(("rewards/", "logps/")))}
+        cases.append({"loss_type": loss_type, "beta": beta, "desirable_weight": dw, "undesirable_weight": uw,
+                      "labels": labels, "logps": logps.tolist(), "kl_logps": kl_logps.tolist(),
+                      "ref_logps": ref.tolist(), "ref_kl_logps": ref_kl.tolist(), "loss": float(loss.detach()),
+                      "grad": leaf.grad.tolist(), "metrics": metrics})
+    import trl
+
+    path.write_text(json.dumps({"source": f"trl {trl.__version__} KTOTrainer._compute_loss (bench/check_trl.py "
+                                          f"--kto-fixture)", "cases": cases}, indent=1) + "\n")
+
+
 # ------------------------------------------------------------------------------ compare
 def rel(a: float, b: float) -> float:
     if b == 0:
@@ -316,7 +380,12 @@ def main() -> int:
     ap.add_argument("--methods", nargs="*", default=["dpo", "orpo", "simpo", "kto", "orpo+b", "simpo+b", "kto+b"],
                     help="METHOD+b: the adapter starts with B != 0 as well (its A gradients are then not 0)")
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
+    ap.add_argument("--kto-fixture", type=Path, help="write TRL's KTO losses and gradients on given log-probabilities "
+                                                     "(tests/data/kto_trl.json) and stop")
     a = ap.parse_args()
+    if a.kto_fixture:
+        kto_fixture(a.kto_fixture)
+        return 0
     print("| method | first loss llmtune | first loss TRL | rel | worst metric (rel, of n) | "
           "worst adapter grad norm (rel, of n) | loss curve (KTO: and KL): steps, max rel, last llmtune / TRL |")
     print("|---|---|---|---|---|---|---|")
