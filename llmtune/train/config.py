@@ -136,8 +136,9 @@ class FinetuneConfig:
                                                "rank-2r adapter of the original base).", metavar="NAME")
     # instruction / chat data (train/chat.py) and samples during training
     format: str = setting("auto", "Data format: auto (detected from the file's first record), plain, text, completion, "
-                                  "chat, sharegpt, alpaca or preference ({prompt, chosen, rejected}: --method "
-                                  "dpo|orpo|simpo).", metavar="NAME")
+                                  "chat, sharegpt, alpaca, preference ({prompt, chosen, rejected}: --method "
+                                  "dpo|orpo|simpo) or unpaired ({prompt, completion, label}: --method kto).",
+                          metavar="NAME")
     pack: bool = setting(False, "Put several prompt/completion or chat examples in each --ctx window, each attending "
                                 "only to itself with its own positions (TRL's padding_free): the same loss and "
                                 "gradients per example, most of the padding's compute saved (SmolLM2-135M chat set "
