@@ -23,7 +23,8 @@ weight decay, batches in file order):
 Compared: the first step's loss and every metric (relative difference; absolute where the value
 is 0; KTO: the metrics TRL logs, kl included), the L2 norm of every adapter tensor's first-step
 gradient (largest relative difference) and the loss over `--steps` steps (largest relative
-difference; KTO: each step's KL estimate too). Prints a Markdown table.
+difference). Prints a Markdown table, and for KTO a line on each step's KL estimate (the largest
+absolute and relative difference over the steps where it is not clamped to 0).
 Needs torch, transformers, peft and trl (none of them is a dependency of llmtune).
 """
 
@@ -363,14 +364,15 @@ def compare(method: str, ours: dict, theirs: dict) -> dict:
     grad_diff = {n: rel(ours["grads"][n], theirs["grads"][n]) for n in grad_names}
     n = min(len(ours["losses"]), len(theirs["losses"]))
     curve = max(rel(a, b) for a, b in zip(ours["losses"][:n], theirs["losses"][:n]))
-    # KTO: each step's KL estimate too (0 at the first step, where the policy is the reference)
-    curve = max([curve] + [rel(a, b) for a, b in zip(ours["kl"][:n], theirs["kl"][:n]) if b])
+    # KTO: each step's KL estimate (0 at the first step, where the policy is the reference, and where clamped)
+    kl = [(abs(a - b), rel(a, b)) for a, b in zip(ours["kl"][:n], theirs["kl"][:n]) if b]
     worst_m = max(metric_diff, key=metric_diff.get)
     worst_g = max(grad_diff, key=grad_diff.get)
     return {"loss0": (ours["losses"][0], theirs["losses"][0], rel(ours["losses"][0], theirs["losses"][0])),
             "metric": (worst_m, metric_diff[worst_m], len(metric_diff)),
             "grad": (worst_g, grad_diff[worst_g], len(grad_diff)),
-            "curve": (n, curve, ours["losses"][n - 1], theirs["losses"][n - 1])}
+            "curve": (n, curve, ours["losses"][n - 1], theirs["losses"][n - 1]),
+            "kl": (len(kl), max((d for d, _ in kl), default=0.0), max((r for _, r in kl), default=0.0))}
 
 
 def main() -> int:
@@ -387,9 +389,9 @@ def main() -> int:
         kto_fixture(a.kto_fixture)
         return 0
     print("| method | first loss llmtune | first loss TRL | rel | worst metric (rel, of n) | "
-          "worst adapter grad norm (rel, of n) | loss curve (KTO: and KL): steps, max rel, last llmtune / TRL |")
+          "worst adapter grad norm (rel, of n) | loss curve: steps, max rel, last llmtune / TRL |")
     print("|---|---|---|---|---|---|---|")
-    raw = {}
+    raw, kl = {}, []
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         pairs = pairs_file(tmp)
@@ -409,6 +411,10 @@ def main() -> int:
             l0, m, g, cv = c["loss0"], c["metric"], c["grad"], c["curve"]
             print(f"| {name} | {l0[0]:.8f} | {l0[1]:.8f} | {l0[2]:.1e} | {m[0]} {m[1]:.1e} ({m[2]}) | "
                   f"{g[0]} {g[1]:.1e} ({g[2]}) | {cv[0]}, {cv[1]:.1e}, {cv[2]:.6f} / {cv[3]:.6f} |", flush=True)
+            if method == "kto":
+                kl.append(f"{name}: the KL estimate of the {c['kl'][0]} steps where it is above 0 differs by "
+                          f"{c['kl'][1]:.1e} at most ({c['kl'][2]:.1e} relative)")
+    print("\n".join(kl))
     if a.json:
         a.json.write_text(json.dumps(raw, indent=1, default=float))
     return 0
