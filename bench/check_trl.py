@@ -94,7 +94,8 @@ def initial_adapter(model_path: Path, nonzero_b: bool):
     return adapter
 
 
-def run_llmtune(model_path: Path, data: Path, method: str, steps: int, tmp: Path, init: Path | None = None) -> dict:
+def run_llmtune(model_path: Path, data: Path, method: str, steps: int, tmp: Path, init: Path | None = None,
+                kto_loss: str = "kto") -> dict:
     from llmtune.train.finetune import finetune
     from llmtune.train.loop import Hook
 
@@ -106,11 +107,13 @@ def run_llmtune(model_path: Path, data: Path, method: str, steps: int, tmp: Path
                 grads.update({n: float(np.linalg.norm(run.trainer.backend.to_numpy(g).astype(np.float64)))
                               for n, g in run.trainer.grads.items()})
 
-    metrics = tmp / f"{method}.metrics.jsonl"
+    stem = method if kto_loss == "kto" else f"{method}-{kto_loss}"
+    metrics = tmp / f"{stem}.metrics.jsonl"
     epochs = steps // 2  # 8 pairs, 4 per step
-    finetune(model_path, data, tmp / f"{method}.gguf", method=method, beta=BETA[method],
+    finetune(model_path, data, tmp / f"{stem}.gguf", method=method, beta=BETA[method],
              **({"gamma": GAMMA} if method == "simpo" else {}),
              **(dict(zip(("desirable_weight", "undesirable_weight"), KTO_WEIGHTS)) if method == "kto" else {}),
+             **({"kto_loss": kto_loss} if kto_loss != "kto" else {}),
              **({"lora_init": str(init)} if init else {"lora_rank": RANK, "lora_alpha": ALPHA}), ctx=64,
              batch=64 * BATCH, epochs=epochs, lr=LR, val_split=0.0, shuffle=False, seed=SEED, metrics=str(metrics),
              hooks=lambda cfg, model: [FirstGradients()])
@@ -189,7 +192,7 @@ def hf_tokenizer(model_path: Path):
                                    bos_token=bos, eos_token=eos, pad_token=eos)
 
 
-def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path, adapter) -> dict:
+def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path, adapter, kto_loss: str = "kto") -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -200,7 +203,7 @@ def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path, ad
     tokenizer = hf_tokenizer(model_path)
     rows = [{"prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(len(pairs))]
     by_prompt = {f"p{i}": p for i, p in enumerate(pairs)}
-    common = dict(output_dir=str(tmp / f"trl-{method}"), per_device_train_batch_size=BATCH,
+    common = dict(output_dir=str(tmp / f"trl-{method}-{kto_loss}"), per_device_train_batch_size=BATCH,
                   gradient_accumulation_steps=1,
                   learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps, logging_steps=1,
                   max_grad_norm=0.0, weight_decay=0.0, report_to="none", save_strategy="no", use_cpu=True, seed=SEED,
@@ -224,7 +227,7 @@ def run_trl(model_path: Path, data: Path, method: str, steps: int, tmp: Path, ad
         kto_module._tokenize = tokenize
         ds = Dataset.from_list([{"prompt": f"p{i}", "completion": f"c{i}", "label": bool(y)}
                                 for i, (_, _, y) in enumerate(examples)])
-        args = KTOConfig(loss_type="kto", desirable_weight=KTO_WEIGHTS[0], undesirable_weight=KTO_WEIGHTS[1],
+        args = KTOConfig(loss_type=kto_loss, desirable_weight=KTO_WEIGHTS[0], undesirable_weight=KTO_WEIGHTS[1],
                          max_length=None, precompute_ref_log_probs=False, gradient_checkpointing=False, **common)
         trainer = KTOTrainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer)
     elif method == "dpo":
@@ -379,8 +382,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / "tests" / "data" / "stories260K.gguf")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--methods", nargs="*", default=["dpo", "orpo", "simpo", "kto", "orpo+b", "simpo+b", "kto+b"],
-                    help="METHOD+b: the adapter starts with B != 0 as well (its A gradients are then not 0)")
+    ap.add_argument("--methods", nargs="*", default=["dpo", "orpo", "simpo", "kto", "kto-apo", "orpo+b", "simpo+b",
+                                                     "kto+b"],
+                    help="METHOD+b: the adapter starts with B != 0 as well (its A gradients are then not 0); "
+                         "kto-apo: KTO's loss_type apo_zero_unpaired")
     ap.add_argument("--json", type=Path, help="also write the raw numbers here")
     ap.add_argument("--kto-fixture", type=Path, help="write TRL's KTO losses and gradients on given log-probabilities "
                                                      "(tests/data/kto_trl.json) and stop")
@@ -398,20 +403,21 @@ def main() -> int:
         unpaired = unpaired_file(tmp, pairs)
         for name in a.methods:
             method, nonzero_b = name.removesuffix("+b"), name.endswith("+b")
+            method, kto_loss = ("kto", "apo_zero_unpaired") if method == "kto-apo" else (method, "kto")
             adapter, init = initial_adapter(a.model, nonzero_b), None
             if nonzero_b:
                 from llmtune.model.adapter import write_adapter
 
                 init = write_adapter(tmp / f"init-{method}.gguf", adapter)
             data = unpaired if method == "kto" else pairs
-            ours = run_llmtune(a.model, data, method, a.steps, tmp, init)
-            theirs = run_trl(a.model, data, method, a.steps, tmp, adapter)
+            ours = run_llmtune(a.model, data, method, a.steps, tmp, init, kto_loss)
+            theirs = run_trl(a.model, data, method, a.steps, tmp, adapter, kto_loss)
             raw[name] = {"llmtune": ours, "trl": theirs}
             c = compare(method, ours, theirs)
             l0, m, g, cv = c["loss0"], c["metric"], c["grad"], c["curve"]
             print(f"| {name} | {l0[0]:.8f} | {l0[1]:.8f} | {l0[2]:.1e} | {m[0]} {m[1]:.1e} ({m[2]}) | "
                   f"{g[0]} {g[1]:.1e} ({g[2]}) | {cv[0]}, {cv[1]:.1e}, {cv[2]:.6f} / {cv[3]:.6f} |", flush=True)
-            if method == "kto":
+            if method == "kto" and kto_loss == "kto":
                 kl.append(f"{name}: the KL estimate of the {c['kl'][0]} steps where it is above 0 differs by "
                           f"{c['kl'][1]:.1e} at most ({c['kl'][2]:.1e} relative)")
     print("\n".join(kl))

@@ -180,6 +180,8 @@ def test_bad_unpaired_records_are_one_line_naming_file_and_record(tmp_path, reco
     (None, ["--desirable-weight", "0"], "--desirable-weight: must be > 0, got 0.0"),
     (None, ["--method", "dpo", "--undesirable-weight", "2"], "--undesirable-weight: only --method kto uses it"),
     (None, ["--label-smoothing", "0.1"], "--label-smoothing: only --method dpo or simpo uses it"),
+    (None, ["--kto-loss", "ipo"], "--kto-loss: unknown loss 'ipo' (choose kto, apo_zero_unpaired)"),
+    (None, ["--method", "simpo", "--kto-loss", "apo_zero_unpaired"], "--kto-loss: only --method kto uses it"),
 ])
 def test_bad_kto_input_is_one_line_exit_2(tmp_path, stories_path, monkeypatch, capsys, rows, args, message):
     data = write_jsonl(tmp_path / "d.jsonl", rows or [{"prompt": "a", "completion": "b", "label": True}] * 8)
@@ -245,6 +247,21 @@ def test_kto_progress_line_and_one_label_only(tmp_path, stories_path, monkeypatc
     assert "8 desirable, 0 undesirable" in err and "--desirable-weight in [" in err
     line = next(x for x in err.splitlines() if x.startswith("epoch 1 step 1/4"))
     assert "chosen 0.000, kl 0.000" in line and "rejected" not in line and "margin" not in line
+
+
+def test_apo_zero_unpaired_has_no_kl_completions_and_learns(stories_path, tmp_path):
+    """--kto-loss apo_zero_unpaired (TRL's calculate_KL False): no KL branch in the windows, a
+    step of one example allowed, kl logged as 0, the loss falls."""
+    res = _run(stories_path, tmp_path / "apo.gguf", kto_loss="apo_zero_unpaired", batch=64, epochs=1,
+               checkpoint_every=0, metrics=str(tmp_path / "apo.jsonl"))
+    assert res.first_loss == pytest.approx(0.5, abs=1e-6) and res.epochs[-1].val_loss < 0.1
+    steps = [json.loads(line) for line in (tmp_path / "apo.jsonl").read_text().splitlines()]
+    assert all(r["kl"] == 0 for r in steps if r["type"] == "train_step")
+    ds = KTODataset.of_examples([(np.array([1, 2], np.int32), np.array([3, 4], np.int32), True)] * 2, 3, 0.0, 0,
+                                per_step=2, kl=False)  # prompt + completion fill the window: no slot for KL
+    assert [len(p.rejected) for p in ds.pairs] == [0, 0] and ds.n_truncated == 0
+    x, y, layout = ds.gather([0, 1])
+    assert not (layout.parts == REJECTED).any() and y[0].tolist() == [2, 3, 4]
 
 
 def test_lr_1e3_stops_a_kto_run_with_exit_3_and_no_model(tmp_path, stories_path, monkeypatch, capsys):

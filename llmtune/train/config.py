@@ -167,6 +167,8 @@ class FinetuneConfig:
                                       metavar="X")
     undesirable_weight: float = setting(1.0, "KTO: the weight of the undesirable (label false) examples' losses.",
                                         metavar="X")
+    kto_loss: str = setting("kto", "KTO: TRL's loss_type, kto, or apo_zero_unpaired (APO-zero's unpaired loss: no "
+                                   "KL estimate, a step may hold one example).", metavar="NAME")
     label_smoothing: float = setting(0.0, "DPO / SimPO: the chance a pair's labels are flipped (conservative DPO).",
                                      metavar="X")
     gamma: float = setting(0.5, "SimPO: the target reward margin (TRL's simpo_gamma).", metavar="X")
@@ -286,10 +288,13 @@ def _check_method(c: "FinetuneConfig") -> None:
     for name in ("desirable_weight", "undesirable_weight"):
         if not getattr(c, name) > 0:
             raise LlmtuneError(f"{flag_name(name)}: must be > 0, got {getattr(c, name)}")
+    if c.kto_loss not in ("kto", "apo_zero_unpaired"):
+        raise LlmtuneError(f"--kto-loss: unknown loss {c.kto_loss!r} (choose kto, apo_zero_unpaired)")
     given = {"beta": c.beta != 0.1, "label_smoothing": c.label_smoothing != 0.0, "gamma": c.gamma != 0.5,
-             "desirable_weight": c.desirable_weight != 1.0, "undesirable_weight": c.undesirable_weight != 1.0}
+             "desirable_weight": c.desirable_weight != 1.0, "undesirable_weight": c.undesirable_weight != 1.0,
+             "kto_loss": c.kto_loss != "kto"}
     readers = {"beta": ("dpo", "orpo", "simpo", "kto"), "label_smoothing": ("dpo", "simpo"), "gamma": ("simpo",),
-               "desirable_weight": ("kto",), "undesirable_weight": ("kto",)}
+               "desirable_weight": ("kto",), "undesirable_weight": ("kto",), "kto_loss": ("kto",)}
     for name, on in given.items():
         if on and c.method not in readers[name]:
             raise LlmtuneError(f"{flag_name(name)}: only --method {' or '.join(readers[name])} uses it")
@@ -301,7 +306,7 @@ def _check_method(c: "FinetuneConfig") -> None:
                "kto": "KTO scores the completion given the prompt"}.get(
             c.method, f"{c.method.upper()} compares the chosen and rejected answers given the prompt, which both share")
         raise LlmtuneError(f"--train-on-prompt: not with --method {c.method} ({why})")
-    if c.method == "kto" and c.batch < 2 * c.ctx:
+    if c.method == "kto" and c.kto_loss == "kto" and c.batch < 2 * c.ctx:
         raise LlmtuneError(f"--batch {c.batch}: --method kto needs at least 2 examples a step (--batch >= 2 x --ctx "
                            f"{c.ctx}): its KL estimate pairs each completion with another example's prompt of the step "
                            f"(TRL's KTOTrainer refuses a batch of 1)")

@@ -108,7 +108,7 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
                                           cfg.train_on_prompt, cfg.pack)
     elif cfg.method == "kto":  # unpaired examples, one per window with a KL completion (train/kto.py)
         dataset, n_tokens = build_unpaired(model, data_path, cfg.ctx, cfg.holdout, cfg.batch // cfg.ctx, cfg.format,
-                                           cfg.chat_template)
+                                           cfg.chat_template, kl=cfg.kto_loss == "kto")
         if ckpt is None and (unbalanced := balance_warning(dataset, cfg.desirable_weight, cfg.undesirable_weight)):
             warn(unbalanced)
     else:  # preference pairs, one per window (train/preference.py)
@@ -144,7 +144,7 @@ def _trainer(model: Model, trainable: list[str], cfg: FinetuneConfig, ckpt) -> T
     backend = get_backend(cfg.backend, precision=cfg.precision)
     if cfg.method == "kto":
         objective = KTOObjective(beta=cfg.beta, desirable_weight=cfg.desirable_weight,
-                                 undesirable_weight=cfg.undesirable_weight)
+                                 undesirable_weight=cfg.undesirable_weight, loss_type=cfg.kto_loss)
         return PreferenceTrainer(model, backend, objective=objective, **kw)
     if cfg.method != "sft":
         objective = Objective(cfg.method, cfg.beta, cfg.label_smoothing, cfg.gamma)

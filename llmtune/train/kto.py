@@ -20,7 +20,8 @@
 - The loss (KTOObjective, float64): TRL's loss_type "kto": desirable examples
   1 - sigmoid(beta (logratio - z0)), undesirable 1 - sigmoid(beta (z0 - logratio)), each times
   desirable_weight / undesirable_weight, the mean over the batch's examples; "apo_zero_unpaired"
-  (z0 = 0, no KL) is the same with the KL left out (not on the command line).
+  (--kto-loss) is the same with z0 = 0, and its windows hold no KL completion (TRL's calculate_KL
+  False).
 - The reference is the model as training starts: each example's (completion, KL completion)
   log-probabilities are computed once before training (TRL's precompute_ref_log_probs, preference.py
   PreferenceTrainer.reference_logps) and kept in checkpoints as DPO's are.
@@ -63,13 +64,14 @@ class KTODataset(PairDataset):
 
     @classmethod
     def of_examples(cls, examples: list[tuple], n_ctx: int, val_split, pad_id: int, per_step: int,
-                    source: str = "data") -> "KTODataset":
+                    source: str = "data", kl: bool = True) -> "KTODataset":
         """examples: (prompt ids, completion ids, label); per_step: the examples of a step, the runs
-        the KL completions rotate within (TRL's per_device_train_batch_size)."""
-        kept = [e for e in examples if len(e[0]) >= 1 and len(e[1]) and len(e[0]) + len(e[1]) <= n_ctx]
+        the KL completions rotate within (TRL's per_device_train_batch_size); kl False: none
+        (loss_type apo_zero_unpaired)."""
+        kept = [e for e in examples if len(e[0]) >= 1 and len(e[1]) and len(e[0]) - 1 + len(e[1]) + kl <= n_ctx]
         if not kept:
-            raise LlmtuneError(f"{source}: no example fits in --ctx {n_ctx} (prompt + completion, and one slot for "
-                               f"the KL completion): raise --ctx")
+            room = ", and one slot for the KL completion" if kl else ""
+            raise LlmtuneError(f"{source}: no example fits in --ctx {n_ctx} (prompt + completion{room}): raise --ctx")
         n = len(kept)
         kept, n_train, n_val = Holdout.of(val_split).arrange(kept, source, "example(s)")
         pairs, truncated = [], 0
@@ -78,8 +80,8 @@ class KTODataset(PairDataset):
             for s in range(0, len(part), per_step):
                 run = part[s : s + per_step]
                 for (prompt, completion, _), (_, other, _) in zip(run, run[-1:] + run[:-1]):
-                    room = n_ctx - (len(prompt) - 1 + len(completion))
-                    truncated += len(other) > room
+                    room = n_ctx - (len(prompt) - 1 + len(completion)) if kl else 0
+                    truncated += kl and len(other) > room
                     pairs.append(Pair(prompt, completion, other[:room]))
         labels = np.array([e[2] for e in kept], dtype=bool)
         return cls(pairs, n_ctx, int(pad_id), n_train, n_val, len(examples) - n, labels=labels, n_truncated=truncated)
@@ -99,11 +101,12 @@ class KTODataset(PairDataset):
     def info(self, seqs_per_epoch: int) -> dict:
         desirable = int(self.labels.sum())
         return {**super().info(seqs_per_epoch), "format": "unpaired", "truncated": self.n_truncated,
-                "desirable": desirable, "undesirable": len(self.labels) - desirable}
+                "desirable": desirable, "undesirable": len(self.labels) - desirable,
+                "kl": any(len(p.rejected) for p in self.pairs)}
 
 
 def build_unpaired(model, data_path, ctx: int, val_split, per_step: int, fmt: str = "auto",
-                   chat_template=None) -> tuple[KTODataset, int]:
+                   chat_template=None, kl: bool = True) -> tuple[KTODataset, int]:
     """(dataset, n_tokens) of an unpaired preference file: {"prompt", "completion", "label"} records."""
     records = read_records(data_path, fmt)
     if records.format != "unpaired":
@@ -115,7 +118,7 @@ def build_unpaired(model, data_path, ctx: int, val_split, per_step: int, fmt: st
     for (prompt, completion, label), where in zip(records.items, records.wheres):
         p_ids, (c_ids,) = tokenize_completions(model.tokenizer, template, prompt, (completion,), where)
         examples.append((p_ids, c_ids, label))
-    ds = KTODataset.of_examples(examples, ctx, val_split, pad_token(model.tokenizer), per_step, str(data_path))
+    ds = KTODataset.of_examples(examples, ctx, val_split, pad_token(model.tokenizer), per_step, str(data_path), kl)
     ds.template = template
     return ds, ds.tokens
 

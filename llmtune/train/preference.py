@@ -156,6 +156,8 @@ class PairDataset(TrainValSplit):
             x[r, :at], y[r, :at], parts[r, :at] = p.prompt[:-1], p.prompt[1:], TRUNK
             for part, completion in ((CHOSEN, p.chosen), (REJECTED, p.rejected)):
                 n = len(completion)
+                if not n:  # KTO's apo_zero_unpaired: no KL completion (train/kto.py)
+                    continue
                 x[r, at], x[r, at + 1 : at + n] = p.prompt[-1], completion[:-1]
                 y[r, at : at + n], parts[r, at : at + n] = completion, part
                 at += n

@@ -236,10 +236,11 @@ def data_line(data: dict) -> str:
     if data["format"] == "unpaired":
         notes = [f"{data['dropped']} dropped (longer than --ctx)"] if data["dropped"] else []
         notes += [f"{data['truncated']} KL completions cut to --ctx"] if data["truncated"] else []
+        kl = "prompt once, then its completion and another example's for the KL estimate; " if data["kl"] else ""
         return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} unpaired "
                 f"examples ({data['desirable']:,} desirable, {data['undesirable']:,} undesirable), one per window "
-                f"(prompt once, then its completion and another example's for the KL estimate; {data['padding']:.0%} "
-                f"padding){''.join('; ' + n for n in notes)}; {per_epoch} (the completions' tokens)")
+                f"({kl}{data['padding']:.0%} padding){''.join('; ' + n for n in notes)}; {per_epoch} (the "
+                f"completions' tokens)")
     if data["format"] == "preference":
         dropped = f"; {data['dropped']} dropped (longer than --ctx)" if data["dropped"] else ""
         return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} preference "
