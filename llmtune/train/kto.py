@@ -10,7 +10,8 @@
   the runs are the steps' batches (--batch / --ctx examples) over the training examples in file
   order, then over the validation ones; so with --no-shuffle each step's KL pairs are TRL's
   (its batch composition). --shuffle keeps these pairs (fixed with the data, as TRL fixes them)
-  and mixes which of them a step averages: still mismatched pairs of the same data.
+  and mixes which of them a step averages: still mismatched pairs of the same data. A validation
+  pass scores the held-out examples as one batch: its z0 is the mean over all their pairs.
 - One window per example, one pass: the prompt (less its last token) is the trunk, its own
   completion the first branch (preference.py's CHOSEN part) and the mismatched KL completion the
   second (REJECTED part), each branch seeing the trunk and itself (arch/packing.py pair_inputs), so

@@ -19,6 +19,9 @@
   is 0; the base plus --lora-init's adapter, TRL's "ref" adapter copy): its log-probabilities are
   computed once, before training, for every pair (TRL's precompute_ref_log_probs), and kept in the
   checkpoints, so no second model is ever held.
+- KTO (train/kto.py) reuses all of it: one example per window, its completion and a mismatched one
+  (the KL estimate's) as the two branches, SeqLogps with the labels, this trainer and reference;
+  its loss is kto.KTOObjective, a sibling of Objective.
 """
 
 from __future__ import annotations
