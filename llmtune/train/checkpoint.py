@@ -47,6 +47,7 @@ from llmtune.resources import write_atomically
 from llmtune.train import guard
 from llmtune.train.config import RUN_ONLY
 from llmtune.train.events import Checkpoint as CheckpointEvent, EpochResult, Resumed
+from llmtune.train.preference import REFERENCE_METHODS
 from llmtune.train.records import data_files
 from llmtune.train.trainer import RunningStats
 
@@ -231,8 +232,9 @@ def save_checkpoint(run) -> Path | None:
 
 
 def _reference(run) -> dict:
-    """DPO's reference log-probabilities (train/preference.py), computed once before the first
-    step: kept, since the weights they came from are gone once training has started."""
+    """DPO's reference log-probabilities (train/preference.py; KTO's: completion and KL completion,
+    train/kto.py), computed once before the first step: kept, since the weights they came from
+    are gone once training has started."""
     ref = getattr(run.dataset, "ref", None)
     return {} if ref is None else {"ref_logps": np.asarray(ref, dtype=np.float64)}
 
@@ -296,7 +298,7 @@ def restore(run, ckpt: Checkpoint) -> None:
         run.selection.restore(meta.get("selection"), ckpt.arrays, run.trainer)  # best pass, patience count
     except (LlmtuneError, ValueError) as exc:
         raise LlmtuneError(f"{where}: {exc}") from None
-    if hasattr(run.dataset, "ref") and run.cfg.method == "dpo":
+    if hasattr(run.dataset, "ref") and run.cfg.method in REFERENCE_METHODS:
         ref = ckpt.arrays.get("ref_logps")
         if ref is None or ref.shape != (len(run.dataset.pairs), 2):
             raise LlmtuneError(f"{where}: damaged checkpoint (no reference log-probabilities for the data's pairs)")

@@ -12,6 +12,8 @@ from llmtune.errors import LlmtuneError
 from llmtune.tomlfile import read_toml
 from llmtune.train.data import VAL_PICKS, Holdout
 
+KTO_BATCH = 8  # --method kto's windows per step when --batch is not given: TRL's per_device_train_batch_size
+
 
 def setting(default, help: str, *, short: Optional[str] = None, metavar: Optional[str] = None,
             unset: Optional[str] = None, flag: Optional[str] = None, path: bool = False):
@@ -26,7 +28,8 @@ def setting(default, help: str, *, short: Optional[str] = None, metavar: Optiona
 @dataclass
 class FinetuneConfig:
     ctx: int = setting(512, "Tokens per training sequence (n_ctx).", short="-c", metavar="N")
-    batch: Optional[int] = setting(None, "Tokens per optimizer step, a multiple of --ctx.", short="-b", metavar="N",
+    batch: Optional[int] = setting(None, "Tokens per optimizer step, a multiple of --ctx (--method kto: at least 2 "
+                                         "x --ctx, 8 x by default as TRL's batch).", short="-b", metavar="N",
                                    unset="ctx")
     ubatch: Optional[int] = setting(None,
                                     "Tokens per forward/backward pass, a multiple of --ctx dividing --batch; trades "
@@ -133,8 +136,9 @@ class FinetuneConfig:
                                                "rank-2r adapter of the original base).", metavar="NAME")
     # instruction / chat data (train/chat.py) and samples during training
     format: str = setting("auto", "Data format: auto (detected from the file's first record), plain, text, completion, "
-                                  "chat, sharegpt, alpaca or preference ({prompt, chosen, rejected}: --method "
-                                  "dpo|orpo|simpo).", metavar="NAME")
+                                  "chat, sharegpt, alpaca, preference ({prompt, chosen, rejected}: --method "
+                                  "dpo|orpo|simpo) or unpaired ({prompt, completion, label}: --method kto).",
+                          metavar="NAME")
     pack: bool = setting(False, "Put several prompt/completion or chat examples in each --ctx window, each attending "
                                 "only to itself with its own positions (TRL's padding_free): the same loss and "
                                 "gradients per example, most of the padding's compute saved (SmolLM2-135M chat set "
@@ -151,13 +155,20 @@ class FinetuneConfig:
                                            metavar="TEXT")
     sample_every: int = setting(0, "Print the --sample-prompt continuation every N optimizer steps instead.",
                                 metavar="N", unset="after each epoch")
-    # preference tuning (train/preference.py): {"prompt", "chosen", "rejected"} pairs, TRL's losses
+    # preference tuning (train/preference.py, train/kto.py): TRL's losses
     method: str = setting("sft", "sft (supervised, next-token loss), or on preference pairs dpo (TRL's DPOTrainer, "
                                  "sigmoid loss; the reference is the model as training starts), orpo (ORPOTrainer: "
-                                 "SFT loss plus the odds-ratio term) or simpo (CPOTrainer loss_type=simpo).",
+                                 "SFT loss plus the odds-ratio term) or simpo (CPOTrainer loss_type=simpo), or on "
+                                 "unpaired {prompt, completion, label} records kto (KTOTrainer).",
                           metavar="NAME")
-    beta: float = setting(0.1, "DPO / SimPO: the beta of the sigmoid loss; ORPO: lambda, the odds-ratio term's "
-                               "weight (TRL's beta).", metavar="X")
+    beta: float = setting(0.1, "DPO / SimPO / KTO: the beta of the sigmoid loss; ORPO: lambda, the odds-ratio "
+                               "term's weight (TRL's beta).", metavar="X")
+    desirable_weight: float = setting(1.0, "KTO: the weight of the desirable (label true) examples' losses.",
+                                      metavar="X")
+    undesirable_weight: float = setting(1.0, "KTO: the weight of the undesirable (label false) examples' losses.",
+                                        metavar="X")
+    kto_loss: str = setting("kto", "KTO: TRL's loss_type, kto, or apo_zero_unpaired (APO-zero's unpaired loss: no "
+                                   "KL estimate, a step may hold one example).", metavar="NAME")
     label_smoothing: float = setting(0.0, "DPO / SimPO: the chance a pair's labels are flipped (conservative DPO).",
                                      metavar="X")
     gamma: float = setting(0.5, "SimPO: the target reward margin (TRL's simpo_gamma).", metavar="X")
@@ -186,7 +197,7 @@ class FinetuneConfig:
         c = dataclasses.replace(self)
         if c.ctx < 2:
             raise LlmtuneError(f"--ctx: must be at least 2, got {c.ctx}")
-        c.batch = c.batch or c.ctx
+        c.batch = c.batch or c.ctx * (KTO_BATCH if c.method == "kto" else 1)
         if c.batch % c.ctx:  # each flag checked on its own, so the message names only what was given
             raise LlmtuneError(f"--batch {c.batch}: must be a multiple of --ctx {c.ctx}")
         if c.ubatch and (c.ubatch % c.ctx or c.batch % c.ubatch):
@@ -274,17 +285,31 @@ def _check_method(c: "FinetuneConfig") -> None:
         raise LlmtuneError(f"--beta: must be > 0, got {c.beta}")
     if not 0 <= c.label_smoothing <= 0.5:
         raise LlmtuneError(f"--label-smoothing: must be in [0, 0.5], got {c.label_smoothing}")
-    given = {"beta": c.beta != 0.1, "label_smoothing": c.label_smoothing != 0.0, "gamma": c.gamma != 0.5}
-    readers = {"beta": ("dpo", "orpo", "simpo"), "label_smoothing": ("dpo", "simpo"), "gamma": ("simpo",)}
+    for name in ("desirable_weight", "undesirable_weight"):
+        if not getattr(c, name) > 0:
+            raise LlmtuneError(f"{flag_name(name)}: must be > 0, got {getattr(c, name)}")
+    if c.kto_loss not in ("kto", "apo_zero_unpaired"):
+        raise LlmtuneError(f"--kto-loss: unknown loss {c.kto_loss!r} (choose kto, apo_zero_unpaired)")
+    given = {"beta": c.beta != 0.1, "label_smoothing": c.label_smoothing != 0.0, "gamma": c.gamma != 0.5,
+             "desirable_weight": c.desirable_weight != 1.0, "undesirable_weight": c.undesirable_weight != 1.0,
+             "kto_loss": c.kto_loss != "kto"}
+    readers = {"beta": ("dpo", "orpo", "simpo", "kto"), "label_smoothing": ("dpo", "simpo"), "gamma": ("simpo",),
+               "desirable_weight": ("kto",), "undesirable_weight": ("kto",), "kto_loss": ("kto",)}
     for name, on in given.items():
         if on and c.method not in readers[name]:
             raise LlmtuneError(f"{flag_name(name)}: only --method {' or '.join(readers[name])} uses it")
     if c.method != "sft" and c.pack:
-        raise LlmtuneError(f"--pack: not with --method {c.method} (one pair per window)")
+        raise LlmtuneError(f"--pack: not with --method {c.method} (one {'example' if c.method == 'kto' else 'pair'} "
+                           f"per window)")
     if c.method != "sft" and c.train_on_prompt:
-        why = ("ORPO's NLL term counts the prompt's tokens already, as TRL's ORPOTrainer does" if c.method == "orpo"
-               else f"{c.method.upper()} compares the chosen and rejected answers given the prompt, which both share")
+        why = {"orpo": "ORPO's NLL term counts the prompt's tokens already, as TRL's ORPOTrainer does",
+               "kto": "KTO scores the completion given the prompt"}.get(
+            c.method, f"{c.method.upper()} compares the chosen and rejected answers given the prompt, which both share")
         raise LlmtuneError(f"--train-on-prompt: not with --method {c.method} ({why})")
+    if c.method == "kto" and c.kto_loss == "kto" and c.batch < 2 * c.ctx:
+        raise LlmtuneError(f"--batch {c.batch}: --method kto needs at least 2 examples a step (--batch >= 2 x --ctx "
+                           f"{c.ctx}): its KL estimate pairs each completion with another example's prompt of the step "
+                           f"(TRL's KTOTrainer refuses a batch of 1)")
 
 
 def _check_schedule(c: FinetuneConfig) -> None:

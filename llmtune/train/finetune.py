@@ -18,13 +18,14 @@ from llmtune.train.config import FinetuneConfig, make_config, resume_config
 from llmtune.train.distributed import agree_ranks
 from llmtune.train.events import EpochResult, FinetuneResult  # noqa: F401 - part of this call's interface
 from llmtune.train.guard import Diverged
+from llmtune.train.kto import KTOObjective, balance_warning, build_unpaired
 from llmtune.train.loop import Hook, Run, train
 from llmtune.train.memory import mapped_bytes
 from llmtune.train.metrics import MetricsLog
 from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
 from llmtune.train.output import write_output
-from llmtune.train.preference import Objective, PreferenceTrainer, build_pairs
+from llmtune.train.preference import REFERENCE_METHODS, Objective, PreferenceTrainer, build_pairs
 from llmtune.train.selection import Selection
 from llmtune.train.signals import StopRequest, signal_name
 from llmtune.train.trainer import Trainer
@@ -105,6 +106,11 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     if cfg.method == "sft":
         dataset, n_tokens = build_dataset(model, data_path, cfg.ctx, cfg.holdout, cfg.format, cfg.chat_template,
                                           cfg.train_on_prompt, cfg.pack)
+    elif cfg.method == "kto":  # unpaired examples, one per window with a KL completion (train/kto.py)
+        dataset, n_tokens = build_unpaired(model, data_path, cfg.ctx, cfg.holdout, cfg.batch // cfg.ctx, cfg.format,
+                                           cfg.chat_template, kl=cfg.kto_loss == "kto")
+        if ckpt is None and (unbalanced := balance_warning(dataset, cfg.desirable_weight, cfg.undesirable_weight)):
+            warn(unbalanced)
     else:  # preference pairs, one per window (train/preference.py)
         dataset, n_tokens = build_pairs(model, data_path, cfg.ctx, cfg.holdout, cfg.format, cfg.chat_template,
                                         cfg.method)
@@ -125,8 +131,8 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
               hooks=run_hooks, emit=emit, selection=Selection.of(cfg))
     if ckpt is not None:
         ckpts.restore(run, ckpt)
-    elif cfg.method == "dpo":
-        dataset.ref = trainer.reference_logps(dataset)  # the model as it starts: DPO's reference, kept
+    elif cfg.method in REFERENCE_METHODS:
+        dataset.ref = trainer.reference_logps(dataset)  # the model as it starts: DPO's / KTO's reference, kept
     return run
 
 
@@ -136,6 +142,10 @@ def _trainer(model: Model, trainable: list[str], cfg: FinetuneConfig, ckpt) -> T
               wd=cfg.wd, lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
               grad_clip=cfg.grad_clip, lr_factors=lr_factors(cfg, trainable))
     backend = get_backend(cfg.backend, precision=cfg.precision)
+    if cfg.method == "kto":
+        objective = KTOObjective(beta=cfg.beta, desirable_weight=cfg.desirable_weight,
+                                 undesirable_weight=cfg.undesirable_weight, loss_type=cfg.kto_loss)
+        return PreferenceTrainer(model, backend, objective=objective, **kw)
     if cfg.method != "sft":
         objective = Objective(cfg.method, cfg.beta, cfg.label_smoothing, cfg.gamma)
         return PreferenceTrainer(model, backend, objective=objective, **kw)

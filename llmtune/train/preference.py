@@ -19,6 +19,9 @@
   is 0; the base plus --lora-init's adapter, TRL's "ref" adapter copy): its log-probabilities are
   computed once, before training, for every pair (TRL's precompute_ref_log_probs), and kept in the
   checkpoints, so no second model is ever held.
+- KTO (train/kto.py) reuses all of it: one example per window, its completion and a mismatched one
+  (the KL estimate's) as the two branches, SeqLogps with the labels, this trainer and reference;
+  its loss is kto.KTOObjective, a sibling of Objective.
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ from llmtune.train.programs import WeightedTokenNLL
 from llmtune.train.records import read_records
 from llmtune.train.trainer import RunningStats, Trainer
 
-METHODS = ("sft", "dpo", "orpo", "simpo")
+METHODS = ("sft", "dpo", "orpo", "simpo", "kto")
+REFERENCE_METHODS = ("dpo", "kto")  # the methods whose reference log-probabilities are computed before training
 # what each method's loss measures (--plot's axis): a next-token loss is a mean NLL per token; a
 # preference loss a mean over pairs of -log sigmoid(a margin) (nats per pair); ORPO's adds both
 LOSS_LABELS = {"sft": "loss (nats per token)", "dpo": "DPO loss (nats per pair)",
                "orpo": "ORPO loss (NLL per token + beta x odds-ratio nats per pair)",
-               "simpo": "SimPO loss (nats per pair)"}
+               "simpo": "SimPO loss (nats per pair)", "kto": "KTO loss (weighted 1 - sigmoid per example)"}
 TRUNK, CHOSEN, REJECTED, PAD = 0, 1, 2, 3  # the parts of a pair's window
 
 
@@ -66,40 +70,49 @@ def tokenize_pair(tokenizer, template, item, where: str) -> Pair:
     """A record's (prompt, chosen, rejected) as token ids, as TRL's DPOTrainer._prepare_dataset:
     strings get EOS after each completion; message lists are rendered with the chat template;
     the completions start where prompt and prompt + completion stop sharing tokens."""
-
     prompt, chosen, rejected = item
+    p_ids, (c_ids, r_ids) = tokenize_completions(tokenizer, template, prompt, (chosen, rejected), where)
+    return Pair(p_ids, c_ids, r_ids)
+
+
+def tokenize_completions(tokenizer, template, prompt, completions, where: str) -> tuple[np.ndarray, list]:
+    """(prompt ids, [completion ids]) of a prompt and its completions (tokenize_pair's rules; KTO's
+    one completion, train/kto.py): the prompt is cut where it and every prompt + completion stop
+    sharing tokens."""
     if isinstance(prompt, str):
         def full(completion):
             ids = list(tokenizer.encode(prompt + completion, add_special=True))
             if tokenizer.eos_id is not None and tokenizer.eos_id >= 0 and (not ids or ids[-1] != tokenizer.eos_id):
                 ids.append(tokenizer.eos_id)
             return ids
-        p_ids, c_ids, r_ids = prompt_ids(tokenizer, prompt), full(chosen), full(rejected)
+        p_ids, fulls = prompt_ids(tokenizer, prompt), [full(c) for c in completions]
     else:
         if template is None:
-            raise LlmtuneError(f"{where}: conversational pairs need a chat template (the model has none: "
+            raise LlmtuneError(f"{where}: conversational records need a chat template (the model has none: "
                                f"give --chat-template)")
         try:
             p_ids = encode(tokenizer, template.render(prompt, add_generation_prompt=True))
-            c_ids = encode(tokenizer, template.render(prompt + chosen, add_generation_prompt=False))
-            r_ids = encode(tokenizer, template.render(prompt + rejected, add_generation_prompt=False))
+            fulls = [encode(tokenizer, template.render(prompt + c, add_generation_prompt=False)) for c in completions]
         except ChatTemplateError as exc:
             raise LlmtuneError(f"{where}: {exc}") from None
-    n = min(_common_prefix(p_ids, c_ids), _common_prefix(p_ids, r_ids))
+    n = min(_common_prefix(p_ids, ids) for ids in fulls)
     as_ids = lambda ids: np.asarray(ids, dtype=np.int32)  # noqa: E731
-    return Pair(as_ids(c_ids[:n]), as_ids(c_ids[n:]), as_ids(r_ids[n:]))
+    return as_ids(fulls[0][:n]), [as_ids(ids[n:]) for ids in fulls]
 
 
 @dataclass
 class PairLayout:
     """What a batch of pair windows carries besides inputs and targets: each token's part (TRUNK,
-    CHOSEN, REJECTED, PAD), and the pairs' reference log-probabilities (chosen, rejected)."""
+    CHOSEN, REJECTED, PAD), and the pairs' reference log-probabilities (chosen, rejected); KTO's
+    windows (train/kto.py) also their labels."""
 
     parts: np.ndarray  # int32 [n, n_ctx]
     ref: Optional[np.ndarray]  # float64 [n, 2], or None (no reference)
+    labels: Optional[np.ndarray] = None  # bool [n]: KTO's desirable (True) / undesirable examples
 
     def __getitem__(self, rows) -> "PairLayout":
-        return PairLayout(self.parts[rows], None if self.ref is None else self.ref[rows])
+        pick = lambda a: None if a is None else a[rows]  # noqa: E731
+        return PairLayout(self.parts[rows], pick(self.ref), pick(self.labels))
 
 
 @dataclass
@@ -146,6 +159,8 @@ class PairDataset(TrainValSplit):
             x[r, :at], y[r, :at], parts[r, :at] = p.prompt[:-1], p.prompt[1:], TRUNK
             for part, completion in ((CHOSEN, p.chosen), (REJECTED, p.rejected)):
                 n = len(completion)
+                if not n:  # KTO's apo_zero_unpaired: no KL completion (train/kto.py)
+                    continue
                 x[r, at], x[r, at + 1 : at + n] = p.prompt[-1], completion[:-1]
                 y[r, at : at + n], parts[r, at : at + n] = completion, part
                 at += n
@@ -175,20 +190,26 @@ def build_pairs(model, data_path, ctx: int, val_split, fmt: str = "auto", chat_t
     if records.format != "preference":
         raise LlmtuneError(f"--method {method}: {data_path} holds {records.format} data; preference tuning reads "
                            f"{{\"prompt\", \"chosen\", \"rejected\"}} records")
-
-    conversational = bool(records.items) and not isinstance(records.items[0][0], str)
-    template = ChatTemplate.for_model(model.gguf, model.tokenizer, chat_template) if conversational else None
-    if chat_template is not None and not conversational:
-        raise LlmtuneError(f"--chat-template: {data_path} holds plain-string pairs, not conversations")
-    pairs = []
-    for item, where in zip(records.items, records.wheres):
-        if isinstance(item[0], str) == conversational:
-            raise LlmtuneError(f"{where}: a {'plain-string' if conversational else 'conversational'} pair among "
-                               f"{'conversational' if conversational else 'plain-string'} ones")
-        pairs.append(tokenize_pair(model.tokenizer, template, item, where))
+    template = records_template(model, records, chat_template, "pair")
+    pairs = [tokenize_pair(model.tokenizer, template, item, where)
+             for item, where in zip(records.items, records.wheres)]
     ds = PairDataset.build(pairs, ctx, val_split, pad_token(model.tokenizer), str(data_path))
     ds.template = template
     return ds, ds.tokens
+
+
+def records_template(model, records, chat_template, what: str) -> Optional[ChatTemplate]:
+    """The chat template of conversational records (None for plain strings), every record checked
+    to be of the first one's kind; `what` names a record in the messages (pair, example)."""
+    conversational = bool(records.items) and not isinstance(records.items[0][0], str)
+    template = ChatTemplate.for_model(model.gguf, model.tokenizer, chat_template) if conversational else None
+    if chat_template is not None and not conversational:
+        raise LlmtuneError(f"--chat-template: {records.path} holds plain-string {what}s, not conversations")
+    for item, where in zip(records.items, records.wheres):
+        if isinstance(item[0], str) == conversational:
+            kinds = ("plain-string", "conversational") if conversational else ("conversational", "plain-string")
+            raise LlmtuneError(f"{where}: a {kinds[0]} {what} among {kinds[1]} ones")
+    return template
 
 
 # ------------------------------------------------------------------------------------ losses
@@ -212,21 +233,28 @@ class SeqLogps:
     trunk_nll: float
     n_trunk: int
     trunk_rows: Optional[np.ndarray] = None  # each pair's part of trunk_nll (None: spread evenly)
+    labels: Optional[np.ndarray] = None  # KTO (train/kto.py): chosen holds the completions, rejected the KL ones
     preferred = "chosen"  # the completions the loss pushes up (what guard.check_logps watches)
 
     @classmethod
-    def of(cls, nll: np.ndarray, targets: np.ndarray, parts: np.ndarray) -> "SeqLogps":
+    def of(cls, nll: np.ndarray, targets: np.ndarray, parts: np.ndarray,
+           labels: Optional[np.ndarray] = None) -> "SeqLogps":
         nll = np.where(targets >= 0, np.asarray(nll, dtype=np.float64), 0.0)
         counted = targets >= 0
         s = lambda part: (-nll * (parts == part)).sum(axis=1)  # noqa: E731
         n = lambda part: ((parts == part) & counted).sum(axis=1)  # noqa: E731
         trunk = -s(TRUNK)
         return cls(s(CHOSEN), s(REJECTED), n(CHOSEN), n(REJECTED),
-                   float(nll[parts == TRUNK].sum()), int(((parts == TRUNK) & counted).sum()), trunk)
+                   float(nll[parts == TRUNK].sum()), int(((parts == TRUNK) & counted).sum()), trunk, labels)
 
     def sequences(self) -> dict:
-        """name -> (log-probability sums, token counts) of each kind of completion (guard.check_logps)."""
-        return {"chosen": (self.chosen, self.n_chosen), "rejected": (self.rejected, self.n_rejected)}
+        """name -> (log-probability sums, token counts) of each kind of completion (guard.check_logps);
+        KTO's: the desirable (chosen) and undesirable (rejected) completions, and the KL ones."""
+        if self.labels is None:
+            return {"chosen": (self.chosen, self.n_chosen), "rejected": (self.rejected, self.n_rejected)}
+        y = np.asarray(self.labels, dtype=bool)
+        return {"chosen": (self.chosen[y], self.n_chosen[y]), "rejected": (self.chosen[~y], self.n_chosen[~y]),
+                "KL": (self.rejected, self.n_rejected)}
 
 
 @dataclass
@@ -308,7 +336,7 @@ class Objective:
 
 # ------------------------------------------------------------------------------------ trainer
 class PreferenceTrainer(Trainer):
-    """The trainer of --method dpo|orpo|simpo: one pair per window (PairDataset), each step a
+    """The trainer of --method dpo|orpo|simpo|kto: one pair (KTO: one example) per window (PairDataset), each step a
     forward pass for the pairs' log-probabilities, then the same micro-batch passes as any step,
     ending in every token's NLL seeded by its weight (programs.WeightedTokenNLL, the weights from
     Objective.token_weights). train_step / evaluate take the windows' layout where the packed
@@ -343,7 +371,7 @@ class PreferenceTrainer(Trainer):
         return np.concatenate(out)
 
     def _logps(self, inputs, targets, layout) -> SeqLogps:
-        return SeqLogps.of(self.token_nll(inputs, targets, layout), targets, layout.parts)
+        return SeqLogps.of(self.token_nll(inputs, targets, layout), targets, layout.parts, layout.labels)
 
     def train_step(self, inputs: np.ndarray, targets: np.ndarray, lr: float, stats: RunningStats,
                    layout: PairLayout = None) -> float:
@@ -376,7 +404,8 @@ class PreferenceTrainer(Trainer):
 
     def reference_logps(self, dataset: PairDataset) -> np.ndarray:
         """Every pair's (chosen, rejected) log-probability sums under the current weights: DPO's
-        reference, computed before the first step (TRL's precompute_ref_log_probs)."""
+        reference, computed before the first step (TRL's precompute_ref_log_probs); KTO's: each
+        example's (completion, KL completion) log-probability sums."""
         n = len(dataset.pairs)
         out = np.zeros((n, 2), dtype=np.float64)
         chunk = max(self.seqs_per_ubatch, 1)

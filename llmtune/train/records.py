@@ -24,6 +24,9 @@ Record formats (detected from the first record, or named with --format):
               plain strings, or conversational: "prompt" a message list, "chosen" and "rejected"
               assistant message lists; kept as (prompt, chosen, rejected); train/preference.py
               renders and tokenizes them.
+- unpaired    {"prompt", "completion", "label": true|false} (TRL's unpaired preference data, for
+              --method kto): plain strings, or a prompt message list with a "completion" assistant
+              message list; kept as (prompt, completion, label); train/kto.py tokenizes them.
 """
 
 from __future__ import annotations
@@ -39,14 +42,14 @@ from typing import Iterator, Optional
 from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.tokenizer import data_suffix, json_why, read_bytes, read_text, require_text
 
-FORMATS = ("auto", "plain", "text", "completion", "chat", "sharegpt", "alpaca", "preference")
+FORMATS = ("auto", "plain", "text", "completion", "chat", "sharegpt", "alpaca", "preference", "unpaired")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
                   "assistant": "assistant", "tool": "tool"}
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 SHAPES = ('text {"text"}, completion {"prompt", "completion"}, chat {"messages": [{"role", "content"}]}, '
           'sharegpt {"conversations": [{"from", "value"}]}, alpaca {"instruction", "input", "output"}, '
-          'preference {"prompt", "chosen", "rejected"}')
+          'preference {"prompt", "chosen", "rejected"}, unpaired {"prompt", "completion", "label"}')
 
 
 @dataclass
@@ -73,6 +76,8 @@ def record_format(record: dict) -> Optional[str]:
     """The format a record's keys say it is in (None: unknown shape)."""
     if "chosen" in record or "rejected" in record:
         return "preference"
+    if "label" in record:
+        return "unpaired"
     if "conversations" in record:
         return "sharegpt"
     if "messages" in record:
@@ -211,6 +216,8 @@ def _csv_record(row: dict, where: str) -> dict:
     if None in row:
         raise LlmtuneError(f"{where}: more cells than the header has columns")
     record = {k: v for k, v in row.items() if v not in ("", None)}
+    if isinstance(record.get("label"), str) and record["label"].lower() in ("true", "false"):
+        record["label"] = record["label"].lower() == "true"  # unpaired preference data's label
     for key in ("messages", "conversations"):
         if isinstance(record.get(key), str):
             record[key] = _json(record[key], f"{where}: \"{key}\"")
@@ -259,6 +266,8 @@ def parse_record(record: dict, fmt: str, where: str):
         return system or None, instruction, extra if extra and extra.strip() else None, output
     if fmt == "preference":
         return preference_record(record, where)
+    if fmt == "unpaired":
+        return unpaired_record(record, where)
     if fmt == "sharegpt":
         key = "conversations" if "conversations" in record or "messages" not in record else "messages"
         return _messages(record, key, where, ("from", "value"), SHAREGPT_ROLES)
@@ -303,12 +312,34 @@ def preference_record(record: dict, where: str) -> tuple:
         raise LlmtuneError(f"{where}: \"prompt\" must be a string or a list of messages")
     roles = {r: r for r in ROLES}
     prompt = _messages({"m": record["prompt"]}, "m", where, ("role", "content"), roles, need_assistant=False)
-    answers = []
-    for key in ("chosen", "rejected"):
-        if not isinstance(record[key], list):
-            raise LlmtuneError(f"{where}: \"{key}\" must be a list of assistant messages when the prompt is one")
-        msgs = _messages(record, key, where, ("role", "content"), roles, need_assistant=False)
-        if any(m["role"] != "assistant" for m in msgs):
-            raise LlmtuneError(f"{where}: \"{key}\" must hold assistant messages only")
-        answers.append(msgs)
-    return prompt, answers[0], answers[1]
+    return (prompt, *(_answer(record, key, where) for key in ("chosen", "rejected")))
+
+
+def _answer(record: dict, key: str, where: str) -> list[dict]:
+    """A completion of a conversational preference record: a list of assistant messages."""
+    if not isinstance(record[key], list):
+        raise LlmtuneError(f"{where}: \"{key}\" must be a list of assistant messages when the prompt is one")
+    msgs = _messages(record, key, where, ("role", "content"), {r: r for r in ROLES}, need_assistant=False)
+    if any(m["role"] != "assistant" for m in msgs):
+        raise LlmtuneError(f"{where}: \"{key}\" must hold assistant messages only")
+    return msgs
+
+
+def unpaired_record(record: dict, where: str) -> tuple:
+    """(prompt, completion, label) of an unpaired preference record (TRL's KTO data): two strings,
+    or a prompt message list with a completion assistant message list; the label a JSON boolean
+    (desirable: true), as TRL's "label" column."""
+    for key in ("prompt", "completion", "label"):
+        if key not in record:
+            raise LlmtuneError(f"{where}: unpaired preference record has no \"{key}\" field")
+    label = record["label"]
+    if not isinstance(label, bool):
+        raise LlmtuneError(f"{where}: \"label\" must be true (desirable) or false (undesirable), got "
+                           f"{json.dumps(label, default=str)}")
+    if isinstance(record["prompt"], str):
+        return _string(record, "prompt", where), _string(record, "completion", where, "unpaired preference "), label
+    if not isinstance(record["prompt"], list):
+        raise LlmtuneError(f"{where}: \"prompt\" must be a string or a list of messages")
+    roles = {r: r for r in ROLES}
+    prompt = _messages({"m": record["prompt"]}, "m", where, ("role", "content"), roles, need_assistant=False)
+    return prompt, _answer(record, "completion", where), label

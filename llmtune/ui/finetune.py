@@ -233,6 +233,14 @@ def data_line(data: dict) -> str:
         left_out = (f"; {left_out} training windows overlapping a validation window left out (--val-pick random)"
                     if left_out else "")
         return f"data: text, every token of each window carries loss{left_out}; {per_epoch}"
+    if data["format"] == "unpaired":
+        notes = [f"{data['dropped']} dropped (longer than --ctx)"] if data["dropped"] else []
+        notes += [f"{data['truncated']} KL completions cut to --ctx"] if data["truncated"] else []
+        kl = "prompt once, then its completion and another example's for the KL estimate; " if data["kl"] else ""
+        return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} unpaired "
+                f"examples ({data['desirable']:,} desirable, {data['undesirable']:,} undesirable), one per window "
+                f"({kl}{data['padding']:.0%} padding){''.join('; ' + n for n in notes)}; {per_epoch} (the "
+                f"completions' tokens)")
     if data["format"] == "preference":
         dropped = f"; {data['dropped']} dropped (longer than --ctx)" if data["dropped"] else ""
         return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} preference "
@@ -265,8 +273,10 @@ def _preference_words(metrics: dict) -> str:
     acc is then rewards/accuracies."""
     if not metrics:
         return ""
-    words = f"margin {metrics['rewards/margins']:.3f}, chosen {metrics['rewards/chosen']:.3f}, " \
-            f"rejected {metrics['rewards/rejected']:.3f}, "
+    # KTO's batch may hold one label only: TRL then logs no margin, nor the other label's reward
+    words = "".join(f"{name} {metrics[key]:.3f}, " for name, key in (
+        ("margin", "rewards/margins"), ("chosen", "rewards/chosen"), ("rejected", "rewards/rejected"), ("kl", "kl"))
+        if key in metrics)
     if "log_odds_ratio" in metrics:
         words += f"nll {metrics['nll_loss']:.3f}, log odds ratio {metrics['log_odds_ratio']:.3f}, "
     return words
