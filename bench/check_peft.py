@@ -14,9 +14,10 @@ itself and llama.cpp's convert_lora_to_gguf.py.
    relative). The converter ignores use_rslora (it writes lora_alpha as it is): the rsLoRA adapter
    is shown to differ, by design of the converter.
 3. PEFT's own adapters (init_lora_weights=False, so B != 0): plain (every matrix, embed_tokens and
-   lm_head too), rsLoRA, and rsLoRA saved in bfloat16, read by llmtune the way finetune --lora-init
-   reads them: logits vs PEFT's (goal < 1e-4); and `llmtune perplexity --lora DIR` vs PEFT's running
-   perplexity (check_transformers.hf_running_ppl).
+   lm_head too) and rsLoRA saved in bfloat16, read by llmtune the way finetune --lora-init reads
+   them: logits vs PEFT's (goal < 1e-4); the adapter `llmtune finetune --lora-init DIR --lr 1e-30`
+   writes after an epoch that moves nothing (step 0's adapter): the same; and `llmtune perplexity
+   --lora DIR` vs PEFT's running perplexity (check_transformers.hf_running_ppl).
 4. --families: every family of bench/check_families.py with a Hugging Face name table, a random model
    and a random adapter on every matrix that takes one, exported and compared with PEFT on a 128-token
    window (the length check_transformers.py holds the bases to; goal < 1e-4).
@@ -192,6 +193,8 @@ def peft_made(tmp: Path, record: bool) -> None:
 
     wiki = tmp / "wiki.test.raw"
     wiki.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
+    text = tmp / "init.txt"
+    text.write_text((ROOT / "data" / "wikitext-100k.txt").read_text(encoding="utf-8")[:5000], encoding="utf-8")
     expected, meta = {}, {}
     for name, settings, dtype in FIXTURE_CASES:
         folder = (FIXTURES if record else tmp) / name
@@ -203,6 +206,12 @@ def peft_made(tmp: Path, record: bool) -> None:
         diff = rel(ours_logits(STORIES, folder, tokens, flag="--lora-init"), theirs)
         print(f"  {name}: llmtune (as --lora-init reads it) vs PEFT: logits max rel diff {diff:.2e} "
               f"{'ok' if diff < GOAL_LOGITS else 'FAIL'}")
+        trained = tmp / f"{name}-init.gguf"  # an epoch that moves nothing: the adapter finetune starts from
+        llmtune_cli("finetune", STORIES, text, "-o", trained, "--lora-init", folder, "--lr", 1e-30, "--ctx", 64,
+                    "--epochs", 1)
+        d_init = rel(ours_logits(STORIES, trained, tokens), theirs)
+        print(f"  {name}: finetune --lora-init DIR --lr 1e-30, the adapter written: logits vs PEFT {d_init:.2e} "
+              f"{'ok' if d_init < GOAL_LOGITS else 'FAIL'}")
         long = window(512, seed=2)
         d_long = rel(ours_logits(STORIES, folder, long), peft_logits(STORIES, folder, long))
         print(f"  {name}: {N_TOK}-token window: max rel diff {d_long:.2e}")

@@ -190,13 +190,15 @@ def test_export_with_the_base_checks_it_and_needs_no_fingerprint(stories, storie
 
 
 @pytest.mark.parametrize("args,words", [
-    (["-o", "x.gguf"], "-o: not with --peft"),
-    (["--type", "f16"], "--type: not with --peft"),
+    (["--lora", PEFT / FIXTURES[0], "-o", "x.gguf"], "-o: not with --peft"),
+    (["--lora", PEFT / FIXTURES[0], "--type", "f16"], "--type: not with --peft"),
+    ([], "is a model, not an adapter"),
+    (["--lora", PEFT / FIXTURES[0], "--lora", PEFT / FIXTURES[1]], "--peft: writes one adapter, given 2"),
 ])
 def test_export_peft_flag_mistakes(args, words, stories_path, tmp_path, monkeypatch, capsys):
-    code, _, err = run_cli(monkeypatch, capsys, "export", stories_path, "--lora", PEFT / FIXTURES[0], "--peft",
-                           tmp_path / "p", *args)
+    code, _, err = run_cli(monkeypatch, capsys, "export", stories_path, "--peft", tmp_path / "p", *args)
     _one_line(code, err, words)
+    assert not (tmp_path / "p").exists()
     code, _, err = run_cli(monkeypatch, capsys, "export", stories_path, "-o", tmp_path / "x.gguf")
     _one_line(code, err, "--type: missing")
 

@@ -174,9 +174,11 @@ def export_peft(path: str | os.PathLike, folder: str | os.PathLike, lora=None) -
         heads = (fp.n_head, fp.n_head_kv) if fp is not None and fp.n_head else None
         n_layer = len({t.split(".")[1] for t in fp.tensors if t.startswith("blk.")}) if fp is not None else None
         return write_peft(adapter, folder, heads, n_layer, fp.name if fp is not None else "")
-    if len(lora) != 1:
-        raise LlmtuneError(f"--peft: writes one adapter, given {len(lora)} with --lora; give the adapter "
-                           f"(llmtune export ADAPTER.gguf --peft {folder}) or the base and one --lora")
+    if not lora:
+        raise LlmtuneError(f"--peft: {path} is a model, not an adapter; give the adapter (llmtune export "
+                           f"ADAPTER.gguf --peft {folder}), or the base with its adapter (--lora ADAPTER.gguf)")
+    if len(lora) > 1:
+        raise LlmtuneError(f"--peft: writes one adapter, given {len(lora)} with --lora")
     model = attach(_shapes_only(gf), lora)
     adapter = model.adapters[0]
     fp = BaseFingerprint.read(adapter.meta) or BaseFingerprint.of(gf)

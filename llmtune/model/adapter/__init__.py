@@ -23,6 +23,10 @@ Variants (PEFT's, for training; docs/finetune.md "LoRA variants"):
   (PEFT's pissa_init); written as the rank-2r plain adapter [A; A0], [B, -B0] of the original base
   (PEFT's path_initial_model_for_weight_conversion), which llama.cpp loads.
 
+PEFT's adapter folder (peft.py): adapter_config.json + adapter_model.safetensors, the same pairs
+under the HF model's names (arch/hf_names.py), read by load_adapter when given a folder and written
+by write_peft (`llmtune export ADAPTER.gguf --peft DIR`).
+
 llmtune's own keys (provenance.py, under "llmtune.", which llama.cpp ignores): the base's fingerprint
 (llmtune.base.*) and the variant (llmtune.lora.init, llmtune.lora.rslora), written by finetune.
 

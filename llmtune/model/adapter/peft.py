@@ -9,6 +9,8 @@ HF model's module paths (arch/hf_names.py, the family's table) under "base_model
   lora_a) and "M.lora_embedding_B" [n_embd, r];
 - "M.base_layer.weight" (PEFT's save_embedding_layers copy of a targeted embedding) is skipped, as
   llama.cpp's convert_lora_to_gguf.py skips it.
+An adapter GGUF's norm vectors (mergekit-extract-lora's, which llama.cpp skips when applying) have
+no PEFT form and are not written.
 
 The scale: PEFT's scaling is lora_alpha / r (use_rslora: lora_alpha / sqrt(r)), per module with
 rank_pattern / alpha_pattern; llama.cpp's is adapter.lora.alpha / r with one alpha per adapter.
