@@ -133,7 +133,7 @@ def test_export_peft_then_load_gives_identical_tensors_and_scale(make, config, s
     assert written["base_model_name_or_path"] == "llama" and written["use_dora"] is False
     back = lora.load_peft(tmp_path / "peft", stories)
     _pairs_equal(back, lora.load_adapter(path, stories))
-    assert back.rslora == (make == "rslora")
+    assert back.rslora == (make == "rslora") and back.init == "kaiming"  # init_lora_weights true
 
 
 def test_peft_tensors_have_peft_names_shapes_and_row_order(stories, tmp_path):
@@ -304,7 +304,8 @@ def _bad_folders(tmp_path):
                               ("init_lora_weights", "pissa_niter_4", "the base PEFT rewrote"),
                               ("r", 3, "has rank 2 in adapter_model.safetensors, but the config says r 3"),
                               ("alpha_pattern", {"q_proj": 7}, "one llama.cpp alpha cannot give"),
-                              ("lora_alpha", 0, "lora_alpha 0 makes PEFT's scale 0")):
+                              ("lora_alpha", 0, "lora_alpha 0 makes PEFT's scale 0"),
+                              ("rank_pattern", {"q_proj": "four"}, "rank_pattern must map module names to numbers")):
         folder = _copy(tmp_path, key, config={key: value})
         cases[key] = (folder, str(folder / "adapter_config.json"), words)
     return cases

@@ -145,9 +145,9 @@ def load_peft(folder, model: "Model", scale: float = 1.0, flag: str = "--lora") 
             pair.b = np.ascontiguousarray(pair.b[np.argsort(rows)])
         pairs[base], ranks[module] = pair, pair.rank
     alpha, rslora = _file_alpha(config, ranks, folder / CONFIG, flag)
-    init = config.get("init_lora_weights", True)
-    return LoraAdapter(model.hp.arch, alpha, pairs, float(scale), folder, new_metadata(model, alpha),
-                       init={True: "kaiming", "gaussian": "gaussian"}.get(init, ""), rslora=rslora)
+    init = {"true": "kaiming", "gaussian": "gaussian"}.get(str(config.get("init_lora_weights", True)).lower(), "")
+    return LoraAdapter(model.hp.arch, alpha, pairs, float(scale), folder, new_metadata(model, alpha), init=init,
+                       rslora=rslora)
 
 
 def _read_config(folder: Path, flag: str) -> dict:
@@ -221,13 +221,29 @@ def _matches(pattern: str, module: str) -> bool:
     return re.match(rf"(.*\.)?({pattern})$", module) is not None
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and bool(np.isfinite(value))
+
+
+def _pattern(config: dict, key: str, path: Path, flag: str) -> dict:
+    """rank_pattern / alpha_pattern: PEFT's regular expressions over module paths -> numbers."""
+    value = config.get(key) or {}
+    if not isinstance(value, dict) or not all(_number(v) for v in value.values()):
+        raise _fail(flag, path, f"{key} must map module names to numbers")
+    for k in value:
+        try:
+            re.compile(k)
+        except re.error:
+            raise _fail(flag, path, f"{key}: {k!r} is not a regular expression") from None
+    return value
+
+
 def _file_alpha(config: dict, ranks: dict[str, int], path: Path, flag: str) -> tuple[float, bool]:
     """llama.cpp's adapter.lora.alpha giving every module PEFT's scale, and whether it is rsLoRA's."""
     alpha, rslora = config.get("lora_alpha", 8), bool(config.get("use_rslora", False))
-    pattern = config.get("alpha_pattern") or {}
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not np.isfinite(alpha):
+    if not _number(alpha):
         raise _fail(flag, path, f"lora_alpha is {alpha!r}, not a number")
-    rank_pattern = config.get("rank_pattern") or {}
+    rank_pattern, pattern = (_pattern(config, key, path, flag) for key in ("rank_pattern", "alpha_pattern"))
     for module, rank in ranks.items():
         want = next((v for k, v in rank_pattern.items() if _matches(k, module)), config.get("r", 8))
         if want != rank:
