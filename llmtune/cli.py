@@ -47,8 +47,9 @@ ModelArg = typer.Argument(..., help="Model file in GGUF format (as used by llama
 
 # options several commands take, declared once so each reads the same everywhere
 LoraOption = typer.Option(None, "--lora",
-                          help="LoRA adapter GGUF applied to the model (repeat for several, as llama.cpp's "
-                          "--lora; export merges it into the weights, as llama-export-lora).", show_default=False)
+                          help="LoRA adapter GGUF (or PEFT adapter folder) applied to the model (repeat for several, "
+                          "as llama.cpp's --lora; export merges it into the weights, as llama-export-lora).",
+                          show_default=False)
 LoraScaleOption = typer.Option(None, "--lora-scale", help="Scale of the adapters: one value for all, or one per --lora "
                                "(llama.cpp's --lora-scaled). \\[default: 1]", show_default=False)
 
@@ -267,24 +268,48 @@ def init_cmd(
 # --- export / save (llmtune/convert/export.py) ---
 def _export_cmd(
     model: Path = ModelArg,
-    output: Path = typer.Option(..., "-o", "--output", help="Where to write the converted GGUF.", show_default=False),
-    type: str = typer.Option(
-        ..., "--type", "-t", show_default=False,
-        help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m or q5_k_m.",
+    output: Optional[Path] = typer.Option(None, "-o", "--output", show_default=False,
+                                          help="Where to write the converted GGUF (required, unless --peft)."),
+    type: Optional[str] = typer.Option(
+        None, "--type", "-t", show_default=False,
+        help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m or q5_k_m (required, unless "
+             "--peft).",
     ),
     lora: Optional[List[Path]] = LoraOption,
     lora_scale: Optional[List[float]] = LoraScaleOption,
+    peft: Optional[Path] = typer.Option(None, "--peft", metavar="DIR", show_default=False,
+                                        help="Write the adapter (MODEL an adapter GGUF, or a base with one --lora) "
+                                             "as PEFT's adapter folder DIR instead (adapter_config.json, "
+                                             "adapter_model.safetensors; needs safetensors)."),
     force: bool = force_option(),
 ):
     """Convert a model's weights to another type (F16, Q8_0, K-quants, llama.cpp's Q4_K_M / Q5_K_M mixes).
 
     With --lora, the adapters are merged first (W + scale * B A in float32): one step from a trained adapter to a deployable file.
 
+    With --peft, an adapter GGUF becomes PEFT's adapter folder (for transformers / PEFT); --lora and generate, perplexity and eval take such a folder too.
+
     Example: llmtune export model.gguf --lora adapter.gguf --type q4_k_m -o merged-q4_k_m.gguf
+
+    Example (PEFT): llmtune export adapter.gguf --peft adapter-peft/
     """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
-    from llmtune.convert.export import export
+    from llmtune.convert.export import export, export_peft
     from llmtune.ui.export import export_progress, summary_notes, summary_table
 
+    if peft is not None:
+        given = [flag for flag, value in (("-o", output), ("--type", type), ("--lora-scale", lora_scale),
+                                          ("--force", force)) if value]
+        if given:
+            raise LlmtuneError(f"{given[0]}: not with --peft (the adapter is written as it is, into the folder)")
+        done = export_peft(model, peft, lora=lora)
+        scale = f"rsLoRA lora_alpha {done.lora_alpha:g}" if done.use_rslora else f"lora_alpha {done.lora_alpha:g}"
+        out.print(f"wrote {done.folder}: PEFT LoRA adapter, rank {done.rank}, {scale}, {done.n_pairs} matrices "
+                  f"({', '.join(done.target_modules)})" + (f", base {done.base!r}" if done.base else ""),
+                  highlight=False, soft_wrap=True)
+        return
+    for flag, value in (("-o", output), ("--type", type)):
+        if value is None:
+            raise LlmtuneError(f"{flag}: missing (llmtune export --help)")
     with export_progress(err, type) as on_tensor:
         summary = export(model, output, type, progress=on_tensor, lora=lora, lora_scale=lora_scale, force=force)
     out.print(summary_table(summary))

@@ -324,7 +324,8 @@ def test_lora_init_continues_a_converted_adapter(stories_path, small_text, tmp_p
     # the converter's keys in order, then the base it was trained on now (variant unknown: no llmtune.lora.*)
     assert list(got.meta)[: len(src.meta)] == list(src.meta) and got.get("general.name") == "Lora"
     assert list(got.meta)[len(src.meta):] == ["llmtune.base.name", "llmtune.base.file", "llmtune.base.tensors",
-                                              "llmtune.base.sha256"]
+                                              "llmtune.base.sha256", "llmtune.base.head_count",
+                                              "llmtune.base.head_count_kv"]
     assert lora.BaseFingerprint.read(got.meta) == lora.BaseFingerprint.of(load_gguf(stories_path))
     assert list(got.tensors) == list(src.tensors) and {t.type for t in got.tensors.values()} == {QT.F16}
     moved = [n for n in src.tensors if not np.array_equal(src.tensor(n), got.tensor(n))]
@@ -358,6 +359,7 @@ def test_the_base_fingerprint_is_as_documented(stories_path):
     fp = lora.BaseFingerprint.of(gf)
     assert fp.sha256 == digest.hexdigest() and (fp.name, fp.file) == ("llama", "stories260K.gguf")
     assert fp.tensors[:2] == ("token_embd.weight:64,512:F32", "output_norm.weight:64:F32")
+    assert (fp.n_head, fp.n_head_kv) == (8, 4)  # the q/k row order in Hugging Face's layout (export --peft)
     assert len(fp.tensors) == len(gf.tensors) and lora.BaseFingerprint.read(fp.meta()) == fp
 
 

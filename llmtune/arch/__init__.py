@@ -4,6 +4,7 @@ subclass with `@register` (found automatically: adding a family edits nothing el
     get_family("llama")          the Family for a `general.architecture` value
     read_hparams(md, names, src) hyper-parameters of a GGUF's metadata, through its family
     check_tensors(...)           the file's tensors against the family's list (names, shapes)
+    hf_names("llama", source)    the family's names in Hugging Face checkpoints (hf_names.py)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from llmtune.arch.hparams import MetaKeys
 from llmtune.errors import LlmtuneError
 
 _FAMILIES: dict = {}
-_SHARED_MODULES = {"context", "family", "hparams"}  # the machinery, not families
+_SHARED_MODULES = {"context", "family", "hf_names", "hparams"}  # the machinery, not families
 _discovered = False
 
 
@@ -48,6 +49,17 @@ def get_family(arch, source: str = ""):
     if family is None:
         raise LlmtuneError(f"{source}: unsupported architecture {arch!r} (supported: {', '.join(supported())})")
     return family
+
+
+def hf_names(arch, source: str = ""):
+    """The family's HFNames (its tensors' names in Hugging Face checkpoints); a family without
+    one is refused in one line naming it and the families that have one."""
+    family = get_family(arch, source)
+    if family.hf is None:
+        mapped = ", ".join(n for n in supported() if _FAMILIES[n].hf is not None)
+        raise LlmtuneError(f"{source}: the {arch} family has no Hugging Face tensor names in llmtune "
+                           f"(mapped: {mapped})")
+    return family.hf
 
 
 def read_hparams(md: dict, tensor_names: set[str] | None = None, source: str = "", *, any_arch: bool = False):

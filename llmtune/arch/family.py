@@ -7,10 +7,11 @@ graph. A family is one subclass in one module, registered with `@register`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from gguf import GGUFValueType as VT
 
+from llmtune.arch.hf_names import HFNames
 from llmtune.arch.hparams import HParams, MetaKeys
 from llmtune.errors import LlmtuneError
 
@@ -40,6 +41,8 @@ class Family:
     traits: dict = {}
     # HParams fields an `init` config's [model] table may set for this family (name -> type name)
     config_keys: dict = {}
+    # its tensors' names in Hugging Face transformers checkpoints (arch/hf_names.py); None: not mapped
+    hf: Optional[HFNames] = None
 
     def make_hparams(self, **fields) -> HParams:
         """HParams of this family: its traits, then the given fields."""

@@ -19,6 +19,7 @@ from gguf import GGUFValueType as VT
 from llmtune.arch import register
 from llmtune.arch.context import BuildContext
 from llmtune.arch.family import Family, TensorSpec, output_tensors
+from llmtune.arch.hf_names import HFNames
 from llmtune.arch.hparams import MetaKeys
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
@@ -42,6 +43,24 @@ def read_swa_layers(keys: MetaKeys, n_layer: int, default_pattern: int) -> tuple
     if n_pattern < 0:
         raise LlmtuneError(f"{keys.source}: {keys.arch}.attention.sliding_window_pattern must be 0 or more")
     return swa_pattern(n_layer, n_pattern)
+
+
+# transformers' names (gguf-py's tensor_mapping); the norms' values differ by the +1 above
+HF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "blk.{bid}.attn_norm": "model.layers.{bid}.input_layernorm",
+    "blk.{bid}.attn_q": "model.layers.{bid}.self_attn.q_proj",
+    "blk.{bid}.attn_k": "model.layers.{bid}.self_attn.k_proj",
+    "blk.{bid}.attn_v": "model.layers.{bid}.self_attn.v_proj",
+    "blk.{bid}.attn_output": "model.layers.{bid}.self_attn.o_proj",
+    "blk.{bid}.post_attention_norm": "model.layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.ffn_norm": "model.layers.{bid}.pre_feedforward_layernorm",
+    "blk.{bid}.ffn_gate": "model.layers.{bid}.mlp.gate_proj",
+    "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.up_proj",
+    "blk.{bid}.ffn_down": "model.layers.{bid}.mlp.down_proj",
+    "blk.{bid}.post_ffw_norm": "model.layers.{bid}.post_feedforward_layernorm",
+}
 
 
 class GemmaBase(Family):
@@ -123,6 +142,7 @@ class GemmaBase(Family):
 class Gemma2(GemmaBase):
     name = "gemma2"
     traits = dict(GemmaBase.traits, tied_output=True)  # llama.cpp never loads an output.weight
+    hf = HFNames("Gemma2ForCausalLM", "gemma2", HF_NAMES)
     config_keys = {"sliding_window": "int", "attn_softcap": "float", "final_softcap": "float",
                    "rope_freq_base_swa": "float"}
     swa_period = 2

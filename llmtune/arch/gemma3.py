@@ -13,12 +13,17 @@ import dataclasses
 from gguf import GGUFValueType as VT
 
 from llmtune.arch import register
-from llmtune.arch.gemma2 import GemmaBase, read_swa_layers
+from llmtune.arch.gemma2 import HF_NAMES, GemmaBase, read_swa_layers
+from llmtune.arch.hf_names import HFNames
 
 
 @register
 class Gemma3(GemmaBase):
     name = "gemma3"
+    # the text model's names (Gemma3ForCausalLM); the multimodal one nests them under model.language_model
+    hf = HFNames("Gemma3ForCausalLM", "gemma3_text", {**HF_NAMES, "output": "lm_head",
+                                                      "blk.{bid}.attn_q_norm": "model.layers.{bid}.self_attn.q_norm",
+                                                      "blk.{bid}.attn_k_norm": "model.layers.{bid}.self_attn.k_norm"})
     config_keys = {"sliding_window": "int", "final_softcap": "float", "rope_freq_base_swa": "float"}
     swa_period = 6
     n_layer_27b = 62

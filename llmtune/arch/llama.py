@@ -11,12 +11,31 @@ from __future__ import annotations
 from llmtune.arch import register
 from llmtune.arch.context import BuildContext
 from llmtune.arch.family import Family, TensorSpec, output_tensors
+from llmtune.arch.hf_names import HFNames
 from llmtune.errors import LlmtuneError
+
+# transformers' names (gguf-py's tensor_mapping for LLM_ARCH_LLAMA); qwen2 and qwen3 share them
+HF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{bid}.attn_norm": "model.layers.{bid}.input_layernorm",
+    "blk.{bid}.attn_q": "model.layers.{bid}.self_attn.q_proj",
+    "blk.{bid}.attn_k": "model.layers.{bid}.self_attn.k_proj",
+    "blk.{bid}.attn_v": "model.layers.{bid}.self_attn.v_proj",
+    "blk.{bid}.attn_output": "model.layers.{bid}.self_attn.o_proj",
+    "blk.{bid}.ffn_norm": "model.layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.ffn_gate": "model.layers.{bid}.mlp.gate_proj",
+    "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.up_proj",
+    "blk.{bid}.ffn_down": "model.layers.{bid}.mlp.down_proj",
+}
 
 
 @register
 class Llama(Family):
     name = "llama"
+    # q/k rows: the converter's LlamaModel.permute (HF rotates halves of a head, llama.cpp adjacent pairs)
+    hf = HFNames("LlamaForCausalLM", "llama", HF_NAMES, rope_rows=True)
 
     def read_hparams(self, keys, n_vocab_default, tensor_names):
         hp = super().read_hparams(keys, n_vocab_default, tensor_names)

@@ -17,12 +17,25 @@ from gguf import GGUFValueType as VT
 from llmtune.arch import register
 from llmtune.arch.context import BuildContext
 from llmtune.arch.family import Family, TensorSpec, output_tensors
+from llmtune.arch.hf_names import HFNames
 from llmtune.errors import LlmtuneError
 
 
 @register
 class Phi3(Family):
     name = "phi3"
+    # transformers' names (gguf-py's tensor_mapping): the fused matrices are HF's own fused ones
+    hf = HFNames("Phi3ForCausalLM", "phi3", {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+        "blk.{bid}.attn_norm": "model.layers.{bid}.input_layernorm",
+        "blk.{bid}.attn_qkv": "model.layers.{bid}.self_attn.qkv_proj",
+        "blk.{bid}.attn_output": "model.layers.{bid}.self_attn.o_proj",
+        "blk.{bid}.ffn_norm": "model.layers.{bid}.post_attention_layernorm",
+        "blk.{bid}.ffn_up": "model.layers.{bid}.mlp.gate_up_proj",
+        "blk.{bid}.ffn_down": "model.layers.{bid}.mlp.down_proj",
+    })
     traits = {"rope_mode": "neox", "norm_kind": "rms", "activation": "silu", "ffn_gated": True}
     config_keys = {"n_ctx_orig": "int", "rope_attn_factor": "float"}
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from llmtune.arch import register
 from llmtune.arch.family import TensorSpec
-from llmtune.arch.llama import Llama
+from llmtune.arch.hf_names import HFNames
+from llmtune.arch.llama import HF_NAMES, Llama
 from llmtune.graph import ops
 
 QKV = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
@@ -34,6 +35,7 @@ def without_rope_freqs(specs: list[TensorSpec]) -> list[TensorSpec]:
 class Qwen2(Llama):
     name = "qwen2"
     traits = {"rope_mode": "neox"}
+    hf = HFNames("Qwen2ForCausalLM", "qwen2", HF_NAMES)  # NEOX: rows as HF keeps them
 
     def tensors(self, hp):
         specs = with_qkv_biases(without_rope_freqs(super().tensors(hp)), optional=False)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from llmtune.arch import register
 from llmtune.arch.family import TensorSpec
-from llmtune.arch.llama import Llama
+from llmtune.arch.hf_names import HFNames
+from llmtune.arch.llama import HF_NAMES, Llama
 from llmtune.arch.qwen2 import with_qkv_biases, without_rope_freqs
 
 
@@ -17,6 +18,9 @@ from llmtune.arch.qwen2 import with_qkv_biases, without_rope_freqs
 class Qwen3(Llama):
     name = "qwen3"
     traits = {"rope_mode": "neox"}
+    hf = HFNames("Qwen3ForCausalLM", "qwen3", {**HF_NAMES,
+                                               "blk.{bid}.attn_q_norm": "model.layers.{bid}.self_attn.q_norm",
+                                               "blk.{bid}.attn_k_norm": "model.layers.{bid}.self_attn.k_norm"})
 
     def tensors(self, hp):
         specs = []

@@ -8,6 +8,9 @@ sets them.
 With `lora` (adapter GGUFs, llama.cpp's llama-export-lora): each adapted tensor is merged in float32,
 W + scale * B A per adapter in order (model/adapter/merge.py), then stored as `type` like any other: one
 command from a trained adapter to a deployable quantized file.
+
+`export_peft(path, folder, lora=None)`: an adapter GGUF written as PEFT's adapter folder
+(model/adapter/peft.py), alone or checked against its base (BASE.gguf with `lora`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from llmtune.gguf.file import (
     load_gguf,
     write_gguf,
 )
-from llmtune.model.adapter import attach, merged_weight
+from llmtune.model.adapter import BaseFingerprint, attach, merged_weight, read_adapter, write_peft
+from llmtune.model.adapter.peft import PeftWritten
 from llmtune.model.loaded import Model, check_model
 from llmtune.quant import blocks as quants
 from llmtune.quant.plan import ExportType, ModelFacts, TensorPlan, export_type, plan_types
@@ -105,7 +109,8 @@ def export(model_path: str | os.PathLike, out_path: str | os.PathLike, type: str
     gf = load_gguf(model_path)
     if gf.get("general.type") == "adapter":
         raise LlmtuneError(f"{model_path}: is a LoRA adapter, not a model; to merge it: "
-                           f"llmtune export BASE.gguf --lora {model_path} --type {type} -o OUT.gguf")
+                           f"llmtune export BASE.gguf --lora {model_path} --type {type} -o OUT.gguf (or to write "
+                           f"it as PEFT's adapter folder: --peft DIR)")
     out = check_output_path(out_path, model_path, *lora, replaces=GGUF_KIND, force=force)
     if lora_scale is not None and not lora and (isinstance(lora_scale, (int, float)) or list(lora_scale)):
         raise LlmtuneError("--lora-scale: needs --lora (the adapter it scales)")
@@ -143,11 +148,41 @@ def _merger(gf: GGUFFile, lora: list, lora_scale) -> Callable[[str], np.ndarray 
     """name -> the merged float32 tensor when an adapter changes it, else None. The adapters are
     checked against the model's shapes; each base tensor is decoded only when it is merged."""
 
-    hp, present = check_model(gf)
-    shapes = {spec.name: np.broadcast_to(np.float32(0), gf.tensors[spec.name].shape) for spec in present}
-    model = attach(Model(gf.path, gf, hp, shapes), lora, lora_scale)
+    model = attach(_shapes_only(gf), lora, lora_scale)
     adapted = {n for a in model.adapters for n in a.pairs}
     return lambda name: merged_weight(model, name, gf.tensor(name)) if name in adapted else None
+
+
+def _shapes_only(gf: GGUFFile) -> Model:
+    """The model of `gf` with zero-stride stand-ins for its tensors: enough to check adapters against."""
+    hp, present = check_model(gf)
+    return Model(gf.path, gf, hp, {s.name: np.broadcast_to(np.float32(0), gf.tensors[s.name].shape) for s in present})
+
+
+def export_peft(path: str | os.PathLike, folder: str | os.PathLike, lora=None) -> PeftWritten:
+    """`path`, an adapter GGUF, written as PEFT's adapter folder `folder`; or `path` a base model
+    and `lora` the one adapter, checked against it first. llama's q/k rows need the base's head
+    counts: the adapter's fingerprint has them (llmtune's since the PEFT export), or the base."""
+    lora = [lora] if isinstance(lora, (str, os.PathLike)) else list(lora or [])
+    gf = load_gguf(path)
+    if gf.get("general.type") == "adapter":
+        if lora:
+            raise LlmtuneError(f"--lora: {path} is the adapter itself; to check it against its base: "
+                               f"llmtune export BASE.gguf --lora {path} --peft {folder}")
+        adapter = read_adapter(path, flag="export")
+        fp = BaseFingerprint.read(adapter.meta)
+        heads = (fp.n_head, fp.n_head_kv) if fp is not None and fp.n_head else None
+        n_layer = len({t.split(".")[1] for t in fp.tensors if t.startswith("blk.")}) if fp is not None else None
+        return write_peft(adapter, folder, heads, n_layer, fp.name if fp is not None else "")
+    if not lora:
+        raise LlmtuneError(f"--peft: {path} is a model, not an adapter; give the adapter (llmtune export "
+                           f"ADAPTER.gguf --peft {folder}), or the base with its adapter (--lora ADAPTER.gguf)")
+    if len(lora) > 1:
+        raise LlmtuneError(f"--peft: writes one adapter, given {len(lora)} with --lora")
+    model = attach(_shapes_only(gf), lora)
+    adapter = model.adapters[0]
+    fp = BaseFingerprint.read(adapter.meta) or BaseFingerprint.of(gf)
+    return write_peft(adapter, folder, (model.hp.n_head, model.hp.n_head_kv), model.hp.n_layer, fp.name)
 
 
 def _converted(gf: GGUFFile, plans: list[TensorPlan], summary: ExportSummary,

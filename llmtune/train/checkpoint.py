@@ -43,6 +43,7 @@ import numpy as np
 
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUF_MAGIC
+from llmtune.model.adapter import is_peft_folder, peft_files
 from llmtune.resources import write_atomically
 from llmtune.train import guard
 from llmtune.train.config import RUN_ONLY
@@ -80,11 +81,13 @@ def glob_escape(name: str) -> str:
 
 
 def file_sha256(path) -> str:
-    """sha256 of a file's bytes; of a data folder (train/records.py data_files): of each data
-    file's name and sha256, in order."""
+    """sha256 of a file's bytes; of a data folder (train/records.py data_files) or a PEFT adapter
+    folder (--lora-init; model/adapter/peft.py peft_files): of each of its files' name and sha256,
+    in order."""
     if Path(path).is_dir():
 
-        listing = "".join(f"{f.name}\0{file_sha256(f)}\n" for f in data_files(Path(path)))
+        files = peft_files(path) if is_peft_folder(path) else data_files(Path(path))
+        listing = "".join(f"{f.name}\0{file_sha256(f)}\n" for f in files)
         return hashlib.sha256(listing.encode()).hexdigest()
     h = hashlib.sha256()
     with open(path, "rb") as fh:

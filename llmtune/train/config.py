@@ -118,8 +118,8 @@ class FinetuneConfig:
                                           unset="attention q/k/v/output and FFN matrices")
     lora_dropout: float = setting(0.0, "Dropout on the adapters' inputs while training (as PEFT).", metavar="X")
     lora_init: Optional[str] = setting(None, "Continue training this adapter GGUF (llmtune's or "
-                                             "convert_lora_to_gguf.py's); it fixes rank and targets.",
-                                       metavar="FILE", path=True)
+                                             "convert_lora_to_gguf.py's) or PEFT adapter folder; it fixes rank and "
+                                             "targets.", metavar="PATH", path=True)
     # LoRA variants (model/adapter/initialise.py; docs/finetune.md "LoRA variants")
     rslora: bool = setting(False,
                            "Rank-stabilised LoRA (PEFT's use_rslora): scale alpha / sqrt(rank), not alpha / rank; "

@@ -23,25 +23,37 @@ Variants (PEFT's, for training; docs/finetune.md "LoRA variants"):
   (PEFT's pissa_init); written as the rank-2r plain adapter [A; A0], [B, -B0] of the original base
   (PEFT's path_initial_model_for_weight_conversion), which llama.cpp loads.
 
+PEFT's adapter folder (peft.py): adapter_config.json + adapter_model.safetensors, the same pairs
+under the HF model's names (arch/hf_names.py), read by load_adapter when given a folder and written
+by write_peft (`llmtune export ADAPTER.gguf --peft DIR`).
+
 llmtune's own keys (provenance.py, under "llmtune.", which llama.cpp ignores): the base's fingerprint
 (llmtune.base.*) and the variant (llmtune.lora.init, llmtune.lora.rslora), written by finetune.
 
 The package: core.py (the adapter in memory), targets.py (which tensors take one), initialise.py
-(PEFT's initialisations), files.py (llama.cpp's adapter GGUF), provenance.py (the base's fingerprint
-and the variant), merge.py, terms.py (graph terms).
+(PEFT's initialisations), files.py (llama.cpp's adapter GGUF), peft.py (PEFT's adapter folder, read
+and written), provenance.py (the base's fingerprint and the variant), merge.py, terms.py (graph terms).
 """
 
 from __future__ import annotations
 
 from llmtune.model.adapter.core import DEFAULT_TARGETS, EMBD, MAGNITUDE, A, B, LoraAdapter, LoraPair, tensor_key
-from llmtune.model.adapter.files import adapter_facts, adapter_tensors, attach, load_adapter, write_adapter
+from llmtune.model.adapter.files import (
+    adapter_facts,
+    adapter_tensors,
+    attach,
+    load_adapter,
+    read_adapter,
+    write_adapter,
+)
 from llmtune.model.adapter.initialise import dora_init, init_adapter, pissa_init
 from llmtune.model.adapter.merge import merged_weight
+from llmtune.model.adapter.peft import is_peft_folder, load_peft, peft_files, write_peft
 from llmtune.model.adapter.provenance import BaseFingerprint
 from llmtune.model.adapter.targets import adaptable, select_targets
 from llmtune.model.adapter.terms import LoraGraph, LoraTerm, dropout_masks
 
 __all__ = ["A", "B", "DEFAULT_TARGETS", "EMBD", "MAGNITUDE", "BaseFingerprint", "LoraAdapter", "LoraGraph",
            "LoraPair", "LoraTerm", "adaptable", "adapter_facts", "adapter_tensors", "attach", "dora_init",
-           "dropout_masks", "init_adapter", "load_adapter", "merged_weight", "pissa_init", "select_targets",
-           "tensor_key", "write_adapter"]
+           "dropout_masks", "init_adapter", "is_peft_folder", "load_adapter", "load_peft", "merged_weight",
+           "peft_files", "pissa_init", "read_adapter", "select_targets", "tensor_key", "write_adapter", "write_peft"]

@@ -23,6 +23,12 @@ DEFAULT_TARGETS = r"\.(attn_(q|k|v|qkv|output)|ffn_(gate|up|down))\.weight$"
 _SKIPPED_SUFFIX = "_norm.weight"  # llama.cpp: "TODO: add support for norm vector"
 
 
+def rslora_alpha(alpha: float, rank: int) -> float:
+    """The file alpha of an rsLoRA adapter (PEFT's use_rslora: scale alpha / sqrt(r)): alpha * sqrt(r)
+    in float32, so llama.cpp's file alpha / r is that scale."""
+    return float(np.float32(alpha) * np.sqrt(np.float32(rank)))
+
+
 def tensor_key(base: str, part: str, index: int = 0) -> str:
     """Graph/trainer name of adapter `index`'s A or B for base tensor `base`: the file's own name
     ("blk.0.attn_q.weight.lora_a") for the first adapter, "...lora_a#1" for the next ones."""

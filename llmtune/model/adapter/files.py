@@ -14,8 +14,9 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.gguf.file import GGUFFile, MetaValue, load_gguf, write_gguf
 from llmtune.model.adapter.core import _SKIPPED_SUFFIX, EMBD, A, B, LoraAdapter, LoraPair
+from llmtune.model.adapter.peft import load_peft
 from llmtune.model.adapter.provenance import INIT, RSLORA, BaseFingerprint, check_base
-from llmtune.model.adapter.targets import _tied_note, adaptable
+from llmtune.model.adapter.targets import adaptable, pair_fits, refusal
 from llmtune.quant import blocks as quants
 
 # annotations name model/loaded.py's Model, which imports this package (no import here: no circle)
@@ -32,22 +33,18 @@ def _meta_str(gf: GGUFFile, key: str) -> str:
 
 def load_adapter(path, model: "Model", scale: float = 1.0, flag: str = "--lora") -> LoraAdapter:
     """An adapter GGUF checked against `model` as llama_adapter_lora_init does (and a little more:
-    every pair must be applied by the graph). Errors are one line naming `flag` and the file. An
-    adapter carrying its base's fingerprint (provenance.py) loaded on another base says so in one
-    line: appended to the error when the adapter does not fit, else a LlmtuneWarning."""
+    every pair must be applied by the graph), or a folder: PEFT's adapter (peft.py). Errors are one
+    line naming `flag` and the file. An adapter carrying its base's fingerprint (provenance.py)
+    loaded on another base says so in one line: appended to the error when the adapter does not
+    fit, else a LlmtuneWarning."""
     if not np.isfinite(scale):
         raise LlmtuneError(f"--lora-scale: must be a finite number, got {scale}")
-    gf = load_gguf(path)
-    kind = _meta_str(gf, "general.type")
-    if kind != "adapter":
-        found = f"general.type is {kind!r}" if kind else "it has no general.type"
-        raise _fail(flag, path, f"not a LoRA adapter ({found}; an adapter has 'adapter'): give one written by "
-                                "llmtune finetune --lora-rank or llama.cpp's convert_lora_to_gguf.py")
-    if _meta_str(gf, "adapter.type") != "lora":
-        raise _fail(flag, path, f"adapter.type is {_meta_str(gf, 'adapter.type') or 'missing'!r}, expected 'lora'")
+    if Path(path).is_dir():
+        return load_peft(path, model, scale, flag)
+    gf = _adapter_gguf(path, flag)
     other_base, other_shapes = check_base(BaseFingerprint.read(gf.meta), model.gguf, Path(path).name)
     try:
-        adapter = _checked(gf, path, model, scale, flag)
+        adapter = _read(gf, path, flag, model, scale)
     except LlmtuneError as exc:
         if other_shapes:  # the adapter was made for another model: say which
             raise LlmtuneError(f"{exc}; {other_base}") from None
@@ -58,10 +55,29 @@ def load_adapter(path, model: "Model", scale: float = 1.0, flag: str = "--lora")
     return adapter
 
 
-def _checked(gf: GGUFFile, path, model: "Model", scale: float, flag: str) -> LoraAdapter:
-    """The adapter of an adapter GGUF, every tensor checked against `model` (load_adapter)."""
+def read_adapter(path, flag: str = "adapter") -> LoraAdapter:
+    """An adapter GGUF read without a base (`export --peft`): the checks of load_adapter that need
+    none (its kind, alpha, whole 2-D pairs of matching ranks)."""
+    return _read(_adapter_gguf(path, flag), path, flag)
+
+
+def _adapter_gguf(path, flag: str) -> GGUFFile:
+    gf = load_gguf(path)
+    kind = _meta_str(gf, "general.type")
+    if kind != "adapter":
+        found = f"general.type is {kind!r}" if kind else "it has no general.type"
+        raise _fail(flag, path, f"not a LoRA adapter ({found}; an adapter has 'adapter'): give one written by "
+                                "llmtune finetune --lora-rank or llama.cpp's convert_lora_to_gguf.py")
+    if _meta_str(gf, "adapter.type") != "lora":
+        raise _fail(flag, path, f"adapter.type is {_meta_str(gf, 'adapter.type') or 'missing'!r}, expected 'lora'")
+    return gf
+
+
+def _read(gf: GGUFFile, path, flag: str, model: Optional["Model"] = None, scale: float = 1.0) -> LoraAdapter:
+    """The adapter of an adapter GGUF, every tensor checked against `model` (load_adapter), or
+    without a base only for what a pair must be by itself (read_adapter)."""
     arch = _meta_str(gf, "general.architecture")
-    if arch != model.hp.arch:
+    if model is not None and arch != model.hp.arch:
         raise _fail(flag, path,
                     f"adapter for architecture {arch or 'missing'!r}, but {model.path.name} is {model.hp.arch!r}")
     alpha_mv = gf.meta.get("adapter.lora.alpha")
@@ -70,7 +86,6 @@ def _checked(gf: GGUFFile, path, model: "Model", scale: float, flag: str) -> Lor
     alpha = float(alpha_mv.value) if alpha_mv is not None else 0.0
     if not np.isfinite(alpha):
         raise _fail(flag, path, f"adapter.lora.alpha is {alpha}")
-    ok = adaptable(model)
     halves: dict[str, dict[str, str]] = {}
     extra = {}
     for name in gf.tensors:
@@ -84,19 +99,21 @@ def _checked(gf: GGUFFile, path, model: "Model", scale: float, flag: str) -> Lor
             extra[name] = (np.asarray(gf.tensors[name].raw), gf.tensors[name].type)
     if not halves:
         raise _fail(flag, path, "holds no LoRA tensors")
+    known = model.weights if model is not None else {}
+    ok = adaptable(model) if model is not None else {}
     pairs = {}
-    for base in [n for n in model.weights if n in halves] + [n for n in halves if n not in model.weights]:
+    for base in [n for n in known if n in halves] + [n for n in halves if n not in known]:
         found = halves[base]
         if len(found) < 2:
             raise _fail(flag, path, f"tensor pair for {base!r} lacks its {B if A in found else A} half")
-        if base not in model.weights:
-            raise _fail(flag, path,
-                        f"adapts {base!r}, which {model.path.name} does not have (adapter for another model?)")
-        if base not in ok:
-            raise _fail(flag, path,
-                        f"adapts {base!r}, which takes no adapter in {model.path.name}{_tied_note(model, base)}")
+        if model is not None and (why := refusal(model, base, ok)):
+            raise _fail(flag, path, f"adapts {base!r}, {why}")
         a, b = (_float_tensor(gf, found[p], flag, path) for p in (A, B))
-        _check_pair_shape(base, model.weights[base].shape, a, b, flag, path)
+        if model is not None:
+            _check_pair_shape(base, model.weights[base].shape, a, b, flag, path)
+        elif (a.T if base == EMBD else a).shape[0] != b.shape[1] or min(a.shape + b.shape) < 1:
+            raise _fail(flag, path, f"{base}: lora_a ne {list(a.shape[::-1])} and lora_b ne {list(b.shape[::-1])} "
+                                    "do not share a rank")
         pairs[base] = LoraPair(a, b)
     types = {n: info.type for n, info in gf.tensors.items()}
     return LoraAdapter(arch, alpha, pairs, float(scale), Path(path), dict(gf.meta), types, list(gf.tensors), extra,
@@ -139,15 +156,11 @@ def _float_tensor(gf: GGUFFile, name: str, flag: str, path) -> np.ndarray:
 
 
 def _check_pair_shape(base: str, w_shape, a: np.ndarray, b: np.ndarray, flag: str, path) -> None:
-    """llama.cpp's checks, in numpy terms (GGUF ne reversed)."""
+    """llama.cpp's checks, in the file's terms (GGUF ne: numpy shapes reversed)."""
     n_out, n_in = w_shape
-    if base == EMBD:  # A [n_vocab, r], B [n_embd, r]
-        good = a.shape[0] == n_out and b.shape[0] == n_in and a.shape[1] == b.shape[1]
-        want = f"lora_a ne [r, {n_out}] and lora_b ne [r, {n_in}]"
-    else:  # A [r, n_in], B [n_out, r]
-        good = a.shape[1] == n_in and b.shape[0] == n_out and a.shape[0] == b.shape[1]
-        want = f"lora_a ne [{n_in}, r] and lora_b ne [r, {n_out}]"
-    if not good:
+    if not pair_fits(base, w_shape, a, b):
+        want = (f"lora_a ne [r, {n_out}] and lora_b ne [r, {n_in}]" if base == EMBD
+                else f"lora_a ne [{n_in}, r] and lora_b ne [r, {n_out}]")
         got = f"lora_a ne {list(a.shape[::-1])}, lora_b ne {list(b.shape[::-1])}"
         raise _fail(flag, path, f"{base} has the wrong shape for this base ({got}; expected {want})")
     if min(a.shape + b.shape) < 1:

@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType as VT
 from llmtune.backends.cpu import cpu_workers, run_in_order
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import MetaValue
-from llmtune.model.adapter.core import EMBD, LoraAdapter, LoraPair
+from llmtune.model.adapter.core import EMBD, LoraAdapter, LoraPair, rslora_alpha
 from llmtune.model.adapter.targets import select_targets
 
 # annotations name model/loaded.py's Model, which imports this package (no import here: no circle)
@@ -29,7 +29,7 @@ def init_adapter(model: "Model", rank: int, alpha: Optional[float] = None, targe
     if not np.isfinite(alpha) or alpha < 0:
         raise LlmtuneError(f"--lora-alpha: must be a number >= 0, got {alpha}")
     if rslora:  # PEFT's use_rslora: scaling = alpha / sqrt(r); llama.cpp applies file alpha / r
-        alpha = float(np.float32(alpha) * np.sqrt(np.float32(rank)))
+        alpha = rslora_alpha(alpha, rank)
     rng = np.random.default_rng(seed)
     pairs = {}
     for n in names:
@@ -45,7 +45,7 @@ def init_adapter(model: "Model", rank: int, alpha: Optional[float] = None, targe
                 a = rng.uniform(-bound, bound, (rank, n_in)).astype(np.float32)
             b = np.zeros((n_out, rank), np.float32)
         pairs[n] = LoraPair(a, b)
-    return LoraAdapter(model.hp.arch, alpha, pairs, meta=_new_metadata(model, alpha), init=method, rslora=rslora)
+    return LoraAdapter(model.hp.arch, alpha, pairs, meta=new_metadata(model, alpha), init=method, rslora=rslora)
 
 
 def _refuse_embd(adapter: LoraAdapter, flag: str) -> None:
@@ -89,8 +89,9 @@ def dora_init(model: "Model", adapter: LoraAdapter) -> None:
         adapter.magnitudes[name] = adapter.dora_weight(name, model.weights[name])[1].astype(np.float32)
 
 
-def _new_metadata(model: "Model", alpha: float) -> dict[str, MetaValue]:
-    """convert_lora_to_gguf.py's keys in its order (general.architecture first, set by the writer)."""
+def new_metadata(model: "Model", alpha: float) -> dict[str, MetaValue]:
+    """A new adapter's metadata for `model`: convert_lora_to_gguf.py's keys in its order
+    (general.architecture first, set by the writer)."""
     meta = {
         "general.architecture": MetaValue(model.hp.arch, VT.STRING),
         "general.type": MetaValue("adapter", VT.STRING),

@@ -14,6 +14,10 @@ The base's fingerprint (BaseFingerprint.of):
                         HASH_ROWS rows (numpy axis 0, i.e. the first HASH_ROWS token rows of
                         token_embd, quantized blocks as stored; all of output_norm). Cheap (a few KB
                         read), deterministic, and any change of those bytes or of their type changes it.
+- llmtune.base.head_count, llmtune.base.head_count_kv   uint32: the base's attention heads (absent
+                        when it has none or one per layer): the row order of q/k in Hugging Face's
+                        layout (arch/hf_names.py), so `export --peft` needs no base. Optional: a
+                        fingerprint without them (an older llmtune's) reads as before.
 
 The variant (how the adapter's A and B started and are scaled):
 - llmtune.lora.init     string: kaiming | gaussian | pissa (--lora-init-method; pissa: the file holds
@@ -43,6 +47,7 @@ from llmtune.gguf.file import GGUFFile, MetaValue
 HASHED = ("token_embd.weight", "output_norm.weight")  # the tensors the content hash reads, in order
 HASH_ROWS = 16  # rows of each read (output_norm has one)
 NAME, FILE, TENSORS, SHA256 = "llmtune.base.name", "llmtune.base.file", "llmtune.base.tensors", "llmtune.base.sha256"
+HEADS, HEADS_KV = "llmtune.base.head_count", "llmtune.base.head_count_kv"
 INIT, RSLORA = "llmtune.lora.init", "llmtune.lora.rslora"
 SHORT = 12  # hex digits of the hash shown to people
 
@@ -57,6 +62,8 @@ class BaseFingerprint:
     file: str
     tensors: tuple[str, ...]  # "NAME:NE0,NE1:TYPE", file order
     sha256: str
+    n_head: int = 0  # 0: not recorded
+    n_head_kv: int = 0
 
     @classmethod
     def of(cls, gf: GGUFFile) -> "BaseFingerprint":
@@ -69,8 +76,13 @@ class BaseFingerprint:
             digest.update(f"{name}\0{info.type.name}\0{_ne(info.shape)}\0".encode())
             digest.update(np.ascontiguousarray(info.raw[:HASH_ROWS]).tobytes())
         title = gf.get("general.name")
+        arch = gf.get("general.architecture")
+        n_head = gf.get(f"{arch}.attention.head_count")
+        n_head_kv = gf.get(f"{arch}.attention.head_count_kv", n_head)
+        heads = (n_head, n_head_kv) if all(isinstance(h, int) and h > 0 for h in (n_head, n_head_kv)) else (0, 0)
         return cls(title if isinstance(title, str) and title else gf.path.name, gf.path.name,
-                   tuple(f"{n}:{_ne(t.shape)}:{t.type.name}" for n, t in gf.tensors.items()), digest.hexdigest())
+                   tuple(f"{n}:{_ne(t.shape)}:{t.type.name}" for n, t in gf.tensors.items()), digest.hexdigest(),
+                   *heads)
 
     @classmethod
     def read(cls, meta: dict[str, MetaValue]) -> Optional["BaseFingerprint"]:
@@ -82,11 +94,15 @@ class BaseFingerprint:
         if not (isinstance(name, str) and isinstance(file, str) and isinstance(sha, str) and isinstance(tensors, list)
                 and all(isinstance(t, str) for t in tensors)):
             return None
-        return cls(name, file, tuple(tensors), sha)
+        heads = [meta[k].value if k in meta else 0 for k in (HEADS, HEADS_KV)]
+        return cls(name, file, tuple(tensors), sha, *(h if isinstance(h, int) and h > 0 else 0 for h in heads))
 
     def meta(self) -> dict[str, MetaValue]:
-        return {NAME: MetaValue(self.name, VT.STRING), FILE: MetaValue(self.file, VT.STRING),
-                TENSORS: MetaValue(list(self.tensors), VT.ARRAY, VT.STRING), SHA256: MetaValue(self.sha256, VT.STRING)}
+        out = {NAME: MetaValue(self.name, VT.STRING), FILE: MetaValue(self.file, VT.STRING),
+               TENSORS: MetaValue(list(self.tensors), VT.ARRAY, VT.STRING), SHA256: MetaValue(self.sha256, VT.STRING)}
+        if self.n_head:
+            out.update({HEADS: MetaValue(self.n_head, VT.UINT32), HEADS_KV: MetaValue(self.n_head_kv, VT.UINT32)})
+        return out
 
     @property
     def label(self) -> str:

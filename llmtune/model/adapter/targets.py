@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+import numpy as np
+
 from llmtune.arch.context import Batch, BuildContext
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
@@ -41,6 +43,26 @@ def adaptable(model: "Model") -> dict[str, str]:
     if "output.weight" in model.weights:
         out.update({n: "rows" for n in rec.rows if n in model.weights})
     return {n: out[n] for n in model.weights if n in out}  # the file's order
+
+
+def refusal(model: "Model", name: str, ok: dict[str, str]) -> str:
+    """Why base tensor `name` takes no adapter in `model` ('' when it takes one); `ok`: adaptable(model)."""
+    if name not in model.weights:
+        return f"which {model.path.name} does not have (adapter for another model?)"
+    if name not in ok:
+        return f"which takes no adapter in {model.path.name}{_tied_note(model, name)}"
+    return ""
+
+
+def pair_fits(name: str, w_shape, a: np.ndarray, b: np.ndarray) -> bool:
+    """A pair in llmtune's layout (core.LoraPair) fits base tensor `name` of numpy shape `w_shape`:
+    A [r, n_in] and B [n_out, r] (token_embd: A [n_vocab, r], B [n_embd, r])."""
+    n_out, n_in = w_shape
+    if a.ndim != 2 or b.ndim != 2:
+        return False
+    if name == EMBD:
+        return a.shape[0] == n_out and b.shape[0] == n_in and a.shape[1] == b.shape[1]
+    return a.shape[1] == n_in and b.shape[0] == n_out and a.shape[0] == b.shape[1]
 
 
 def _tied_note(model: "Model", name: str) -> str:

@@ -1,0 +1,289 @@
+"""PEFT adapter folders both ways (llmtune export --peft, --lora DIR / --lora-init DIR) against PEFT
+itself and llama.cpp's convert_lora_to_gguf.py.
+
+    python bench/check_peft.py [--llama-cpp SRC --bin BUILD/bin] [--record] [--families]
+
+1. round trip: `llmtune finetune tests/data/stories260K.gguf` trains a rank-4 adapter (plain and
+   --rslora) on the first 20 KB of data/wikitext-100k.txt; `llmtune export A.gguf --peft DIR` writes
+   it as PEFT's folder; PEFT loads it on transformers' model of the GGUF (check_transformers.load_hf)
+   and its logits of a 64-token window are compared with llmtune's with the adapter GGUF (f32; max
+   |difference| / max |logit|, goal < 1e-4).
+2. llama.cpp (--llama-cpp, --bin): convert_lora_to_gguf.py on that folder, --base the HF folder
+   transformers saves (config.json is all the converter reads), then llama-perplexity --lora with
+   the converted file and with llmtune's original, ctx 128, 8 chunks of WikiText-2 test (goal 1e-5
+   relative). The converter ignores use_rslora (it writes lora_alpha as it is): the rsLoRA adapter
+   is shown to differ, by design of the converter.
+3. PEFT's own adapters (init_lora_weights=False, so B != 0): plain (every matrix, embed_tokens and
+   lm_head too) and rsLoRA saved in bfloat16, read by llmtune the way finetune --lora-init reads
+   them: logits vs PEFT's (goal < 1e-4); the adapter `llmtune finetune --lora-init DIR --lr 1e-30`
+   writes after an epoch that moves nothing (step 0's adapter): the same; and `llmtune perplexity
+   --lora DIR` vs PEFT's running perplexity (check_transformers.hf_running_ppl).
+4. --families: every family of bench/check_families.py with a Hugging Face name table, a random model
+   and a random adapter on every matrix that takes one, exported and compared with PEFT on a 128-token
+   window (the length check_transformers.py holds the bases to; goal < 1e-4).
+
+--record writes the tests' fixtures: tests/data/peft/<case>/ (case 3's plain and bfloat16 rsLoRA
+folders) and tests/data/peft/expected.npz (their tokens and PEFT's logits), expected.json (how).
+Needs torch, transformers, peft (none of them is a dependency of llmtune) and safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+STORIES = DATA / "stories260K.gguf"
+FIXTURES = DATA / "peft"
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+import check_families  # noqa: E402
+import check_lora  # noqa: E402
+import check_transformers  # noqa: E402
+from llmtune.arch import get_family  # noqa: E402
+from llmtune.backends.cpu import CPUBackend  # noqa: E402
+from llmtune.eval.perplexity import tokenize  # noqa: E402
+from llmtune.eval.scoring import add_bos_of, as_model  # noqa: E402
+from llmtune.graph.planner import Program  # noqa: E402
+from llmtune.model.adapter import adaptable, attach, init_adapter, load_adapter, write_peft  # noqa: E402
+from llmtune.model.loaded import load_model  # noqa: E402
+from llmtune.tokenizer import read_text  # noqa: E402
+
+# torch, transformers and peft (the oracles, not llmtune's dependencies) are imported where used
+
+CTX, CHUNKS, N_TOK = 128, 8, 64
+GOAL_LOGITS, GOAL_PPL = 1e-4, 1e-5
+# the recorded fixtures: (folder name, LoraConfig settings, dtype saved)
+FIXTURE_CASES = [
+    ("stories260K-lora", dict(r=2, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                  "up_proj", "down_proj", "embed_tokens", "lm_head"]),
+     "float32"),
+    ("stories260K-rslora-bf16", dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj"]),
+     "bfloat16"),
+]
+
+
+def llmtune_cli(*args) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "llmtune.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env)
+    if done.returncode:
+        raise RuntimeError(f"llmtune {args[0]} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout + done.stderr
+
+
+def rel(ours: np.ndarray, theirs: np.ndarray) -> float:
+    return float(np.abs(ours.astype(np.float64) - theirs).max() / np.abs(theirs).max())
+
+
+def ours_logits(model_path: Path, adapter, tokens: np.ndarray, flag: str = "--lora") -> np.ndarray:
+    """llmtune's logits (f32) of `tokens` with `adapter` (a GGUF, a PEFT folder or a LoraAdapter)
+    read by load_adapter as `flag` reads it."""
+    model = load_model(model_path, quantized=False)
+    if not hasattr(adapter, "pairs"):
+        adapter = load_adapter(adapter, model, flag=flag)
+    model = attach(model, [adapter])
+    _, nodes, logits = model.build(1, tokens.size)
+    prog = Program([logits], CPUBackend(np.float32),
+                   params={nodes[n]: np.asarray(w, np.float32) for n, w in model.tensors().items()})
+    return prog.run(tokens=tokens[None].astype(np.int32), pos=np.arange(tokens.size, dtype=np.int32))[0].copy()
+
+
+def hf_model(model_path: Path, family: str = "llama"):
+    return check_transformers.load_hf(model_path, check_transformers.PATCHES.get(family, check_transformers.Patch()))
+
+
+def peft_logits(model_path: Path, folder: Path, tokens: np.ndarray, family: str = "llama") -> np.ndarray:
+    import torch
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(hf_model(model_path, family), str(folder)).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens[None].astype(np.int64))).logits[0].double().numpy()
+
+
+def window(n_vocab: int, seed: int = 0, n: int = N_TOK) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n_vocab, n).astype(np.int32)
+
+
+# ------------------------------------------------------------------------------ 1 and 2: llmtune -> PEFT
+def round_trip(tmp: Path, llama_cpp: Path | None, bin_dir: Path | None) -> None:
+    text = tmp / "train.txt"
+    text.write_text((ROOT / "data" / "wikitext-100k.txt").read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    wiki = tmp / "wiki.test.raw"
+    wiki.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
+    hf_dir = tmp / "hf-base"
+    if llama_cpp:  # the HF base's config.json (transformers will not save_pretrained a model read from GGUF)
+        config = hf_model(STORIES).config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [get_family("llama").hf.architecture]  # not set by the GGUF loader
+        hf_dir.mkdir()
+        (hf_dir / "config.json").write_text(json.dumps(config, indent=2))
+    tokens = window(512)
+    for label, extra in (("LoRA", []), ("rsLoRA", ["--rslora", "--lora-alpha", "8"])):
+        gguf, folder = tmp / f"{label}.gguf", tmp / f"{label}-peft"
+        llmtune_cli("finetune", STORIES, text, "-o", gguf, "--lora-rank", 4, "--ctx", 64, "--epochs", 1, "--lr", 1e-2,
+                    *extra)
+        print(llmtune_cli("export", gguf, "--peft", folder).strip())
+        diff = rel(ours_logits(STORIES, gguf, tokens), peft_logits(STORIES, folder, tokens))
+        print(f"  {label}: PEFT's logits vs llmtune's (adapter GGUF): max rel diff {diff:.2e} "
+              f"{'ok' if diff < GOAL_LOGITS else 'FAIL'}")
+        back = rel(ours_logits(STORIES, folder, tokens), ours_logits(STORIES, gguf, tokens))
+        print(f"  {label}: llmtune with the PEFT folder vs with the GGUF: max rel diff {back:.2e}")
+        if llama_cpp and bin_dir:
+            converted = tmp / f"{label}-converted.gguf"
+            run([sys.executable, llama_cpp / "convert_lora_to_gguf.py", "--base", hf_dir, "--outtype", "f32",
+                 "--outfile", converted, folder], env={"HF_HUB_OFFLINE": "1"})
+            theirs = llama_ppl(bin_dir, wiki, converted)
+            ours = llama_ppl(bin_dir, wiki, gguf)
+            n = min(len(theirs), len(ours))  # llama-perplexity's logger may drop the last chunk's value
+            theirs, ours = theirs[:n], ours[:n]
+            d = max(abs(a - b) / b for a, b in zip(theirs, ours))
+            verdict = "ok" if d < GOAL_PPL else ("differs: convert_lora_to_gguf.py ignores use_rslora"
+                                                 if label == "rsLoRA" else "FAIL")
+            print(f"  {label}: llama-perplexity --lora converted {theirs[-1]:.6f} vs llmtune's file {ours[-1]:.6f}: "
+                  f"max rel diff {d:.2e} over {len(ours)} chunks {verdict}")
+
+
+def run(cmd: list, env: dict | None = None) -> str:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if done.returncode:
+        raise RuntimeError(f"{cmd[1] if len(cmd) > 1 else cmd[0]} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout + done.stderr
+
+
+def llama_ppl(bin_dir: Path, text: Path, adapter: Path) -> list[float]:
+    return check_lora.llama_running_ppl(bin_dir, STORIES, text, CHUNKS, ["--lora", adapter])
+
+
+# ------------------------------------------------------------------------------ 3: PEFT -> llmtune
+def make_peft(folder: Path, settings: dict, dtype: str, seed: int = 0) -> None:
+    """A PEFT adapter with random A and B (init_lora_weights=False) on stories260K, saved."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(hf_model(STORIES), LoraConfig(init_lora_weights=False, lora_dropout=0.1, **settings))
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(folder), save_embedding_layers=False)  # no full embedding copies: a small fixture
+    with open(folder / "adapter_config.json") as fh:  # the base's name as a person would see it
+        config = json.load(fh)
+    config["base_model_name_or_path"] = "stories260K"
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for extra in folder.iterdir():
+        if extra.name not in ("adapter_config.json", "adapter_model.safetensors"):
+            extra.unlink()  # PEFT's README.md
+
+
+def peft_made(tmp: Path, record: bool) -> None:
+    import peft
+    import transformers
+
+    wiki = tmp / "wiki.test.raw"
+    wiki.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
+    text = tmp / "init.txt"
+    text.write_text((ROOT / "data" / "wikitext-100k.txt").read_text(encoding="utf-8")[:5000], encoding="utf-8")
+    expected, meta = {}, {}
+    for name, settings, dtype in FIXTURE_CASES:
+        folder = (FIXTURES if record else tmp) / name
+        if folder.exists():
+            shutil.rmtree(folder)
+        make_peft(folder, settings, dtype)
+        tokens = window(512, seed=1)[:8]
+        theirs = peft_logits(STORIES, folder, tokens)
+        diff = rel(ours_logits(STORIES, folder, tokens, flag="--lora-init"), theirs)
+        print(f"  {name}: llmtune (as --lora-init reads it) vs PEFT: logits max rel diff {diff:.2e} "
+              f"{'ok' if diff < GOAL_LOGITS else 'FAIL'}")
+        trained = tmp / f"{name}-init.gguf"  # an epoch that moves nothing: the adapter finetune starts from
+        llmtune_cli("finetune", STORIES, text, "-o", trained, "--lora-init", folder, "--lr", 1e-30, "--ctx", 64,
+                    "--epochs", 1)
+        d_init = rel(ours_logits(STORIES, trained, tokens), theirs)
+        print(f"  {name}: finetune --lora-init DIR --lr 1e-30, the adapter written: logits vs PEFT {d_init:.2e} "
+              f"{'ok' if d_init < GOAL_LOGITS else 'FAIL'}")
+        long = window(512, seed=2)
+        d_long = rel(ours_logits(STORIES, folder, long), peft_logits(STORIES, folder, long))
+        print(f"  {name}: {N_TOK}-token window: max rel diff {d_long:.2e}")
+        out = llmtune_cli("perplexity", STORIES, wiki, "--ctx", CTX, "--chunks", 4, "--lora", folder)
+        ours_ppl = float(out.split("PPL = ")[1].split()[0]) if "PPL = " in out else float("nan")
+        hf = peft_model_of(folder)
+        lt = as_model(STORIES)
+        ids = tokenize(lt, read_text(wiki))
+        theirs_ppl = check_transformers.hf_running_ppl(hf, ids, *add_bos_of(lt), CTX, 4)[-1]
+        print(f"  {name}: llmtune perplexity --lora DIR {ours_ppl:.6f} vs PEFT {theirs_ppl:.6f} "
+              f"(rel {abs(ours_ppl - theirs_ppl) / theirs_ppl:.1e})")
+        expected[f"{name}.tokens"], expected[f"{name}.logits"] = tokens, theirs.astype(np.float32)
+        meta[name] = {"settings": settings, "dtype": dtype, "tokens": tokens.tolist()}
+    if record:
+        np.savez_compressed(FIXTURES / "expected.npz", **expected)
+        meta["recorded_by"] = (f"python bench/check_peft.py --record (peft {peft.__version__}, transformers "
+                               f"{transformers.__version__}): PEFT's logits (float32 model) of the tokens")
+        (FIXTURES / "expected.json").write_text(json.dumps(meta, indent=2) + "\n")
+        print(f"wrote {FIXTURES.relative_to(ROOT)}/")
+
+
+def peft_model_of(folder: Path):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(hf_model(STORIES), str(folder)).eval()
+
+
+# ------------------------------------------------------------------------------ 4: every family
+def families(tmp: Path) -> None:
+    for name, case in check_families.FAMILIES.items():
+        path = check_families.random_model(case, tmp / f"{name}.gguf")
+        model = load_model(path, quantized=False)
+        if get_family(model.hp.arch).hf is None:
+            print(f"  {name}: no Hugging Face name table (refused)")
+            continue
+        targets = "|".join(f"^{n}$".replace(".", r"\.") for n in adaptable(model))
+        adapter = init_adapter(model, 2, 3.0, targets, seed=0)
+        rng = np.random.default_rng(1)
+        for pair in adapter.pairs.values():
+            pair.a[...] = rng.standard_normal(pair.a.shape).astype(np.float32) * 0.2
+            pair.b[...] = rng.standard_normal(pair.b.shape).astype(np.float32) * 0.05
+        folder = tmp / f"{name}-peft"
+        write_peft(adapter, folder, (model.hp.n_head, model.hp.n_head_kv), model.hp.n_layer, name)
+        tokens = window(model.hp.n_vocab, n=CTX)  # phi3: the length check_transformers.py checks (long factors)
+        try:
+            theirs = peft_logits(path, folder, tokens, name)
+        except Exception as exc:  # transformers' GGUF loader may lack a family
+            print(f"  {name}: PEFT could not load it ({type(exc).__name__}: {str(exc)[:200]})")
+            continue
+        diff = rel(ours_logits(path, adapter, tokens), theirs)
+        modules = json.loads((folder / "adapter_config.json").read_text())["target_modules"]
+        print(f"  {name}: {len(adapter.pairs)} matrices ({', '.join(modules)}): logits max rel diff {diff:.2e} "
+              f"{'ok' if diff < GOAL_LOGITS else 'FAIL'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's source folder (convert_lora_to_gguf.py)")
+    ap.add_argument("--bin", type=Path, help="llama.cpp's build/bin (llama-perplexity)")
+    ap.add_argument("--record", action="store_true", help="write tests/data/peft/")
+    ap.add_argument("--families", action="store_true", help="every family with a name table too")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        print("1/2. llmtune's adapters as PEFT folders")
+        round_trip(tmp, args.llama_cpp, args.bin)
+        print("3. PEFT's adapters in llmtune")
+        peft_made(tmp, args.record)
+        if args.families:
+            print("4. every family")
+            families(tmp)
+
+
+if __name__ == "__main__":
+    main()
