@@ -94,6 +94,13 @@ def test_batched_logits_are_each_sequence_alone(stories, stories_q8, quantized, 
         kernels.reset()
 
 
+def test_one_sequence_batch(stories):
+    """G = 1 (generate --parallel 1 --bench): the one-sequence program, the one-sequence tokens."""
+    ids = _ids(stories)[0]
+    got = BatchGenerator(stories, n_seq=1, n_ctx=64).generate_batch([ids], 10)
+    assert got[0].tokens == alone(stories, ids, 10, SamplerConfig(temp=0.0), n_ctx=64)
+
+
 def test_each_sequence_stops_on_its_own(stories):
     """A full context stops the longest prompt first; the others go on (the finished one is padding)."""
     ids = _ids(stories)

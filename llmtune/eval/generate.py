@@ -281,7 +281,8 @@ class BatchGenerator(Generator):
         self.n_seq = int(n_seq)
         super().__init__(model, backend, n_ctx=n_ctx, n_batch=n_batch, values=values)
         self._tok_buf = np.zeros((self.n_seq, 1), dtype=np.int32)
-        self._pos_buf = np.zeros((self.n_seq, 1), dtype=np.int32)
+        # positions per sequence [G, 1]; one sequence's graph takes them as [1] (arch/context.py Batch)
+        self._pos_buf = np.zeros((self.n_seq, 1) if self.n_seq > 1 else 1, dtype=np.int32)
         self.lanes: list[list[int]] = [[] for _ in range(self.n_seq)]  # what each sequence's rows hold
 
     def prefill(self, lane: int, ids) -> np.ndarray:
@@ -298,7 +299,7 @@ class BatchGenerator(Generator):
         """One decode step of every sequence: token tokens[b] at position positions[b] of sequence
         b -> logits [G, V] (a backend's host copy; the buffer is reused by the next step)."""
         be = self.backend
-        self._tok_buf[:, 0], self._pos_buf[:, 0] = tokens, positions
+        self._tok_buf[:, 0], self._pos_buf.reshape(-1)[:] = tokens, positions
         prog = self._programs.get((1, self._decode_n_kv(int(self._pos_buf.max()) + 1), None))
         if be.replays:  # the buffers are the graph's inputs themselves: replay
             replay = self._replays.get(prog)
