@@ -499,6 +499,14 @@ def generate_cmd(
                                     help="Never sample an end-of-generation token (llama.cpp's --ignore-eos: their "
                                          "logits are -inf), so generation runs to -n or a full context: fixed-length "
                                          "speed runs."),
+    parallel: int = typer.Option(1, "--parallel",
+                                 help="Generate G copies of the prompt together, one batched decode step for all "
+                                      "(each sequence its own position, stop and random stream: seed + its index); "
+                                      "prints each sequence's text and the batch's speed."),
+    bench: bool = typer.Option(False, "--bench",
+                               help="Measure instead of printing text: every sequence generates exactly -n tokens "
+                                    "(as --ignore-eos) and stdout gets one row of llama-batched-bench's table (PP, TG, "
+                                    "B, N_KV, T_PP s, S_PP t/s, T_TG s, S_TG t/s, T s, S t/s)."),
     backend: str = backend_option(),
     precision: str = precision_option(),
 ):
@@ -511,11 +519,13 @@ def generate_cmd(
     Example (a fixed 256 tokens, for speed): llmtune generate model.gguf -p "Once upon a time" -n 256 --ignore-eos
 
     Example (chat): llmtune generate tuned.gguf --chat --system "Answer briefly." -p "What is LoRA?"
+
+    Example (batched decode speed, as llama-batched-bench): llmtune generate model.gguf -p "Once upon a time" --parallel 8 -n 128 --bench
     """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
-    from llmtune.eval.generate import ChatSession, Generator, generate, load_for_generation
+    from llmtune.eval.generate import ChatSession, Generator, generate, generate_parallel, load_for_generation
     from llmtune.eval.sampling import Sampler, SamplerConfig
     from llmtune.tokenizer import read_text
-    from llmtune.ui.generate import Stream, chat_loop, summary
+    from llmtune.ui.generate import Stream, bench_row, chat_loop, parallel_summary, summary
 
     if prompt is not None and prompt_file is not None:
         raise LlmtuneError("-p, -f: give the prompt one way")
@@ -525,6 +535,12 @@ def generate_cmd(
         raise LlmtuneError("--chat-template: needs --chat")
     if n_predict < -1:
         raise LlmtuneError(f"-n: must be -1 or more, got {n_predict}")
+    if parallel < 1:
+        raise LlmtuneError(f"--parallel: must be positive, got {parallel}")
+    if chat and (parallel > 1 or bench):
+        raise LlmtuneError("--chat: one conversation (no --parallel or --bench)")
+    if bench and n_predict < 1:
+        raise LlmtuneError("--bench: needs -n N (the tokens each sequence generates)")
     sampling = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
                              repeat_last_n=repeat_last_n, seed=seed)
     interactive = chat and sys.stdin.isatty()
@@ -538,6 +554,18 @@ def generate_cmd(
     from llmtune.backends import get_backend
 
     stream = Stream()
+    if parallel > 1 or bench:
+        results = generate_parallel(model, prompt, parallel, n_predict=n_predict, sampler=sampling,
+                                    backend=get_backend(backend, precision=precision), n_ctx=ctx, lora=lora,
+                                    lora_scale=lora_scale, ignore_eos=ignore_eos or bench)
+        if bench:
+            out.print(bench_row(results), highlight=False, soft_wrap=True)
+        else:
+            for b, res in enumerate(results):
+                out.print(f"--- sequence {b}", highlight=False)
+                sys.stdout.write(("" if no_display_prompt else prompt) + res.text + "\n")
+        err.print(f"[dim]{escape(parallel_summary(results))}[/]", highlight=False)
+        return
     if not chat:
         show = None if no_display_prompt else (lambda: sys.stdout.write(prompt))  # once the prompt is known to fit
         res = generate(model, prompt, n_predict=n_predict, sampler=sampling,

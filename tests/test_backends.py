@@ -459,6 +459,47 @@ def test_softmax_causal_at_run_time_positions(name, window):
     check_forward(name, build, [y, dx], x=x, g=g, pos=pos)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_softmax_causal_at_positions_per_sequence(name, window):
+    """pos [B, n_q] (a batched decode): row r of sequence b is query position pos[b, r % n_q]."""
+    n_q, n_kv, scale = 2, 9, 0.3
+    pos = np.array([[4, 5], [0, 1], [7, 8]], dtype=np.int32)
+    x, g = randn(3, 2, 2 * n_q, n_kv), randn(3, 2, 2 * n_q, n_kv)
+    p = pos[:, np.arange(2 * n_q) % n_q][:, None, :, None]
+    k = np.arange(n_kv)
+    visible = (k <= p) & ((p - k < window) if window else True)
+    z = np.where(visible, x * scale, -np.inf)
+    y = np.exp(z - z.max(-1, keepdims=True))
+    y /= y.sum(-1, keepdims=True)
+    dx = scale * y * (g - (g * y).sum(axis=-1, keepdims=True))
+
+    def build(x, g, pos):
+        y = ops.softmax_causal(x, scale, n_kv, n_q, window=window, pos=pos)
+        return [y, ops.softmax_back(y, g, scale)]
+
+    check_forward(name, build, [y, dx], x=x, g=g, pos=pos)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_cache_write_positions_per_sequence(name, T):
+    """pos [B, T]: cache[b, :, pos[b, t]] = x[b, t], each sequence at its own positions."""
+    backend = backend_for(name)
+    B, H, N, d = 3, 2, 7, 4
+    pos = np.array([[5, 6], [0, 1], [3, 2]], dtype=np.int32)[:, :T].copy()
+    start, x = randn(B, H, N, d), randn(B, T, H, d)
+    want = start.copy()
+    for b in range(B):
+        want[b][:, pos[b]] = x[b].transpose(1, 0, 2)
+    cache = backend.asarray(start.astype(np.float32))
+    c = ops.param((B, H, N, d), name="cache", requires_grad=False)
+    xn, pn = ops.input((B, T, H, d), name="x"), ops.input((B, T), "i32", name="pos")
+    out = ops.cache_write(c, ops.scale(xn, 1.0), pn)
+    prog = Program([ops.scale(out, 1.0)], backend, params={c: cache})
+    got = prog.run(x=backend.asarray(x.astype(np.float32)), pos=backend.asarray(pos))[0]
+    assert_close(backend.to_numpy(got), want)
+    assert_close(backend.to_numpy(cache), want)  # written in place
+
+
 def test_cache_write(name):
     """cache[:, :, pos[t]] = x[:, t] in a persistent buffer; the op's value is the cache."""
     backend = backend_for(name)
@@ -660,6 +701,9 @@ GRAD_CASES = {
     "softmax_causal_pos": (lambda x, pos: ops.softmax_causal(x, 0.7, n_kv=6, n_q=2, window=3, pos=pos),
                            {"x": (2, 4, 6)},
                            {"pos": np.array([3, 5])}),
+    "softmax_causal_pos_per_seq": (lambda x, pos: ops.softmax_causal(x, 0.7, n_kv=6, n_q=2, window=3, pos=pos),
+                                   {"x": (2, 2, 4, 6)},
+                                   {"pos": np.array([[3, 4], [1, 5]])}),
     # logits computed by an op: the backward overwrites them in place
     "cross_entropy_inplace": (lambda a, b, t: ops.cross_entropy(ops.matmul(a, b), t), {"a": (4, 3), "b": (3, 6)},
                               {"t": np.array([1, 5, 0, 0])}),

@@ -25,7 +25,9 @@ class Batch:
     """Symbolic inputs of one forward pass: n_seq sequences of n_tok tokens."""
 
     tokens: Node  # [n_seq, n_tok] int32
-    pos: Node  # [n_tok] int32 positions (shared by all sequences); packed windows: [n_seq, n_tok]
+    # [n_tok] int32 positions (shared by all sequences); packed windows and a cache of several
+    # sequences (batched decode): [n_seq, n_tok], positions per sequence
+    pos: Node
     # [n_out] int32: the flat rows (seq * n_tok + tok) that produce logits, given at run time
     # (llama.cpp's inp_out_ids: a training pass scores only the targets that carry loss); None: all
     out_ids: Node | None = None

@@ -8,6 +8,11 @@ every key after the query's position (softmax_causal with run-time positions). S
 program serves every decode step whose positions stay below n_kv: the generator compiles one per
 (n_tok, n_kv bucket), never one per step.
 
+A cache of n_seq > 1 sequences (batched decode, eval/generate.py BatchGenerator) takes positions
+per sequence pos [n_seq, n_tok]: sequence b writes and reads its own buffer row b at its own
+positions (cache_write and softmax_causal read pos[b]), so sequences of different lengths step
+together in one program.
+
 Rows past a query's position may hold stale values (a longer earlier sequence, or the padding of
 a prefill): they are always masked, and are overwritten before any later query can see them, since
 position p is written by the step that processes position p.
@@ -73,8 +78,8 @@ class KVCache:
 
     def attention(self, q: Node, k: Node, v: Node, il: int, pos: Node, kq_scale: float, softcap: float = 0.0,
                   window: int = 0) -> Node:
-        """causal_attention for new tokens at positions pos: q [B, T, H, d], k/v [B, T, Hkv, d]
-        -> [B, T, H, d], reading the cache's first n_kv positions after writing k/v into it."""
+        """causal_attention for new tokens at positions pos ([T], or [B, T] per sequence): q [B, T, H, d],
+        k/v [B, T, Hkv, d] -> [B, T, H, d], reading the cache's first n_kv positions after writing k/v into it."""
         B, T, H, d = q.shape
         Hkv = k.shape[2]
         group = H // Hkv

@@ -16,7 +16,7 @@ parsed); generation stops after `n_predict` tokens, at an end-of-generation toke
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional
 
 import numpy as np
@@ -72,6 +72,8 @@ class GenerateResult:
 class Generator:
     """A model ready to generate: weights and KV cache on a backend, compiled programs."""
 
+    n_seq = 1  # sequences the cache holds (BatchGenerator: several)
+
     def __init__(self, model, backend=None, *, n_ctx: Optional[int] = None, n_batch: int = DEFAULT_N_BATCH,
                  values: Optional[dict] = None):
 
@@ -88,7 +90,7 @@ class Generator:
             raise LlmtuneError(f"--ctx {n_ctx}: {model.path} has learned positions for {hp.n_ctx_train} tokens only")
         self.n_ctx, self.n_batch = int(n_ctx), int(n_batch)
         warn_past_training(model, self.n_ctx)
-        self.shape = CacheShape.of(hp, self.n_ctx)
+        self.shape = CacheShape.of(hp, self.n_ctx, self.n_seq)
         be = self.backend
         # the tensors as the graph binds them (a quantized matrix as its bytes, with the float copies
         # the backend keeps for frozen weights: Backend.bind), or `values` given (a trainer's live
@@ -105,24 +107,35 @@ class Generator:
         self._pos_buf = np.zeros(1, dtype=np.int32)
 
     # ------------------------------------------------------------------ programs
-    def _compile(self, key: tuple[int, int]) -> Program:
-        """The forward program of n_tok new tokens attending over n_kv cache positions."""
-        n_tok, n_kv = key
-        cache = KVCache(self.shape, n_kv)
-        _, nodes, logits = self.model.build(1, n_tok, logits_start=n_tok - 1, cache=cache)
+    def _compile(self, key: tuple[int, int, Optional[int]]) -> Program:
+        """The forward program of n_tok new tokens attending over n_kv cache positions, of every
+        sequence of the cache (lane None) or of sequence `lane` alone (its rows of the buffers)."""
+        n_tok, n_kv, lane = key
+        shape, bufs = self.shape, self.cache
+        if lane is not None:
+            shape = replace(shape, n_seq=1)
+            bufs = {name: buf[lane : lane + 1] for name, buf in bufs.items()}  # views of its rows
+        cache = KVCache(shape, n_kv)
+        _, nodes, logits = self.model.build(shape.n_seq, n_tok, logits_start=n_tok - 1, cache=cache)
         params = {node: self.values[name] for name, node in nodes.items()}
-        params.update({node: self.cache[name] for name, node in cache.nodes.items()})
+        params.update({node: bufs[name] for name, node in cache.nodes.items()})
         return Program([logits], self.backend, params=params)
 
-    def _run(self, tokens: np.ndarray, n_past: int):
-        """Logits of the last of `tokens` (evaluated at positions n_past..), as a backend array [1, V]."""
+    def _decode_n_kv(self, n_used: int) -> int:
+        """The cache positions a decode step attends over, n_used of them in use. A compiled decode
+        step attends over the whole cache (it reads only the visible positions): one program for the
+        whole generation, where buckets would compile and record one per 64."""
+        be = self.backend
+        return self.n_ctx if be.replays and be.compiles_steps() else kv_bucket(n_used, self.n_ctx)
+
+    def _run(self, tokens: np.ndarray, n_past: int, lane: Optional[int] = None):
+        """Logits of the last of `tokens` (evaluated at positions n_past..), as a backend array [1, V];
+        lane: of that sequence of a cache of several (its prefill; None: the cache's one sequence)."""
         n = len(tokens)
         be = self.backend
-        # a compiled decode step attends over the whole cache (it reads only the visible positions):
-        # one program for the whole generation, where buckets would compile and record one per 64
-        n_kv = self.n_ctx if n == 1 and be.replays and be.compiles_steps() else kv_bucket(n_past + n, self.n_ctx)
-        prog = self._programs.get((n, n_kv))
-        if n == 1:  # the decode step: reuse the host buffers
+        n_kv = self._decode_n_kv(n_past + n) if n == 1 else kv_bucket(n_past + n, self.n_ctx)
+        prog = self._programs.get((n, n_kv, lane))
+        if n == 1 and lane is None:  # the decode step: reuse the host buffers
             self._tok_buf[0, 0], self._pos_buf[0] = tokens[0], n_past
             tok, pos = self._tok_buf, self._pos_buf
             if be.replays:  # the buffers are the graph's inputs themselves: replay
@@ -246,6 +259,123 @@ class Generator:
                 "activations": sum(p.memory.planned_bytes for p in self._programs.programs())}
 
 
+class BatchGenerator(Generator):
+    """G sequences generated together (llama.cpp's batched decoding, llama-batched-bench's S_TG):
+    the cache holds G sequences (KV buffers [G, n_head_kv, n_ctx, head_dim]) and each decode step
+    is one program over G new tokens, each at its own position (positions per sequence [G, 1]:
+    arch/kvcache.py), so every weight matrix is read once per step for all G sequences.
+
+    Each prompt is prefilled alone into its own rows of the buffers (the program of a one-sequence
+    Generator on views of those rows), so its logits are exactly those of a one-sequence prefill.
+    A sequence that stops (an end-of-generation token, n_predict, a full context) stays in the
+    batch as padding: its row keeps stepping on its last token at its last position (rewriting its
+    own last cache row, which nothing reads any more) and its logits are ignored. So the decode
+    program never changes shape (one compiled, replayed program for the whole generation); the
+    cost is the work of the finished rows, small next to the weights' reads that every row
+    shares."""
+
+    def __init__(self, model, backend=None, *, n_seq: int, n_ctx: Optional[int] = None,
+                 n_batch: int = DEFAULT_N_BATCH, values: Optional[dict] = None):
+        if n_seq < 1:
+            raise LlmtuneError(f"--parallel: must be positive, got {n_seq}")
+        self.n_seq = int(n_seq)
+        super().__init__(model, backend, n_ctx=n_ctx, n_batch=n_batch, values=values)
+        self._tok_buf = np.zeros((self.n_seq, 1), dtype=np.int32)
+        # positions per sequence [G, 1]; one sequence's graph takes them as [1] (arch/context.py Batch)
+        self._pos_buf = np.zeros((self.n_seq, 1) if self.n_seq > 1 else 1, dtype=np.int32)
+        self.lanes: list[list[int]] = [[] for _ in range(self.n_seq)]  # what each sequence's rows hold
+
+    def prefill(self, lane: int, ids) -> np.ndarray:
+        """Evaluate prompt `ids` into sequence `lane`'s rows (from position 0, in batches of
+        n_batch) and return the logits [V] after its last token."""
+        ids = self.check_prompt(ids)
+        logits = None
+        for start in range(0, len(ids), self.n_batch):
+            logits = self._run(np.asarray(ids[start : start + self.n_batch], dtype=np.int32), start, lane)
+        self.lanes[lane] = list(ids)
+        return np.array(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)
+
+    def step_all(self, tokens, positions) -> np.ndarray:
+        """One decode step of every sequence: token tokens[b] at position positions[b] of sequence
+        b -> logits [G, V] (a backend's host copy; the buffer is reused by the next step)."""
+        be = self.backend
+        self._tok_buf[:, 0], self._pos_buf.reshape(-1)[:] = tokens, positions
+        prog = self._programs.get((1, self._decode_n_kv(int(self._pos_buf.max()) + 1), None))
+        if be.replays:  # the buffers are the graph's inputs themselves: replay
+            replay = self._replays.get(prog)
+            if replay is None:
+                replay = self._replays[prog] = Replay(prog, {"tokens": self._tok_buf, "pos": self._pos_buf},
+                                                      compiled=True)
+            logits = replay.run()[0]
+        else:
+            logits = prog.run(tokens=be.asarray(self._tok_buf), pos=be.asarray(self._pos_buf))[0]
+        return np.asarray(be.to_numpy(logits), dtype=np.float32).reshape(self.n_seq, -1)
+
+    def generate_batch(self, prompts: list[list[int]], n_predict: int = -1, samplers: Optional[list] = None,
+                       stop_at_eog: bool = True) -> list[GenerateResult]:
+        """Up to n_predict tokens (-1: until EOG or the context is full) after each of the G prompts
+        (as many as n_seq, any lengths), generated together; one GenerateResult per prompt, each
+        as Generator.generate gives it (prompt_seconds: all the prefills, decode_seconds: the
+        steps of the whole batch). samplers: one per sequence (batch_samplers), or None: greedy."""
+        if len(prompts) != self.n_seq:
+            raise LlmtuneError(f"generate: {len(prompts)} prompts for {self.n_seq} sequences")
+        samplers = samplers or batch_samplers(SamplerConfig(temp=0.0, seed=0), self.n_seq)
+        t0 = time.perf_counter()
+        logits = np.stack([self.prefill(b, ids) for b, ids in enumerate(prompts)])
+        prompt_seconds = time.perf_counter() - t0
+        for sampler, ids in zip(samplers, self.lanes):
+            for t in ids:
+                sampler.accept(t)
+        outs: list[list[int]] = [[] for _ in prompts]
+        stops: list[Optional[str]] = [None] * self.n_seq
+        t1 = time.perf_counter()
+        with self.backend.decode_context():
+            while True:
+                for b in range(self.n_seq):
+                    if stops[b] is None:
+                        stops[b] = self._sample_one(b, logits[b], samplers[b], outs[b], n_predict, stop_at_eog)
+                if all(stops):
+                    break
+                # each lane ends with its sampled token, evaluated now at the next position; a finished
+                # sequence steps on its last token too (padding, within its own rows of the cache)
+                logits = self.step_all([lane[-1] for lane in self.lanes],
+                                       [min(len(lane), self.n_ctx) - 1 for lane in self.lanes])
+        decode_seconds = time.perf_counter() - t1
+        tok = self.tokenizer
+        return [GenerateResult(list(ids), out, b"".join(tok.token_to_bytes(t, special=False) for t in out)
+                               .decode("utf-8", "replace"), stop, sampler.seed, len(ids), prompt_seconds,
+                               decode_seconds, self.n_ctx, greedy=sampler.cfg.greedy)
+                for ids, out, stop, sampler in zip(prompts, outs, stops, samplers)]
+
+    def _sample_one(self, b, logits, sampler, out, n_predict, stop_at_eog) -> Optional[str]:
+        """Sample sequence b's next token into `out` and onto its lane's end (the token the next step
+        evaluates); why it stops now, or None (Generator._decode's order: EOG, n_predict, context)."""
+        token = sampler.sample(logits)
+        sampler.accept(token)
+        out.append(token)
+        self.lanes[b].append(token)
+        if stop_at_eog and token in self.eog:
+            return "eog"
+        if n_predict >= 0 and len(out) >= n_predict:
+            return "length"
+        if len(self.lanes[b]) > self.n_ctx:
+            return "context"
+        return None
+
+
+def batch_samplers(cfg: SamplerConfig, n_seq: int, banned=()) -> list[Sampler]:
+    """One sampler chain per sequence of a batch, each with its own random stream: sequence b draws
+    from mt19937(seed + b) (mod 2^32), so sequence 0 draws what a one-sequence generation with the
+    seed draws, and each sequence's tokens depend only on the seed, its index and its prompt (a
+    random seed, None, is drawn once for the batch)."""
+    seed = Sampler(cfg).seed
+    samplers = [Sampler(replace(cfg, seed=(seed + b) % 2**32)) for b in range(n_seq)]
+    for s in samplers:
+        if len(banned):
+            s.ban(banned)
+    return samplers
+
+
 class _Utf8Stream:
     """Bytes of token pieces -> text, holding back an incomplete UTF-8 sequence until it completes
     (a character split over byte tokens prints once, whole)."""
@@ -321,6 +451,22 @@ def generate(model, prompt: str, *, n_predict: int = -1, sampler: Optional[Sampl
     if on_prompt is not None:
         on_prompt()
     return gen.generate(ids, n_predict, chain, on_token=on_token)
+
+
+def generate_parallel(model, prompt: str, n_seq: int, *, n_predict: int = -1, sampler: Optional[SamplerConfig] = None,
+                      backend="cpu", n_ctx: Optional[int] = None, lora=None, lora_scale=None,
+                      ignore_eos: bool = False) -> list[GenerateResult]:
+    """n_seq continuations of `prompt` generated together (BatchGenerator; generate --parallel):
+    sequence b samples with seed + b (batch_samplers). One result per sequence."""
+    model = (attach(model, lora, lora_scale) if isinstance(model, Model)
+             else load_for_generation(model, lora, lora_scale))
+    gen = BatchGenerator(model, backend, n_seq=n_seq, n_ctx=n_ctx)
+    ids = gen.tokenize_prompt(prompt)
+    if not ids:
+        raise LlmtuneError("generate: the prompt is empty (and the model adds no BOS)")
+    ids = gen.check_prompt(ids)
+    samplers = batch_samplers(sampler or SamplerConfig(), n_seq, gen.eog if ignore_eos else ())
+    return gen.generate_batch([ids] * n_seq, n_predict, samplers)
 
 
 class TrainingSampler:

@@ -490,7 +490,9 @@ def softmax_causal(x: Node, scale_: float, n_kv: int, n_q: int, n_past: int = 0,
     p - k >= window (a sliding window: llama.cpp's LLAMA_SWA_TYPE_STANDARD, is_masked_swa).
 
     pos: int32 [n_q], the query positions given at run time (row r is position pos[r % n_q];
-    n_past is then unused): one compiled program serves every step of a KV-cached decode.
+    n_past is then unused): one compiled program serves every step of a KV-cached decode. Or
+    int32 [B, n_q] for x[B, ..., R, n_kv], positions per sequence (a batched decode: each sequence
+    at its own position): row r of sequence b is position pos[b, r % n_q].
     """
     assert x.shape[-1] == n_kv and x.shape[-2] % n_q == 0
     if window < 0:
@@ -498,8 +500,9 @@ def softmax_causal(x: Node, scale_: float, n_kv: int, n_q: int, n_past: int = 0,
     attrs = {"scale": float(scale_), "n_q": int(n_q), "n_past": int(n_past), "window": int(window)}
     if pos is None:
         return _node("softmax_causal", (x,), attrs, x.shape)
-    if pos.shape != (n_q,) or pos.dtype != "i32":
-        raise ValueError(f"softmax_causal: pos {pos.shape} {pos.dtype} must be int32 [{n_q}]")
+    per_seq = len(x.shape) >= 3 and pos.shape == (x.shape[0], n_q)
+    if not (pos.shape == (n_q,) or per_seq) or pos.dtype != "i32":
+        raise ValueError(f"softmax_causal: pos {pos.shape} {pos.dtype} must be int32 [{n_q}] or [{x.shape[0]}, {n_q}]")
     return _node("softmax_causal", (x, pos), attrs, x.shape)
 
 
@@ -632,11 +635,12 @@ _register("after", lambda n, g: (g, None), view=True)
 # --------------------------------------------------------------------------- KV cache
 def cache_write(cache: Node, x: Node, pos: Node) -> Node:
     """Write x[B, T, H, d] into a persistent cache[B, H, N, d] at positions pos[T] (int32):
-    cache[:, :, pos[t]] = x[:, t]. The result is the cache itself (a view of its buffer, with
+    cache[:, :, pos[t]] = x[:, t], or at positions per sequence pos[B, T] (a batched decode):
+    cache[b, :, pos[b, t]] = x[b, t]. The result is the cache itself (a view of its buffer, with
     the new rows), so ops reading it run after the write. Inference only: no gradient."""
     B, T, H, d = x.shape
     if (len(cache.shape) != 4 or cache.shape[:2] != (B, H) or cache.shape[3] != d
-            or pos.shape != (T,) or pos.dtype != "i32"):
+            or pos.shape not in ((T,), (B, T)) or pos.dtype != "i32"):
         raise ValueError(f"cache_write: x {x.shape}, pos {pos.shape} do not fit cache {cache.shape}")
     node = _node("cache_write", (cache, x, pos), {}, cache.shape, contiguous=cache.contiguous)
     node.requires_grad = False

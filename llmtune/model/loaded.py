@@ -103,7 +103,9 @@ class Model:
         trainable = set(trainable)
         nodes = {name: ops.leaf(name, w, name in trainable) for name, w in self.tensors().items()}
         lora = LoraGraph.of(self.adapters, nodes, lora_dropout, round_x) if self.adapters else None
-        batch = Batch.make(n_seq, n_tok, packed, n_out)
+        # positions per sequence [n_seq, n_tok]: packed windows, and a cache of several sequences (a
+        # batched decode: each sequence at its own position)
+        batch = Batch.make(n_seq, n_tok, packed or (cache is not None and cache.shape.n_seq > 1), n_out)
         shared = None
         if prefix is not None:
             if (n_seq, n_tok) != (1, prefix.n_tok):

@@ -152,13 +152,14 @@ _LAST_POSITION_MASK: list = [None, None]  # (key, mask): every layer of a decode
 
 def _position_mask(pos, rows, n_kv, n_q, window, dtype):
     """The additive mask of softmax_causal for run-time query positions pos[n_q] (row r is
-    position pos[r % n_q]): built once per step (positions change every decode step)."""
-    key = (pos.tobytes(), rows, n_kv, n_q, window, dtype.str)
+    position pos[r % n_q]): built once per step (positions change every decode step). pos
+    [B, n_q] (positions per sequence): a mask [B, rows, n_kv]."""
+    key = (pos.tobytes(), pos.shape, rows, n_kv, n_q, window, dtype.str)
     last_key, mask = _LAST_POSITION_MASK
     if key == last_key:
         return mask
-    qpos = np.asarray(pos, dtype=np.int64)[np.arange(rows) % n_q][:, None]
-    kpos = np.arange(n_kv)[None, :]
+    qpos = np.asarray(pos, dtype=np.int64)[..., np.arange(rows) % n_q][..., None]
+    kpos = np.arange(n_kv)
     visible = kpos <= qpos
     if window > 0:
         visible &= qpos - kpos < window
@@ -177,6 +178,8 @@ def k_softmax_causal(out, x, pos=None, *, scale, n_q, n_past, window=0):
         mask = _CAUSAL_MASKS.get(x.shape[-2], x.shape[-1], n_q, n_past, window, x.dtype)
     else:
         mask = _position_mask(pos, x.shape[-2], x.shape[-1], n_q, window, x.dtype)
+        if mask.ndim == 3:  # per sequence: [B, rows, n_kv] over x [B, ..., rows, n_kv]
+            mask = mask.reshape(mask.shape[:1] + (1,) * (x.ndim - 3) + mask.shape[1:])
     np.multiply(x, x.dtype.type(scale), out=out)
     out += mask
     return _softmax_in_place(out)

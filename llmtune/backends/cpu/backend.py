@@ -465,8 +465,17 @@ def k_after(out, x, dep):
 
 
 def k_cache_write(out, cache, x, pos):
-    """cache[:, :, pos[t]] = x[:, t] in place; returns the cache (a view op)."""
-    pos = np.asarray(pos).reshape(-1)
+    """cache[:, :, pos[t]] = x[:, t] in place (pos [B, T]: cache[b, :, pos[b, t]] = x[b, t]);
+    returns the cache (a view op)."""
+    pos = np.asarray(pos)
+    if pos.ndim == 2:  # positions per sequence (a batched decode)
+        if pos.shape[1] == 1:
+            cache[np.arange(pos.shape[0]), :, pos[:, 0]] = x[:, 0]
+        else:
+            for b in range(pos.shape[0]):
+                cache[b][:, pos[b]] = x[b].transpose(1, 0, 2)
+        return cache
+    pos = pos.reshape(-1)
     if pos.size == 1:  # a decode step: basic indexing, no gather
         cache[:, :, int(pos[0])] = x[:, 0]
     else:

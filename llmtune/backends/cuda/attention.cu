@@ -1,15 +1,16 @@
 // ------------------------------------------------------------------ attention softmax (one block per row)
 // Row r is query position p = n_past + r % n_q (has_pos: p = pos[r % n_q], positions given at run
-// time) and sees keys 0..p, or with window > 0 only keys p - window + 1..p (llama.cpp's
+// time; pos_rows > 0: positions per sequence pos[B, n_q], row r of sequence r / pos_rows is
+// pos[r / pos_rows, r % n_q]) and sees keys 0..p, or with window > 0 only keys p - window + 1..p (llama.cpp's
 // LLAMA_SWA_TYPE_STANDARD). x and out may alias: each element is read and then written by the same
 // thread, after both reductions.
-extern "C" __global__ void softmax_causal(const real* x, real* out, const int* __restrict__ pos, int has_pos, int n_kv,
-                                          int n_q, int n_past, int window, real scale) {
+extern "C" __global__ void softmax_causal(const real* x, real* out, const int* __restrict__ pos, int has_pos,
+                                          long long pos_rows, int n_kv, int n_q, int n_past, int window, real scale) {
     __shared__ real scratch[32];
     const long long row = blockIdx.x;
     const real* xr = x + row * n_kv;
     real* yr = out + row * n_kv;
-    const int p = has_pos ? pos[row % n_q] : n_past + (int)(row % n_q);
+    const int p = has_pos ? pos[(pos_rows ? row / pos_rows * n_q : 0) + row % n_q] : n_past + (int)(row % n_q);
     const int end = min(n_kv, p + 1);
     const int first = window > 0 ? max(0, p - window + 1) : 0;
     real mx = NEG_INF;

@@ -17,14 +17,18 @@ class AttentionKernels:
     def _k_softmax_causal(self, out, x, pos=None, *, scale, n_q, n_past, window=0):
         x, rows, n = self._rows(x)
         if rows:
+            pos_rows = 0  # rows per sequence when positions are per sequence (pos [B, n_q]), else 0
             if pos is None:  # a valid pointer the kernel never reads
                 pos_arg, has_pos = getattr(self, "_no_pos", None), 0
                 if pos_arg is None:
                     pos_arg = self._no_pos = self.rt.to_device(np.zeros(1, np.int32), np.int32)
             else:
                 pos_arg, has_pos = self._ids(pos), 1
+                if len(pos.shape) == 2:
+                    pos_rows = rows // pos.shape[0]
             self._launch("softmax_causal", out.dtype, (rows,), row_threads(n), x, out, pos_arg, np.int32(has_pos),
-                         np.int32(n), np.int32(n_q), np.int32(n_past), np.int32(window), out.dtype.type(scale))
+                         np.int64(pos_rows), np.int32(n), np.int32(n_q), np.int32(n_past), np.int32(window),
+                         out.dtype.type(scale))
         return out
 
     def _k_softmax_masked(self, out, x, mask, *, scale):

@@ -105,12 +105,13 @@ static int op_cache_write(const lt_step *s) {
     const float *x = s->p[1];
     const int32_t *pos = s->p[2];
     const int64_t B = s->n[0], H = s->n[1], N = s->n[2], d = s->n[3], T = s->n[4];
-    for (int64_t t = 0; t < T; t++)
+    const int64_t ps = s->n[5];  /* the positions' stride per sequence: 0 shared, T per sequence */
+    for (int64_t t = 0; t < (ps ? B * T : T); t++)
         if (pos[t] < 0 || pos[t] >= N) return -1;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++)
             for (int64_t h = 0; h < H; h++)
-                memcpy(cache + ((b * H + h) * N + pos[t]) * d, x + ((b * T + t) * H + h) * d, (size_t)d * 4);
+                memcpy(cache + ((b * H + h) * N + pos[b * ps + t]) * d, x + ((b * T + t) * H + h) * d, (size_t)d * 4);
     return 0;
 }
 
@@ -125,11 +126,14 @@ static void op_matmul(const lt_step *s) {
         for (int64_t i1 = 0; i1 < B1; i1++) {
             const float *A = a + i0 * sa0 + i1 * sa1, *Bm = b + i0 * sb0 + i1 * sb1;
             float *O = out + (i0 * B1 + i1) * M * N;
+            /* a causal softmax's positions (fused): n[13] > 0, positions per sequence of n[13] matrices */
+            const int32_t *qpos = s->p[3] ? (const int32_t *)s->p[3] + (s->n[13] ? (i0 * B1 + i1) / s->n[13] * s->n[14] : 0)
+                                          : NULL;
             if (sak == 1 && sbk == 1) {  /* rows against rows (q k^T) */
                 for (int64_t i = 0; i < M; i++) {
                     int64_t j0 = 0, j1 = N;
                     if (s->p[3]) {  /* scores only a causal softmax reads: its visible keys only */
-                        const int64_t qp = ((const int32_t *)s->p[3])[i % s->n[14]];
+                        const int64_t qp = qpos[i % s->n[14]];
                         j1 = qp + 1 < N ? qp + 1 : N;
                         if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) j0 = qp - s->n[15] + 1;
                     }
@@ -140,7 +144,7 @@ static void op_matmul(const lt_step *s) {
                     float *o = O + i * N;
                     int64_t k0 = 0, k1 = K;
                     if (s->p[3]) {  /* probabilities of a causal softmax: its visible keys only */
-                        const int64_t qp = ((const int32_t *)s->p[3])[i % s->n[14]];
+                        const int64_t qp = qpos[i % s->n[14]];
                         k1 = qp + 1 < K ? (qp + 1 > 0 ? qp + 1 : 0) : K;
                         if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) k0 = qp - s->n[15] + 1 < k1 ? qp - s->n[15] + 1 : k1;
                     }
@@ -176,7 +180,8 @@ static void op_softmax_causal(const lt_step *s) {
         for (int64_t r = 0; r < rows; r++) {
             const float *xr = x + (l * rows + r) * n_kv;
             float *o = out + (l * rows + r) * n_kv;
-            const int64_t qp = pos ? pos[r % n_q] : n_past + r % n_q;
+            /* n[7] > 0: positions per sequence, of n[7] leading rows each */
+            const int64_t qp = pos ? pos[(s->n[7] ? l / s->n[7] * n_q : 0) + r % n_q] : n_past + r % n_q;
             /* visible keys k0 <= k < k1; the masked ones are exactly 0 (not read: exp(-inf) for any
              * finite score) */
             const int64_t k1 = qp + 1 < n_kv ? (qp + 1 > 0 ? qp + 1 : 0) : n_kv;

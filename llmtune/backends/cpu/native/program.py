@@ -165,16 +165,19 @@ def cache_write(out, cache, x, pos):
     if not _f32(cache, x) or not _i32(pos) or cache.ndim != 4 or x.ndim != 4:
         return None
     B, T, H, d = x.shape
-    if cache.shape[:2] != (B, H) or cache.shape[3] != d or pos.size != T:
-        return None
-    return _step("cache_write", (cache, x, pos), (B, H, cache.shape[2], d, T))
+    if cache.shape[:2] != (B, H) or cache.shape[3] != d or pos.shape not in ((T,), (B, T)):
+        return None  # n[5]: the positions' stride per sequence (0: shared by all)
+    return _step("cache_write", (cache, x, pos), (B, H, cache.shape[2], d, T, T if pos.ndim == 2 else 0))
 
 
 def softmax_causal(out, x, pos=None, *, scale, n_q, n_past, window=0):
     if not _f32(out, x) or x.shape != out.shape or x.ndim < 2 or (pos is not None and not _i32(pos)):
         return None
     rows, n_kv = x.shape[-2:]
-    return _step("softmax_causal", (x, pos, out), (x.size // (rows * n_kv), rows, n_kv, n_q, n_past, window),
+    lead = x.size // (rows * n_kv)
+    # n[7]: leading rows (of rows x n_kv scores) per sequence when positions are per sequence, else 0
+    per_seq = lead // x.shape[0] if pos is not None and pos.ndim == 2 else 0
+    return _step("softmax_causal", (x, pos, out), (lead, rows, n_kv, n_q, n_past, window, 0, per_seq),
                  (np.float32(scale),))
 
 
@@ -198,7 +201,7 @@ def _causal(step, softmax):
     """`step` (a matmul) told the positions of `softmax` (softmax_causal): its visible keys only."""
     fused = Step.from_buffer_copy(step)
     fused.p[3] = softmax.p[1]
-    fused.n[14], fused.n[15] = softmax.n[3], softmax.n[5]  # n_q, window
+    fused.n[13], fused.n[14], fused.n[15] = softmax.n[7], softmax.n[3], softmax.n[5]  # per sequence, n_q, window
     fused.keep = step.keep + softmax.keep
     return fused
 
