@@ -24,6 +24,9 @@ Record formats (detected from the first record, or named with --format):
               plain strings, or conversational: "prompt" a message list, "chosen" and "rejected"
               assistant message lists; kept as (prompt, chosen, rejected); train/preference.py
               renders and tokenizes them.
+- prompt      {"prompt", <other columns>} (TRL's prompt-only data, for --method grpo; never detected:
+              --method grpo reads its data so): "prompt" a string or a message list, the other
+              columns kept for the rewards; kept as (prompt, columns); train/grpo.py renders them.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Iterator, Optional
 from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.tokenizer import data_suffix, json_why, read_bytes, read_text, require_text
 
-FORMATS = ("auto", "plain", "text", "completion", "chat", "sharegpt", "alpaca", "preference")
+FORMATS = ("auto", "plain", "text", "completion", "chat", "sharegpt", "alpaca", "preference", "prompt")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
                   "assistant": "assistant", "tool": "tool"}
@@ -259,6 +262,8 @@ def parse_record(record: dict, fmt: str, where: str):
         return system or None, instruction, extra if extra and extra.strip() else None, output
     if fmt == "preference":
         return preference_record(record, where)
+    if fmt == "prompt":
+        return prompt_record(record, where)
     if fmt == "sharegpt":
         key = "conversations" if "conversations" in record or "messages" not in record else "messages"
         return _messages(record, key, where, ("from", "value"), SHAREGPT_ROLES)
@@ -312,3 +317,18 @@ def preference_record(record: dict, where: str) -> tuple:
             raise LlmtuneError(f"{where}: \"{key}\" must hold assistant messages only")
         answers.append(msgs)
     return prompt, answers[0], answers[1]
+
+
+def prompt_record(record: dict, where: str) -> tuple:
+    """(prompt, columns) of a prompt-only record (TRL's GRPO data): "prompt" a string or a message
+    list (conversational: rendered with the generation prompt), every other key a column the
+    rewards may read."""
+    if "prompt" not in record:
+        raise LlmtuneError(f"{where}: prompt record has no \"prompt\" field")
+    columns = {k: v for k, v in record.items() if k != "prompt"}
+    if isinstance(record["prompt"], str):
+        return record["prompt"], columns
+    if not isinstance(record["prompt"], list):
+        raise LlmtuneError(f"{where}: \"prompt\" must be a string or a list of messages")
+    roles = {r: r for r in ROLES}
+    return _messages({"m": record["prompt"]}, "m", where, ("role", "content"), roles, need_assistant=False), columns

@@ -265,6 +265,13 @@ def _preference_words(metrics: dict) -> str:
     acc is then rewards/accuracies."""
     if not metrics:
         return ""
+    if "reward" in metrics:  # GRPO (train/grpo.py): TRL's reward, its spread, clipping, KL, completion length
+        words = f"reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f}, "
+        if "clip_ratio/region_mean" in metrics:
+            words += f"clip {metrics['clip_ratio/region_mean']:.3f}, "
+        if "kl" in metrics:
+            words += f"kl {metrics['kl']:.4f}, "
+        return words + f"len {metrics['completions/mean_length']:.1f}, "
     words = f"margin {metrics['rewards/margins']:.3f}, chosen {metrics['rewards/chosen']:.3f}, " \
             f"rejected {metrics['rewards/rejected']:.3f}, "
     if "log_odds_ratio" in metrics:
