@@ -620,7 +620,7 @@ SHRINK_FLAGS = {"finetune": "--ubatch, --ctx or --grad-checkpoint", "perplexity"
 
 
 def _error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True, emoji=False)
 
 
 def main() -> None:

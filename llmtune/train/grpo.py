@@ -467,7 +467,6 @@ class GRPOTrainer(PreferenceTrainer):
     def train_step(self, inputs, targets, lr: float, stats: RunningStats, batch: PromptBatch = None) -> float:
         """One optimizer step: a new generation batch at a batch's first iteration (the one in
         flight at the others), the loss and its gradient per token, the weighted training pass."""
-        be = self.backend
         if batch.iteration == 0 or self.generation is None:
             self.generation = self.generate(batch, ROLLOUT_STREAM, self.steps_done)
             logp = self.generation.old
@@ -476,17 +475,25 @@ class GRPOTrainer(PreferenceTrainer):
         gen = self.generation
         mask = gen.mask
         guard.check_logps(self, {"sampled": ((logp * mask).sum(axis=1), mask.sum(axis=1))}, "sampled")
-        loss, d_logp, metrics = grpo_loss(logp, gen.old, gen.ref, mask, gen.adv, self.settings)
-        weights = np.where(mask, -d_logp, 0.0)  # d loss / d NLL = - d loss / d logp
-        per_pass = weights.reshape(self.ubatches_per_step, -1).astype(be.dtype)
-        self.batches.run(gen.inputs, gen.targets, gen.parts, self.batches.counts(gen.targets),
-                         lambda u: {"token_weights": be.asarray(per_pass[u])}, lambda u, out: None)
+        loss, metrics = self.gradient(gen, logp)
         sum_squares = guard.check_step(self, loss)
         stats.add(loss, 0, 0)
         self.step_metrics = {**gen.metrics, **metrics}
         self.update(lr, sum_squares)
         guard.check_weights(self)
         return loss
+
+    def gradient(self, gen: Generation, logp: np.ndarray) -> tuple[float, dict]:
+        """The loss of a generation batch given the policy's log-probabilities logp, and its
+        gradient in flat_g: the training pass seeded with each token's d loss / d NLL."""
+        be = self.backend
+        mask = gen.mask
+        loss, d_logp, metrics = grpo_loss(logp, gen.old, gen.ref, mask, gen.adv, self.settings)
+        weights = np.where(mask, -d_logp, 0.0)  # d loss / d NLL = - d loss / d logp
+        per_pass = weights.reshape(self.ubatches_per_step, -1).astype(be.dtype)
+        self.batches.run(gen.inputs, gen.targets, gen.parts, self.batches.counts(gen.targets),
+                         lambda u: {"token_weights": be.asarray(per_pass[u])}, lambda u, out: None)
+        return loss, metrics
 
     def evaluate(self, inputs, targets, stats: RunningStats, batch: PromptBatch = None) -> None:
         """The held-out prompts sampled G times (seeds of their own stream, by the step): each
