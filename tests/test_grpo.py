@@ -17,8 +17,9 @@ from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.finetune import finetune as train_finetune
-from llmtune.train.grpo import Generation, GRPOSettings, GRPOTrainer, advantages, grpo_loss
+from llmtune.train.grpo import Generation, GRPOSettings, GRPOTrainer, PromptDataset, advantages, grpo_loss
 from llmtune.train.loop import Hook
+from llmtune.train.records import read_records
 from llmtune.train.rewards import RewardError, Rewards, first_number, normalise, parse_reward
 from llmtune.workflows import finetune
 
@@ -254,3 +255,48 @@ def test_reward_file_problems_exit_2(monkeypatch, capsys, tmp_path):
     assert "KeyError" in line and str(f) in line and "grpo-stories.jsonl:" in line
     assert f"the last checkpoint is {tmp_path / 'a.gguf'}.ckpt-000001.npz" in line
     assert not (tmp_path / "a.gguf").exists() and (tmp_path / "a.gguf.ckpt-000001.npz").exists()
+
+
+# ------------------------------------------------------------------------------------ data
+def test_prompt_records(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "Hi", "answer": 4}\n{"prompt": [{"role": "user", "content": "Yo"}], "x": [1]}\n')
+    records = read_records(f, "prompt")
+    assert records.items == [("Hi", {"answer": 4}), ([{"role": "user", "content": "Yo"}], {"x": [1]})]
+    f.write_text('{"question": "Hi"}\n')
+    with pytest.raises(LlmtuneError, match=r'p.jsonl:1: prompt record has no "prompt" field'):
+        read_records(f, "prompt")
+
+
+def test_steps_take_a_prompt_batch_per_iteration():
+    """The loop's order: batches of prompts_per_step prompts, each batch's G windows per prompt
+    repeated for its iterations, so consecutive steps train one generation batch."""
+    ds = PromptDataset([np.arange(2)] * 5, ["p"] * 5, [{}] * 5, ["w"] * 5, 16, generations=2, iterations=2,
+                       prompts_per_step=2, n_train=4 * 2 * 2, n_val=1 * 2)
+    order = ds.train_order(0, 1, shuffle=False)
+    assert sorted(order.tolist()) == list(range(ds.n_train))
+    steps = order.reshape(-1, 4)  # 4 completions (2 prompts x G) a step
+    batches = [ds.gather(s)[2] for s in steps]
+    assert [b.iteration for b in batches] == [0, 1, 0, 1]
+    assert [len(b.ids) for b in batches] == [2, 2, 2, 2]
+    assert ds.decode(ds.val_indices()[0]) == (4, 0)
+
+
+def test_conversational_full_finetune_with_validation(stories_path, tmp_path):
+    """Message-list prompts through a chat template, a full finetune of one tensor, a validation
+    pass (its loss: minus the held-out completions' mean reward) and its completions logged."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Tell me about a {t}."}],
+                                        "thing": t}) + "\n" for t in ("cat", "dog", "ball", "tree")))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant:{% endif %}")
+    log = tmp_path / "c.jsonl"
+    res = finetune(stories_path, data, tmp_path / "full.gguf", method="grpo", reward=["exact:thing", "regex:a"],
+                   num_generations=2, max_completion_length=6, ctx=40, params="attn_q", lr=1e-4, epochs=1,
+                   val_split=0.25, chat_template=str(template), completions_log=str(log), seed=1)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    train = [r for r in lines if r["split"] == "train"]
+    val = [r for r in lines if r["split"] == "validation"]
+    assert len(train) == 3 * 2 and len(val) == 2 and isinstance(train[0]["prompt"], list)
+    assert res.epochs[0].val_loss == pytest.approx(-np.mean([r["reward"] for r in val]))

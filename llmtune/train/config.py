@@ -133,8 +133,8 @@ class FinetuneConfig:
                                                "rank-2r adapter of the original base).", metavar="NAME")
     # instruction / chat data (train/chat.py) and samples during training
     format: str = setting("auto", "Data format: auto (detected from the file's first record), plain, text, completion, "
-                                  "chat, sharegpt, alpaca or preference ({prompt, chosen, rejected}: --method "
-                                  "dpo|orpo|simpo).", metavar="NAME")
+                                  "chat, sharegpt, alpaca, preference ({prompt, chosen, rejected}: --method "
+                                  "dpo|orpo|simpo) or prompt ({prompt, columns}: --method grpo).", metavar="NAME")
     pack: bool = setting(False, "Put several prompt/completion or chat examples in each --ctx window, each attending "
                                 "only to itself with its own positions (TRL's padding_free): the same loss and "
                                 "gradients per example, most of the padding's compute saved (SmolLM2-135M chat set "
@@ -154,7 +154,9 @@ class FinetuneConfig:
     # preference tuning (train/preference.py): {"prompt", "chosen", "rejected"} pairs, TRL's losses
     method: str = setting("sft", "sft (supervised, next-token loss), or on preference pairs dpo (TRL's DPOTrainer, "
                                  "sigmoid loss; the reference is the model as training starts), orpo (ORPOTrainer: "
-                                 "SFT loss plus the odds-ratio term) or simpo (CPOTrainer loss_type=simpo).",
+                                 "SFT loss plus the odds-ratio term), simpo (CPOTrainer loss_type=simpo); or on "
+                                 "prompt records grpo (GRPOTrainer: completions sampled in the loop, scored by "
+                                 "--reward).",
                           metavar="NAME")
     beta: Optional[float] = setting(None, "DPO / SimPO: the beta of the sigmoid loss; ORPO: lambda, the odds-ratio "
                                           "term's weight (TRL's beta); GRPO: the weight of the KL to the reference "

@@ -429,7 +429,8 @@ class GRPOTrainer(PreferenceTrainer):
         truncated = np.asarray([not c or c[-1] not in eog for c in completions], dtype=bool)
         gen = Generation(x, y, parts, old, ref, adv, rewards, lengths, truncated)
         gen.metrics = {**metrics, **self._reward_metrics(gen)}
-        self._log_completions(step, prompts, texts, gen)
+        self._log_completions(step + 1 if stream == ROLLOUT_STREAM else step, prompts, texts, gen,
+                              "train" if stream == ROLLOUT_STREAM else "validation")
         return gen
 
     def _eog(self) -> set:
@@ -450,14 +451,15 @@ class GRPOTrainer(PreferenceTrainer):
                     "completions/clipped_ratio": float(gen.truncated.mean())})
         return out
 
-    def _log_completions(self, step: int, prompts: list, texts: list, gen: Generation) -> None:
-        """--completions-log: one JSON line per completion (step, prompt, completion, rewards, advantage)."""
+    def _log_completions(self, step: int, prompts: list, texts: list, gen: Generation, split: str) -> None:
+        """--completions-log: one JSON line per completion (the step it trains, or after which it
+        validates; train or validation; prompt, completion, rewards, reward, advantage, tokens)."""
         if self.completions_log is None or not self.comm.is_root:
             return
         total = np.nansum(gen.rewards * self.rewards.weights[None, :], axis=1)
         with open(self.completions_log, "a", encoding="utf-8") as fh:
             for j, (p, t) in enumerate(zip(prompts, texts)):
-                rec = {"step": step + 1, "prompt": p, "completion": t,
+                rec = {"step": step, "split": split, "prompt": p, "completion": t,
                        "rewards": {name: (None if math.isnan(v) else float(v))
                                    for name, v in zip(self.rewards.names, gen.rewards[j])},
                        "reward": float(total[j]), "advantage": float(gen.adv[j]), "tokens": int(gen.lengths[j])}

@@ -238,6 +238,11 @@ def data_line(data: dict) -> str:
         return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} preference "
                 f"pairs, one per window (prompt once, then chosen and rejected; {data['padding']:.0%} padding)"
                 f"{dropped}; {per_epoch} (the completions' tokens)")
+    if data["format"] == "prompt":  # GRPO (train/grpo.py): completions sampled in the loop
+        dropped = (f"; {data['dropped']} dropped (no room for --max-completion-length in --ctx)"
+                   if data["dropped"] else "")
+        return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} prompts, "
+                f"each sampled --num-generations times a step, one completion per window{dropped}")
     notes = []
     if data["truncated"]:
         notes.append(f"{data['truncated']} truncated to --ctx")
