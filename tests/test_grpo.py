@@ -280,6 +280,12 @@ def test_steps_take_a_prompt_batch_per_iteration():
     assert [b.iteration for b in batches] == [0, 1, 0, 1]
     assert [len(b.ids) for b in batches] == [2, 2, 2, 2]
     assert ds.decode(ds.val_indices()[0]) == (4, 0)
+    odd = PromptDataset([np.arange(2)] * 5, ["p"] * 5, [{}] * 5, ["w"] * 5, 16, generations=2, iterations=2,
+                        prompts_per_step=2, n_train=5 * 2 * 2, n_val=0)
+    order = odd.train_order(3, 1, shuffle=True)
+    assert odd.steps_per_epoch() == 4 and sorted(order.tolist()) == list(range(odd.n_train))
+    steps = [odd.gather(order[s * 4 : (s + 1) * 4])[2] for s in range(odd.steps_per_epoch())]
+    assert [b.iteration for b in steps] == [0, 1, 0, 1] and steps[0].ids is not None
 
 
 def test_conversational_full_finetune_with_validation(stories_path, tmp_path):

@@ -118,18 +118,25 @@ class PromptDataset(TrainValSplit):
     def n_train_prompts(self) -> int:
         return self.n_train // (self.generations * self.iterations)
 
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch: iterations per full batch of prompts (the prompts that do not
+        fill a last batch wait for the next epoch, as windows do)."""
+        return self.n_train_prompts // self.prompts_per_step * self.iterations
+
     def train_order(self, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
         """The prompts in a shuffled order (numpy default_rng([seed, epoch]), as every dataset), in
-        batches of prompts_per_step, each batch's windows repeated for its iterations."""
+        batches of prompts_per_step, each batch's windows repeated for its iterations; the windows
+        of prompts that fill no batch last (no step reaches them)."""
         prompts = np.arange(self.n_train_prompts)
         if shuffle:
             np.random.default_rng([seed, epoch]).shuffle(prompts)
         g, it, k = self.generations, self.iterations, self.prompts_per_step
+        full = len(prompts) // k * k
         order = []
-        for s in range(0, len(prompts), k):
-            batch = prompts[s : s + k]
+        for s in range(0, full, k):
             for i in range(it):
-                order += [(p * it + i) * g + j for p in batch for j in range(g)]
+                order += [(p * it + i) * g + j for p in prompts[s : s + k] for j in range(g)]
+        order += [(p * it + i) * g + j for p in prompts[full:] for i in range(it) for j in range(g)]
         return np.asarray(order, dtype=np.int64)
 
     def decode(self, window: int) -> tuple[int, int]:

@@ -15,7 +15,8 @@ Built-in graders (each 1.0 or 0.0 unless said):
                  one reward per completion, None where it does not apply (TRL's NaN: a completion's
                  reward is the weighted nan-sum over the graders; one no grader scores gets no
                  advantage). Conversational prompts come as message lists, completions as
-                 [{"role": "assistant", "content": text}], as TRL passes them. The file is user code:
+                 [{"role": "assistant", "content": text}], as TRL passes them (TRL's trainer_state,
+                 log_extra and log_metric are not: take **kwargs). The file is user code:
                  imported (importlib, from that path) only when named on the command line.
 
 A grader's name (TRL's reward_func_names, the metrics' rewards/<name>/mean) is its spec for a
