@@ -16,6 +16,7 @@ from llmtune.eval.generate import PolicySampler
 from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
 from llmtune.train import checkpoint as ckpts
+from llmtune.train.config import make_config
 from llmtune.train.finetune import finetune as train_finetune
 from llmtune.train.grpo import Generation, GRPOSettings, GRPOTrainer, PromptDataset, advantages, grpo_loss
 from llmtune.train.loop import Hook
@@ -306,3 +307,20 @@ def test_conversational_full_finetune_with_validation(stories_path, tmp_path):
     val = [r for r in lines if r["split"] == "validation"]
     assert len(train) == 3 * 2 and len(val) == 2 and isinstance(train[0]["prompt"], list)
     assert res.epochs[0].val_loss == pytest.approx(-np.mean([r["reward"] for r in val]))
+
+
+def test_toml_settings_and_a_reward_that_is_not_a_number(monkeypatch, capsys, tmp_path):
+    cfg = tmp_path / "grpo.toml"
+    cfg.write_text('method = "grpo"\nreward = ["regex:a", "length:4"]\nreward-weights = "1,0.5"\nloss-type = "grpo"\n'
+                   "num-generations = 2\n")
+    c = make_config(cfg)
+    assert c.reward == ["regex:a", "length:4"] and c.loss_type == "grpo" and c.beta == 0.0 and c.batch == 2 * c.ctx
+    cfg.write_text('method = "grpo"\nreward = "regex:a"\n')
+    with pytest.raises(LlmtuneError, match="reward = 'regex:a' should be a list of strings"):
+        make_config(cfg)
+    with pytest.raises(LlmtuneError, match="--loss-type: only --method grpo uses it"):
+        make_config(loss_type="grpo")
+    f = tmp_path / "r.py"
+    f.write_text("def words(prompts, completions, **kw):\n    return ['yes'] * len(completions)\n")
+    code, _, err = _cli(monkeypatch, capsys, tmp_path, "--reward", f"{f}:words")
+    assert code == 2 and "reward 1 is str 'yes', not a number or None" in err and "grpo-stories.jsonl:" in err
