@@ -96,7 +96,8 @@ class FinetuneReporter:
                                  tps=e.tokens_per_s)
         elif e.step == 1 or e.step == e.steps or e.step % max(1, e.steps // STEP_LINES) == 0:
             # no bar off a terminal: a line about every tenth of an epoch, so a log shows the run moving
-            self.err.print(f"epoch {e.epoch} step {e.step}/{e.steps}: loss {e.running_loss:.4f}, acc {e.accuracy:.3f}, "
+            acc = f"acc {e.accuracy:.3f}, " if e.accuracy == e.accuracy else ""  # GRPO has none
+            self.err.print(f"epoch {e.epoch} step {e.step}/{e.steps}: loss {e.running_loss:.4f}, {acc}"
                            f"{_preference_words(e.metrics)}lr {e.lr:.2e}, {e.tokens_per_s:,.0f} tok/s", highlight=False)
 
     def _on_epoch(self, e: ev.EpochEnd):
