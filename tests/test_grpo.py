@@ -15,11 +15,12 @@ from llmtune.errors import LlmtuneError
 from llmtune.eval.generate import PolicySampler
 from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
-from llmtune.train import checkpoint as ckpts
+from llmtune.train import checkpoint as ckpts, observe
 from llmtune.train.config import make_config
 from llmtune.train.finetune import finetune as train_finetune
 from llmtune.train.grpo import Generation, GRPOSettings, GRPOTrainer, PromptDataset, advantages, grpo_loss
 from llmtune.train.loop import Hook
+from llmtune.train.preference import LOSS_LABELS
 from llmtune.train.records import read_records
 from llmtune.train.rewards import RewardError, Rewards, first_number, normalise, parse_reward
 from llmtune.workflows import finetune
@@ -324,3 +325,19 @@ def test_toml_settings_and_a_reward_that_is_not_a_number(monkeypatch, capsys, tm
     f.write_text("def words(prompts, completions, **kw):\n    return ['yes'] * len(completions)\n")
     code, _, err = _cli(monkeypatch, capsys, tmp_path, "--reward", f"{f}:words")
     assert code == 2 and "reward 1 is str 'yes', not a number or None" in err and "grpo-stories.jsonl:" in err
+
+
+def test_plot_draws_the_reward(tmp_path, monkeypatch):
+    """--plot / llmtune plot of a GRPO run: the loss above, the mean reward and completion length below."""
+    matplotlib_axes = pytest.importorskip("matplotlib.axes")
+    labels = []
+    set_ylabel = matplotlib_axes.Axes.set_ylabel
+    monkeypatch.setattr(matplotlib_axes.Axes, "set_ylabel", lambda ax, text, *a, **k: labels.append(text) or
+                        set_ylabel(ax, text, *a, **k))
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"type": "train_step", "global_step": s, "epoch": 1, "loss": 0.0, "lr": 1e-3,
+                                           "method": "grpo", "reward": s / 10, "completions/mean_length": 12.0}) + "\n"
+                               for s in range(1, 11)))
+    observe.plot_metrics(metrics, tmp_path / "p.png")
+    assert labels == [LOSS_LABELS["grpo"], "learning rate", "reward (mean over completions)",
+                      "completion length (tokens)"]
