@@ -109,7 +109,8 @@ def test_gradient_matches_finite_differences(stories_path):
         direction = direction / np.linalg.norm(direction)
         eps = 3e-4  # small: a ratio crossing a clipping bound within it would break the difference
         fd = (loss_at(w0 + eps * direction) - loss_at(w0 - eps * direction)) / (2 * eps)
-        assert fd == pytest.approx(float(g @ direction), rel=2e-2, abs=1e-5)
+        # float32 forward passes: within 1e-3 of the gradient's norm (along it: 2e-4 measured)
+        assert fd == pytest.approx(float(g @ direction), rel=1e-3, abs=1e-3 * np.linalg.norm(g))
 
 
 # ------------------------------------------------------------------------------------ rewards
