@@ -139,7 +139,8 @@ def _setting_options() -> list:
         elif f.type == "bool":
             option, annotation = typer.Option(False, *names, help=meta["help"]), bool
         else:
-            kind = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(f.type, str)
+            kind = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float,
+                    "Optional[list[str]]": list[str]}.get(f.type, str)  # a list: the flag repeated
             option = typer.Option(None, *names, metavar=meta.get("metavar"), show_default=False,
                                   help=meta["help"] + _finetune_default(f.name))
             annotation = Optional[kind]
@@ -159,6 +160,8 @@ def _settings_given(options: dict) -> dict:
         value = options["opt_" + f.name]
         if f.type == "bool":  # a switch names the value that is not the default
             value = (not f.default) if value else None
+        elif f.type == "Optional[list[str]]":  # a repeated flag: not given is None
+            value = list(value) if value else None
         elif value is not None and f.metadata.get("path"):
             value = str(value)
         settings[f.name] = value
@@ -670,7 +673,7 @@ SHRINK_FLAGS = {"finetune": "--ubatch, --ctx or --grad-checkpoint", "perplexity"
 
 
 def _error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True, emoji=False)
 
 
 def main() -> None:

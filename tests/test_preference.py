@@ -252,7 +252,7 @@ def test_bad_preference_records_are_one_line_naming_file_and_record(tmp_path, re
     (["--method", "dpo"], "holds completion data; preference tuning reads"),
     (["--method", "dpo", "--gamma", "1"], "--gamma: only --method simpo uses it"),
     (["--method", "orpo", "--label-smoothing", "0.1"], "--label-smoothing: only --method dpo or simpo uses it"),
-    (["--method", "ipo"], "--method: unknown method 'ipo' (choose sft, dpo, orpo, simpo, kto)"),
+    (["--method", "ipo"], "--method: unknown method 'ipo' (choose sft, dpo, orpo, simpo, kto, grpo)"),
     (["--method", "simpo", "--pack"], "--pack: not with --method simpo (one pair per window)"),
     (["--method", "dpo", "--train-on-prompt"], "--train-on-prompt: not with --method dpo (DPO compares the chosen and "
      "rejected answers given the prompt, which both share)"),

@@ -495,3 +495,27 @@ class TrainingSampler:
         tok = self.gen.tokenizer  # cut at N_PREDICT tokens: end on a whole character, at a token boundary
         return whole_characters([tok.token_to_bytes(t, special=False) for t in res.tokens])
 
+
+
+class PolicySampler:
+    """finetune --method grpo's rollouts (train/grpo.py GRPOTrainer): completions sampled with the
+    trainer's live weights, as TrainingSampler samples (a Generator binding its backend arrays,
+    nothing copied), each with its own seed, at a temperature and top-p (TRL's top_k 0 and min_p
+    off; llmtune's sampler chain: top-p before the temperature), stopping at an end-of-generation
+    token (kept) or after max_tokens. Called with a batch of prompts, each sampled n times, in
+    order (prompt-major), one completion after the other: the prompt's cached prefix is reused
+    within a call (the weights change only between calls)."""
+
+    def __init__(self, trainer, n_ctx: int):
+        self.gen = Generator(trainer.model, trainer.backend, n_ctx=n_ctx, values=trainer.values)
+        self.eog = self.gen.eog
+
+    def __call__(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
+                 seeds: list[int]) -> list[list[int]]:
+        self.gen.tokens = []  # the weights changed: nothing cached is valid
+        out = []
+        for i, ids in enumerate(prompts):
+            for g in range(n):
+                cfg = SamplerConfig(temp=temperature, top_k=0, top_p=top_p, min_p=0.0, seed=seeds[i * n + g])
+                out.append(self.gen.generate(ids, min(max_tokens, self.gen.n_ctx - len(ids)), Sampler(cfg)).tokens)
+        return out

@@ -345,6 +345,8 @@ def build_dataset(model, data_path, ctx: int, val_split, fmt: str = "auto", chat
     if records.format == "unpaired":
         raise LlmtuneError(f"{data_path}: unpaired preference records (prompt, completion, label): train them with "
                            f"--method kto")
+    if records.format == "prompt":
+        raise LlmtuneError(f"--format prompt: {data_path}'s prompts (no completions) train with --method grpo")
     if records.format in ("plain", "text"):
         if train_on_prompt:
             raise LlmtuneError("--train-on-prompt: only prompt/completion and chat data (chat, sharegpt, alpaca) "

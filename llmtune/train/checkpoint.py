@@ -14,6 +14,10 @@ pickled), next to the output as `<output>.ckpt-<step>.npz` (out/demo.gguf.ckpt-0
                                 keeps_f32_state: the token embedding, tensors under 4096 values)
                                 (no optimizer arrays with sgd)
   best_weights    float32 [n]   --save-best: the trained buffer at the best validation pass
+  grpo_*          --method grpo (train/grpo.py): the generation batch in flight (its windows, old and
+                                reference log-probabilities, advantages, rewards, lengths) and, with
+                                --beta, the reference's trained values (grpo_ref_weights); its samples'
+                                seeds derive from (seed, step), so no sampler state is kept
   order           int64 [n_train]  the current epoch's window order (its RNG: numpy
                                 default_rng([seed, epoch]); dropout masks come from (seed, step))
   meta            uint8         UTF-8 JSON: format, version, the position (step = optimizer steps
@@ -214,7 +218,9 @@ def save_checkpoint(run) -> Path | None:
         "trainable": tr.trainable, "n_trainable": tr.n_trainable, "workers": tr.n_workers, "ranks": tr.comm.size,
         "base_products": tr.base_products(),
         "backend": tr.backend.name, "optimizer": {"kind": tr.optimizer.kind, "t": tr.optimizer.t},
-        "rng": {"order": "numpy default_rng([seed, epoch])", "dropout": "(seed, step)", "seed": run.cfg.seed},
+        "rng": {"order": "numpy default_rng([seed, epoch])", "dropout": "(seed, step)", "seed": run.cfg.seed,
+                **({"rollouts": "SeedSequence([seed, 0 train | 1 validation, step, completion])"}
+                   if run.cfg.method == "grpo" else {})},
         "stats": {"losses": run.stats.losses, "correct": run.stats.correct, "tokens": run.stats.tokens},
         "first_loss": res.first_loss, "epochs": [dataclasses.asdict(e) for e in res.epochs],
         "metrics_lines": run.log.lines, "elapsed_s": run.elapsed(), "selection": run.selection.state(),

@@ -137,8 +137,8 @@ class FinetuneConfig:
     # instruction / chat data (train/chat.py) and samples during training
     format: str = setting("auto", "Data format: auto (detected from the file's first record), plain, text, completion, "
                                   "chat, sharegpt, alpaca, preference ({prompt, chosen, rejected}: --method "
-                                  "dpo|orpo|simpo) or unpaired ({prompt, completion, label}: --method kto).",
-                          metavar="NAME")
+                                  "dpo|orpo|simpo), unpaired ({prompt, completion, label}: --method kto) or "
+                                  "prompt ({prompt, columns}: --method grpo).", metavar="NAME")
     pack: bool = setting(False, "Put several prompt/completion or chat examples in each --ctx window, each attending "
                                 "only to itself with its own positions (TRL's padding_free): the same loss and "
                                 "gradients per example, most of the padding's compute saved (SmolLM2-135M chat set "
@@ -158,11 +158,14 @@ class FinetuneConfig:
     # preference tuning (train/preference.py, train/kto.py): TRL's losses
     method: str = setting("sft", "sft (supervised, next-token loss), or on preference pairs dpo (TRL's DPOTrainer, "
                                  "sigmoid loss; the reference is the model as training starts), orpo (ORPOTrainer: "
-                                 "SFT loss plus the odds-ratio term) or simpo (CPOTrainer loss_type=simpo), or on "
-                                 "unpaired {prompt, completion, label} records kto (KTOTrainer).",
+                                 "SFT loss plus the odds-ratio term) or simpo (CPOTrainer loss_type=simpo); on "
+                                 "unpaired {prompt, completion, label} records kto (KTOTrainer); or on prompt "
+                                 "records grpo (GRPOTrainer: completions sampled in the loop, scored by --reward).",
                           metavar="NAME")
-    beta: float = setting(0.1, "DPO / SimPO / KTO: the beta of the sigmoid loss; ORPO: lambda, the odds-ratio "
-                               "term's weight (TRL's beta).", metavar="X")
+    beta: Optional[float] = setting(None, "DPO / SimPO / KTO: the beta of the sigmoid loss; ORPO: lambda, the "
+                                          "odds-ratio term's weight (TRL's beta); GRPO: the weight of the KL to the "
+                                          "reference (the model as training starts; 0: none, no reference pass).",
+                                    metavar="X", unset="0.1; grpo 0")
     desirable_weight: float = setting(1.0, "KTO: the weight of the desirable (label true) examples' losses.",
                                       metavar="X")
     undesirable_weight: float = setting(1.0, "KTO: the weight of the undesirable (label false) examples' losses.",
@@ -172,6 +175,32 @@ class FinetuneConfig:
     label_smoothing: float = setting(0.0, "DPO / SimPO: the chance a pair's labels are flipped (conservative DPO).",
                                      metavar="X")
     gamma: float = setting(0.5, "SimPO: the target reward margin (TRL's simpo_gamma).", metavar="X")
+    # GRPO (train/grpo.py, rewards train/rewards.py): prompt records, completions sampled in the loop, TRL's loss
+    reward: Optional[list[str]] = setting(None, "GRPO: a reward, repeated for several (summed with --reward-weights): "
+                                                "exact:COLUMN, number:COLUMN, regex:PATTERN, length:N or "
+                                                "FILE.py:FUNCTION (TRL's reward-function signature); "
+                                                "docs/finetune.md \"GRPO\".", metavar="KIND:ARG")
+    reward_weights: Optional[str] = setting(None, "GRPO: the rewards' weights, comma-separated, one per --reward.",
+                                            metavar="W,W,...", unset="1 each")
+    num_generations: int = setting(8, "GRPO: completions sampled per prompt (a group); --batch / --ctx completions per "
+                                      "step, a multiple of it.", metavar="G")
+    max_completion_length: int = setting(256, "GRPO: the most tokens a completion samples (an end-of-generation token "
+                                              "stops it before).", metavar="N")
+    temperature: float = setting(1.0, "GRPO: the sampling temperature (the log-probabilities are of the tempered "
+                                      "distribution, as TRL's).", metavar="X")
+    top_p: float = setting(1.0, "GRPO: nucleus sampling's mass (1: off).", metavar="X")
+    loss_type: str = setting("dapo", "GRPO: grpo (each completion's token mean), bnpo or dapo (the batch's token "
+                                     "mean), dr_grpo (sum / completions x --max-completion-length); TRL's.",
+                             metavar="NAME")
+    scale_rewards: str = setting("group", "GRPO: advantages divided by the group's reward std (group), the batch's "
+                                          "(batch) or not (none).", metavar="NAME")
+    epsilon: float = setting(0.2, "GRPO: the ratio's clipping range, 1 - X .. 1 + --epsilon-high.", metavar="X")
+    epsilon_high: Optional[float] = setting(None, "GRPO: the clipping range's upper epsilon.", metavar="X",
+                                            unset="--epsilon")
+    num_iterations: int = setting(1, "GRPO: optimizer steps per generation batch (TRL's mu).", metavar="N")
+    completions_log: Optional[str] = setting(None, "GRPO: append every sampled completion (step, prompt, completion, "
+                                                   "rewards, advantage) to this JSONL file.", metavar="FILE",
+                                             path=True, unset="beside --metrics as .completions.jsonl")
     # checkpoints (train/checkpoint.py): every epoch end, and every checkpoint_every steps when > 0
     checkpoint_every: int = setting(0, "Also write a checkpoint every N optimizer steps (one is written at every epoch "
                                        "end, and on Ctrl-C / SIGTERM).", metavar="N", unset="epoch ends only")
@@ -197,7 +226,8 @@ class FinetuneConfig:
         c = dataclasses.replace(self)
         if c.ctx < 2:
             raise LlmtuneError(f"--ctx: must be at least 2, got {c.ctx}")
-        c.batch = c.batch or c.ctx * (KTO_BATCH if c.method == "kto" else 1)
+        per_step = {"kto": KTO_BATCH, "grpo": c.num_generations}.get(c.method, 1)  # GRPO: one prompt's group
+        c.batch = c.batch or c.ctx * per_step
         if c.batch % c.ctx:  # each flag checked on its own, so the message names only what was given
             raise LlmtuneError(f"--batch {c.batch}: must be a multiple of --ctx {c.ctx}")
         if c.ubatch and (c.ubatch % c.ctx or c.batch % c.ubatch):
@@ -281,8 +311,11 @@ def _check_method(c: "FinetuneConfig") -> None:
 
     if c.method not in METHODS:
         raise LlmtuneError(f"--method: unknown method {c.method!r} (choose {', '.join(METHODS)})")
-    if not c.beta > 0:
-        raise LlmtuneError(f"--beta: must be > 0, got {c.beta}")
+    default_beta = 0.0 if c.method == "grpo" else 0.1
+    beta_given = c.beta is not None and c.beta != default_beta
+    c.beta = default_beta if c.beta is None else c.beta
+    if not (c.beta >= 0 if c.method == "grpo" else c.beta > 0):
+        raise LlmtuneError(f"--beta: must be {'>=' if c.method == 'grpo' else '>'} 0, got {c.beta}")
     if not 0 <= c.label_smoothing <= 0.5:
         raise LlmtuneError(f"--label-smoothing: must be in [0, 0.5], got {c.label_smoothing}")
     for name in ("desirable_weight", "undesirable_weight"):
@@ -290,14 +323,18 @@ def _check_method(c: "FinetuneConfig") -> None:
             raise LlmtuneError(f"{flag_name(name)}: must be > 0, got {getattr(c, name)}")
     if c.kto_loss not in ("kto", "apo_zero_unpaired"):
         raise LlmtuneError(f"--kto-loss: unknown loss {c.kto_loss!r} (choose kto, apo_zero_unpaired)")
-    given = {"beta": c.beta != 0.1, "label_smoothing": c.label_smoothing != 0.0, "gamma": c.gamma != 0.5,
+    given = {"beta": beta_given, "label_smoothing": c.label_smoothing != 0.0, "gamma": c.gamma != 0.5,
              "desirable_weight": c.desirable_weight != 1.0, "undesirable_weight": c.undesirable_weight != 1.0,
-             "kto_loss": c.kto_loss != "kto"}
-    readers = {"beta": ("dpo", "orpo", "simpo", "kto"), "label_smoothing": ("dpo", "simpo"), "gamma": ("simpo",),
-               "desirable_weight": ("kto",), "undesirable_weight": ("kto",), "kto_loss": ("kto",)}
+             "kto_loss": c.kto_loss != "kto",
+             **{name: getattr(c, name) != FIELDS[name].default for name in GRPO_SETTINGS}}
+    readers = {"beta": ("dpo", "orpo", "simpo", "kto", "grpo"), "label_smoothing": ("dpo", "simpo"),
+               "gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",),
+               "kto_loss": ("kto",), **{name: ("grpo",) for name in GRPO_SETTINGS}}
     for name, on in given.items():
         if on and c.method not in readers[name]:
             raise LlmtuneError(f"{flag_name(name)}: only --method {' or '.join(readers[name])} uses it")
+    if c.method == "grpo":
+        _check_grpo(c)
     if c.method != "sft" and c.pack:
         raise LlmtuneError(f"--pack: not with --method {c.method} (one {'example' if c.method == 'kto' else 'pair'} "
                            f"per window)")
@@ -310,6 +347,53 @@ def _check_method(c: "FinetuneConfig") -> None:
         raise LlmtuneError(f"--batch {c.batch}: --method kto needs at least 2 examples a step (--batch >= 2 x --ctx "
                            f"{c.ctx}): its KL estimate pairs each completion with another example's prompt of the step "
                            f"(TRL's KTOTrainer refuses a batch of 1)")
+
+
+GRPO_SETTINGS = ("reward", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
+                 "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "completions_log")
+
+
+def _check_grpo(c: "FinetuneConfig") -> None:
+    """--method grpo's settings: rewards named (kinds known; files are loaded with the data), ranges as TRL's."""
+    from llmtune.train.grpo import LOSS_TYPES, SCALE_REWARDS
+    from llmtune.train.rewards import check_spec
+
+    if not c.reward:
+        raise LlmtuneError("--method grpo: needs --reward (e.g. regex:PATTERN, exact:COLUMN, FILE.py:FUNCTION)")
+    for spec in c.reward:
+        check_spec(spec)
+    if c.reward_weights is not None:
+        try:
+            weights = [float(w) for w in c.reward_weights.split(",")]
+        except ValueError:
+            raise LlmtuneError(f"--reward-weights: {c.reward_weights!r} is not comma-separated numbers") from None
+        if len(weights) != len(c.reward) or not all(map(math.isfinite, weights)):
+            raise LlmtuneError(f"--reward-weights: {len(weights)} weight(s) for {len(c.reward)} --reward(s) "
+                               f"(one finite number each)")
+    if c.num_generations < 2:
+        raise LlmtuneError(f"--num-generations: must be at least 2 (GRPO compares a prompt's completions), got "
+                           f"{c.num_generations}")
+    if (c.batch // c.ctx) % c.num_generations:
+        raise LlmtuneError(f"--batch {c.batch}: {c.batch // c.ctx} completion(s) of --ctx {c.ctx} per step, not a "
+                           f"multiple of --num-generations {c.num_generations}")
+    if not 1 <= c.max_completion_length < c.ctx:
+        raise LlmtuneError(f"--max-completion-length: must be in [1, --ctx {c.ctx}), got {c.max_completion_length}")
+    if not (c.temperature > 0 and math.isfinite(c.temperature)):
+        raise LlmtuneError(f"--temperature: must be > 0, got {c.temperature}")
+    if not 0 < c.top_p <= 1:
+        raise LlmtuneError(f"--top-p: must be in (0, 1], got {c.top_p}")
+    if c.loss_type not in LOSS_TYPES:
+        raise LlmtuneError(f"--loss-type: unknown loss {c.loss_type!r} (choose {', '.join(LOSS_TYPES)})")
+    if c.scale_rewards not in SCALE_REWARDS:
+        raise LlmtuneError(f"--scale-rewards: unknown choice {c.scale_rewards!r} (choose {', '.join(SCALE_REWARDS)})")
+    for name in ("epsilon", "epsilon_high"):
+        value = getattr(c, name)
+        if value is not None and not 0 <= value < (1 if name == "epsilon" else math.inf):
+            raise LlmtuneError(f"{flag_name(name)}: must be in [0, {'1' if name == 'epsilon' else 'inf'}), got {value}")
+    if c.num_iterations < 1:
+        raise LlmtuneError(f"--num-iterations: must be at least 1, got {c.num_iterations}")
+    if c.completions_log is None and c.metrics is not None:
+        c.completions_log = str(Path(c.metrics).with_suffix("")) + ".completions.jsonl"
 
 
 def _check_schedule(c: FinetuneConfig) -> None:
@@ -377,7 +461,7 @@ def _check_lora_variants(c: FinetuneConfig) -> None:
 FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
 # settings that do not change the trained weights: a resumed run may change them
 RUN_ONLY = ("backend", "out_type", "metrics", "checkpoint_every", "keep_checkpoints", "eval_benchmark", "sample_prompt",
-            "sample_every", "tensorboard", "plot")
+            "sample_every", "tensorboard", "plot", "completions_log")
 
 
 def flag_name(field: str) -> str:
@@ -404,7 +488,8 @@ def default_words(name: str) -> Optional[str]:
 def _type_words(field: str) -> str:
     """'an integer', 'a number', 'true or false' or 'a string': what FinetuneConfig's annotation asks for."""
     kind = FIELDS[field].type.removeprefix("Optional[").removesuffix("]")
-    return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[kind]
+    return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+            "list[str]": "a list of strings"}[kind]
 
 
 def _check_type(field: str, value: Any, source: str) -> None:
@@ -414,7 +499,8 @@ def _check_type(field: str, value: Any, source: str) -> None:
     ok = {"an integer": isinstance(value, int) and not isinstance(value, bool),
           "a number": isinstance(value, (int, float)) and not isinstance(value, bool),
           "true or false": isinstance(value, bool),
-          "a string": isinstance(value, str)}[words]
+          "a string": isinstance(value, str),
+          "a list of strings": isinstance(value, list) and all(isinstance(v, str) for v in value)}[words]
     if not ok:
         raise LlmtuneError(f"{source}{value!r} should be {words}")
 

@@ -17,6 +17,7 @@ from llmtune.train.chat import build_dataset, data_info
 from llmtune.train.config import FinetuneConfig, make_config, resume_config
 from llmtune.train.distributed import agree_ranks
 from llmtune.train.events import EpochResult, FinetuneResult  # noqa: F401 - part of this call's interface
+from llmtune.train.grpo import GRPOSettings, GRPOTrainer, build_prompts, reward_error
 from llmtune.train.guard import Diverged
 from llmtune.train.kto import KTOObjective, balance_warning, build_unpaired
 from llmtune.train.loop import Hook, Run, train
@@ -26,6 +27,7 @@ from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
 from llmtune.train.output import write_output
 from llmtune.train.preference import REFERENCE_METHODS, Objective, PreferenceTrainer, build_pairs
+from llmtune.train.rewards import RewardError, Rewards
 from llmtune.train.selection import Selection
 from llmtune.train.signals import StopRequest, signal_name
 from llmtune.train.trainer import Trainer
@@ -36,7 +38,8 @@ HookFactory = Callable[[FinetuneConfig, Model], list[Hook]]
 
 
 def finetune(model_path, data_path, out_path, *, config_file=None, callback: Optional[ev.Callback] = None,
-             resume=None, hooks: Optional[HookFactory] = None, force: bool = False, **settings) -> FinetuneResult:
+             resume=None, hooks: Optional[HookFactory] = None, force: bool = False, rollout: Optional[Callable] = None,
+             **settings) -> FinetuneResult:
     """Train `model_path` on `data_path` and write the result to `out_path` (llama.cpp's
     examples/training/finetune.cpp, with validation, batching and schedules as flags).
 
@@ -44,7 +47,8 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
     the default". callback(event) receives the train/events.py events (Start, Step, EpochEnd,
     Checkpoint, Warning, Stopping, Resumed, Benchmark, Sample, Saved); the CLI renders them.
     hooks(cfg, model): the loop's extra behaviour; `llmtune.finetune` (llmtune/workflows.py) hands
-    in eval/'s --sample-prompt and --eval-benchmark.
+    in eval/'s --sample-prompt and --eval-benchmark. rollout(trainer, n_ctx): --method grpo's sampler
+    of completions with the live weights (train/grpo.py GRPOTrainer; eval/generate.py PolicySampler).
 
     LoRA (lora_rank or lora_init): the base stays frozen, only the adapter's A/B train, and
     `out_path` receives llama.cpp's adapter GGUF (load it with llama.cpp's --lora). An existing
@@ -63,7 +67,7 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
             cfg = make_config(config_file, **settings)
         else:
             cfg = resume_config(ckpt.meta["config"], ckpt.path, config_file, **settings)
-        return ckpt, cfg, _prepare(model_path, data_path, out_path, cfg, ckpt, emit, hooks, force)
+        return ckpt, cfg, _prepare(model_path, data_path, out_path, cfg, ckpt, emit, hooks, force, rollout)
 
     # under an MPI launcher (backends/dist.py) every rank sets up; an error on any stops all alike
     ckpt, cfg, run = world().together(setup)
@@ -81,6 +85,9 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
         except Diverged as exc:
             run.call_hooks("on_stop", "diverged")
             raise run.diverged(exc) from None
+        except RewardError as exc:  # a user's reward function failed (train/rewards.py): the checkpoints stay
+            run.call_hooks("on_stop", "diverged")
+            raise reward_error(exc, run.last_checkpoint) from None
         except Interrupted as exc:
             run.call_hooks("on_stop", "interrupted")
             if exc.checkpoint is None and run.last_checkpoint is not None:  # a second signal aborted the run
@@ -92,7 +99,7 @@ def finetune(model_path, data_path, out_path, *, config_file=None, callback: Opt
 
 
 def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: ev.Callback,
-             hooks: Optional[HookFactory], force: bool = False) -> Run:
+             hooks: Optional[HookFactory], force: bool = False, rollout: Optional[Callable] = None) -> Run:
     """Every check and allocation before the first step (train/preflight.py), in that order."""
     warn = lambda message: emit(ev.Warning(message))  # noqa: E731
     inputs = {"model": model_path, "data": data_path, **({"lora_init": cfg.lora_init} if cfg.lora_init else {})}
@@ -111,12 +118,20 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
                                            cfg.chat_template, kl=cfg.kto_loss == "kto")
         if ckpt is None and (unbalanced := balance_warning(dataset, cfg.desirable_weight, cfg.undesirable_weight)):
             warn(unbalanced)
+    elif cfg.method == "grpo":  # prompts, completions sampled in the loop (train/grpo.py)
+        if rollout is None:
+            raise LlmtuneError("--method grpo: needs eval's sampler; call llmtune.finetune (llmtune/workflows.py), "
+                               "not llmtune.train.finetune.finetune")
+        weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
+        rewards = Rewards.of(cfg.reward, weights)  # a user's reward file is imported here
+        dataset, n_tokens = build_prompts(model, data_path, cfg, rewards)
     else:  # preference pairs, one per window (train/preference.py)
         dataset, n_tokens = build_pairs(model, data_path, cfg.ctx, cfg.holdout, cfg.format, cfg.chat_template,
                                         cfg.method)
     steps_per_epoch = preflight.steps_per_epoch(dataset, cfg, data_path)
     preflight.check_selection(dataset, cfg)
-    trainer = _trainer(model, trainable, cfg, ckpt)
+    trainer = _trainer(model, trainable, cfg, ckpt, rewards=rewards if cfg.method == "grpo" else None,
+                       rollout=rollout)
     trainer.limits = guard.Limits.of(trainer)  # from the weights it starts from (a resume restores them below)
     memory = preflight.checked_memory(trainer, model_path, best_copy=cfg.save_best)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
@@ -136,7 +151,7 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     return run
 
 
-def _trainer(model: Model, trainable: list[str], cfg: FinetuneConfig, ckpt) -> Trainer:
+def _trainer(model: Model, trainable: list[str], cfg: FinetuneConfig, ckpt, rewards=None, rollout=None) -> Trainer:
     """The trainer of the run: next-token (sft) or a preference method's."""
     kw = dict(n_ctx=cfg.ctx, n_batch=cfg.batch, n_ubatch=cfg.ubatch, trainable=trainable, optimizer=cfg.optimizer,
               wd=cfg.wd, lora_dropout=cfg.lora_dropout, seed=cfg.seed, grad_checkpoint=cfg.grad_checkpoint,
@@ -146,6 +161,9 @@ def _trainer(model: Model, trainable: list[str], cfg: FinetuneConfig, ckpt) -> T
         objective = KTOObjective(beta=cfg.beta, desirable_weight=cfg.desirable_weight,
                                  undesirable_weight=cfg.undesirable_weight, loss_type=cfg.kto_loss)
         return PreferenceTrainer(model, backend, objective=objective, **kw)
+    if cfg.method == "grpo":
+        return GRPOTrainer(model, backend, settings=GRPOSettings.of(cfg), rewards=rewards, rollout=rollout,
+                           completions_log=cfg.completions_log, **kw)
     if cfg.method != "sft":
         objective = Objective(cfg.method, cfg.beta, cfg.label_smoothing, cfg.gamma)
         return PreferenceTrainer(model, backend, objective=objective, **kw)

@@ -124,7 +124,8 @@ class TensorBoardHook(_Writer):
 class Curves:
     """What the picture shows: the loss and learning rate of each step, the validation passes, the
     best pass and the early stop (the "selected" record of --early-stop / --save-best), and for a
-    preference run (--method dpo|orpo|simpo) the reward margin and accuracy of each step and pass."""
+    preference run (--method dpo|orpo|simpo) the reward margin and accuracy of each step and pass, for a
+    GRPO run its mean reward and completion length."""
 
     steps: list = field(default_factory=list)
     loss: list = field(default_factory=list)
@@ -136,6 +137,9 @@ class Curves:
     reward_accuracy: list = field(default_factory=list)
     val_margin: list = field(default_factory=list)  # per validation pass
     val_reward_accuracy: list = field(default_factory=list)
+    reward: list = field(default_factory=list)  # GRPO's mean reward per step (NaN: not a GRPO run)
+    length: list = field(default_factory=list)  # and its completions' mean length
+    val_reward: list = field(default_factory=list)  # per validation pass
     selected_step: int = 0  # the run's best pass by its --select-metric (0: no "selected" record)
     stopped_at: int = 0  # the step --early-stop ended the run at (0: it did not)
     method: str = "sft"  # --method: what the loss is (the y axis's label); files from before it: sft
@@ -155,12 +159,15 @@ class Curves:
             self.epoch.append(record.get("epoch"))
             self.margin.append(_number(record.get(MARGIN)))
             self.reward_accuracy.append(_number(record.get(REWARD_ACCURACY)))
+            self.reward.append(_number(record.get("reward")))
+            self.length.append(_number(record.get("completions/mean_length")))
             self.method = record.get("method", self.method)
         elif record.get("type") == "validation":
             self.val_steps.append(record["global_step"])
             self.val_loss.append(_number(record.get("loss")))
             self.val_margin.append(_number(record.get(MARGIN)))
             self.val_reward_accuracy.append(_number(record.get(REWARD_ACCURACY)))
+            self.val_reward.append(_number(record.get("reward")))
         elif record.get("type") == "selected":
             self.selected_step = _step(record.get("global_step"))
             self.stopped_at = _step(record.get("stopped_at"))
@@ -180,6 +187,10 @@ class Curves:
     @property
     def preference(self) -> bool:
         return any(math.isfinite(v) for v in self.margin + self.val_margin)
+
+    @property
+    def grpo(self) -> bool:
+        return any(math.isfinite(v) for v in self.reward + self.val_reward)
 
 
 def _number(value) -> float:
@@ -286,7 +297,7 @@ def draw_curves(curves: Curves, path: Path, title: str = "", fmt: str = "png") -
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 - optional (the plot extra)
     from matplotlib.figure import Figure  # noqa: PLC0415 - optional (the plot extra)
 
-    preference = curves.preference
+    preference = curves.preference or curves.grpo  # a panel below
     fig = Figure(figsize=PREFERENCE_PLOT_SIZE if preference else PLOT_SIZE, dpi=PLOT_DPI)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(2, 1, 1) if preference else fig.add_subplot()
@@ -305,7 +316,7 @@ def draw_curves(curves: Curves, path: Path, title: str = "", fmt: str = "png") -
     if title:
         ax.set_title(title, fontsize=10)
     if preference:
-        _reward_panel(fig.add_subplot(2, 1, 2, sharex=ax), curves)
+        (_reward_panel if curves.preference else _grpo_panel)(fig.add_subplot(2, 1, 2, sharex=ax), curves)
     fig.tight_layout()
     return write_atomically(path, lambda fh: fig.savefig(fh, format=fmt, dpi=PLOT_DPI), "cannot write the plot")
 
@@ -353,6 +364,25 @@ def _reward_panel(ax, curves: Curves) -> None:
     acc_ax.set_ylim(-0.02, 1.3)  # headroom for the legend
     acc_ax.set_ylabel("reward accuracy")
     acc_ax.legend(handles=handles, loc="upper left", fontsize=8, framealpha=0.9, ncol=2)
+
+
+def _grpo_panel(ax, curves: Curves) -> None:
+    """A GRPO run's mean reward per step (faint) and its moving mean, per validation pass, and the
+    completions' mean length (tokens) on a second axis."""
+    handles = _step_and_mean(ax, curves.steps, curves.reward, "C5", "reward")
+    if any(math.isfinite(v) for v in curves.val_reward):
+        handles += ax.plot(curves.val_steps, curves.val_reward, "o-", color="C5", lw=1.6, ms=4,
+                           label="reward (validation)")
+    _marks(ax, curves, labels=False)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reward (mean over completions)")
+    ax.grid(True, alpha=0.25)
+    len_ax = ax.twinx()
+    handles += _step_and_mean(len_ax, curves.steps, curves.length, "C6", "completion length", faint_only=True)
+    top = max((v for v in curves.length if math.isfinite(v)), default=1.0)
+    len_ax.set_ylim(0, 1.3 * top)  # headroom for the legend
+    len_ax.set_ylabel("completion length (tokens)")
+    len_ax.legend(handles=handles, loc="upper left", fontsize=8, framealpha=0.9, ncol=2)
 
 
 def _step_and_mean(ax, steps, values, colour: str, name: str, faint_only: bool = False) -> list:

@@ -42,13 +42,14 @@ from llmtune.train.programs import WeightedTokenNLL
 from llmtune.train.records import read_records
 from llmtune.train.trainer import RunningStats, Trainer
 
-METHODS = ("sft", "dpo", "orpo", "simpo", "kto")
+METHODS = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")  # kto: train/kto.py, grpo: train/grpo.py
 REFERENCE_METHODS = ("dpo", "kto")  # the methods whose reference log-probabilities are computed before training
 # what each method's loss measures (--plot's axis): a next-token loss is a mean NLL per token; a
 # preference loss a mean over pairs of -log sigmoid(a margin) (nats per pair); ORPO's adds both
 LOSS_LABELS = {"sft": "loss (nats per token)", "dpo": "DPO loss (nats per pair)",
                "orpo": "ORPO loss (NLL per token + beta x odds-ratio nats per pair)",
-               "simpo": "SimPO loss (nats per pair)", "kto": "KTO loss (weighted 1 - sigmoid per example)"}
+               "simpo": "SimPO loss (nats per pair)", "kto": "KTO loss (weighted 1 - sigmoid per example)",
+               "grpo": "GRPO loss (clipped advantage-weighted ratio)"}
 TRUNK, CHOSEN, REJECTED, PAD = 0, 1, 2, 3  # the parts of a pair's window
 
 
@@ -342,11 +343,11 @@ class PreferenceTrainer(Trainer):
     Objective.token_weights). train_step / evaluate take the windows' layout where the packed
     trainer takes segments; step_metrics / eval_metrics hold TRL's metrics."""
 
-    def __init__(self, model, backend, *, objective: Objective, **kw):
+    def __init__(self, model, backend, *, objective: Objective, loss=WeightedTokenNLL, **kw):
         self.objective = objective
         if kw.get("lora_dropout"):
             raise LlmtuneError("--lora-dropout: preference methods train without dropout (as TRL's disable_dropout)")
-        super().__init__(model, backend, packed=True, workers=1, loss=WeightedTokenNLL, layout_inputs=_pair_inputs,
+        super().__init__(model, backend, packed=True, workers=1, loss=loss, layout_inputs=_pair_inputs,
                          forward_pass=True, **kw)
         if self.comm.size > 1:
             raise LlmtuneError(f"--method {objective.method}: preference tuning runs in one process (no data parallel)")

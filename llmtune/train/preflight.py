@@ -72,6 +72,8 @@ def steps_per_epoch(dataset: WindowDataset, cfg: FinetuneConfig, data_path) -> i
     """Optimizer steps per epoch (the windows that do not fill a last batch wait for the next epoch)."""
     seqs_per_step = cfg.batch // cfg.ctx
     steps = dataset.n_train // seqs_per_step if seqs_per_step else 0
+    if hasattr(dataset, "steps_per_epoch"):  # a dataset whose steps are not its windows' count (train/grpo.py)
+        steps = dataset.steps_per_epoch()
     if steps < 1:
         raise LlmtuneError(
             f"{data_path}: {dataset.n_train} training window(s) of {cfg.ctx} tokens cannot fill one batch of "

@@ -27,6 +27,9 @@ Record formats (detected from the first record, or named with --format):
 - unpaired    {"prompt", "completion", "label": true|false} (TRL's unpaired preference data, for
               --method kto): plain strings, or a prompt message list with a "completion" assistant
               message list; kept as (prompt, completion, label); train/kto.py tokenizes them.
+- prompt      {"prompt", <other columns>} (TRL's prompt-only data, for --method grpo; never detected:
+              --method grpo reads its data so): "prompt" a string or a message list, the other
+              columns kept for the rewards; kept as (prompt, columns); train/grpo.py renders them.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Iterator, Optional
 from llmtune.errors import LlmtuneError, LlmtuneWarning
 from llmtune.tokenizer import data_suffix, json_why, read_bytes, read_text, require_text
 
-FORMATS = ("auto", "plain", "text", "completion", "chat", "sharegpt", "alpaca", "preference", "unpaired")
+FORMATS = ("auto", "plain", "text", "completion", "chat", "sharegpt", "alpaca", "preference", "unpaired", "prompt")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
                   "assistant": "assistant", "tool": "tool"}
@@ -268,6 +271,8 @@ def parse_record(record: dict, fmt: str, where: str):
         return preference_record(record, where)
     if fmt == "unpaired":
         return unpaired_record(record, where)
+    if fmt == "prompt":
+        return prompt_record(record, where)
     if fmt == "sharegpt":
         key = "conversations" if "conversations" in record or "messages" not in record else "messages"
         return _messages(record, key, where, ("from", "value"), SHAREGPT_ROLES)
@@ -343,3 +348,18 @@ def unpaired_record(record: dict, where: str) -> tuple:
     roles = {r: r for r in ROLES}
     prompt = _messages({"m": record["prompt"]}, "m", where, ("role", "content"), roles, need_assistant=False)
     return prompt, _answer(record, "completion", where), label
+
+
+def prompt_record(record: dict, where: str) -> tuple:
+    """(prompt, columns) of a prompt-only record (TRL's GRPO data): "prompt" a string or a message
+    list (conversational: rendered with the generation prompt), every other key a column the
+    rewards may read."""
+    if "prompt" not in record:
+        raise LlmtuneError(f"{where}: prompt record has no \"prompt\" field")
+    columns = {k: v for k, v in record.items() if k != "prompt"}
+    if isinstance(record["prompt"], str):
+        return record["prompt"], columns
+    if not isinstance(record["prompt"], list):
+        raise LlmtuneError(f"{where}: \"prompt\" must be a string or a list of messages")
+    roles = {r: r for r in ROLES}
+    return _messages({"m": record["prompt"]}, "m", where, ("role", "content"), roles, need_assistant=False), columns

@@ -96,7 +96,8 @@ class FinetuneReporter:
                                  tps=e.tokens_per_s)
         elif e.step == 1 or e.step == e.steps or e.step % max(1, e.steps // STEP_LINES) == 0:
             # no bar off a terminal: a line about every tenth of an epoch, so a log shows the run moving
-            self.err.print(f"epoch {e.epoch} step {e.step}/{e.steps}: loss {e.running_loss:.4f}, acc {e.accuracy:.3f}, "
+            acc = f"acc {e.accuracy:.3f}, " if e.accuracy == e.accuracy else ""  # GRPO has none
+            self.err.print(f"epoch {e.epoch} step {e.step}/{e.steps}: loss {e.running_loss:.4f}, {acc}"
                            f"{_preference_words(e.metrics)}lr {e.lr:.2e}, {e.tokens_per_s:,.0f} tok/s", highlight=False)
 
     def _on_epoch(self, e: ev.EpochEnd):
@@ -246,6 +247,11 @@ def data_line(data: dict) -> str:
         return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} preference "
                 f"pairs, one per window (prompt once, then chosen and rejected; {data['padding']:.0%} padding)"
                 f"{dropped}; {per_epoch} (the completions' tokens)")
+    if data["format"] == "prompt":  # GRPO (train/grpo.py): completions sampled in the loop
+        dropped = (f"; {data['dropped']} dropped (no room for --max-completion-length in --ctx)"
+                   if data["dropped"] else "")
+        return (f"data: {data['examples']:,} {'conversational' if data['conversational'] else 'plain'} prompts, "
+                f"each sampled --num-generations times a step, one completion per window{dropped}")
     notes = []
     if data["truncated"]:
         notes.append(f"{data['truncated']} truncated to --ctx")
@@ -273,6 +279,13 @@ def _preference_words(metrics: dict) -> str:
     acc is then rewards/accuracies."""
     if not metrics:
         return ""
+    if "reward" in metrics:  # GRPO (train/grpo.py): TRL's reward, its spread, clipping, KL, completion length
+        words = f"reward {metrics['reward']:.3f} ± {metrics['reward_std']:.3f}, "
+        if "clip_ratio/region_mean" in metrics:
+            words += f"clip {metrics['clip_ratio/region_mean']:.3f}, "
+        if "kl" in metrics:
+            words += f"kl {metrics['kl']:.4f}, "
+        return words + f"len {metrics['completions/mean_length']:.1f}, "
     # KTO's batch may hold one label only: TRL then logs no margin, nor the other label's reward
     words = "".join(f"{name} {metrics[key]:.3f}, " for name, key in (
         ("margin", "rewards/margins"), ("chosen", "rewards/chosen"), ("rejected", "rewards/rejected"), ("kl", "kl"))
