@@ -5,6 +5,10 @@ tokenizer (every `tokenizer.*` key) from an existing GGUF, so the new model toke
 exactly like that one. Initialisation follows GPT-2 / llama2.c: every matrix ~ normal(0, std),
 the two projections that write into the residual stream (attn_output, ffn_down) scaled by
 1/sqrt(2 * n_layer) so the residual's variance does not grow with depth, norm weights 1.
+
+The file is streamed: its header first, then every tensor drawn, encoded (--type, with export's
+per-tensor plan and quantizers) and written a piece of rows at a time, so memory stays at one piece
+whatever the model's size (a 7B-class shape is 30 GB of float32).
 """
 
 from __future__ import annotations
@@ -222,8 +226,8 @@ def init_tensors(hp: HParams, std: float, seed: int, test_weights: bool = False,
         yield spec.name, next(pieces).reshape(spec.shape), QT.F32
 
 
-def init_pieces(hp: HParams, std: float, seed: int, test_weights: bool = False, optional=(),
-                piece_elements: int | None = PIECE_ELEMENTS) -> Iterator[tuple[TensorSpec, Iterator[np.ndarray]]]:
+def init_pieces(hp: HParams, std: float, seed: int, test_weights: bool = False, optional=(), *,
+                piece_elements: int | None) -> Iterator[tuple[TensorSpec, Iterator[np.ndarray]]]:
     """(spec, pieces) for every tensor of init_tensors, in the same order and from the same random
     stream: `pieces` yields the tensor's float32 values as consecutive blocks of rows, (rows,
     n_cols), each of at most `piece_elements` values (or one row; None: the whole tensor at once).
@@ -287,7 +291,7 @@ def init_model(
     out_path = check_output_path(out_path, config_path, vocab_from, replaces=GGUF_KIND, force=force)
     hp, meta, slots = init_layout(config_path, config, vocab_from, xt, optional)
     _check_resources(config_path, out_path, slots, meta, xt.name)
-    tensors = init_pieces(hp, config.std, seed, test_weights, optional)
+    tensors = init_pieces(hp, config.std, seed, test_weights, optional, piece_elements=PIECE_ELEMENTS)
 
     def encoded(slot: TensorSlot) -> Iterator[np.ndarray]:
         spec, rows = next(tensors)
@@ -320,27 +324,31 @@ def init_layout(config_path, config: InitConfig, vocab_from: str | os.PathLike, 
 
 def _check_resources(config_path, out_path: Path, slots: list[TensorSlot], meta: dict[str, MetaValue],
                      type_name: str) -> None:
-    """Refuse, before drawing any tensor, a model whose largest piece does not fit in memory (its
-    float32 values, their encoding and the packed header are held at once) or whose file does not
-    fit on the output's disk."""
+    """Refuse, before drawing any tensor, a model whose largest piece does not fit in memory or
+    whose file does not fit on the output's disk. Memory holds the header (its parts, then joined)
+    and one piece: its float32 values, their encoding and, for a quantized type, the quantizer's
+    scratch (at most another float32 piece: gguf's Q8_0 needs ~3 bytes a value, the K-quants ~40 a
+    value of their 512-block chunk)."""
     n_params = sum(math.prod(slot.shape) for slot in slots)
     header = metadata_nbytes(meta) + sum(64 + len(slot.name) for slot in slots)
-    largest = max((_piece_bytes(slot) for slot in slots), default=(0, ""))
-    need = 2 * header + largest[0]  # the header's parts, then the header joined
+    piece, what = max((_piece_bytes(slot) for slot in slots), default=(0, ""))
+    need = 2 * header + piece
     avail = available_memory()
     if avail is not None and need > avail:
         raise LlmtuneError(
             f"{config_path}: writing a model of {n_params:,} parameters needs about {need / 2**20:,.0f} MiB of memory "
-            f"(the metadata and {largest[1]}) but only {avail / 2**20:,.0f} MiB is available"
+            f"(the header and {what}) but only {avail / 2**20:,.0f} MiB is available"
         )
     file_bytes = header + sum(slot.n_bytes for slot in slots)
     check_disk_space(out_path.parent, file_bytes, f"the new model's {n_params:,} parameters ({type_name})")
 
 
 def _piece_bytes(slot: TensorSlot) -> tuple[int, str]:
-    """The bytes one piece of `slot` holds (float32 values and their encoding) and what they are."""
+    """The bytes one piece of `slot` takes to draw, encode and write, and what the piece is."""
     n_cols = slot.shape[-1]
     rows = min(math.prod(slot.shape[:-1]), max(1, PIECE_ELEMENTS // n_cols))
+    values = rows * n_cols * 4
+    if slot.type == QT.F32:
+        return values, f"{rows:,} rows of {slot.name}"
     encoded = TensorSlot(slot.name, (rows, n_cols), slot.type).n_bytes
-    what = f"{rows:,} rows of {slot.name} in float32" + (f" and {slot.type.name}" if slot.type != QT.F32 else "")
-    return rows * n_cols * 4 + (encoded if slot.type != QT.F32 else 0), what
+    return 2 * values + encoded, f"{rows:,} rows of {slot.name} as {slot.type.name}"
