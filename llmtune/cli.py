@@ -65,6 +65,13 @@ def precision_option(default: Optional[str] = "f32", default_text: str = " \\[de
                         "finetune keeps f32 master weights)." + default_text, show_default=False)
 
 
+def type_option(default: Optional[str] = ..., default_text: str = ""):
+    """--type of the commands that store weights (export, init): an export type (quant/plan.py)."""
+    return typer.Option(default, "--type", "-t", show_default=False,
+                        help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m or q5_k_m."
+                        + default_text)
+
+
 def force_option(kind: str = "a GGUF"):
     """--force of a command that writes -o: `kind` words what it writes (what -o may replace without it)."""
     return typer.Option(False, "--force", help=f"Replace an existing -o file that is not {kind} (refused without it: "
@@ -244,15 +251,21 @@ def init_cmd(
                                     show_default=False),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the new GGUF.", show_default=False),
     seed: int = typer.Option(0, "--seed", help="Random seed; the same seed writes the same file."),
+    type: str = type_option("f32", " The file init, then export --type would write. \\[default: f32]"),
     force: bool = force_option(),
 ):
     """Write a new randomly initialised model (to train from scratch) with another model's tokenizer.
 
+    The weights are drawn, stored as --type and written a piece at a time: memory stays small whatever the model's size.
+
     Example: llmtune init --config configs/llama-15m.toml --vocab-from vocab.gguf -o new.gguf --seed 0
-    """
+
+    Example (7B shape, quantized): llmtune init --config configs/qwen2-7b.toml --vocab-from ggml-vocab-qwen2.gguf -o qwen2-7b.gguf --type q4_k_m
+    """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
     from llmtune.convert.init import init_model
     from llmtune.gguf.file import load_gguf
     from llmtune.ui.format import human_bytes, human_count
+    from llmtune.ui.progress import tensor_progress
 
     if config_c is not None:
         if config is not None:
@@ -262,10 +275,11 @@ def init_cmd(
         config = config_c
     if config is None:
         raise LlmtuneError("--config: missing; init needs a model shape, e.g. --config configs/llama-15m.toml")
-    path = init_model(config, vocab_from, output, seed=seed, force=force)
+    with tensor_progress(err, f"init {type}") as on_tensor:
+        path = init_model(config, vocab_from, output, seed=seed, type=type, force=force, progress=on_tensor)
     gf = load_gguf(path)
     out.print(f"wrote {path}: {gf.arch}, {human_count(gf.n_params())} parameters, "
-              f"{human_bytes(gf.file_size)}, seed {seed}", highlight=False)
+              f"{human_bytes(gf.file_size)} ({type.lower()}), seed {seed}", highlight=False)
 
 
 # --- export / save (llmtune/convert/export.py) ---
@@ -273,11 +287,7 @@ def _export_cmd(
     model: Path = ModelArg,
     output: Optional[Path] = typer.Option(None, "-o", "--output", show_default=False,
                                           help="Where to write the converted GGUF (required, unless --peft)."),
-    type: Optional[str] = typer.Option(
-        None, "--type", "-t", show_default=False,
-        help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, q4_k_m or q5_k_m (required, unless "
-             "--peft).",
-    ),
+    type: Optional[str] = type_option(None, " (required, unless --peft)"),
     lora: Optional[List[Path]] = LoraOption,
     lora_scale: Optional[List[float]] = LoraScaleOption,
     peft: Optional[Path] = typer.Option(None, "--peft", metavar="DIR", show_default=False,
@@ -297,7 +307,8 @@ def _export_cmd(
     Example (PEFT): llmtune export adapter.gguf --peft adapter-peft/
     """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
     from llmtune.convert.export import export, export_peft
-    from llmtune.ui.export import export_progress, summary_notes, summary_table
+    from llmtune.ui.export import summary_notes, summary_table
+    from llmtune.ui.progress import tensor_progress
 
     if peft is not None:
         given = [flag for flag, value in (("-o", output), ("--type", type), ("--lora-scale", lora_scale),
@@ -313,7 +324,7 @@ def _export_cmd(
     for flag, value in (("-o", output), ("--type", type)):
         if value is None:
             raise LlmtuneError(f"{flag}: missing (llmtune export --help)")
-    with export_progress(err, type) as on_tensor:
+    with tensor_progress(err, f"export {type}") as on_tensor:
         summary = export(model, output, type, progress=on_tensor, lora=lora, lora_scale=lora_scale, force=force)
     out.print(summary_table(summary))
     for line in summary_notes(summary):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_VERSION, GGUFValueType as VT
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
 
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import (
@@ -120,7 +120,14 @@ def export(model_path: str | os.PathLike, out_path: str | os.PathLike, type: str
 
 def export_plans(gf: GGUFFile, xt: ExportType) -> dict[str, TensorPlan]:
     """The type every tensor of `gf` gets as `xt` (llama-quantize's per-tensor policy, quant/plan.py)."""
-    return plan_types(xt, {n: (t.shape, t.type) for n, t in gf.tensors.items()}, ModelFacts.from_metadata(gf.metadata))
+    return tensor_plans(xt, {n: (t.shape, t.type) for n, t in gf.tensors.items()}, gf.metadata)
+
+
+def tensor_plans(xt: ExportType, tensors: dict[str, tuple[tuple[int, ...], QT]],
+                 metadata: dict) -> dict[str, TensorPlan]:
+    """export_plans for a model not yet written (`llmtune init --type`): `tensors` maps name -> (shape,
+    stored type), `metadata` holds the plain values of its metadata."""
+    return plan_types(xt, tensors, ModelFacts.from_metadata(metadata))
 
 
 def write_converted(gf: GGUFFile, out: Path, xt: ExportType, changed: Callable[[str], np.ndarray | None] | None,
@@ -131,14 +138,15 @@ def write_converted(gf: GGUFFile, out: Path, xt: ExportType, changed: Callable[[
     plans = export_plans(gf, xt)
     ordered = [plans[name] for name in gf.tensors]  # keep the input file's tensor order
     summary = ExportSummary(Path(gf.path), out, xt.name, int(xt.ftype))
-    write_gguf(out, gf.arch, _export_metadata(gf, xt), _converted(gf, ordered, summary, progress, changed),
+    write_gguf(out, gf.arch, export_metadata(gf.meta, xt), _converted(gf, ordered, summary, progress, changed),
                inputs=inputs)
     summary.seconds = time.perf_counter() - start
     return summary
 
 
-def _export_metadata(gf: GGUFFile, xt: ExportType) -> dict[str, MetaValue]:
-    meta = {k: v for k, v in gf.meta.items() if k not in _SPLIT_KEYS}
+def export_metadata(meta: dict[str, MetaValue], xt: ExportType) -> dict[str, MetaValue]:
+    """A model's metadata once its weights are stored as `xt` (as llama-quantize writes it)."""
+    meta = {k: v for k, v in meta.items() if k not in _SPLIT_KEYS}
     meta["general.quantization_version"] = MetaValue(GGML_QUANT_VERSION, VT.UINT32)
     meta["general.file_type"] = MetaValue(int(xt.ftype), VT.UINT32)
     return meta

@@ -5,6 +5,10 @@ tokenizer (every `tokenizer.*` key) from an existing GGUF, so the new model toke
 exactly like that one. Initialisation follows GPT-2 / llama2.c: every matrix ~ normal(0, std),
 the two projections that write into the residual stream (attn_output, ffn_down) scaled by
 1/sqrt(2 * n_layer) so the residual's variance does not grow with depth, norm weights 1.
+
+The file is streamed: its header first, then every tensor drawn, encoded (--type, with export's
+per-tensor plan and quantizers) and written a piece of rows at a time, so memory stays at one piece
+whatever the model's size (a 7B-class shape is 30 GB of float32).
 """
 
 from __future__ import annotations
@@ -13,14 +17,28 @@ import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFValueType as VT, LlamaFileType
 
 from llmtune.arch import get_family, supported
+from llmtune.arch.family import TensorSpec
 from llmtune.arch.hparams import HParams
+from llmtune.convert.export import Progress, export_metadata, tensor_plans
 from llmtune.errors import LlmtuneError
-from llmtune.gguf.file import GGUF_KIND, MetaValue, check_output_path, load_gguf, write_gguf
+from llmtune.gguf.file import (
+    GGUF_KIND,
+    MetaValue,
+    TensorSlot,
+    check_output_path,
+    load_gguf,
+    metadata_nbytes,
+    plain_metadata,
+    write_gguf_streamed,
+)
+from llmtune.quant import blocks as quants
+from llmtune.quant.plan import ExportType, export_type
 from llmtune.resources import available_memory, check_disk_space
 from llmtune.tomlfile import read_toml
 
@@ -189,6 +207,14 @@ def model_metadata(hp: HParams, name: str) -> dict[str, MetaValue]:
     return meta
 
 
+PIECE_ELEMENTS = 1 << 22  # values drawn, encoded and written at a time (16 MiB as float32)
+
+
+def init_specs(hp: HParams, optional=()) -> list[TensorSpec]:
+    """The tensors init writes, in file order: the family's required ones plus the `optional` named."""
+    return [spec for spec in get_family(hp.arch).tensors(hp) if not spec.optional or spec.name in optional]
+
+
 def init_tensors(hp: HParams, std: float, seed: int, test_weights: bool = False, optional=()):
     """(name, float32 array, F32) for every required tensor of the family, drawn in file order.
 
@@ -196,22 +222,44 @@ def init_tensors(hp: HParams, std: float, seed: int, test_weights: bool = False,
     leaving out any feature moves the numbers: norm weights 1 + normal(0, 0.1), biases
     normal(0, 0.1), frequency factors uniform(1, 8). `optional`: names of optional tensors to
     write as well (e.g. "rope_freqs.weight")."""
+    for spec, pieces in init_pieces(hp, std, seed, test_weights, optional, piece_elements=None):
+        yield spec.name, next(pieces).reshape(spec.shape), QT.F32
+
+
+def init_pieces(hp: HParams, std: float, seed: int, test_weights: bool = False, optional=(), *,
+                piece_elements: int | None) -> Iterator[tuple[TensorSpec, Iterator[np.ndarray]]]:
+    """(spec, pieces) for every tensor of init_tensors, in the same order and from the same random
+    stream: `pieces` yields the tensor's float32 values as consecutive blocks of rows, (rows,
+    n_cols), each of at most `piece_elements` values (or one row; None: the whole tensor at once).
+    numpy's generators fill an array one value after the other, so drawing a tensor in blocks gives
+    exactly the values of drawing it whole. Consume each `pieces` before asking for the next tensor."""
     rng = np.random.default_rng(seed)
     stds = {"normal": std, "residual": std if test_weights else std / math.sqrt(2 * hp.n_layer)}
-    for spec in get_family(hp.arch).tensors(hp):
-        if spec.optional and spec.name not in optional:
-            continue
-        if spec.init in stds:
-            data = rng.standard_normal(spec.shape, dtype=np.float32)
-            data *= stds[spec.init]
-        elif not test_weights:
-            data = np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype=np.float32)
-        elif spec.init == "factors":
-            data = rng.uniform(1.0, 8.0, spec.shape).astype(np.float32)
-        else:
-            data = rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(0.1)
-            data += np.float32(1.0 if spec.init == "ones" else 0.0)
-        yield spec.name, data, QT.F32
+    for spec in init_specs(hp, optional):
+        yield spec, _draw_rows(rng, spec.init, spec.shape, stds, test_weights, piece_elements)
+
+
+def _draw_rows(rng, init: str, shape: tuple[int, ...], stds: dict, test_weights: bool, piece_elements: int | None):
+    n_cols = shape[-1]
+    n_rows = math.prod(shape[:-1])
+    step = n_rows if piece_elements is None else max(1, piece_elements // n_cols)
+    for start in range(0, n_rows, step):
+        yield _draw(rng, init, (min(step, n_rows - start), n_cols), stds, test_weights)
+
+
+def _draw(rng, init: str, shape: tuple[int, ...], stds: dict, test_weights: bool) -> np.ndarray:
+    """The next values of one tensor (init: its TensorSpec.init) from `rng`."""
+    if init in stds:
+        data = rng.standard_normal(shape, dtype=np.float32)
+        data *= stds[init]
+    elif not test_weights:
+        data = np.full(shape, 1.0 if init == "ones" else 0.0, dtype=np.float32)
+    elif init == "factors":
+        data = rng.uniform(1.0, 8.0, shape).astype(np.float32)
+    else:
+        data = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1)
+        data += np.float32(1.0 if init == "ones" else 0.0)
+    return data
 
 
 def init_model(
@@ -220,37 +268,87 @@ def init_model(
     out_path: str | os.PathLike,
     seed: int = 0,
     *,
+    type: str = "f32",
     test_weights: bool = False,
     optional=(),
     force: bool = False,
+    progress: Progress | None = None,
 ) -> Path:
     """Write a new model shaped by `config_path` with the tokenizer of `vocab_from`.
 
-    The same config, vocabulary and seed give a byte-identical file. test_weights/optional:
-    see init_tensors (random-everything models for cross-checks). force: replace an existing
-    `out_path` that is not a GGUF (--force)."""
+    The same config, vocabulary and seed give a byte-identical file. `type` (an export type, f32
+    by default) stores the weights as `llmtune export --type` would: the file is byte for byte
+    `init` followed by `export --type TYPE` (f32: init's own file, which has no
+    general.quantization_version). The tensors are drawn, encoded and written PIECE_ELEMENTS
+    values at a time (write_gguf_streamed), so memory holds one piece whatever the model's size.
+    test_weights/optional: see init_tensors (random-everything models for cross-checks). force:
+    replace an existing `out_path` that is not a GGUF (--force). progress(done, total, name): called
+    after each tensor is written."""
     if seed < 0:
         raise LlmtuneError(f"--seed: must be 0 or more, got {seed}")
+    xt = export_type(type)
     config = load_init_config(config_path)
     out_path = check_output_path(out_path, config_path, vocab_from, replaces=GGUF_KIND, force=force)
+    hp, meta, slots = init_layout(config_path, config, vocab_from, xt, optional)
+    _check_resources(config_path, out_path, slots, meta, xt.name)
+    tensors = init_pieces(hp, config.std, seed, test_weights, optional, piece_elements=PIECE_ELEMENTS)
+
+    def encoded(slot: TensorSlot) -> Iterator[np.ndarray]:
+        spec, rows = next(tensors)
+        assert spec.name == slot.name, (spec.name, slot.name)
+        for block in rows:
+            piece = quants.quantize(block, slot.type)
+            del block  # the next block is drawn with only this piece held
+            yield piece
+            del piece
+
+    done = iter(range(1, len(slots) + 1))
+    on_written = None if progress is None else lambda name: progress(next(done), len(slots), name)
+    return write_gguf_streamed(out_path, hp.arch, meta, slots, encoded, inputs=[config_path, vocab_from],
+                               progress=on_written)
+
+
+def init_layout(config_path, config: InitConfig, vocab_from: str | os.PathLike, xt: ExportType,
+                optional=()) -> tuple[HParams, dict[str, MetaValue], list[TensorSlot]]:
+    """What init writes before any tensor is drawn: the hyper-parameters, the metadata and every
+    tensor's slot (name, shape, and the type `llmtune export --type` gives it)."""
     tok_meta = tokenizer_metadata(vocab_from)
     hp = config.model.hparams(n_vocab=len(tok_meta["tokenizer.ggml.tokens"].value))
-    _check_resources(config_path, out_path, hp, optional)
     meta = {**model_metadata(hp, config.model.name or Path(config_path).stem), **tok_meta}
-    tensors = init_tensors(hp, config.std, seed, test_weights, optional)
-    return write_gguf(out_path, hp.arch, meta, tensors, inputs=[config_path, vocab_from])
+    specs = init_specs(hp, optional)
+    plans = tensor_plans(xt, {spec.name: (spec.shape, QT.F32) for spec in specs}, plain_metadata(meta))
+    if xt.name != "f32":  # f32: init's own file, as before --type existed
+        meta = export_metadata(meta, xt)
+    return hp, meta, [TensorSlot(spec.name, spec.shape, plans[spec.name].dst_type) for spec in specs]
 
 
-def _check_resources(config_path, out_path: Path, hp: HParams, optional=()) -> None:
-    """Refuse a shape whose float32 tensors (all held until the file is written) do not fit in
-    memory or on the output's disk, before drawing any of them."""
-    n_params = sum(math.prod(spec.shape) for spec in get_family(hp.arch).tensors(hp)
-                   if not spec.optional or spec.name in optional)
-    need = 4 * n_params
+def _check_resources(config_path, out_path: Path, slots: list[TensorSlot], meta: dict[str, MetaValue],
+                     type_name: str) -> None:
+    """Refuse, before drawing any tensor, a model whose largest piece does not fit in memory or
+    whose file does not fit on the output's disk. Memory holds the header (its parts, then joined)
+    and one piece: its float32 values, their encoding and, for a quantized type, the quantizer's
+    scratch (at most another float32 piece: gguf's Q8_0 needs ~3 bytes a value, the K-quants ~40 a
+    value of their 512-block chunk)."""
+    n_params = sum(math.prod(slot.shape) for slot in slots)
+    header = metadata_nbytes(meta) + sum(64 + len(slot.name) for slot in slots)
+    piece, what = max((_piece_bytes(slot) for slot in slots), default=(0, ""))
+    need = 2 * header + piece
     avail = available_memory()
     if avail is not None and need > avail:
         raise LlmtuneError(
-            f"{config_path}: a model of {n_params:,} parameters needs {need / 2**20:,.0f} MiB of memory to write "
-            f"(float32) but only {avail / 2**20:,.0f} MiB is available (choose a smaller shape)"
+            f"{config_path}: writing a model of {n_params:,} parameters needs about {need / 2**20:,.0f} MiB of memory "
+            f"(the header and {what}) but only {avail / 2**20:,.0f} MiB is available"
         )
-    check_disk_space(out_path.parent, need, f"the new model's {n_params:,} float32 parameters")
+    file_bytes = header + sum(slot.n_bytes for slot in slots)
+    check_disk_space(out_path.parent, file_bytes, f"the new model's {n_params:,} parameters ({type_name})")
+
+
+def _piece_bytes(slot: TensorSlot) -> tuple[int, str]:
+    """The bytes one piece of `slot` takes to draw, encode and write, and what the piece is."""
+    n_cols = slot.shape[-1]
+    rows = min(math.prod(slot.shape[:-1]), max(1, PIECE_ELEMENTS // n_cols))
+    values = rows * n_cols * 4
+    if slot.type == QT.F32:
+        return values, f"{rows:,} rows of {slot.name}"
+    encoded = TensorSlot(slot.name, (rows, n_cols), slot.type).n_bytes
+    return 2 * values + encoded, f"{rows:,} rows of {slot.name} as {slot.type.name}"

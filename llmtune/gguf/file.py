@@ -17,12 +17,13 @@ logical numpy shape.
 
 from __future__ import annotations
 
+import math
 import mmap as mmap_module
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import gguf
 import numpy as np
@@ -337,7 +338,7 @@ class GGUFFile:
     # -- metadata ---------------------------------------------------------------------
     @property
     def metadata(self) -> dict[str, Any]:
-        return {k: _plain(v) for k, v in self.meta.items()}
+        return plain_metadata(self.meta)
 
     def get(self, key: str, default: Any = None) -> Any:
         mv = self.meta.get(key)
@@ -378,6 +379,11 @@ def _check_no_overlap(path: Path, descriptors: list[_Descriptor], tensors: dict[
             raise LlmtuneError(f"{path}: corrupt GGUF (tensors {prev_name!r} and {name!r} share data: {where})")
         if end > prev_end:
             prev_start, prev_end, prev_name = start, end, name
+
+
+def plain_metadata(meta: dict[str, MetaValue]) -> dict[str, Any]:
+    """The plain values of metadata entries (what GGUFFile.metadata gives for a file's)."""
+    return {k: _plain(v) for k, v in meta.items()}
 
 
 def _plain(mv: MetaValue) -> Any:
@@ -486,6 +492,23 @@ def check_replaceable(out: Path, kind: FileKind, flag: str = "-o", force: bool =
 TensorSpec = tuple[str, np.ndarray, QT]  # name, data (float array, or raw quantized bytes), stored type
 
 
+@dataclass(frozen=True)
+class TensorSlot:
+    """A tensor as the header describes it before its data exists: name, logical numpy shape, stored type."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: QT
+
+    @property
+    def n_bytes(self) -> int:
+        block, type_size = gguf.GGML_QUANT_SIZES[self.type]
+        return math.prod(self.shape) // block * type_size
+
+
+TensorData = Callable[[TensorSlot], Iterable[np.ndarray]]  # a slot's data, in pieces, in file order
+
+
 def write_gguf(
     path: str | os.PathLike,
     arch: str,
@@ -502,38 +525,83 @@ def write_gguf(
     read -> write of a file reproduces it byte for byte.
     `tensors` yields (name, array, type). A float array is converted to F32/F16/BF16 as asked;
     for a quantized type, pass the already-quantized uint8 block array (logical shape in bytes,
-    as `gguf.quants.quantize` returns). `progress(name)` is called after each tensor.
+    as `gguf.quants.quantize` returns). Every tensor is held until the file is written (the header
+    needs their shapes first); write_gguf_streamed writes tensors whose shapes are known up front
+    one piece at a time. `progress(name)` is called after each tensor.
     Paths in `inputs` are never overwritten.
     """
     path = check_output_path(path, *inputs)
+    slots, arrays = [], []
+    for name, data, qtype in tensors:
+        arrays.append(_encode(data, qtype))
+        slots.append(TensorSlot(name, _logical_shape(arrays[-1], qtype), qtype))
+    pending = iter(arrays)
+    return _write(path, arch, meta, slots, lambda slot: (next(pending),), progress)
+
+
+def write_gguf_streamed(
+    path: str | os.PathLike,
+    arch: str,
+    meta: dict[str, MetaValue],
+    slots: Sequence[TensorSlot],
+    tensor_data: TensorData,
+    *,
+    inputs: Iterable[str | os.PathLike] = (),
+    progress=None,
+) -> Path:
+    """write_gguf for tensors whose shapes and types are known before their data: the header goes
+    first, then `tensor_data(slot)` is asked for each slot in order and yields its data in pieces
+    (consecutive rows, each in the form write_gguf takes: float array or uint8 blocks). Each piece is
+    written and dropped before the next is asked for, so memory holds one piece, whatever the model's
+    size. The pieces must add up to the slot's n_bytes. Atomic like write_gguf: an exception or
+    Ctrl-C anywhere leaves no file behind (and an existing `path` as it was)."""
+    path = check_output_path(path, *inputs)
+    return _write(path, arch, meta, list(slots), tensor_data, progress)
+
+
+def _write(path: Path, arch: str, meta: dict[str, MetaValue], slots: list[TensorSlot], tensor_data: TensorData,
+           progress) -> Path:
     arch_mv = MetaValue(arch, VT.STRING)
     if "general.architecture" not in meta:
         meta = {"general.architecture": arch_mv, **meta}
     meta = {k: arch_mv if k == "general.architecture" else v for k, v in meta.items() if k not in _WRITER_OWNED_KEYS}
     alignment = _alignment(path, meta)
-    encoded = [(name, _encode(data, qtype), qtype) for name, data, qtype in tensors]
-    return write_atomically(path, lambda fh: _write_layout(fh, meta, encoded, alignment, progress))
+    return write_atomically(path, lambda fh: _write_layout(fh, meta, slots, tensor_data, alignment, progress))
 
 
-def _write_layout(fh, meta: dict[str, MetaValue], encoded: list, alignment: int, progress) -> None:
-    head = [GGUF_MAGIC, _U32.pack(WRITE_VERSION), _U64.pack(len(encoded)), _U64.pack(len(meta))]
+def _write_layout(fh, meta: dict[str, MetaValue], slots: list[TensorSlot], tensor_data: TensorData, alignment: int,
+                  progress) -> None:
+    head = [GGUF_MAGIC, _U32.pack(WRITE_VERSION), _U64.pack(len(slots)), _U64.pack(len(meta))]
     for key, mv in meta.items():
         head += [_pack_string(key), _U32.pack(mv.type), _pack_value(mv)]
     offset = 0
-    for name, arr, qtype in encoded:
-        ne = tuple(reversed(_logical_shape(arr, qtype)))
-        head += [_pack_string(name), _U32.pack(len(ne)), struct.pack(f"<{len(ne)}Q", *ne)]
-        head += [_U32.pack(qtype), _U64.pack(offset)]
-        offset = _align(offset + arr.nbytes, alignment)
+    for slot in slots:
+        ne = tuple(reversed(slot.shape))
+        head += [_pack_string(slot.name), _U32.pack(len(ne)), struct.pack(f"<{len(ne)}Q", *ne)]
+        head += [_U32.pack(slot.type), _U64.pack(offset)]
+        offset = _align(offset + slot.n_bytes, alignment)
     header = b"".join(head)
+    del head
     fh.write(header)
-    if encoded:  # the data section starts aligned; a tokenizer-only file has none
+    if slots:  # the data section starts aligned; a tokenizer-only file has none
         fh.write(bytes(_align(len(header), alignment) - len(header)))
-    for name, arr, _ in encoded:
-        fh.write(memoryview(arr).cast("B"))
-        fh.write(bytes(_align(arr.nbytes, alignment) - arr.nbytes))
+    for slot in slots:
+        written = 0
+        for piece in tensor_data(slot):
+            arr = _encode(piece, slot.type)
+            fh.write(memoryview(arr).cast("B"))
+            written += arr.nbytes
+            del piece, arr  # the next piece may be drawn before the loop rebinds these
+        if written != slot.n_bytes:
+            raise ValueError(f"tensor {slot.name!r}: {written:,} bytes of data, its header says {slot.n_bytes:,}")
+        fh.write(bytes(_align(written, alignment) - written))
         if progress is not None:
-            progress(name)
+            progress(slot.name)
+
+
+def metadata_nbytes(meta: dict[str, MetaValue]) -> int:
+    """Bytes the metadata entries take in a file's header (as write_gguf packs them)."""
+    return sum(len(_pack_string(key)) + _U32.size + len(_pack_value(mv)) for key, mv in meta.items())
 
 
 def _pack_string(s: str | bytes) -> bytes:

@@ -1,29 +1,11 @@
-"""Rich rendering of `llmtune export`: a progress bar per tensor, then sizes before and after."""
+"""Rich rendering of `llmtune export`: sizes before and after (its progress bar: ui/progress.py tensor_progress)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
-from rich.console import Console
-from rich.progress import TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from llmtune.convert.export import ExportSummary, Progress, TensorExport
+from llmtune.convert.export import ExportSummary, TensorExport
 from llmtune.ui.format import mib
-from llmtune.ui.progress import progress_bar
-
-
-@contextmanager
-def export_progress(console: Console, type_name: str) -> Iterator[Progress]:
-    """A transient bar naming the tensor just converted; yields the `progress` callback of export()."""
-    with progress_bar(console, TimeElapsedColumn(), TextColumn("{task.fields[tensor]}")) as bar:
-        task = bar.add_task(f"export {type_name}", total=None, tensor="")
-
-        def on_tensor(done: int, total: int, name: str) -> None:
-            bar.update(task, completed=done, total=total, tensor=name)
-
-        yield on_tensor
 
 
 def summary_table(summary: ExportSummary) -> Table:
