@@ -1,5 +1,5 @@
 """The compiled AdamW update (native/optim.c lt_adamw) against numpy's blocked update
-(backends/cpu.py _adamw_range, its reference): the same weights and moments bit for bit, with and
+(backends/cpu/optim.py adamw_range, its reference): the same weights and moments bit for bit, with and
 without weight decay, over vector tails and a buffer split across the cores. Skips where the
 compiled layer is not built."""
 

@@ -14,10 +14,9 @@ import sys
 import numpy as np
 
 from llmtune.backends.base import Backend, kernel_table
-from llmtune.backends.cpu import attention, products
+from llmtune.backends.cpu import attention, optim, products
 from llmtune.backends.cpu.native import kernels as native, program as native_program
-from llmtune.backends.cpu.threads import BlasTuner, blas_threads, cpu_workers, parallel_ranges
-from llmtune.quant import dynamic8
+from llmtune.backends.cpu.threads import BlasTuner, blas_threads, cpu_workers
 from llmtune.quant.qtensor import QTensor, evaluation_budget
 from llmtune.resources import process_rss
 
@@ -620,72 +619,6 @@ _ENCODE = {
 KERNELS = kernel_table((sys.modules[__name__], attention), "k_", bind=_BIND, encode=_ENCODE)
 
 
-_ADAMW_BLOCK = 1 << 15  # elements per pass of the AdamW update: its temporary stays in L2
-_SUMSQ_BLOCK = 1 << 16  # elements per partial sum of squares (a fixed split: the same bits on any core count)
-
-
-def _adamw_range(w, g, m, v, start, stop, *, lr, beta1, beta2, eps, wd, t):
-    """The AdamW update of elements start..stop, one cache-sized block at a time: one trip
-    through memory, not ten. In float32 one compiled pass (native.adamw, the same bits)."""
-    if native.adamw(w[start:stop], g[start:stop], m[start:stop], v[start:stop], lr=lr, beta1=beta1, beta2=beta2,
-                    eps=eps, wd=wd, t=t):
-        return
-    c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
-    keep = 1.0 - lr * wd
-    tmp = np.empty(min(_ADAMW_BLOCK, stop - start), dtype=w.dtype)
-    for s in range(start, stop, _ADAMW_BLOCK):
-        e = min(s + _ADAMW_BLOCK, stop)
-        ws, gs, ms, vs = w[s:e], g[s:e], m[s:e], v[s:e]
-        tt = tmp[: e - s]
-        ms *= beta1
-        np.multiply(gs, 1.0 - beta1, out=tt)
-        ms += tt
-        vs *= beta2
-        np.multiply(gs, gs, out=tt)
-        tt *= 1.0 - beta2
-        vs += tt
-        np.multiply(vs, c2, out=tt)
-        np.sqrt(tt, out=tt)
-        tt += eps
-        np.divide(ms, tt, out=tt)
-        tt *= lr * c1
-        if wd:
-            ws *= keep
-        ws -= tt
-
-
-_ADAM8_CHUNK = 128  # quantization blocks per pass of the 8-bit AdamW update (32K values: in L2)
-
-
-def _adamw8bit_range(w, g, m, v, absmax_m, absmax_v, starts, code_m, code_v, start, stop, *, lr, beta1, beta2,
-                     eps, wd, t):
-    """The 8-bit AdamW update of the blocks that start in start..stop, a few blocks at a time:
-    dequantize, the AdamW update in the float type, requantize (new absmax per block)."""
-    c1, c2 = 1.0 / (1.0 - beta1**t), 1.0 / (1.0 - beta2**t)
-    keep = 1.0 - lr * wd
-    first, last = np.searchsorted(starts[:-1], [start, stop])
-    for b0 in range(first, last, _ADAM8_CHUNK):
-        b1 = min(b0 + _ADAM8_CHUNK, last)
-        s, e = starts[b0], starts[b1]
-        local = starts[b0 : b1 + 1] - s
-        gs = g[s:e]
-        ms = dynamic8.dequantize(m[s:e], absmax_m[b0:b1], local, code_m)
-        vs = dynamic8.dequantize(v[s:e], absmax_v[b0:b1], local, code_v)
-        ms *= beta1
-        ms += gs * (1.0 - beta1)
-        vs *= beta2
-        vs += gs * gs * (1.0 - beta2)
-        upd = ms * c1
-        upd /= np.sqrt(vs * c2) + eps
-        upd *= lr
-        ws = w[s:e]
-        if wd:
-            ws *= keep
-        ws -= upd
-        m[s:e], absmax_m[b0:b1] = dynamic8.quantize(ms, local, code_m, keep_sign=True)
-        v[s:e], absmax_v[b0:b1] = dynamic8.quantize(vs, local, code_v)
-
-
 class CPUBackend(Backend):
     name = "cpu"
     maps_host_arrays = True
@@ -776,35 +709,14 @@ class CPUBackend(Backend):
         return 0 if native.attention_available() else None
 
     def sum_squares(self, flat):
-        """In float64 (a float32 square cannot overflow it: not finite means a NaN or inf), over
-        fixed blocks split across the cores, the partials summed in block order: the same bits
-        whatever the core count. One compiled read of the buffer (native.sum_squares)."""
-        parts = np.zeros(-(-flat.size // _SUMSQ_BLOCK), np.float64)
-
-        def part(start, stop):
-            got = native.sum_squares(flat[start:stop], _SUMSQ_BLOCK)
-            if got is None:
-                # not np.dot: OpenBLAS splits a long dot over its threads, and the sum would follow their count
-                got = [np.square(b).sum() for b in (flat[s : min(s + _SUMSQ_BLOCK, stop)].astype(np.float64)
-                                                    for s in range(start, stop, _SUMSQ_BLOCK))]
-            parts[start // _SUMSQ_BLOCK : start // _SUMSQ_BLOCK + len(got)] = got
-
-        parallel_ranges(part, flat.size, _SUMSQ_BLOCK)
-        return float(np.sum(parts))
+        return optim.sum_squares(flat)
 
     def adamw_step(self, w, g, m, v, *, lr, beta1, beta2, eps, wd, t):
-        # ggml_opt_step_adamw: decoupled decay, bias-corrected moments, eps after the sqrt.
-        # Elementwise, so a large buffer splits over the cores (numpy releases the GIL) with the
-        # same bits; each part is blocked so its temporaries stay in cache.
-        step = functools.partial(_adamw_range, w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd, t=t)
-        parallel_ranges(step, w.size, _ADAMW_BLOCK)
+        optim.adamw_step(w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd, t=t)
 
     def adamw8bit_step(self, w, g, m, v, absmax_m, absmax_v, starts, code_m, code_v, *, lr, beta1, beta2, eps, wd, t):
-        # bitsandbytes' AdamW8bit (kOptimizerStatic8bit2StateBlockwise): blocks are independent,
-        # so the buffer splits over the cores at block starts with the same bits
-        step = functools.partial(_adamw8bit_range, w, g, m, v, absmax_m, absmax_v, starts, code_m, code_v,
-                                 lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd, t=t)
-        parallel_ranges(step, w.size, dynamic8.BLOCK)
+        optim.adamw8bit_step(w, g, m, v, absmax_m, absmax_v, starts, code_m, code_v, lr=lr, beta1=beta1,
+                             beta2=beta2, eps=eps, wd=wd, t=t)
 
     def sgd_step(self, w, g, *, lr, wd):
         if wd:

@@ -595,7 +595,7 @@ def _load_optim():
 def adamw(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, lr: float, beta1: float, beta2: float,
           eps: float, wd: float, t: int) -> bool:
     """ggml_opt_step_adamw over float32 w, g, m, v (contiguous, one size) in one pass: cpu.py
-    _adamw_range's values bit for bit (its constants rounded to float32 as numpy rounds them).
+    optim.adamw_range's values bit for bit (its constants rounded to float32 as numpy rounds them).
     False (nothing written) where the compiled kernel does not take the arrays."""
     if not _elementwise_ok(w, g, m, v):
         return False

@@ -1,4 +1,4 @@
-/* Optimizer updates in one pass over memory (backends/cpu.py _adamw_range is the reference: the
+/* Optimizer updates in one pass over memory (backends/cpu/optim.py adamw_range is the reference: the
  * same float32 operations in the same order, each rounded, built with -ffp-contract=off so no
  * multiply-add is fused, and sqrt and division correctly rounded in both), so every weight and
  * moment is the numpy path's, bit for bit. numpy's blocked update makes eleven trips through a
@@ -12,7 +12,7 @@
 #include <immintrin.h>
 #endif
 
-/* ggml_opt_step_adamw as _adamw_range writes it, for n elements:
+/* ggml_opt_step_adamw as optim.py adamw_range writes it, for n elements:
  *   m = m * b1 + g * omb1;  v = v * b2 + (g * g) * omb2;
  *   u = (m / (sqrt(v * c2) + eps)) * lrc1;  w = w * keep (if decay);  w = w - u
  * with the constants already rounded to float32 as numpy rounds a Python float against a float32
