@@ -444,13 +444,8 @@ def test_softmax_causal_at_run_time_positions(name, window):
     n_q, n_kv, scale = 3, 9, 0.3
     pos = np.array([4, 5, 8], dtype=np.int32)
     x, g = randn(2, 2 * n_q, n_kv), randn(2, 2 * n_q, n_kv)
-    p = pos[np.arange(2 * n_q) % n_q][:, None]
-    k = np.arange(n_kv)[None, :]
-    visible = (k <= p) & ((p - k < window) if window else True)
-    z = np.where(visible, x * scale, -np.inf)
-    y = np.exp(z - z.max(-1, keepdims=True))
-    y /= y.sum(-1, keepdims=True)
-    dx = scale * y * (g - (g * y).sum(axis=-1, keepdims=True))
+    y, dx = _masked_softmax_reference(x, g, pos[np.arange(2 * n_q) % n_q][:, None], np.arange(n_kv)[None, :],
+                                      scale, window)
 
     def build(x, g, pos):
         y = ops.softmax_causal(x, scale, n_kv, n_q, window=window, pos=pos)
@@ -459,19 +454,23 @@ def test_softmax_causal_at_run_time_positions(name, window):
     check_forward(name, build, [y, dx], x=x, g=g, pos=pos)
 
 
+def _masked_softmax_reference(x, g, p, k, scale, window):
+    """softmax_causal at query positions p over keys k (broadcast), and its backward for g."""
+    visible = (k <= p) & ((p - k < window) if window else True)
+    z = np.where(visible, x * scale, -np.inf)
+    y = np.exp(z - z.max(-1, keepdims=True))
+    y /= y.sum(-1, keepdims=True)
+    return y, scale * y * (g - (g * y).sum(axis=-1, keepdims=True))
+
+
 @pytest.mark.parametrize("window", [0, 3])
 def test_softmax_causal_at_positions_per_sequence(name, window):
     """pos [B, n_q] (a batched decode): row r of sequence b is query position pos[b, r % n_q]."""
     n_q, n_kv, scale = 2, 9, 0.3
     pos = np.array([[4, 5], [0, 1], [7, 8]], dtype=np.int32)
     x, g = randn(3, 2, 2 * n_q, n_kv), randn(3, 2, 2 * n_q, n_kv)
-    p = pos[:, np.arange(2 * n_q) % n_q][:, None, :, None]
-    k = np.arange(n_kv)
-    visible = (k <= p) & ((p - k < window) if window else True)
-    z = np.where(visible, x * scale, -np.inf)
-    y = np.exp(z - z.max(-1, keepdims=True))
-    y /= y.sum(-1, keepdims=True)
-    dx = scale * y * (g - (g * y).sum(axis=-1, keepdims=True))
+    y, dx = _masked_softmax_reference(x, g, pos[:, np.arange(2 * n_q) % n_q][:, None, :, None], np.arange(n_kv),
+                                      scale, window)
 
     def build(x, g, pos):
         y = ops.softmax_causal(x, scale, n_kv, n_q, window=window, pos=pos)
