@@ -116,6 +116,8 @@ def test_gradient_matches_finite_differences(stories_path):
 # ------------------------------------------------------------------------------------ rewards
 def test_builtin_rewards():
     assert normalise("  The   Cat\n") == "the cat" and normalise(42) == "42"
+    assert normalise("Positive.") == normalise("**positive**") == normalise(" \u201cPositive!\u201d\n") == "positive"
+    assert normalise("3.5.") == "3.5" and normalise("-1") == "-1" and normalise(".5") == ".5"  # signs stay
     assert first_number("it is 1,234.5 apples") == 1234.5 and first_number("none") is None
     cols = {"answer": [" the  CAT ", "dog", 7, "7"]}
     comps = ["The cat", "a dog", "I think 7.0", "no"]

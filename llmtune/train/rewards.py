@@ -2,8 +2,10 @@
 
 Built-in graders (each 1.0 or 0.0 unless said):
 - exact:COLUMN   the completion equals the record's COLUMN after normalising both: surrounding
-                 whitespace stripped, inner runs of whitespace collapsed to one space, case-folded
-                 (str.casefold); a non-string column is compared as its JSON text (42 -> "42").
+                 whitespace and punctuation stripped ("Positive." and "**positive**" read
+                 "positive"; a leading sign or "." stays: "-1" is not "1"), inner runs of
+                 whitespace collapsed to one space, case-folded (str.casefold); a non-string
+                 column is compared as its JSON text (42 -> "42").
 - number:COLUMN  the first number in the completion (an optional sign, digits with "," thousands
                  separators dropped, an optional fraction and exponent) equals the column's number
                  (a JSON number, or the first number in its text) to 1e-9 relative; no number: 0.0.
@@ -29,6 +31,7 @@ import importlib.util
 import json
 import math
 import re
+import string
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +44,10 @@ from llmtune.errors import LlmtuneError
 KINDS = ("exact", "number", "regex", "length")
 NEEDS_COLUMN = ("exact", "number")
 SPEC_WORDS = "exact:COLUMN, number:COLUMN, regex:PATTERN, length:N or FILE.py:FUNCTION"
+# exact:'s stripped ends: ASCII punctuation, curly quotes, guillemets and the ellipsis
+EDGE_PUNCTUATION = string.punctuation + "\u2018\u2019\u201c\u201d\u00ab\u00bb\u2026"
+LEADING_PUNCTUATION = EDGE_PUNCTUATION.translate({ord(c): None for c in "+-."})  # a sign or ".5" is the answer's
+WHITESPACE = " \t\n\r\f\v"
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
@@ -50,9 +57,11 @@ class RewardError(LlmtuneError):
 
 
 def normalise(text) -> str:
-    """exact:'s normal form: stripped, whitespace collapsed, case-folded."""
+    """exact:'s normal form: whitespace and punctuation stripped from both ends (a one-word answer
+    ends with a full stop as often as not), inner whitespace collapsed, case-folded."""
     if not isinstance(text, str):
         text = json.dumps(text)
+    text = text.strip(WHITESPACE).lstrip(LEADING_PUNCTUATION + WHITESPACE).rstrip(EDGE_PUNCTUATION + WHITESPACE)
     return " ".join(text.split()).casefold()
 
 
