@@ -1,0 +1,204 @@
+"""`llmtune export MODEL.gguf --hf DIR`: the Hugging Face folder (convert/hf_export.py).
+
+transformers itself is the bench's oracle (bench/check_hf_export.py loads the folder and compares
+logits and tokenization); here: the folder's files and keys, its tensors read back to the GGUF's
+values, transformers' recorded logits of the exported stories260K (tests/data/hf_export), the
+tokenizer.json against llama.cpp's own tokenizer test vectors (with the `tokenizers` library when
+installed), and bad input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cli_helpers import run_cli
+from conftest import DATA, REPO
+from llmtune.arch import hf_names
+from llmtune.backends.cpu import CPUBackend
+from llmtune.convert.export import export_hf
+from llmtune.convert.hf_export import encode
+from llmtune.convert.init import init_model
+from llmtune.gguf.file import load_gguf
+from llmtune.graph.planner import Program
+from llmtune.model.loaded import Model, check_model
+from llmtune.tokenizer import Tokenizer
+from llmtune.tokenizer.hf_files import tokenizer_files
+from test_tokenizer import VOCAB_DIR, metadata, read_vocab_tests, tokenizer
+
+FIXTURE = DATA / "hf_export" / "stories260K.json"  # bench/check_hf_export.py --record
+FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+         "tokenizer_config.json"]
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """The format read by hand (8-byte header length, JSON header, data), F32 / F16 / BF16 as float32."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = (8 + n + o for o in info["data_offsets"])
+        if info["dtype"] == "BF16":
+            bits = np.frombuffer(raw[start:end], "<u2").astype(np.uint32) << 16
+            values = bits.view(np.float32)
+        else:
+            values = np.frombuffer(raw[start:end], {"F32": "<f4", "F16": "<f2"}[info["dtype"]]).astype(np.float32)
+        out[name] = values.reshape(info["shape"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "stories-hf"
+    export_hf(DATA / "stories260K.gguf", folder)
+    return folder
+
+
+def test_the_folder_has_transformers_files_and_keys(exported):
+    assert sorted(p.name for p in exported.iterdir()) == FILES
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")} == {
+        "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 8, "vocab_size": 512, "tie_word_embeddings": False}
+    assert (config["bos_token_id"], config["eos_token_id"], config["rope_theta"]) == (1, 2, 10000.0)
+    tok_config = json.loads((exported / "tokenizer_config.json").read_text())
+    assert (tok_config["bos_token"], tok_config["eos_token"], tok_config["unk_token"]) == ("<s>", "</s>", "<unk>")
+    assert tok_config["add_bos_token"] is True and tok_config["add_eos_token"] is False
+    assert json.loads((exported / "special_tokens_map.json").read_text())["bos_token"] == "<s>"
+    assert json.loads((exported / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_tensors_read_back_to_the_gguf_values(exported):
+    gf = load_gguf(DATA / "stories260K.gguf")
+    hp, _ = check_model(gf)
+    hf = hf_names("llama")
+    tensors = read_safetensors(exported / "model.safetensors")
+    assert len(tensors) == len(gf.tensors)
+    for name, w in tensors.items():
+        gguf = hf.gguf_name(name)
+        rows = hf.hf_rows(gguf, w.shape[0], hp.n_head, hp.n_head_kv)
+        back = w[np.argsort(rows)] if rows is not None else w
+        np.testing.assert_array_equal(back, gf.tensor(gguf), err_msg=name)
+    # llama's q rows really move (HF rotates halves of each head): not the identity
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not np.array_equal(tensors[q], gf.tensor("blk.0.attn_q.weight"))
+
+
+def test_llmtune_logits_equal_transformers_on_the_exported_folder():
+    """tests/data/hf_export: transformers' logits of the folder this export writes (float32, eager)."""
+    fixture = json.loads(FIXTURE.read_text())
+    gf = load_gguf(DATA / "stories260K.gguf")
+    hp, present = check_model(gf)
+    model = Model(gf.path, gf, hp, {s.name: gf.tensor(s.name) for s in present})
+    ids = fixture["ids"]
+    _, nodes, logits = model.build(1, len(ids))
+    prog = Program([logits], CPUBackend(), params={nodes[n]: w for n, w in model.weights.items()})
+    ours = np.asarray(prog.run(tokens=np.asarray([ids], np.int32), pos=np.arange(len(ids), dtype=np.int32))[0],
+                      np.float64).reshape(len(ids), -1)
+    theirs = np.asarray(fixture["logits"])
+    assert ids == Tokenizer.from_gguf(gf).encode(fixture["text"])[:len(ids)]
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("bf16", 2.0 ** -8), ("f16", 2.0 ** -11)])
+def test_half_types_round_to_nearest(dtype, tolerance, tmp_path):
+    w = np.array([1.0, -2.5, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.14159, 1e-3], np.float32)
+    bits = encode(w, dtype)
+    assert bits.dtype.itemsize == 2
+    if dtype == "bf16":  # ties to even: 1 + 2^-8 -> 1.0, 1 + 3 * 2^-8 -> 1 + 2^-6
+        assert bits[:4].tolist() == [0x3F80, 0xC020, 0x3F80, 0x3F82]
+    back = (bits.astype(np.uint32) << 16).view(np.float32) if dtype == "bf16" else bits.astype(np.float32)
+    np.testing.assert_allclose(back, w, rtol=tolerance)
+    folder = tmp_path / dtype
+    export_hf(DATA / "stories260K.gguf", folder, dtype)
+    tensors = read_safetensors(folder / "model.safetensors")
+    assert json.loads((folder / "config.json").read_text())["torch_dtype"] == {"bf16": "bfloat16",
+                                                                              "f16": "float16"}[dtype]
+    gf = load_gguf(DATA / "stories260K.gguf")
+    np.testing.assert_allclose(tensors["model.norm.weight"], gf.tensor("output_norm.weight"), rtol=tolerance)
+
+
+# llama.cpp's own tokenizer test vectors, on its complete (not slimmed) vocabularies of both kinds
+FULL_VOCABS = ["gpt-2", "falcon", "deepseek-coder", "starcoder", "llama-spm", "phi-3"]
+
+
+@pytest.mark.parametrize("name", FULL_VOCABS)
+def test_tokenizer_json_tokenizes_as_llama_cpp(name):
+    tokenizers = pytest.importorskip("tokenizers")  # installed with transformers; not a dependency
+    path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+    files = tokenizer_files(tokenizer(path), metadata(path), 2048, str(path))
+    ht = tokenizers.Tokenizer.from_str(json.dumps(files["tokenizer.json"]))
+    failures = [(text, want) for text, want in read_vocab_tests(path)
+                if ht.encode(text, add_special_tokens=False).ids != want]
+    assert not failures, failures[:3]
+
+
+def test_stories_tokenizer_json_adds_bos_and_decodes(exported):
+    tokenizers = pytest.importorskip("tokenizers")
+    ht = tokenizers.Tokenizer.from_file(str(exported / "tokenizer.json"))
+    tok = Tokenizer.from_gguf(load_gguf(DATA / "stories260K.gguf"))
+    text = "Once upon a time, Lily saw a big dog. \"Hi!\" she said. 123 naïve 🙂"
+    ids = ht.encode(text).ids
+    assert ids == tok.encode(text) and ids[0] == 1
+    assert ht.decode(ids, skip_special_tokens=True) == text
+
+
+def _one_line(code, err, *words):
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def test_a_family_without_a_mapping_is_refused_and_nothing_written(tmp_path, monkeypatch, capsys):
+    model = tmp_path / "gpt2.gguf"
+    init_model(REPO / "configs" / "gpt2-tiny.toml", VOCAB_DIR / "ggml-vocab-gpt-2.gguf", model, 0,
+               test_weights=True)
+    code, _, err = run_cli(monkeypatch, capsys, "export", model, "--hf", tmp_path / "out")
+    _one_line(code, err, str(model), "gpt2")
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--hf-dtype", "q8_0"], ["--hf-dtype", "f32, bf16, f16"]),
+    (["-o", "x.gguf"], ["-o", "not with --hf"]),
+    (["--peft", "p"], ["--peft", "not with --hf"]),
+])
+def test_flag_mistakes(args, words, tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "export", DATA / "stories260K.gguf", "--hf", tmp_path / "out", *args)
+    _one_line(code, err, *words)
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
+
+
+def test_destinations(tmp_path, monkeypatch, capsys):
+    stories = DATA / "stories260K.gguf"
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli(monkeypatch, capsys, "export", stories, "--hf", tmp_path / "file")
+    _one_line(code, err, "--hf", "is a file")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    code, _, err = run_cli(monkeypatch, capsys, "export", stories, "--hf", mine)
+    _one_line(code, err, "--hf", str(mine), "new or empty folder")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    code, out, err = run_cli(monkeypatch, capsys, "export", stories, "--hf", tmp_path / "hf")
+    assert code == 0 and "LlamaForCausalLM" in out, err
+    before = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    code, _, err = run_cli(monkeypatch, capsys, "export", stories, "--hf", tmp_path / "hf", "--hf-dtype", "bf16")
+    assert code == 0, err  # a folder this export wrote is replaced whole
+    assert len((tmp_path / "hf" / "model.safetensors").read_bytes()) < len(before)
+    assert not _leftovers(tmp_path)
+    code, _, err = run_cli(monkeypatch, capsys, "export", stories, "--hf-dtype", "bf16", "-o", tmp_path / "x.gguf",
+                           "--type", "f16")
+    _one_line(code, err, "--hf-dtype", "needs --hf")
