@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,9 +34,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 import family_check  # noqa: E402
 from check_families import FAMILIES  # noqa: E402
+from llmtune.arch.hf_config import llama3_factors  # noqa: E402
 from llmtune.backends.cpu import CPUBackend  # noqa: E402
 from llmtune.convert.export import export_hf  # noqa: E402
-from llmtune.gguf.file import load_gguf  # noqa: E402
+from llmtune.convert.init import init_model  # noqa: E402
+from llmtune.errors import LlmtuneError  # noqa: E402
+from llmtune.gguf.file import load_gguf, write_gguf  # noqa: E402
 from llmtune.graph.planner import Program  # noqa: E402
 from llmtune.model.loaded import Model, check_model  # noqa: E402
 from llmtune.tokenizer import Tokenizer  # noqa: E402
@@ -45,11 +49,14 @@ SMOLLM = Path("/work/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
 FIXTURE = ROOT / "tests" / "data" / "hf_export" / "stories260K.json"
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat sat on the mat and",
-           "1 + 1 = 2; 12345 * 678 = ? Héllo wörld — naïve café."]
+           "1 + 1 = 2; 12345 * 678 = ? Héllo wörld — naïve café.",
+           # longer than the tiny gemmas' 32-token sliding window
+           "One day, Lily went to the park with her mom. She saw a big red ball under a tree and ran to get it. "
+           "The ball was stuck, so she asked a boy to help her. They pulled and pulled until it came out!"]
 MIXED = ("English, Français: l'été; Deutsch: Größe; Ελληνικά; Русский текст; 中文字符和标点。"
          "日本語のテキスト; 한국어; العربية; हिन्दी; emoji 🙂🚀; "
          "tabs\tand  double  spaces\n\nnew lines 3.14159 1,000,000")
-FAMILY_ROWS = ("llama", "qwen2", "qwen3")
+FAMILY_ROWS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # phi3: below, without LongRoPE
 
 
 def llmtune_logits(path: Path, ids: list[int]) -> np.ndarray:
@@ -115,6 +122,37 @@ def check(name: str, path: Path, tmp: Path, texts: dict[str, str]) -> dict:
     return row
 
 
+def tiny_model(family: str, tmp: Path, config: Path | None = None, optional=()) -> Path:
+    """bench/check_families.py's random-weight model of `family` (`config`: another shape, with the
+    optional tensors `optional`)."""
+    case = FAMILIES[family]
+    out = tmp / f"{family}-{'own' if config else 'tiny'}.gguf"
+    vocab = family_check.local_copy(case.vocab, tmp)
+    return init_model(config or case.config, vocab, out, 0, test_weights=True,
+                      optional=tuple(optional) if config else tuple(case.optional))
+
+
+def plain_phi3(tmp: Path) -> Path:
+    """configs/phi3-tiny.toml without LongRoPE (whose long/short choice transformers makes per input
+    length and llama.cpp per context size: no exact export, refused)."""
+    lines = (ROOT / "configs" / "phi3-tiny.toml").read_text().splitlines()
+    out = tmp / "phi3-plain.toml"
+    out.write_text("\n".join(ln for ln in lines if not ln.startswith(("n_ctx_orig", "rope_attn_factor"))) + "\n")
+    return out
+
+
+def llama3_model(tmp: Path, numbers=(8.0, 1.0, 4.0, 8192)) -> Path:
+    """configs/llama3-tiny.toml with rope_freqs.weight as the converter computes Llama 3.1's (Meta's
+    factor 8, low 1, high 4, context 8192), the other weights random."""
+    src = tiny_model("llama3", tmp, ROOT / "configs" / "llama3-tiny.toml", optional=("rope_freqs.weight",))
+    gf = load_gguf(src)
+    hp, _ = check_model(gf)
+    factors = llama3_factors(hp, *numbers).astype(np.float32)
+    specs = ((n, factors if n == "rope_freqs.weight" else np.asarray(t.raw),
+              GGMLQuantizationType.F32 if n == "rope_freqs.weight" else t.type) for n, t in gf.tensors.items())
+    return write_gguf(tmp / "llama3-rope.gguf", gf.arch, gf.meta, specs)
+
+
 def record(tmp: Path) -> None:
     """tests/data/hf_export/stories260K.json: transformers' logits of the exported stories260K."""
     import transformers
@@ -153,12 +191,17 @@ def main() -> int:
         if args.smollm.is_file():
             models["smollm2-135m-q4_1"] = args.smollm
         for fam in FAMILY_ROWS:
-            case = FAMILIES[fam]
-            fixture = family_check.new_fixture(fam, case.config, case.vocab, case.optional)
-            (tmp / fam).mkdir()
-            models[f"{fam}-tiny"] = family_check.make_model(fixture, tmp / fam)
+            models[f"{fam}-tiny"] = tiny_model(fam, tmp)
+        models["phi3-tiny-no-longrope"] = tiny_model("phi3", tmp, plain_phi3(tmp))
+        models["llama3-tiny-rope-8-1-4-8192"] = llama3_model(tmp)
         for name, path in models.items():
             print(json.dumps(check(name, path, tmp, texts)), flush=True)
+        for fam in ("phi3", "gpt2", "llama3"):  # no exact mapping (llama3-tiny: random factors): refused
+            try:
+                export_hf(tiny_model(fam, tmp), tmp / f"{fam}-refused")
+                print(json.dumps({"family": f"{fam}-tiny", "refused": "NO"}))
+            except LlmtuneError as exc:
+                print(json.dumps({"family": f"{fam}-tiny", "refused": str(exc)}))
     return 0
 
 

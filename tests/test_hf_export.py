@@ -18,6 +18,8 @@ import pytest
 from cli_helpers import run_cli
 from conftest import DATA, REPO
 from llmtune.arch import hf_names
+from llmtune.arch.hf_config import llama3_factors, llama3_rope
+from llmtune.arch.hparams import HParams
 from llmtune.backends.cpu import CPUBackend
 from llmtune.convert.export import export_hf
 from llmtune.convert.hf_export import encode
@@ -202,3 +204,35 @@ def test_destinations(tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(monkeypatch, capsys, "export", stories, "--hf-dtype", "bf16", "-o", tmp_path / "x.gguf",
                            "--type", "f16")
     _one_line(code, err, "--hf-dtype", "needs --hf")
+
+
+@pytest.mark.parametrize("n_rot,numbers", [(16, (8.0, 1.0, 4.0, 8192)), (64, (32.0, 1.0, 4.0, 8192)),
+                                           (16, (8.0, 1.0, 32.0, 4096)), (64, (4.0, 2.0, 8.0, 1024))])
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs(n_rot, numbers):
+    hp = HParams(arch="llama", n_vocab=8, n_ctx_train=8, n_embd=n_rot, n_layer=1, n_head=1, n_head_kv=1, n_ff=8,
+                 n_rot=n_rot, rope_freq_base=500000.0)
+    factors = llama3_factors(hp, *numbers).astype(np.float32)
+    rope = llama3_rope(factors, hp)
+    assert rope["rope_type"] == "llama3"
+    again = llama3_factors(hp, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                           rope["original_max_position_embeddings"])
+    np.testing.assert_allclose(again, factors, rtol=1e-6)
+    rng = np.random.default_rng(0)
+    assert llama3_rope(rng.uniform(1, 8, n_rot // 2).astype(np.float32), hp) is None  # no llama3 scaling gives these
+
+
+def test_gemma2_norms_lose_the_stored_one_and_the_config_has_gemmas_keys(tmp_path):
+    model = tmp_path / "gemma2.gguf"
+    init_model(REPO / "configs" / "gemma2-tiny.toml", DATA / "stories260K.gguf", model, 0, test_weights=True)
+    export_hf(model, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["query_pre_attn_scalar"], config["head_dim"]) == (
+        ["Gemma2ForCausalLM"], 24, 24)
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"], config["sliding_window"]) == (
+        3.0, 4.0, 32)
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    tensors = read_safetensors(tmp_path / "hf" / "model.safetensors")
+    gf = load_gguf(model)
+    np.testing.assert_array_equal(tensors["model.layers.1.post_feedforward_layernorm.weight"] + 1,
+                                  gf.tensor("blk.1.post_ffw_norm.weight"))
+    np.testing.assert_array_equal(tensors["model.layers.1.mlp.gate_proj.weight"], gf.tensor("blk.1.ffn_gate.weight"))

@@ -114,10 +114,11 @@ def write_hf(gf: GGUFFile, folder, dtype: str = "f32", changed=None, shard_bytes
     hp, _ = check_model(gf)
     source = str(gf.path)
     hf = hf_names(hp.arch, source)
-    missing = [n for n in gf.tensors if hf.hf_name(n) is None]
+    weights = [n for n in gf.tensors if n not in hf_config_of(hp.arch).in_config] if hf_config_of(hp.arch) else []
+    missing = [n for n in weights if hf.hf_name(n) is None]
     tok = Tokenizer.from_gguf(gf)
     special = {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
-    config = config_json(hp, hf, set(gf.tensors), special, source)  # refuses what has no exact form
+    config = config_json(hp, hf, set(gf.tensors), special, source, gf.tensor)  # refuses what has no exact form
     if missing:
         raise LlmtuneError(f"{source}: tensor {missing[0]} has no name in a {hf.architecture} checkpoint; "
                            "no exact Hugging Face export")
@@ -126,7 +127,7 @@ def write_hf(gf: GGUFFile, folder, dtype: str = "f32", changed=None, shard_bytes
              **tokenizer_files(tok, gf.metadata, hp.n_ctx_train, source)}
     _check_destination(folder, flag)
     specs = [(hf.hf_name(n), tuple(gf.tensors[n].shape), int(np.prod(gf.tensors[n].shape)) * width)
-             for n in gf.tensors]
+             for n in weights]
     shards = _shards(specs, shard_bytes)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
@@ -154,7 +155,7 @@ def _write_weights(gf, hp, tmp: Path, shards, dtype: str, st_dtype: str, changed
     """Each shard's header, then its tensors one by one; returns the files' names."""
     n = len(shards)
     names = [WEIGHTS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    by_hf = {hf_names(hp.arch).hf_name(g): g for g in gf.tensors}
+    by_hf = {hf_names(hp.arch).hf_name(g): g for g in gf.tensors}  # (rope_freqs: None, in no shard)
     for name, shard in zip(names, shards):
         with open(tmp / name, "wb") as fh:
             fh.write(_header(shard, st_dtype))
