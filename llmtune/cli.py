@@ -297,7 +297,8 @@ def _export_cmd(
     hf: Optional[Path] = typer.Option(None, "--hf", metavar="DIR", show_default=False,
                                       help="Write the model (adapters given with --lora merged first) as a Hugging "
                                            "Face transformers folder DIR instead: config.json, model.safetensors, "
-                                           "tokenizer files (llama, qwen2, qwen3; needs nothing else installed)."),
+                                           "tokenizer files (llama, qwen2, qwen3, gemma2, gemma3, phi3; nothing else "
+                                           "needed)."),
     hf_dtype: str = typer.Option("f32", "--hf-dtype", metavar="TYPE",
                                  help="With --hf: the safetensors' type, f32, bf16 or f16 (quantized weights are "
                                       "dequantized)."),

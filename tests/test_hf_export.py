@@ -22,13 +22,16 @@ from llmtune.arch.hf_config import llama3_factors, llama3_rope
 from llmtune.arch.hparams import HParams
 from llmtune.backends.cpu import CPUBackend
 from llmtune.convert.export import export_hf
-from llmtune.convert.hf_export import encode
+from llmtune.convert.hf_export import encode, write_hf
 from llmtune.convert.init import init_model
 from llmtune.gguf.file import load_gguf
 from llmtune.graph.planner import Program
-from llmtune.model.loaded import Model, check_model
+from llmtune.model import adapter as lora
+from llmtune.model.adapter.files import write_adapter
+from llmtune.model.loaded import Model, check_model, load_model
 from llmtune.tokenizer import Tokenizer
 from llmtune.tokenizer.hf_files import tokenizer_files
+from test_lora import random_adapter
 from test_tokenizer import VOCAB_DIR, metadata, read_vocab_tests, tokenizer
 
 FIXTURE = DATA / "hf_export" / "stories260K.json"  # bench/check_hf_export.py --record
@@ -236,3 +239,39 @@ def test_gemma2_norms_lose_the_stored_one_and_the_config_has_gemmas_keys(tmp_pat
     np.testing.assert_array_equal(tensors["model.layers.1.post_feedforward_layernorm.weight"] + 1,
                                   gf.tensor("blk.1.post_ffw_norm.weight"))
     np.testing.assert_array_equal(tensors["model.layers.1.mlp.gate_proj.weight"], gf.tensor("blk.1.ffn_gate.weight"))
+
+
+def test_an_adapter_is_merged_first(tmp_path):
+    stories = DATA / "stories260K.gguf"
+    model = load_model(stories)
+    adapter = random_adapter(model, targets="attn_q|ffn_down")
+    path = write_adapter(tmp_path / "a.gguf", adapter, base=load_gguf(stories))
+    export_hf(stories, tmp_path / "hf", lora=[path])
+    tensors = read_safetensors(tmp_path / "hf" / "model.safetensors")
+    merged = load_model(stories)
+    attached = lora.attach(merged, [path])
+    hp = merged.hp
+    for gguf in ("blk.2.attn_q.weight", "blk.2.ffn_down.weight"):
+        want = lora.merged_weight(attached, gguf, load_gguf(stories).tensor(gguf))
+        rows = hf_names("llama").hf_rows(gguf, want.shape[0], hp.n_head, hp.n_head_kv)
+        got = tensors[hf_names("llama").hf_name(gguf)]
+        np.testing.assert_allclose(got, want[rows] if rows is not None else want, rtol=1e-6, atol=1e-7)
+        base = load_gguf(stories).tensor(gguf)
+        assert not np.allclose(got, base[rows] if rows is not None else base)  # the adapter changed it
+
+
+def test_shards_and_their_index(tmp_path):
+    gf = load_gguf(DATA / "stories260K.gguf")
+    write_hf(gf, tmp_path / "hf", shard_bytes=200_000)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == set(shards)
+    tensors = {}
+    for name in shards:
+        assert (tmp_path / "hf" / name).stat().st_size <= 200_000 + 4096
+        tensors.update(read_safetensors(tmp_path / "hf" / name))
+    single = read_safetensors(export_hf(DATA / "stories260K.gguf", tmp_path / "one").folder / "model.safetensors")
+    assert tensors.keys() == single.keys() == index["weight_map"].keys()
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in single.values())
+    for name, w in single.items():
+        np.testing.assert_array_equal(tensors[name], w)
