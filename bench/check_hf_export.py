@@ -10,7 +10,11 @@ AutoModelForCausalLM / AutoTokenizer (float32, eager attention), and compare
 - logits on a few prompts with llmtune's forward pass over the GGUF's weights dequantised to
   float32 (max |diff| / max |logit|, target <= 1e-4);
 - AutoTokenizer's ids with llmtune's tokenizer over a WikiText-2 slice and a mixed-script text;
-- the chat template rendered by transformers and by llmtune (when the file has one).
+- the chat template rendered by transformers and by llmtune (when the file has one);
+then phi3 with LongRoPE, gpt2 and llama3-tiny's random rope factors are refused, and every llama.cpp
+test vocabulary (its models/ggml-vocab-*.gguf, complete: the tests' slim copies lack merges, so the
+tiny models take these too) has its tokenizer.json checked with the `tokenizers` library against
+llama.cpp's expected ids (test-tokenizer-0's .inp/.out).
 --record only writes tests/data/hf_export/stories260K.json: transformers' logits for stories260K on a few
 tokens (the test compares the exported folder's tensors and these numbers). Needs torch and
 transformers (neither is a dependency of llmtune).
@@ -44,9 +48,11 @@ from llmtune.graph.planner import Program  # noqa: E402
 from llmtune.model.loaded import Model, check_model  # noqa: E402
 from llmtune.tokenizer import Tokenizer  # noqa: E402
 from llmtune.tokenizer.chat_template import ChatTemplate  # noqa: E402
+from llmtune.tokenizer.hf_files import tokenizer_files  # noqa: E402
 
 SMOLLM = Path("/work/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
+LLAMACPP_VOCABS = Path("/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models")
 FIXTURE = ROOT / "tests" / "data" / "hf_export" / "stories260K.json"
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat sat on the mat and",
            "1 + 1 = 2; 12345 * 678 = ? Héllo wörld — naïve café.",
@@ -127,7 +133,8 @@ def tiny_model(family: str, tmp: Path, config: Path | None = None, optional=()) 
     optional tensors `optional`)."""
     case = FAMILIES[family]
     out = tmp / f"{family}-{'own' if config else 'tiny'}.gguf"
-    vocab = family_check.local_copy(case.vocab, tmp)
+    full = LLAMACPP_VOCABS / Path(case.vocab).name.removesuffix(".gz")  # the slim test copies lack merges
+    vocab = full if full.is_file() else family_check.local_copy(case.vocab, tmp)
     return init_model(config or case.config, vocab, out, 0, test_weights=True,
                       optional=tuple(optional) if config else tuple(case.optional))
 
@@ -151,6 +158,28 @@ def llama3_model(tmp: Path, numbers=(8.0, 1.0, 4.0, 8192)) -> Path:
     specs = ((n, factors if n == "rope_freqs.weight" else np.asarray(t.raw),
               GGMLQuantizationType.F32 if n == "rope_freqs.weight" else t.type) for n, t in gf.tensors.items())
     return write_gguf(tmp / "llama3-rope.gguf", gf.arch, gf.meta, specs)
+
+
+def vocab_vectors() -> None:
+    """tokenizer.json of each llama.cpp test vocabulary against llama.cpp's expected ids (.inp/.out)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_tokenizer import read_vocab_tests  # noqa: PLC0415 - the tests' reader of test-tokenizer-0's files
+
+    for path in sorted(LLAMACPP_VOCABS.glob("ggml-vocab-*.gguf")):
+        if not Path(f"{path}.inp").is_file():
+            continue
+        gf = load_gguf(path)
+        try:
+            files = tokenizer_files(Tokenizer.from_gguf(gf), gf.metadata, 2048, str(path))
+        except LlmtuneError as exc:
+            print(json.dumps({"vocab": path.name, "refused": str(exc).split(": ", 1)[1]}))
+            continue
+        ht = HFTokenizer.from_str(json.dumps(files["tokenizer.json"]))
+        cases = read_vocab_tests(path, LLAMACPP_VOCABS)
+        same = sum(ht.encode(t, add_special_tokens=False).ids == want for t, want in cases)
+        print(json.dumps({"vocab": path.name, "llama.cpp vectors equal": f"{same}/{len(cases)}"}), flush=True)
 
 
 def record(tmp: Path) -> None:
@@ -196,6 +225,8 @@ def main() -> int:
         models["llama3-tiny-rope-8-1-4-8192"] = llama3_model(tmp)
         for name, path in models.items():
             print(json.dumps(check(name, path, tmp, texts)), flush=True)
+        if LLAMACPP_VOCABS.is_dir():
+            vocab_vectors()
         for fam in ("phi3", "gpt2", "llama3"):  # no exact mapping (llama3-tiny: random factors): refused
             try:
                 export_hf(tiny_model(fam, tmp), tmp / f"{fam}-refused")
