@@ -30,6 +30,7 @@ from llmtune.arch.hf_config import config_json, hf_config_of
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import GGUFFile
 from llmtune.model.loaded import check_model
+from llmtune.resources import check_disk_space
 from llmtune.tokenizer import Tokenizer
 from llmtune.tokenizer.hf_files import tokenizer_files
 
@@ -73,8 +74,13 @@ def encode(w: np.ndarray, dtype: str) -> np.ndarray:
         return w
     if dtype == "f16":
         return w.astype(np.float16)
-    bits = w.view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    bits = w.view(np.uint32)
+    r = bits >> 16  # in place from here: one tensor-sized temporary (finite values cannot overflow 32 bits)
+    r &= 1
+    r += 0x7FFF
+    r += bits
+    r >>= 16
+    rounded = r.astype(np.uint16)
     nan = np.isnan(w)
     if nan.any():  # keep NaNs NaN (rounding could carry them into the infinity pattern)
         rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
@@ -130,6 +136,8 @@ def write_hf(gf: GGUFFile, folder, dtype: str = "f32", changed=None, shard_bytes
              for n in weights]
     shards = _shards(specs, shard_bytes)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    check_disk_space(folder.parent, sum(s[2] for s in specs), f"{flag} {folder}: the weights as {dtype}",
+                     "--hf-dtype bf16 halves them")
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
     try:
         names = _write_weights(gf, hp, tmp, shards, dtype, st_dtype, changed)
@@ -160,7 +168,7 @@ def _write_weights(gf, hp, tmp: Path, shards, dtype: str, st_dtype: str, changed
         with open(tmp / name, "wb") as fh:
             fh.write(_header(shard, st_dtype))
             for hf_name, w in hf_tensors(gf, hp, changed, [by_hf[s[0]] for s in shard]):
-                fh.write(encode(w, dtype).tobytes())
+                fh.write(memoryview(encode(w, dtype)).cast("B"))  # no copy of the bytes
     return names
 
 
