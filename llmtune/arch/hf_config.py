@@ -2,7 +2,8 @@
 
 One table (FAMILIES) says, per family, which config.json keys carry which HParams field (llama.cpp's
 convert_hf_to_gguf.py read backwards: `TextModel.set_gguf_parameters` and each model's own
-`set_gguf_parameters`), what each family adds (qwen2's disabled sliding window, qwen3's head_dim...),
+`set_gguf_parameters`), what each family adds (qwen2's disabled sliding window, gemma's softcaps,
+Llama 3.1's rope scaling recovered from rope_freqs.weight: `llama3_rope`),
 how its stored values differ from transformers' (`norm_offset`: gemma's norm weights are stored +1)
 and what has no exact config.json form (refused in one line naming the file and the reason).
 
@@ -12,28 +13,29 @@ Names of the tensors are arch/hf_names.py's (`Family.hf`); this module is the hy
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 
-# config.json key -> the HParams value, for every family mapped (transformers' PretrainedConfig names)
-COMMON: dict[str, Callable[[HParams], Any]] = {
-    "hidden_size": lambda hp: hp.n_embd,
-    "intermediate_size": lambda hp: hp.n_ff,
-    "num_hidden_layers": lambda hp: hp.n_layer,
-    "num_attention_heads": lambda hp: hp.n_head,
-    "num_key_value_heads": lambda hp: hp.n_head_kv,
-    "head_dim": lambda hp: hp.head_dim,
-    "max_position_embeddings": lambda hp: hp.n_ctx_train,
-    "vocab_size": lambda hp: hp.n_vocab,
-    "rms_norm_eps": lambda hp: hp.norm_eps,
-    "rope_theta": lambda hp: hp.rope_freq_base,
-    "tie_word_embeddings": lambda hp: hp.tied_output,
-    "hidden_act": lambda hp: {"silu": "silu", "gelu": "gelu_pytorch_tanh"}[hp.activation],
+# config.json key -> the HParams field it carries, for every family mapped (transformers'
+# PretrainedConfig names); a table both directions read (an import reads config.json into these fields)
+COMMON: dict[str, str] = {
+    "hidden_size": "n_embd",
+    "intermediate_size": "n_ff",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "num_key_value_heads": "n_head_kv",
+    "head_dim": "head_dim",  # a property: attention.key_length, else n_embd / n_head
+    "max_position_embeddings": "n_ctx_train",
+    "vocab_size": "n_vocab",
+    "rms_norm_eps": "norm_eps",
+    "rope_theta": "rope_freq_base",
+    "tie_word_embeddings": "tied_output",
 }
+ACTIVATIONS = {"silu": "silu", "gelu": "gelu_pytorch_tanh"}  # HParams.activation -> config.json hidden_act
 
 
 @dataclass(frozen=True)
@@ -201,9 +203,13 @@ def config_json(hp: HParams, hf_names, tensors: set, special: dict, source: str,
         raise LlmtuneError(f"{source}: holds {why}; no exact Hugging Face export" if found
                            else f"{source}: {why}; no exact Hugging Face export")
     config = {"architectures": [hf_names.architecture], "model_type": hf_names.model_type}
-    config.update({k: f(hp) for k, f in COMMON.items() if k not in table.drop})
+    config.update({k: getattr(hp, field) for k, field in COMMON.items() if k not in table.drop})
+    config["hidden_act"] = ACTIVATIONS[hp.activation]
     config.update(table.extra(hp, tensors))
     if rope:
+        if "rope_scaling" in config:  # linear scaling on top: transformers takes one rope_scaling
+            raise LlmtuneError(f"{source}: holds rope_freqs.weight and a linear rope scaling; no exact Hugging Face "
+                               "export")
         config["rope_scaling"] = rope
     config.update({f"{k}_token_id": v for k, v in special.items()})
     config.update({"torch_dtype": "float32", "use_cache": True, "attention_dropout": 0.0,
