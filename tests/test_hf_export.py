@@ -275,3 +275,13 @@ def test_shards_and_their_index(tmp_path):
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in single.values())
     for name, w in single.items():
         np.testing.assert_array_equal(tensors[name], w)
+
+
+def test_qwen3_with_qkv_biases_is_refused_naming_why(tmp_path, monkeypatch, capsys):
+    model = tmp_path / "qwen3.gguf"
+    biases = [f"blk.{i}.attn_{p}.bias" for i in range(2) for p in "qkv"]
+    init_model(REPO / "configs" / "qwen3-tiny.toml", DATA / "stories260K.gguf", model, 0, test_weights=True,
+               optional=tuple(biases))
+    code, _, err = run_cli(monkeypatch, capsys, "export", model, "--hf", tmp_path / "out")
+    _one_line(code, err, str(model), "q/k/v biases", "o_proj")
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)

@@ -44,18 +44,14 @@ class HFConfig:
 
     extra: Callable[[HParams, set], dict] = lambda hp, tensors: {}  # family keys beyond COMMON
     norm_offset: float = 0.0  # GGUF norm weight = HF weight + norm_offset (gemma: 1)
-    unmapped: dict = field(default_factory=dict)  # tensor -> why its presence has no exact HF form
+    unmapped: dict = field(default_factory=dict)  # tensor ("attn_q.bias": in any block) -> why it has no HF form
     refuse: Callable[[HParams], Optional[str]] = lambda hp: None  # a reason the shape has no exact form
     drop: tuple[str, ...] = ()  # COMMON keys the family's config does not have
     in_config: tuple[str, ...] = ()  # tensors config.json carries instead of the weights (rope_freqs)
 
 
-def _biases(tensors: set) -> bool:
-    return "blk.0.attn_q.bias" in tensors
-
-
 def _llama_extra(hp: HParams, tensors: set) -> dict:
-    out = {"attention_bias": _biases(tensors), "mlp_bias": False, "pretraining_tp": 1}
+    out = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}  # llama's tensors have no biases
     if hp.rope_freq_scale != 1.0:  # llama.cpp's rope.scaling.type linear: every frequency divided by factor
         out["rope_scaling"] = {"rope_type": "linear", "factor": 1.0 / hp.rope_freq_scale}
     return out
@@ -111,6 +107,8 @@ def _phi3_extra(hp: HParams, tensors: set) -> dict:
 
 
 OUTPUT_BIAS = {"output.bias": "an output bias (output.bias), which the checkpoint's lm_head has no place for"}
+QKV_BIAS = ("q/k/v biases without an output projection bias, which transformers' attention_bias=True would add "
+            "(Qwen3's o_proj)")
 LONGROPE = ("LongRoPE factors (rope_factors_long/short), which transformers picks by each input's length and "
             "llama.cpp by the context size")
 
@@ -119,9 +117,9 @@ FAMILIES: dict[str, HFConfig] = {
     "qwen2": HFConfig(extra=lambda hp, t: {"use_sliding_window": False, "sliding_window": None,
                                            "max_window_layers": hp.n_layer},
                       unmapped=OUTPUT_BIAS, refuse=_no_rope_scaling),
-    "qwen3": HFConfig(extra=lambda hp, t: {"attention_bias": _biases(t), "use_sliding_window": False,
+    "qwen3": HFConfig(extra=lambda hp, t: {"attention_bias": False, "use_sliding_window": False,
                                            "sliding_window": None, "max_window_layers": hp.n_layer},
-                      unmapped=OUTPUT_BIAS, refuse=_no_rope_scaling),
+                      unmapped={**OUTPUT_BIAS, "attn_q.bias": QKV_BIAS}, refuse=_no_rope_scaling),
     # LongRoPE: llama.cpp picks the long factors by the context size, transformers by each input's length
     "phi3": HFConfig(extra=_phi3_extra, drop=("head_dim",), refuse=_no_rope_scaling,
                      unmapped={"rope_factors_long.weight": LONGROPE, "rope_factors_short.weight": LONGROPE}),
@@ -194,7 +192,8 @@ def config_json(hp: HParams, hf_names, tensors: set, special: dict, source: str,
         mapped = ", ".join(sorted(FAMILIES))
         raise LlmtuneError(f"{source}: the {hp.arch} family has no exact Hugging Face config mapping in llmtune "
                            f"(mapped: {mapped})")
-    found = [why for t, why in table.unmapped.items() if t in tensors]
+    stems = {t.split(".", 2)[2] if t.startswith("blk.") else t for t in tensors}  # "attn_q.bias": any block's
+    found = [why for t, why in table.unmapped.items() if t in stems]
     rope = llama3_rope(tensor("rope_freqs.weight"), hp) if "rope_freqs.weight" in tensors else {}
     if rope is None:
         found.append("rope frequency factors (rope_freqs.weight) that no Llama 3 rope scaling gives")
