@@ -10,7 +10,8 @@ AutoModelForCausalLM / AutoTokenizer (float32, eager attention), and compare
 - logits on a few prompts with llmtune's forward pass over the GGUF's weights dequantised to
   float32 (max |diff| / max |logit|, target <= 1e-4);
 - AutoTokenizer's ids with llmtune's tokenizer over a WikiText-2 slice and a mixed-script text;
-- the chat template rendered by transformers and by llmtune (when the file has one);
+- the chat template rendered by transformers and by llmtune (when the file has one), and the
+  rendered conversation's tokens (special tokens parsed);
 then phi3 with LongRoPE, gpt2 and llama3-tiny's random rope factors are refused, and every llama.cpp
 test vocabulary (its models/ggml-vocab-*.gguf, complete: the tests' slim copies lack merges, so the
 tiny models take these too) has its tokenizer.json checked with the `tokenizers` library against
@@ -125,6 +126,9 @@ def check(name: str, path: Path, tmp: Path, texts: dict[str, str]) -> dict:
         ours = ChatTemplate.for_model(gf, tok).render(chat, add_generation_prompt=True)
         theirs = hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         row["chat_template"] = "same" if ours == theirs else "DIFFER"
+        same = tok.encode(theirs, add_special=False, parse_special=True) == hf_tok(theirs, add_special_tokens=False)[
+            "input_ids"]
+        row["chat_tokens"] = "same" if same else "DIFFER"  # special tokens in text, their lstrip/rstrip
     return row
 
 

@@ -285,3 +285,17 @@ def test_qwen3_with_qkv_biases_is_refused_naming_why(tmp_path, monkeypatch, caps
     code, _, err = run_cli(monkeypatch, capsys, "export", model, "--hf", tmp_path / "out")
     _one_line(code, err, str(model), "q/k/v biases", "o_proj")
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
+
+
+def test_special_tokens_in_text_strip_as_llama_cpp_strips(tmp_path):
+    """phi-3's <|end|>, <|user|>... eat the whitespace after them in llama.cpp (rstrip): so in tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    path = VOCAB_DIR / "ggml-vocab-phi-3.gguf"
+    tok = tokenizer(path)
+    ht = tokenizers.Tokenizer.from_str(json.dumps(tokenizer_files(tok, metadata(path), 2048, str(path))[
+        "tokenizer.json"]))
+    text = ("<|user|>\nHi there<|end|>\n<|assistant|>\nHello!<|end|>\n<|user|>\n Tell me  a story.<|end|>\n"
+            "<|assistant|>\n")
+    ours = tok.encode(text, add_special=False, parse_special=True)
+    assert ht.encode(text, add_special_tokens=False).ids == ours
+    assert 13 not in ours[:3]  # the newline after <|user|> is stripped (13: "<0x0A>")

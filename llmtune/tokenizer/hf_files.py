@@ -24,7 +24,14 @@ from typing import Any, Optional
 from llmtune.errors import LlmtuneError
 from llmtune.tokenizer.bpe import PRE_TOKENIZERS
 from llmtune.tokenizer.chat_template import TEMPLATE_KEY
-from llmtune.tokenizer.tokenizer import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, Tokenizer
+from llmtune.tokenizer.tokenizer import (
+    ATTR_CONTROL,
+    ATTR_LSTRIP,
+    ATTR_RSTRIP,
+    ATTR_UNKNOWN,
+    ATTR_USER_DEFINED,
+    Tokenizer,
+)
 
 SPACE = "\u2581"
 _ADDED = ATTR_CONTROL | ATTR_UNKNOWN | ATTR_USER_DEFINED
@@ -66,13 +73,15 @@ def special_tokens(tok: Tokenizer) -> dict[str, str]:
 
 def _added_tokens(tok: Tokenizer) -> list[dict]:
     """Control, unknown and user-defined tokens, matched whole in text (llama.cpp parses control
-    tokens only when asked; transformers always matches added tokens)."""
+    tokens only when asked; transformers always matches added tokens), with llama.cpp's lstrip /
+    rstrip attributes (phi-3's <|end|> eats the whitespace after it)."""
     out = []
     for i, text in enumerate(tok.tokens):
         attr = tok.token_attr(i)
         if attr & _ADDED and text:
-            out.append({"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-                        "normalized": False, "special": not attr & ATTR_USER_DEFINED})
+            out.append({"id": i, "content": text, "single_word": False, "lstrip": bool(attr & ATTR_LSTRIP),
+                        "rstrip": bool(attr & ATTR_RSTRIP), "normalized": False,
+                        "special": not attr & ATTR_USER_DEFINED})
     return out
 
 
