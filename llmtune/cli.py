@@ -328,7 +328,8 @@ def _export_cmd(
                  if value]
         if given:
             raise LlmtuneError(f"{given[0]}: not with --hf (the model is written into the folder)")
-        done = export_hf(model, hf, hf_dtype.lower(), lora=lora, lora_scale=lora_scale)
+        with tensor_progress(err, f"export --hf {hf_dtype.lower()}") as on_tensor:
+            done = export_hf(model, hf, hf_dtype.lower(), lora=lora, lora_scale=lora_scale, progress=on_tensor)
         out.print(f"wrote {done.folder}: {done.architecture}, {human_count(done.n_params)} parameters as "
                   f"{done.dtype}, {done.n_tensors} tensors ({', '.join(done.files)})", highlight=False, soft_wrap=True)
         return

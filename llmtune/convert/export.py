@@ -198,7 +198,7 @@ def export_peft(path: str | os.PathLike, folder: str | os.PathLike, lora=None) -
 
 
 def export_hf(path: str | os.PathLike, folder: str | os.PathLike, dtype: str = "f32", lora=None,
-              lora_scale=None) -> HFWritten:
+              lora_scale=None, progress: Progress | None = None) -> HFWritten:
     """`path`, a model, as transformers' folder `folder` (safetensors as `dtype`: f32, bf16, f16);
     `lora`: adapter GGUFs merged into the weights first, as `export` merges them."""
     lora = [lora] if isinstance(lora, (str, os.PathLike)) else list(lora or [])
@@ -209,7 +209,7 @@ def export_hf(path: str | os.PathLike, folder: str | os.PathLike, dtype: str = "
     if lora_scale is not None and not lora and (isinstance(lora_scale, (int, float)) or list(lora_scale)):
         raise LlmtuneError("--lora-scale: needs --lora (the adapter it scales)")
     merged = _merger(gf, lora, lora_scale) if lora else None
-    return write_hf(gf, folder, dtype, merged)
+    return write_hf(gf, folder, dtype, merged, progress=progress)
 
 
 def _converted(gf: GGUFFile, plans: list[TensorPlan], summary: ExportSummary,

@@ -54,10 +54,10 @@ class HFWritten:
 
 def hf_tensors(gf: GGUFFile, hp, changed: Optional[Callable[[str], Optional[np.ndarray]]] = None,
                names: Optional[list[str]] = None):
-    """(HF name, float32 values) for each tensor of `gf` in file order (`names`: only these);
-    `changed(name)`: new float32 values (merged adapters) or None for the stored ones."""
+    """(HF name, float32 values) for each weight of `gf` in file order (`names`: only these; never the
+    tensors config.json carries); `changed(name)`: new float32 values (merged adapters) or None."""
     hf, table = hf_names(hp.arch, str(gf.path)), hf_config_of(hp.arch)
-    for name in names or list(gf.tensors):
+    for name in [n for n in gf.tensors if n not in table.in_config] if names is None else names:
         w = changed(name) if changed is not None else None
         w = gf.tensor(name) if w is None else np.asarray(w, np.float32)
         rows = hf.hf_rows(name, w.shape[0], hp.n_head, hp.n_head_kv)
@@ -111,8 +111,9 @@ def _header(shard: list[tuple[str, tuple, int]], st_dtype: str) -> bytes:
 
 
 def write_hf(gf: GGUFFile, folder, dtype: str = "f32", changed=None, shard_bytes: int = SHARD_BYTES,
-             flag: str = "--hf") -> HFWritten:
-    """`gf` (a model) as transformers' folder `folder`; see the module docstring."""
+             flag: str = "--hf", progress=None) -> HFWritten:
+    """`gf` (a model) as transformers' folder `folder`; see the module docstring. `progress(done,
+    total, name)`: called after each tensor (convert/export.py's Progress)."""
     folder = Path(folder)
     if dtype not in DTYPES:
         raise LlmtuneError(f"--hf-dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -140,7 +141,7 @@ def write_hf(gf: GGUFFile, folder, dtype: str = "f32", changed=None, shard_bytes
                      "--hf-dtype bf16 halves them")
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
     try:
-        names = _write_weights(gf, hp, tmp, shards, dtype, st_dtype, changed)
+        names = _write_weights(gf, hp, tmp, shards, dtype, st_dtype, changed, progress)
         if len(shards) > 1:
             files[INDEX] = {"metadata": {"total_size": sum(s[2] for s in specs)},
                             "weight_map": {s[0]: f for f, shard in zip(names, shards) for s in shard}}
@@ -159,16 +160,20 @@ def write_hf(gf: GGUFFile, folder, dtype: str = "f32", changed=None, shard_bytes
     return HFWritten(folder, hf.architecture, dtype, len(specs), gf.n_params(), written)
 
 
-def _write_weights(gf, hp, tmp: Path, shards, dtype: str, st_dtype: str, changed) -> list[str]:
+def _write_weights(gf, hp, tmp: Path, shards, dtype: str, st_dtype: str, changed, progress) -> list[str]:
     """Each shard's header, then its tensors one by one; returns the files' names."""
     n = len(shards)
     names = [WEIGHTS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     by_hf = {hf_names(hp.arch).hf_name(g): g for g in gf.tensors}  # (rope_freqs: None, in no shard)
+    done, total = 0, sum(len(shard) for shard in shards)
     for name, shard in zip(names, shards):
         with open(tmp / name, "wb") as fh:
             fh.write(_header(shard, st_dtype))
             for hf_name, w in hf_tensors(gf, hp, changed, [by_hf[s[0]] for s in shard]):
                 fh.write(memoryview(encode(w, dtype)).cast("B"))  # no copy of the bytes
+                done += 1
+                if progress is not None:
+                    progress(done, total, hf_name)
     return names
 
 
