@@ -294,6 +294,14 @@ def _export_cmd(
                                         help="Write the adapter (MODEL an adapter GGUF, or a base with one --lora) "
                                              "as PEFT's adapter folder DIR instead (adapter_config.json, "
                                              "adapter_model.safetensors; needs safetensors)."),
+    hf: Optional[Path] = typer.Option(None, "--hf", metavar="DIR", show_default=False,
+                                      help="Write the model (adapters given with --lora merged first) as a Hugging "
+                                           "Face transformers folder DIR instead: config.json, model.safetensors, "
+                                           "tokenizer files (llama, qwen2, qwen3, gemma2, gemma3, phi3; nothing else "
+                                           "needed)."),
+    hf_dtype: str = typer.Option("f32", "--hf-dtype", metavar="TYPE",
+                                 help="With --hf: the safetensors' type, f32, bf16 or f16 (quantized weights are "
+                                      "dequantized)."),
     force: bool = force_option(),
 ):
     """Convert a model's weights to another type (F16, Q8_0, K-quants, llama.cpp's Q4_K_M / Q5_K_M mixes).
@@ -304,12 +312,29 @@ def _export_cmd(
 
     Example: llmtune export model.gguf --lora adapter.gguf --type q4_k_m -o merged-q4_k_m.gguf
 
+    With --hf, the model becomes a Hugging Face transformers folder (AutoModelForCausalLM and AutoTokenizer load it).
+
     Example (PEFT): llmtune export adapter.gguf --peft adapter-peft/
+
+    Example (transformers): llmtune export model.gguf --lora adapter.gguf --hf merged-hf/
     """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
-    from llmtune.convert.export import export, export_peft
+    from llmtune.convert.export import export, export_hf, export_peft
     from llmtune.ui.export import summary_notes, summary_table
+    from llmtune.ui.format import human_count
     from llmtune.ui.progress import tensor_progress
 
+    if hf is not None:
+        given = [flag for flag, value in (("-o", output), ("--type", type), ("--peft", peft), ("--force", force))
+                 if value]
+        if given:
+            raise LlmtuneError(f"{given[0]}: not with --hf (the model is written into the folder)")
+        with tensor_progress(err, f"export --hf {hf_dtype.lower()}") as on_tensor:
+            done = export_hf(model, hf, hf_dtype.lower(), lora=lora, lora_scale=lora_scale, progress=on_tensor)
+        out.print(f"wrote {done.folder}: {done.architecture}, {human_count(done.n_params)} parameters as "
+                  f"{done.dtype}, {done.n_tensors} tensors ({', '.join(done.files)})", highlight=False, soft_wrap=True)
+        return
+    if hf_dtype.lower() != "f32":
+        raise LlmtuneError("--hf-dtype: needs --hf (the folder it sets the type of)")
     if peft is not None:
         given = [flag for flag, value in (("-o", output), ("--type", type), ("--lora-scale", lora_scale),
                                           ("--force", force)) if value]

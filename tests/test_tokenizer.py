@@ -64,14 +64,14 @@ def vocab(name: str) -> Tokenizer:
     return tokenizer(next(p for p in VOCABS if vocab_name(p) == name))
 
 
-def read_vocab_tests(gguf_path: Path) -> list[tuple[str, list[int]]]:
+def read_vocab_tests(gguf_path: Path, folder: Path = VOCAB_DIR) -> list[tuple[str, list[int]]]:
     """The (text, ids) pairs exactly as llama.cpp's tests/test-tokenizer-0 reads them.
 
     Texts are the raw bytes of `.inp` split on "\\n__ggml_vocab_test__\\n" (a final separator
     ends the list, it does not open an empty text); `.out` has one line per text, stripped,
     ids separated by spaces.
     """
-    gguf_path = VOCAB_DIR / f"ggml-vocab-{vocab_name(gguf_path)}.gguf"  # (vectors of a .gguf.gz too)
+    gguf_path = folder / f"ggml-vocab-{vocab_name(gguf_path)}.gguf"  # (vectors of a .gguf.gz too)
     raw = Path(f"{gguf_path}.inp").read_bytes().decode("utf-8")
     sep = "\n__ggml_vocab_test__\n"
     texts, pos = [], 0

@@ -11,6 +11,9 @@ command from a trained adapter to a deployable quantized file.
 
 `export_peft(path, folder, lora=None)`: an adapter GGUF written as PEFT's adapter folder
 (model/adapter/peft.py), alone or checked against its base (BASE.gguf with `lora`).
+
+`export_hf(path, folder, dtype, lora=None)`: a model (with adapters merged first, as above) written as
+a Hugging Face transformers folder (convert/hf_export.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Callable, Iterator
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
 
+from llmtune.convert.hf_export import HFWritten, write_hf
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import (
     GGUF_KIND,
@@ -191,6 +195,21 @@ def export_peft(path: str | os.PathLike, folder: str | os.PathLike, lora=None) -
     adapter = model.adapters[0]
     fp = BaseFingerprint.read(adapter.meta) or BaseFingerprint.of(gf)
     return write_peft(adapter, folder, (model.hp.n_head, model.hp.n_head_kv), model.hp.n_layer, fp.name)
+
+
+def export_hf(path: str | os.PathLike, folder: str | os.PathLike, dtype: str = "f32", lora=None,
+              lora_scale=None, progress: Progress | None = None) -> HFWritten:
+    """`path`, a model, as transformers' folder `folder` (safetensors as `dtype`: f32, bf16, f16);
+    `lora`: adapter GGUFs merged into the weights first, as `export` merges them."""
+    lora = [lora] if isinstance(lora, (str, os.PathLike)) else list(lora or [])
+    gf = load_gguf(path)
+    if gf.get("general.type") == "adapter":
+        raise LlmtuneError(f"{path}: is a LoRA adapter, not a model; give its base with --lora {path} (merged "
+                           f"into the folder), or write the adapter as PEFT's folder: --peft DIR")
+    if lora_scale is not None and not lora and (isinstance(lora_scale, (int, float)) or list(lora_scale)):
+        raise LlmtuneError("--lora-scale: needs --lora (the adapter it scales)")
+    merged = _merger(gf, lora, lora_scale) if lora else None
+    return write_hf(gf, folder, dtype, merged, progress=progress)
 
 
 def _converted(gf: GGUFFile, plans: list[TensorPlan], summary: ExportSummary,

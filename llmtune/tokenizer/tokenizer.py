@@ -180,6 +180,10 @@ class Tokenizer:
         """Token texts by id, as stored in the GGUF (SPM pieces keep their ▁)."""
         return self._tokens
 
+    def token_attr(self, token_id: int) -> int:
+        """llama.cpp's attribute bits of a token (ATTR_CONTROL, ATTR_USER_DEFINED, ...), after its fixes."""
+        return int(self._attrs[token_id])
+
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, pre={self.pre!r}, n_vocab={self.n_vocab}, source={self.source!r})"
 

@@ -1,0 +1,216 @@
+"""A family's Hugging Face config.json, from the hyper-parameters llmtune reads out of a GGUF file.
+
+One table (FAMILIES) says, per family, which config.json keys carry which HParams field (llama.cpp's
+convert_hf_to_gguf.py read backwards: `TextModel.set_gguf_parameters` and each model's own
+`set_gguf_parameters`), what each family adds (qwen2's disabled sliding window, gemma's softcaps,
+Llama 3.1's rope scaling recovered from rope_freqs.weight: `llama3_rope`),
+how its stored values differ from transformers' (`norm_offset`: gemma's norm weights are stored +1)
+and what has no exact config.json form (refused in one line naming the file and the reason).
+
+Names of the tensors are arch/hf_names.py's (`Family.hf`); this module is the hyper-parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from llmtune.arch.hparams import HParams
+from llmtune.errors import LlmtuneError
+
+# config.json key -> the HParams field it carries, for every family mapped (transformers'
+# PretrainedConfig names); a table both directions read (an import reads config.json into these fields)
+COMMON: dict[str, str] = {
+    "hidden_size": "n_embd",
+    "intermediate_size": "n_ff",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "num_key_value_heads": "n_head_kv",
+    "head_dim": "head_dim",  # a property: attention.key_length, else n_embd / n_head
+    "max_position_embeddings": "n_ctx_train",
+    "vocab_size": "n_vocab",
+    "rms_norm_eps": "norm_eps",
+    "rope_theta": "rope_freq_base",
+    "tie_word_embeddings": "tied_output",
+}
+ACTIVATIONS = {"silu": "silu", "gelu": "gelu_pytorch_tanh"}  # HParams.activation -> config.json hidden_act
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """How one family's config.json is written (and, read backwards, what an import would read)."""
+
+    extra: Callable[[HParams, set], dict] = lambda hp, tensors: {}  # family keys beyond COMMON
+    norm_offset: float = 0.0  # GGUF norm weight = HF weight + norm_offset (gemma: 1)
+    unmapped: dict = field(default_factory=dict)  # tensor ("attn_q.bias": in any block) -> why it has no HF form
+    refuse: Callable[[HParams], Optional[str]] = lambda hp: None  # a reason the shape has no exact form
+    drop: tuple[str, ...] = ()  # COMMON keys the family's config does not have
+    in_config: tuple[str, ...] = ()  # tensors config.json carries instead of the weights (rope_freqs)
+
+
+def _llama_extra(hp: HParams, tensors: set) -> dict:
+    out = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}  # llama's tensors have no biases
+    if hp.rope_freq_scale != 1.0:  # llama.cpp's rope.scaling.type linear: every frequency divided by factor
+        out["rope_scaling"] = {"rope_type": "linear", "factor": 1.0 / hp.rope_freq_scale}
+    return out
+
+
+def _no_rope_scaling(hp: HParams) -> Optional[str]:
+    if hp.rope_freq_scale != 1.0:
+        return f"rope frequency scale {hp.rope_freq_scale:g}, which this family's transformers config does not take"
+    return None
+
+
+def _common_refusals(hp: HParams) -> Optional[str]:
+    if hp.n_ctx_orig is not None and hp.n_ctx_orig != hp.n_ctx_train:
+        return ("a rope scaling context (rope.scaling.original_context_length) below the training one, which has "
+                "no exact config.json form")
+    if hp.rope_attn_factor != 1.0:
+        return "rope.scaling.attn_factor, which has no exact config.json form"
+    if hp.sliding_window and not hp.arch.startswith("gemma"):
+        return "a sliding attention window, which llmtune's export maps for gemma only"
+    return None
+
+
+def _gemma_extra(hp: HParams, tensors: set) -> dict:
+    """gemma2 / gemma3: the query scale as query_pre_attn_scalar (scale = scalar^-1/2), the softcaps
+    (0: None), the sliding window and which layers use it (layer_types)."""
+    scalar = 1.0 / hp.kq_scale ** 2
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-9 * scalar else scalar,
+        "attn_logit_softcapping": hp.attn_softcap or None,
+        "final_logit_softcapping": hp.final_softcap or None,
+        "sliding_window": hp.sliding_window or hp.n_ctx_train,
+        "layer_types": ["sliding_attention" if hp.is_swa(il) else "full_attention" for il in range(hp.n_layer)],
+        "attention_bias": False,
+    }
+    if hp.arch == "gemma3":  # local layers' own rope base
+        out["rope_local_base_freq"] = hp.rope_freq_base_swa if hp.rope_freq_base_swa is not None else hp.rope_freq_base
+    return out
+
+
+def _gemma_refusals(hp: HParams) -> Optional[str]:
+    if hp.n_rot != hp.head_dim:
+        return f"a partial rotary dimension ({hp.n_rot} of {hp.head_dim}), which gemma's config does not take"
+    if hp.arch == "gemma2" and hp.rope_freq_base_swa not in (None, hp.rope_freq_base):
+        return "a separate rope base for sliding-window layers, which gemma2's config does not take"
+    return _no_rope_scaling(hp)
+
+
+def _phi3_extra(hp: HParams, tensors: set) -> dict:
+    """phi3: partial rotary (rope.dimension_count of the head), no sliding window (llama.cpp disables it)."""
+    return {"partial_rotary_factor": hp.n_rot / hp.head_dim, "original_max_position_embeddings": hp.n_ctx_train,
+            "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+
+
+OUTPUT_BIAS = {"output.bias": "an output bias (output.bias), which the checkpoint's lm_head has no place for"}
+QKV_BIAS = ("q/k/v biases without an output projection bias, which transformers' attention_bias=True would add "
+            "(Qwen3's o_proj)")
+LONGROPE = ("LongRoPE factors (rope_factors_long/short), which transformers picks by each input's length and "
+            "llama.cpp by the context size")
+
+FAMILIES: dict[str, HFConfig] = {
+    "llama": HFConfig(extra=_llama_extra, in_config=("rope_freqs.weight",)),  # llama3_rope
+    "qwen2": HFConfig(extra=lambda hp, t: {"use_sliding_window": False, "sliding_window": None,
+                                           "max_window_layers": hp.n_layer},
+                      unmapped=OUTPUT_BIAS, refuse=_no_rope_scaling),
+    "qwen3": HFConfig(extra=lambda hp, t: {"attention_bias": False, "use_sliding_window": False,
+                                           "sliding_window": None, "max_window_layers": hp.n_layer},
+                      unmapped={**OUTPUT_BIAS, "attn_q.bias": QKV_BIAS}, refuse=_no_rope_scaling),
+    # LongRoPE: llama.cpp picks the long factors by the context size, transformers by each input's length
+    "phi3": HFConfig(extra=_phi3_extra, drop=("head_dim",), refuse=_no_rope_scaling,
+                     unmapped={"rope_factors_long.weight": LONGROPE, "rope_factors_short.weight": LONGROPE}),
+    # gemma's norm weights (every RMSNorm, q/k norms too) are stored +1: HF computes x * (1 + w)
+    "gemma2": HFConfig(extra=_gemma_extra, norm_offset=1.0, refuse=_gemma_refusals),
+    "gemma3": HFConfig(extra=_gemma_extra, norm_offset=1.0, refuse=_gemma_refusals),
+}
+
+
+def llama3_factors(hp: HParams, factor: float, low: float, high: float, context: float) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: Llama 3.1's per-frequency divisors
+    (transformers' _compute_llama3_parameters divides the same frequencies by the same numbers)."""
+    wavelen = 2 * np.pi * hp.rope_freq_base ** (np.arange(0, hp.n_rot, 2, dtype=np.float64) / hp.n_rot)
+    with np.errstate(divide="ignore", invalid="ignore"):  # high == low: no medium wavelengths
+        smooth = (context / wavelen - low) / (high - low)
+        mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, mid))
+
+
+def llama3_rope(factors: np.ndarray, hp: HParams) -> Optional[dict]:
+    """The "llama3" rope_scaling whose factors are `factors` (rope_freqs.weight), or None when none
+    gives them. The four numbers are recovered from the factors (only the wavelength thresholds
+    matter: (context, low, high) scaled together give the same factors), then checked by recomputing."""
+    f = np.asarray(factors, np.float64)
+    wavelen = 2 * np.pi * hp.rope_freq_base ** (np.arange(0, hp.n_rot, 2, dtype=np.float64) / hp.n_rot)
+    factor = float(f.max())
+    if f.shape != wavelen.shape or not np.all(np.isfinite(f)) or f.min() < 1 - 1e-6:
+        return None
+    if factor <= 1 + 1e-6:
+        return {} if np.allclose(f, 1.0, rtol=0, atol=1e-6) else None  # divisors of 1: no scaling at all
+    short, long = f <= 1 + 1e-6, f >= factor * (1 - 1e-6)
+    mid = ~short & ~long
+    if mid.any():  # 1/f = (1 - s)/factor + s, s = (context/wavelen - low)/(high - low): a line in 1/wavelen
+        s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+        if mid.sum() >= 2:
+            slope, intercept = np.polyfit(1 / wavelen[mid], s, 1)
+        else:  # one point: Meta's ratio high/low = 4 (intercept -1/3) fixes the line
+            intercept = -1 / 3
+            slope = (s[0] - intercept) * wavelen[mid][0]
+        if intercept >= 0 or slope <= 0:
+            return None
+        span = -1 / intercept  # with low 1: high - low
+        low_wavelen, high_wavelen = slope * span, slope * span / (1 + span)
+    elif mid.sum() == 0 and short.any() and long.any():  # thresholds anywhere between the two groups
+        low_wavelen = float(np.sqrt(wavelen[short].max() * wavelen[long].min()))
+        high_wavelen = float(np.sqrt(wavelen[short].max() * low_wavelen))
+    else:
+        return None
+    context = float(round(low_wavelen)) if low_wavelen >= 1 else float(low_wavelen)
+    exact = (factor, float(context / low_wavelen), float(context / high_wavelen), context)
+    for numbers in (tuple(float(f"{x:.6g}") for x in exact), exact):  # the short spelling when it is as good
+        if np.allclose(llama3_factors(hp, *numbers), f, rtol=1e-6, atol=0):
+            factor, low, high, context = numbers
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": int(context) if context.is_integer() else context}
+    return None
+
+
+def hf_config_of(arch: str) -> HFConfig:
+    return FAMILIES.get(arch)
+
+
+def config_json(hp: HParams, hf_names, tensors: set, special: dict, source: str,
+                tensor: Callable[[str], np.ndarray] = None) -> dict:
+    """config.json for a model of hyper-parameters `hp` and GGUF tensor names `tensors` (`hf_names`:
+    the family's HFNames; `special`: bos/eos/pad ids or None; `tensor(name)`: a tensor's values, for
+    rope_freqs). Unmappable models are refused naming `source` and the reason."""
+    table = FAMILIES.get(hp.arch)
+    if table is None:
+        mapped = ", ".join(sorted(FAMILIES))
+        raise LlmtuneError(f"{source}: the {hp.arch} family has no exact Hugging Face config mapping in llmtune "
+                           f"(mapped: {mapped})")
+    stems = {t.split(".", 2)[2] if t.startswith("blk.") else t for t in tensors}  # "attn_q.bias": any block's
+    found = [why for t, why in table.unmapped.items() if t in stems]
+    rope = llama3_rope(tensor("rope_freqs.weight"), hp) if "rope_freqs.weight" in tensors else {}
+    if rope is None:
+        found.append("rope frequency factors (rope_freqs.weight) that no Llama 3 rope scaling gives")
+    why = found[0] if found else _common_refusals(hp) or table.refuse(hp)
+    if why:
+        raise LlmtuneError(f"{source}: holds {why}; no exact Hugging Face export" if found
+                           else f"{source}: {why}; no exact Hugging Face export")
+    config = {"architectures": [hf_names.architecture], "model_type": hf_names.model_type}
+    config.update({k: getattr(hp, field) for k, field in COMMON.items() if k not in table.drop})
+    config["hidden_act"] = ACTIVATIONS[hp.activation]
+    config.update(table.extra(hp, tensors))
+    if rope:
+        if "rope_scaling" in config:  # linear scaling on top: transformers takes one rope_scaling
+            raise LlmtuneError(f"{source}: holds rope_freqs.weight and a linear rope scaling; no exact Hugging Face "
+                               "export")
+        config["rope_scaling"] = rope
+    config.update({f"{k}_token_id": v for k, v in special.items()})
+    config.update({"torch_dtype": "float32", "use_cache": True, "attention_dropout": 0.0,
+                   "initializer_range": 0.02})
+    return config
