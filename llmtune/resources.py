@@ -83,9 +83,10 @@ def binding_limit(backend=None) -> Optional[int]:
 def limit_reserve(limit: int) -> int:
     """Bytes of a memory limit kept for what no estimate names (OpenBLAS's per-thread buffers, the
     allocator's slack, numpy's temporaries between planned buffers, a checkpoint's write): 5 % of
-    it, at least 256 MiB. Measured: a 1B-class QLoRA run (configs/llama-1b.toml, q4_k_m, ctx 512)
-    peaked 160 MiB above its printed estimate, runtime included."""
-    return max(256 << 20, limit * 5 // 100)
+    it, at least 256 MiB (a quarter of a limit under 1 GiB). Measured: a 1B-class QLoRA run
+    (configs/llama-1b.toml, q4_k_m, ctx 512) peaked 160 MiB above its printed estimate, runtime
+    included."""
+    return max(min(256 << 20, limit // 4), limit * 5 // 100)
 
 
 def _host_available() -> Optional[int]:

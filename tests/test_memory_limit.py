@@ -13,7 +13,7 @@ import typer.main
 import llmtune
 from cli_helpers import run_cli
 from llmtune import cli, resources
-from llmtune.backends.cpu import CPUBackend
+from llmtune.backends.cpu import CPUBackend, probes
 from llmtune.errors import LlmtuneError
 from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
@@ -24,7 +24,8 @@ from llmtune.train.memory import runtime_bytes
 from llmtune.train.trainer import Trainer
 
 STORIES = Path(__file__).parent / "data" / "stories260K.gguf"
-RUNTIME = 50 << 20  # the process's runtime, fixed (the planner measures it: Backend.resident_bytes)
+RUNTIME = 1 << 30  # the process's runtime, fixed (the planner measures it: Backend.resident_bytes); at 1 GiB
+# the limits below are over 1 GiB, so their reserve is 256 MiB (resources.limit_reserve)
 COPIES = ("float copies", "packed copies")
 
 
@@ -149,3 +150,16 @@ def test_the_flop_count_is_the_hand_count():
     assert flops.mfu(tr.flops_per_step, 0.5, 4 * tr.flops_per_step) == 0.5
     assert flops.mfu(tr.flops_per_step, 0.5, None) != flops.mfu(tr.flops_per_step, 0.5, None)  # NaN: no peak
 
+
+
+def test_the_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
+    """The GEMM peak (MFU's denominator) and a stored type's decode cost (the plan's slowdown) are
+    measured, then read from the cache folder, as the BLAS bit-probe is; F16's bytes are stored
+    rows too."""
+    monkeypatch.setenv("LLMTUNE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(probes, "PEAK_SHAPE", (64, 128, 256))
+    monkeypatch.setattr(probes, "COST_SHAPE", (64, 256, 128))
+    peak, costs = probes.gemm_peak(), {q: probes.decode_cost(q) for q in ("Q8_0", "F16")}
+    assert peak > 0 and all(c >= 1.0 for c in costs.values()) and probes.decode_cost("F32") == 1.0
+    monkeypatch.setattr(probes, "_best", lambda fn, runs: pytest.fail("measured again"))
+    assert probes.gemm_peak() == peak and {q: probes.decode_cost(q) for q in costs} == costs

@@ -210,26 +210,31 @@ def plan_lines(trainer: Trainer, limit: int | None, turned_on: str | None) -> tu
     packed_all = copies is not None and copies.pack and trainer._packed_bytes and copies.budget >= trainer._packed_bytes
     lines = []
     if limit is not None:
-        lines.append(f"memory limit {limit / 2**30:.2f} GiB ({memory_limit_source()}), the process's runtime and a "
-                     f"reserve of {limit_reserve(limit) / 2**20:,.0f} MiB included")
+        lines.append(f"memory limit {_size(limit)} ({memory_limit_source()}), the process's runtime and a "
+                     f"reserve of {_size(limit_reserve(limit))} included")
     if packed_all:
-        lines.append(f"packed copies: all {trainer._packed_bytes / 2**30:.2f} GiB (the compiled product)")
+        lines.append(f"packed copies: all {_size(trainer._packed_bytes)} (the compiled product)")
     elif wanted and (limit is not None or kept < wanted):
         short = max(0, wanted - kept) / wanted  # the share of the frozen products' FLOPs decoded per product
         qtypes = {w.qtype for n, w in trainer.frozen.items() if hasattr(w, "qtype")}
         costs = [c for c in (trainer.backend.decode_cost(q) for q in sorted(qtypes)) if c is not None]
         cost = max(costs) if costs else None
         if short <= 0:
-            lines.append(f"float copies: all {wanted / 2**30:.2f} GiB")
+            lines.append(f"float copies: all {_size(wanted)}")
         else:
             slower = "" if cost is None else (
                 f": ~{1 + short * (cost - 1):.2f}x slower base products (a product decoded per block takes "
                 f"{cost:.2f}x its float32 copy's, measured)")
-            lines.append(f"float copies: {max(0, kept) / 2**30:.2f} of {wanted / 2**30:.2f} GiB, the rest "
+            lines.append(f"float copies: {_size(max(0, kept), wanted)} of {_size(wanted)}, the rest "
                          f"({100 * short:.0f} %) decoded per product{slower}")
     if turned_on:
         lines.append(turned_on)
     return tuple(lines)
+
+
+def _size(n: int, unit_of: int | None = None) -> str:
+    """Bytes in GiB (2 decimals) from 1 GiB up, else in MiB; unit_of: in the unit of that size."""
+    return f"{n / 2**30:.2f} GiB" if (unit_of or n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def _shrink_hint(trainer: Trainer) -> str:

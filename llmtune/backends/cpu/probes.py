@@ -68,7 +68,7 @@ def decode_cost(qtype: str) -> float:
     rows, n_in, n_out = COST_SHAPE
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((n_out, n_in), dtype=np.float32) * 0.02)
-    raw = np.ascontiguousarray(quantize(w, GGMLQuantizationType[qtype]))
+    raw = np.ascontiguousarray(quantize(w, GGMLQuantizationType[qtype])).view(np.uint8)  # F16: its bytes
     x = rng.standard_normal((rows, n_in), dtype=np.float32)
     out = np.empty((rows, n_out), np.float32)
     with blas_threads(n):
