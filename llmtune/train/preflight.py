@@ -200,9 +200,10 @@ def _fits_without_copies(trainer: Trainer, limit: int) -> bool:
 
 def plan_lines(trainer: Trainer, limit: int | None, turned_on: str | None) -> tuple[str, ...]:
     """What a binding memory limit decided, and its cost, in words: the limit; the frozen matrices'
-    copies kept of all they would take and, for those left decoded per product, the products'
-    slowdown (the backend's measured decode cost: Backend.decode_cost, weighted by the FLOPs of
-    the matrices left without a copy); --grad-checkpoint when the limit turned it on. Empty where no
+    copies kept of all they would take and, for those left decoded per product, the base products'
+    slowdown: 1 + s (c - 1), s the share of their FLOPs left without a copy (a copy's bytes are its
+    weights', as are its FLOPs) and c the backend's measured decode cost (Backend.decode_cost; the
+    highest of the base's types); --grad-checkpoint when the limit turned it on. Empty where no
     limit binds and every copy is kept."""
     copies = trainer.float_copies
     wanted = getattr(trainer, "copies_wanted", 0)
