@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import shlex
 import signal
 import sys
@@ -700,6 +702,40 @@ def _start_ranks() -> None:
             sys.exit(0)  # a command that does not split its work: rank 0 alone runs it (and writes its files)
 
 
+def _set_memory_limit(value: Optional[str]) -> None:
+    from llmtune.resources import set_memory_limit
+
+    set_memory_limit(value)  # before the command runs: its every memory decision reads it
+
+
+MemoryLimitOption = typer.Option(
+    None, "--memory-limit", metavar="SIZE", expose_value=False, callback=_set_memory_limit, show_default=False,
+    help="The most memory the run may take (3.5G, 800M: K, M, G, T), its runtime included: float and packed copies, "
+    "activations and gradient checkpointing are planned to fit, the plan and its cost printed; what cannot fit is "
+    "refused. \\[default: $LLMTUNE_MEMORY_LIMIT, else the free memory]")
+
+
+def _with_shared_options(app: typer.Typer) -> None:
+    """Every command takes --memory-limit (declared once here, not in each signature): its callback
+    sets the limit while the flags are parsed, so the command's function never sees it."""
+    for info in app.registered_commands:
+        fn = info.callback
+        sig = inspect.signature(fn)
+        if "memory_limit" in sig.parameters:
+            continue
+
+        @functools.wraps(fn)
+        def command(*args, _fn=fn, **kwargs):
+            kwargs.pop("memory_limit", None)  # set already, by its callback
+            return _fn(*args, **kwargs)
+
+        shared = inspect.Parameter("memory_limit", inspect.Parameter.KEYWORD_ONLY, default=MemoryLimitOption,
+                                   annotation=Optional[str])
+        command.__signature__ = sig.replace(parameters=[*sig.parameters.values(), shared])
+        info.callback = command
+
+
+_with_shared_options(app)
 readable_help(app)  # every command above: --help with FILE, N, X, TEXT
 
 

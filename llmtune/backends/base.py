@@ -63,6 +63,18 @@ class Backend:
 
     maps_host_arrays = False  # True where a backend array may be a host numpy array (a memory-mapped file's bytes)
 
+    def peak_flops(self) -> Optional[float]:
+        """The float32 product rate (FLOP/s) this backend's matrix products peak at, measured once
+        (the cpu: numpy's GEMM on all cores, backends/cpu/probes.py): what a finetune's model FLOP
+        utilisation is a share of; None where unknown."""
+        return None
+
+    def decode_cost(self, qtype: str) -> Optional[float]:
+        """How many times a product with a frozen matrix stored as `qtype` takes, decoded per
+        product, against the same product on a float32 copy (a training run's float copies); None
+        where the backend keeps no copies."""
+        return None
+
     def resident_bytes(self) -> Optional[int]:
         """The memory probe: bytes this backend's arrays hold in this process's own memory now
         (the cpu: the process's resident size), None where they live elsewhere (a device)."""

@@ -98,13 +98,14 @@ def evaluation_budget(tensors, compiled_decoders: bool) -> int:
     return min(float_copy_bytes(tensors), stored, avail // 4) if avail else 0
 
 
-def training_budget(tensors, need: int, available: int | None, packed: int = 0) -> int:
+def training_budget(tensors, need: int, available: int | None, packed: int = 0, share: int = 2) -> int:
     """Bytes of float32 copies a training run may keep of its frozen quantized matrices (QLoRA's
     base: every forward and backward multiplies them again, and the per-block decode would cost as
     much as the products), and of packed copies for the compiled forward product (`packed`: the
-    bytes those would take; FloatCopies.packed): what they take, where that fits in half of what
-    the run leaves free (`need`: its estimate without them); the rest stays as stored. 0 when
-    memory is unknown."""
+    bytes those would take; FloatCopies.packed): what they take, where that fits in 1/`share` of
+    what the run leaves free (`need`: its estimate without them; half by default, leaving the rest
+    to whatever runs beside; all of it, share=1, under a memory limit the user set); the rest
+    stays as stored. 0 when memory is unknown."""
     if available is None:
         return 0
-    return min(float_copy_bytes(tensors) + packed, max(0, (available - need) // 2))
+    return min(float_copy_bytes(tensors) + packed, max(0, (available - need) // share))

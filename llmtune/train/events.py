@@ -24,6 +24,7 @@ class EpochResult:
     val_accuracy_err: float = float("nan")
     tokens_per_s: float = 0.0
     seconds: float = 0.0
+    mfu: float = float("nan")  # model FLOP utilisation of the epoch's steps (train/flops.py)
     bench_accuracy: float = float("nan")  # --eval-benchmark: accuracy with the weights at the epoch's end
     bench_accuracy_err: float = float("nan")
     val_metrics: dict = field(default_factory=dict)  # --method dpo|orpo|simpo: TRL's metrics of the validation pass
@@ -55,6 +56,7 @@ class FinetuneResult:
     n_train_windows: int = 0
     n_val_windows: int = 0
     memory: dict = field(default_factory=dict)
+    plan: tuple = ()  # what a memory limit decided and what it costs (train/preflight.py plan_lines)
     bench_before: float = float("nan")  # --eval-benchmark: accuracy of the model before training
     val_loss_written: float = float("nan")  # a full finetune: the validation loss of the file as written
     best_step: int = 0  # --save-best / --early-stop: the step of the best validation pass (0: none)
@@ -90,6 +92,7 @@ class Start(Event):
     base_types: dict
     data: dict  # train/chat.py data_info
     base_mapped: int = 0  # bytes of the frozen base read from the model file's mapping (train/memory.py)
+    plan: tuple = ()  # what a memory limit decided and what it costs, one line each (train/preflight.py plan_lines)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class Step(Event):
     lr: float
     tokens_per_s: float
     grad_norm: float = float("nan")  # the step's global gradient norm before --grad-clip
+    mfu: float = float("nan")  # model FLOP utilisation of the epoch's steps so far (train/flops.py)
     metrics: dict = field(default_factory=dict)  # --method dpo|orpo|simpo: TRL's metrics (rewards/..., logps/...)
 
     def as_record(self) -> dict:

@@ -130,8 +130,10 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
                                         cfg.method)
     steps_per_epoch = preflight.steps_per_epoch(dataset, cfg, data_path)
     preflight.check_selection(dataset, cfg)
-    trainer = _trainer(model, trainable, cfg, ckpt, rewards=rewards if cfg.method == "grpo" else None,
-                       rollout=rollout)
+    make = lambda c: _trainer(model, trainable, c, ckpt, rewards=rewards if c.method == "grpo" else None,  # noqa: E731
+                              rollout=rollout)
+    trainer, cfg, plan = preflight.planned_trainer(make, cfg)
+    trainer.peak_flops = trainer.backend.peak_flops()  # measured once per machine (cached): MFU's denominator
     trainer.limits = guard.Limits.of(trainer)  # from the weights it starts from (a resume restores them below)
     memory = preflight.checked_memory(trainer, model_path, best_copy=cfg.save_best)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
@@ -141,7 +143,7 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     if ckpt is None:  # a resumed run was told when it started
         preflight.warn_futile(cfg, schedule, steps_per_epoch, warn)
     result = FinetuneResult(out_path, cfg, n_tokens=n_tokens, n_train_windows=dataset.n_train,
-                            n_val_windows=dataset.n_val, memory=memory)
+                            n_val_windows=dataset.n_val, memory=memory, plan=plan)
     run = Run(cfg, dataset, trainer, schedule, steps_per_epoch, result, inputs=inputs, run_id=uuid.uuid4().hex,
               hooks=run_hooks, emit=emit, selection=Selection.of(cfg))
     if ckpt is not None:
@@ -188,7 +190,7 @@ def start_event(run: Run) -> ev.Start:
     return ev.Start(config=run.cfg, memory=res.memory, n_tokens=res.n_tokens, n_train=ds.n_train, n_val=ds.n_val,
                     steps_per_epoch=run.steps_per_epoch, n_trainable=tr.n_trainable, n_params=tr.model.n_params(),
                     trainable=tr.trainable, backend=tr.backend.name, lora=_lora_info(tr.model, run.cfg), step=run.step,
-                    base_types=tr.base_types(), base_mapped=mapped_bytes(tr),
+                    base_types=tr.base_types(), base_mapped=mapped_bytes(tr), plan=res.plan,
                     data=data_info(ds, run.steps_per_epoch * (run.cfg.batch // run.cfg.ctx)))
 
 

@@ -156,7 +156,8 @@ def _train_epoch(run: Run, stop: StopRequest) -> None:
         step = ev.Step(epoch=run.epoch + 1, step=s + 1, steps=run.steps_per_epoch, global_step=run.step, loss=loss,
                        running_loss=run.stats.loss, accuracy=run.stats.accuracy, lr=lr,
                        tokens_per_s=(s + 1 - first) * run.cfg.batch / elapsed if elapsed > 0 else 0.0,
-                       grad_norm=run.trainer.grad_norm, metrics=dict(run.trainer.step_metrics))
+                       grad_norm=run.trainer.grad_norm, metrics=dict(run.trainer.step_metrics),
+                       mfu=run.trainer.mfu(elapsed / (s + 1 - first)))
         run.epoch_step = s + 1
         # elapsed_s: the run's training seconds so far, across epochs and resumes; method: what the loss is
         run.log.write({"type": "train_step", **step.as_record(), "elapsed_s": run.elapsed(), "method": run.cfg.method})
@@ -202,7 +203,8 @@ def _train_step(run: Run, s: int) -> tuple[float, float]:
 def _end_epoch(run: Run) -> ev.EpochResult:
     stats, (seconds, tokens) = run.stats, run.epoch_time
     result = ev.EpochResult(run.epoch + 1, stats.loss, stats.loss_err, stats.accuracy, stats.accuracy_err,
-                            tokens_per_s=tokens / seconds if seconds > 0 else 0.0, seconds=seconds)
+                            tokens_per_s=tokens / seconds if seconds > 0 else 0.0, seconds=seconds,
+                            mfu=run.trainer.mfu(seconds / max(1, tokens // run.cfg.batch)))
     # a pass --eval-every made at this step (the one --early-stop ended the epoch on) is not redone
     done = run.evaluation if run.evaluation is not None and run.evaluation.global_step == run.step else None
     evaluation = done or _evaluate(run, epoch_end=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from llmtune.errors import LlmtuneError
-from llmtune.quant.qtensor import QTensor, training_budget
-from llmtune.resources import available_memory
+from llmtune.quant.qtensor import QTensor, float_copy_bytes, training_budget
+from llmtune.resources import available_memory, binding_limit, limit_reserve
 
 
 def does_not_fit(model_path, backend, what: str, available: int | None = None) -> LlmtuneError:
@@ -29,6 +29,7 @@ def plan_copies(tr) -> tuple[int, set]:
     trainer's FloatCopies' pack and budget; -> (bytes of the packed copies, the names packed)."""
     copies = tr.float_copies
     tr._packed_bytes, tr._packed_names = 0, set()  # (memory_bytes reads them while this plans)
+    tr.copies_wanted = 0
     if copies is None or np.dtype(tr.backend.dtype) != np.float32:
         if copies is not None:
             copies.pack = False
@@ -42,12 +43,16 @@ def plan_copies(tr) -> tuple[int, set]:
     packs = {n: w for n, w in tr.frozen.items() if n in weights and (n in quantized or w.dtype == np.float32)}
     packed = sum(copies.packed_bytes(w.shape) for w in packs.values())
     need, available = sum(memory_bytes(tr).values()), available_memory(tr.backend)
+    share, limit = 2, binding_limit(tr.backend)
+    if limit is not None:  # the user's limit is the whole process's: all of what is left, less what runs
+        need, share = need + runtime_bytes(tr) + limit_reserve(limit), 1
     packing = copies.packing() and packed > 0
-    budget = training_budget({}, need, available, packed) if packing else 0
+    budget = training_budget({}, need, available, packed, share) if packing else 0
     if not packing or budget < packed:  # none, or not all of them: the float copies then, as they fit
         copies.pack = False
-        budget = training_budget(quantized, need, available)
+        budget = training_budget(quantized, need, available, share=share)
     copies.budget = budget
+    tr.copies_wanted = float_copy_bytes(quantized)  # what all of them would take (the plan prints the share)
     names = set(packs) if copies.pack and copies.releases else set()  # once packed, their file pages go back
     return packed, names
 
@@ -122,3 +127,21 @@ def base_types(tr) -> dict[str, int]:
             key, nbytes = ("F32" if itemsize == 4 else "F64"), w.size * itemsize
         out[key] = out.get(key, 0) + nbytes
     return out
+
+
+def runtime_bytes(tr) -> int:
+    """What the process holds now besides the estimate's parts written already (interpreter,
+    libraries, tokenizer, data): its resident size less the trained values (held_already); 0 where
+    the backend's arrays live elsewhere (a device)."""
+    rss = tr.backend.resident_bytes()
+    return 0 if rss is None else max(0, rss - held_already(tr))
+
+
+def held_already(tr) -> int:
+    """Bytes of the estimate that setup has written already: the trained values (and PiSSA's
+    residual bases, made in memory); the gradients and optimizer state are zeros not yet touched."""
+    held = tr.n_trainable * np.dtype(tr.backend.dtype).itemsize
+    adapters = tr.model.adapters
+    if adapters and adapters[0].initial:
+        held += sum(tr.model.weights[n].nbytes for n in adapters[0].initial)
+    return held

@@ -4,17 +4,27 @@ their work in this run, memory, disk space."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from llmtune.errors import LlmtuneError, plural
 from llmtune.gguf.file import GGUF_KIND, check_output_path
-from llmtune.resources import available_memory, check_disk_space, check_writable_folder, memory_limit
+from llmtune.resources import (
+    available_memory,
+    binding_limit,
+    check_disk_space,
+    check_writable_folder,
+    limit_reserve,
+    memory_limit_source,
+)
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.config import FinetuneConfig
 from llmtune.train.data import WindowDataset
+from llmtune.train.memory import held_already, runtime_bytes
 from llmtune.train.optim import LRSchedule
 from llmtune.train.output import output_bytes
 from llmtune.train.trainer import Trainer
@@ -130,33 +140,102 @@ def checked_memory(trainer: Trainer, model_path, best_copy: bool = False) -> dic
     memory = trainer.memory_bytes()
     if best_copy:
         memory["best weights"] = trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize
-    held = _held_already(trainer)
-    need, free, limit = sum(memory.values()), available_memory(trainer.backend), memory_limit()
+    held, runtime = held_already(trainer), runtime_bytes(trainer)
+    need, free, limit = sum(memory.values()), available_memory(trainer.backend), binding_limit(trainer.backend)
     # the free memory no longer counts what setup has written (the trained values), which the need
-    # does count; a LLMTUNE_MEMORY_LIMIT that binds is the budget of the whole run
-    whole_run = limit is not None and free is not None and free >= limit
-    if free is not None and (need if whole_run else need - held) > free:
-        more = "" if whole_run else f", {held / 2**20:.0f} MiB of it held already,"
+    # does count; a memory limit that binds is the budget of the whole process, its runtime included
+    if free is not None and (need + runtime if limit is not None else need - held) > free:
+        more = f" and {runtime / 2**20:.0f} MiB of runtime" if limit is not None else \
+            f", {held / 2**20:.0f} MiB of it held already,"
+        allowed = f"is allowed ({memory_limit_source()})" if limit is not None else "is available besides"
         raise LlmtuneError(
             f"{model_path}: the run needs {need / 2**20:.0f} MiB "
             f"({', '.join(f'{k} {v / 2**20:.0f}' for k, v in memory.items())})"
-            f"{more} but only {free / 2**20:.0f} MiB is available{'' if whole_run else ' besides'} "
+            f"{more} but only {free / 2**20:.0f} MiB {allowed} "
             f"({_shrink_hint(trainer)})"
         )
-    rss = trainer.backend.resident_bytes()
-    if rss is not None:  # the trained weights, written already, are resident and counted in "base"
-        memory["runtime"] = max(0, rss - held)
+    if trainer.backend.resident_bytes() is not None:  # the trained weights, written already, count in "base"
+        memory["runtime"] = runtime
     return memory
 
 
-def _held_already(trainer: Trainer) -> int:
-    """Bytes of the estimate that setup has written already: the trained values (and PiSSA's
-    residual bases, made in memory); the gradients and optimizer state are zeros not yet touched."""
-    held = trainer.n_trainable * np.dtype(trainer.backend.dtype).itemsize
-    adapters = trainer.model.adapters
-    if adapters and adapters[0].initial:
-        held += sum(trainer.model.weights[n].nbytes for n in adapters[0].initial)
-    return held
+COPIES = ("float copies", "packed copies")  # the estimate's parts a limit may shrink (memory.plan_copies)
+
+
+def planned_trainer(make: Callable[[FinetuneConfig], Trainer],
+                    cfg: FinetuneConfig) -> tuple[Trainer, FinetuneConfig, tuple[str, ...]]:
+    """The run's trainer, planned to fit a memory limit (--memory-limit, LLMTUNE_MEMORY_LIMIT) that
+    binds: the frozen matrices' copies take what the rest leaves (memory.plan_copies); where even
+    without them the run does not fit, --grad-checkpoint is turned on (said, in the plan) and the
+    trainer made again. -> (trainer, its config, the plan's lines: plan_lines). What cannot fit
+    even then is refused later, by checked_memory, in one line."""
+    limit = binding_limit()
+    if limit is None or cfg.grad_checkpoint:
+        trainer = make(cfg)
+        return trainer, cfg, plan_lines(trainer, limit, None)
+    try:
+        trainer = make(cfg)
+    except LlmtuneError:  # its activations alone do not fit (StepPrograms): checkpointing is the saving left
+        trainer = None
+    if trainer is not None and _fits_without_copies(trainer, limit):
+        return trainer, cfg, plan_lines(trainer, limit, None)
+    before = trainer.memory_bytes()["activations"] if trainer is not None else None
+    flops_before = trainer.flops_per_step if trainer is not None else None
+    del trainer  # its buffers go before the next one's are made
+    cfg = dataclasses.replace(cfg, grad_checkpoint=True)
+    trainer = make(cfg)
+    after = trainer.memory_bytes()["activations"]
+    cost = f", ~{trainer.flops_per_step / flops_before:.2f}x the step's products (the recompute)" \
+        if flops_before else ""
+    turned_on = ("--grad-checkpoint: turned on, the run does not fit the limit without it (activations "
+                 + (f"{before / 2**20:,.0f} -> " if before is not None else "") + f"{after / 2**20:,.0f} MiB{cost})")
+    return trainer, cfg, plan_lines(trainer, limit, turned_on)
+
+
+def _fits_without_copies(trainer: Trainer, limit: int) -> bool:
+    """Whether the run's estimate, its copies left out, and its runtime fit the limit (its reserve kept)."""
+    need = sum(v for k, v in trainer.memory_bytes().items() if k not in COPIES)
+    return need + runtime_bytes(trainer) + limit_reserve(limit) <= limit
+
+
+def plan_lines(trainer: Trainer, limit: int | None, turned_on: str | None) -> tuple[str, ...]:
+    """What a binding memory limit decided, and its cost, in words: the limit; the frozen matrices'
+    copies kept of all they would take and, for those left decoded per product, the base products'
+    slowdown: 1 + s (c - 1), s the share of their FLOPs left without a copy (a copy's bytes are its
+    weights', as are its FLOPs) and c the backend's measured decode cost (Backend.decode_cost; the
+    highest of the base's types); --grad-checkpoint when the limit turned it on. Empty where no
+    limit binds and every copy is kept."""
+    copies = trainer.float_copies
+    wanted = getattr(trainer, "copies_wanted", 0)
+    kept = 0 if copies is None else copies.budget - (trainer._packed_bytes if copies.pack else 0)
+    packed_all = copies is not None and copies.pack and trainer._packed_bytes and copies.budget >= trainer._packed_bytes
+    lines = []
+    if limit is not None:
+        lines.append(f"memory limit {_size(limit)} ({memory_limit_source()}), the process's runtime and a "
+                     f"reserve of {_size(limit_reserve(limit))} included")
+    if packed_all:
+        lines.append(f"packed copies: all {_size(trainer._packed_bytes)} (the compiled product)")
+    elif wanted and (limit is not None or kept < wanted):
+        short = max(0, wanted - kept) / wanted  # the share of the frozen products' FLOPs decoded per product
+        qtypes = {w.qtype for n, w in trainer.frozen.items() if hasattr(w, "qtype")}
+        costs = [c for c in (trainer.backend.decode_cost(q) for q in sorted(qtypes)) if c is not None]
+        cost = max(costs) if costs else None
+        if short <= 0:
+            lines.append(f"float copies: all {_size(wanted)}")
+        else:
+            slower = "" if cost is None else (
+                f": ~{1 + short * (cost - 1):.2f}x slower base products (a product decoded per block takes "
+                f"{cost:.2f}x its float32 copy's, measured)")
+            lines.append(f"float copies: {_size(max(0, kept), wanted)} of {_size(wanted)}, the rest "
+                         f"({100 * short:.0f} %) decoded per product{slower}")
+    if turned_on:
+        lines.append(turned_on)
+    return tuple(lines)
+
+
+def _size(n: int, unit_of: int | None = None) -> str:
+    """Bytes in GiB (2 decimals) from 1 GiB up, else in MiB; unit_of: in the unit of that size."""
+    return f"{n / 2**30:.2f} GiB" if (unit_of or n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def _shrink_hint(trainer: Trainer) -> str:

@@ -24,7 +24,7 @@ from llmtune.graph.planner import ProgramCache
 from llmtune.model.loaded import Model
 from llmtune.quant.qtensor import QTensor, shape_only
 from llmtune.resources import available_memory
-from llmtune.train import guard, memory
+from llmtune.train import flops, guard, memory
 from llmtune.train.microbatches import MicroBatches
 from llmtune.train.optim import Optimizer
 from llmtune.train.programs import NextTokenLoss, StepPrograms
@@ -109,6 +109,7 @@ class Trainer:
         self.layout_inputs = layout_inputs or packing_inputs
         self.grad_clip = float(grad_clip)  # > 0: the step's gradient is clipped to this global L2 norm
         self.grad_norm = math.nan  # the last step's global gradient norm, before clipping
+        self.peak_flops = None  # the backend's float32 product peak, measured (finetune sets it: train/flops.py)
         self.limits = guard.Limits()  # what stops training besides non-finite values (Diverged); finetune sets them
         # named metrics of the last step and validation pass beyond loss and accuracy (train/preference.py)
         self.step_metrics: dict = {}
@@ -192,6 +193,16 @@ class Trainer:
     def base_types(self) -> dict[str, int]:
         """Bytes of the base weights by how they are held (train/memory.py base_types)."""
         return memory.base_types(self)
+
+    @functools.cached_property
+    def flops_per_step(self) -> int:
+        """The products' FLOPs of one optimizer step on this rank (train/flops.py): its micro-batches'
+        full training pass each."""
+        return flops.program_flops(self.programs.train[0].order) * len(self.my_ubatches)
+
+    def mfu(self, seconds_per_step: float) -> float:
+        """Model FLOP utilisation of steps taking `seconds_per_step` (NaN without a measured peak)."""
+        return flops.mfu(self.flops_per_step, seconds_per_step, self.peak_flops)
 
     def base_products(self) -> str:
         """"packed" or "blas": the frozen matrices' product (train/memory.py base_products)."""

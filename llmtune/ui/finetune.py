@@ -77,6 +77,8 @@ class FinetuneReporter:
         if "base" in mem and set(types) - {"F32", "F64"}:  # a base kept in its file types: say what each costs
             parts[list(mem).index("base")] += " (" + ", ".join(f"{t} {mib(v)}" for t, v in types.items()) + ")"
         self.err.print("memory: " + ", ".join(parts) + f"; total {mib(sum(mem.values()))}")
+        for line in e.plan:  # what a memory limit decided, and what it costs (train/preflight.py plan_lines)
+            self.err.print(f"plan: {line}", highlight=False, soft_wrap=True)
         if e.data:
             self.err.print(data_line(e.data), highlight=False)
 
@@ -98,7 +100,8 @@ class FinetuneReporter:
             # no bar off a terminal: a line about every tenth of an epoch, so a log shows the run moving
             acc = f"acc {e.accuracy:.3f}, " if e.accuracy == e.accuracy else ""  # GRPO has none
             self.err.print(f"epoch {e.epoch} step {e.step}/{e.steps}: loss {e.running_loss:.4f}, {acc}"
-                           f"{_preference_words(e.metrics)}lr {e.lr:.2e}, {e.tokens_per_s:,.0f} tok/s", highlight=False)
+                           f"{_preference_words(e.metrics)}lr {e.lr:.2e}, {e.tokens_per_s:,.0f} tok/s{_mfu(e.mfu)}",
+                           highlight=False)
 
     def _on_epoch(self, e: ev.EpochEnd):
         info = e.as_record()
@@ -115,7 +118,8 @@ class FinetuneReporter:
         if not math.isnan(info.get("bench_accuracy", math.nan)):
             fields.append(f"| {self._bench_name()} acc {percent(info['bench_accuracy'], info['bench_accuracy_err'])}")
         if timing:
-            fields.append(f"| {info['tokens_per_s']:,.0f} tok/s, {info['seconds']:.1f}s")
+            mfu = _mfu(info.get("mfu", math.nan))
+            fields.append(f"| {info['tokens_per_s']:,.0f} tok/s{mfu}, {info['seconds']:.1f}s")
         return fields
 
     @staticmethod
@@ -213,15 +217,16 @@ class FinetuneReporter:
     def _summary(self) -> Table:
         table = Table(title="finetune summary")
         bench = self.bench is not None or any(not math.isnan(e.get("bench_accuracy", math.nan)) for e in self.epochs)
-        for col in ("epoch", "train loss", "train acc", "val loss", "val acc", "tok/s", "time"):
+        for col in ("epoch", "train loss", "train acc", "val loss", "val acc", "tok/s", "MFU", "time"):
             table.add_column(col, justify="right")
         if bench:  # --eval-benchmark: a row for the model before training, a column for each epoch
             table.add_column(f"{self._bench_name()} acc", justify="right")
             if self.bench is not None:
-                table.add_row("before", *["-"] * 6, percent(self.bench.accuracy, self.bench.accuracy_err))
+                table.add_row("before", *["-"] * 7, percent(self.bench.accuracy, self.bench.accuracy_err))
         for e in self.epochs:
             table.add_row(str(e["epoch"]), *(_with_err(e, key) for key in _EPOCH_STATS),
-                          f"{e['tokens_per_s']:,.0f}", f"{e['seconds']:.1f}s",
+                          f"{e['tokens_per_s']:,.0f}", _percent_or_dash(e.get("mfu", math.nan)),
+                          f"{e['seconds']:.1f}s",
                           *([percent(e["bench_accuracy"], e["bench_accuracy_err"])] if bench else []))
         return table
 
@@ -272,6 +277,15 @@ def loss_line(losses: list) -> str:
     steps, values = [s for s, _ in losses], [v for _, v in losses]
     return (f"loss {sparkline(values)} {values[0]:.4f} -> {values[-1]:.4f} "
             f"(steps {steps[0]}-{steps[-1]})")
+
+
+def _percent_or_dash(value: float) -> str:
+    return "-" if value != value else f"{100 * value:.1f} %"
+
+
+def _mfu(value: float) -> str:
+    """", 41.2 % MFU" (model FLOP utilisation, train/flops.py); "" where it is unknown."""
+    return "" if value != value else f", {100 * value:.1f} % MFU"
 
 
 def _preference_words(metrics: dict) -> str:

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from llmtune.backends.base import Backend, kernel_table
-from llmtune.backends.cpu import attention, optim, products
+from llmtune.backends.cpu import attention, optim, probes, products
 from llmtune.backends.cpu.native import kernels as native, program as native_program
 from llmtune.backends.cpu.threads import BlasTuner, blas_threads, cpu_workers
 from llmtune.quant.qtensor import QTensor, evaluation_budget
@@ -652,6 +652,12 @@ class CPUBackend(Backend):
 
     def resident_bytes(self):
         return process_rss()
+
+    def peak_flops(self):
+        return probes.gemm_peak()
+
+    def decode_cost(self, qtype):
+        return probes.decode_cost(qtype)
 
     def bind(self, model, *, float_copies=False):
         """As Backend.bind; float_copies: quantized matrices bound with a FloatCopies, so their

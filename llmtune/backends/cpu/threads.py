@@ -320,14 +320,13 @@ class BlasTuner:
 
 
 class ProbeCache:
-    """One measured fact about this machine (a bool), kept in the cache folder (native/build.py's
+    """One measured fact about this machine (a bool, or a float: a rate), kept in the cache folder (native/build.py's
     cache_dir: $LLMTUNE_CACHE_DIR, else ~/.cache/llmtune) as `<name>.json`, under a key that hashes
     everything the fact depends on. A cache that cannot be read or written (a read-only home, a
     damaged file) only means measuring again: get() says None, put() does nothing."""
 
-    def __init__(self, name: str, identity: str):
-
-
+    def __init__(self, name: str, identity: str, kind: type = bool):
+        self.kind = kind  # bool (a bit-probe's verdict) or float (a measured rate)
         self.path = cache_dir() / f"{name}.json"
         self.key = hashlib.sha256(identity.encode()).hexdigest()[:16]
 
@@ -339,15 +338,15 @@ class ProbeCache:
             return {}
         return facts if isinstance(facts, dict) else {}
 
-    def get(self) -> Optional[bool]:
+    def get(self):
         value = self._read().get(self.key)
-        return value if isinstance(value, bool) else None
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        return value if isinstance(value, self.kind) and (self.kind is bool or not isinstance(value, bool)) else None
 
-    def put(self, value: bool) -> None:
-
-
+    def put(self, value) -> None:
         facts = self._read()
-        facts[self.key] = bool(value)
+        facts[self.key] = self.kind(value)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # whole or not at all, as concurrent processes may write it

@@ -1,0 +1,81 @@
+"""Two rates of this machine, measured once and cached as the BLAS bit-probe is (threads.py
+ProbeCache): the float32 GEMM peak a finetune's model FLOP utilisation is a share of, and what a
+product of a matrix decoded per block costs against the same product on its float32 copy (what a
+memory limit that leaves a frozen matrix without its copy costs a step)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from llmtune.backends.cpu.products import qlinear
+from llmtune.backends.cpu.threads import ProbeCache, _blas_identity, blas_threads, n_cores
+from llmtune.quant.blocks import quantize
+
+# a training step's shapes at 1B scale: 512 tokens through a 2048 -> 4096 matrix (8.6 GFLOP, ~20 ms
+# at 450 GFLOP/s), the best of a few runs: a peak, not an average
+PEAK_SHAPE = (512, 2048, 4096)
+PEAK_RUNS = 5
+# one product of 256 rows with a 1024 x 2048 matrix, decoded a block of rows at a time, against
+# numpy's product on its float32 copy: the median ratio of COST_RUNS pairs
+COST_SHAPE = (256, 2048, 1024)
+COST_RUNS = 5
+
+
+def _best(fn, runs: int) -> float:
+    fn()  # first touch, thread start-up
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_peak() -> float:
+    """FLOP/s of numpy's float32 GEMM on all cores (the best of PEAK_RUNS products of PEAK_SHAPE),
+    measured once per machine and BLAS (its cache key: threads.py _blas_identity)."""
+    n = n_cores()
+    cache = ProbeCache("gemm-peak", _blas_identity(n) + f"\nshape {PEAK_SHAPE}", kind=float)
+    cached = cache.get()
+    if cached is not None:
+        return cached
+    m, k, cols = PEAK_SHAPE
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, cols), dtype=np.float32)
+    out = np.empty((m, cols), np.float32)
+    with blas_threads(n):
+        seconds = _best(lambda: np.matmul(a, b, out=out), PEAK_RUNS)
+    rate = 2.0 * m * k * cols / seconds
+    cache.put(rate)
+    return rate
+
+
+def decode_cost(qtype: str) -> float:
+    """How many times longer a product with a matrix stored as `qtype` takes decoded a block of
+    rows at a time (products.qlinear without a float copy) than numpy's product on its float32
+    copy, on one thread (COST_SHAPE: the median ratio of COST_RUNS pairs of timings, each the best of
+    two); measured once per type, machine and BLAS. 1.0 for a float32 matrix."""
+    if qtype == "F32":
+        return 1.0
+    cache = ProbeCache("decode-cost", _blas_identity(1) + f"\n{qtype} {COST_SHAPE}", kind=float)
+    cached = cache.get()
+    if cached is not None:
+        return cached
+    rows, n_in, n_out = COST_SHAPE
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((n_out, n_in), dtype=np.float32) * 0.02)
+    raw = np.ascontiguousarray(quantize(w, GGMLQuantizationType[qtype])).view(np.uint8)  # F16: its bytes
+    x = rng.standard_normal((rows, n_in), dtype=np.float32)
+    out = np.empty((rows, n_out), np.float32)
+    decoded = lambda: qlinear(out, x, raw, qtype, round_x=False)  # noqa: E731
+    dense = lambda: np.matmul(x, w.T, out=out)  # noqa: E731
+    # one thread: a ratio of work per core (both products split over the cores alike), and on a
+    # shared machine OpenBLAS's threads contending for the cores made two-thread timings swing 2-5x
+    with blas_threads(1):  # in pairs, each the best of two: the load drifts between them
+        ratios = sorted(_best(decoded, 2) / _best(dense, 2) for _ in range(COST_RUNS))
+    ratio = max(1.0, ratios[len(ratios) // 2])
+    cache.put(ratio)
+    return ratio
