@@ -286,7 +286,8 @@ def init_cmd(
 @app.command("import")
 def import_cmd(
     folder: Path = typer.Argument(..., metavar="HF_DIR", show_default=False,
-                                  help="A local Hugging Face model folder (config.json, *.safetensors, tokenizer.json)."),
+                                  help="A local Hugging Face model folder (config.json, *.safetensors, "
+                                       "tokenizer.json)."),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the GGUF.", show_default=False),
     type: str = typer.Option("f16", "--type", metavar="TYPE",
                              help="f32, f16, bf16 or q8_0 for the matrices (1-D tensors and norms stay F32), as "
