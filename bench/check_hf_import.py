@@ -141,13 +141,23 @@ def make_real(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
-def tokenize_ids(model: Path, text_file: Path) -> list[int]:
-    res = subprocess.run([str(BIN / "llama-tokenize"), "-m", str(model), "-f", str(text_file), "--ids", "--log-disable",
+def tokenize_ids(tool: Path, model: Path, text_file: Path) -> list[int]:
+    res = subprocess.run([str(tool), "-m", str(model), "-f", str(text_file), "--ids", "--log-disable",
                           "--no-bos"], capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def real(folder: Path, work: Path) -> None:
+def real(folder: Path, work: Path, tool: Path, tokenize_only: bool) -> None:
+    if not tokenize_only:
+        convert_real(folder, work)
+    wiki = work / "wikitext-slice.txt"
+    wiki.write_text(WIKITEXT.read_text(encoding="utf-8")[:200_000], encoding="utf-8")
+    for text in (wiki, MIXED):
+        a, b = tokenize_ids(tool, work / "real.f32.gguf", text), tokenize_ids(tool, work / "real.f32.ref.gguf", text)
+        print(f"llama-tokenize {text.name}: {len(a)} ids, {'same' if a == b else 'DIFFERENT'} on both files")
+
+
+def convert_real(folder: Path, work: Path) -> None:
     if not folder.is_dir():
         make_real(folder)
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
@@ -161,11 +171,40 @@ def real(folder: Path, work: Path) -> None:
               f"differences; import {t_ours:.1f} s ({size / t_ours / 2**20:.0f} MiB/s read, "
               f"{ours.stat().st_size / t_ours / 2**20:.0f} MiB/s written), peak RSS {rss / 1024:.0f} MiB; "
               f"converter {t_ref:.1f} s", *diff, sep="\n  ")
-    wiki = work / "wikitext-slice.txt"
-    wiki.write_text(WIKITEXT.read_text(encoding="utf-8")[:200_000], encoding="utf-8")
-    for text in (wiki, MIXED):
-        a, b = tokenize_ids(work / "real.f32.gguf", text), tokenize_ids(work / "real.f32.ref.gguf", text)
-        print(f"llama-tokenize {text.name}: {len(a)} ids, {'same' if a == b else 'DIFFERENT'} on both files")
+
+
+# configs/llama-1b.toml's shape (Llama-3.2-1B) with SmolLM2's 49,152-token vocabulary, output untied: 1.07B
+BIG = dict(SMALL, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+           num_key_value_heads=8, max_position_embeddings=131072)
+
+
+def big(folder: Path, work: Path, with_converter: bool) -> None:
+    """Speed and peak RSS on a 1B-class BF16 folder (seeded weights), as f16; the converter too if asked."""
+    import transformers
+
+    if not (folder / "model.safetensors").is_file():
+        cfg = transformers.LlamaConfig(**BIG, tie_word_embeddings=False, rope_theta=500000.0)
+        cfg.architectures = ["LlamaForCausalLM"]
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg.save_pretrained(tmp)
+            config = json.loads((Path(tmp) / "config.json").read_text())
+        start = time.perf_counter()
+        hf_fixture.make_folder({"config": config, "dtype": "BF16", "seed": 1}, folder)
+        print(f"made {folder} in {time.perf_counter() - start:.0f} s")
+    size = (folder / "model.safetensors").stat().st_size
+    ours = work / "big.f16.gguf"
+    seconds, rss = llmtune_import(folder, ours, "f16")
+    print(f"{folder.name}: {size / 2**30:.2f} GiB BF16 -> f16 {ours.stat().st_size / 2**30:.2f} GiB in {seconds:.1f} s "
+          f"({ours.stat().st_size / seconds / 2**20:.0f} MiB/s written), peak RSS {rss / 1024:.0f} MiB")
+    if with_converter:
+        ref = work / "big.f16.ref.gguf"
+        t_ref = converter(folder, ref, "f16")
+        diff = hf_compare.differences(ours, ref)
+        same = ours.read_bytes() == ref.read_bytes()
+        print(f"converter {t_ref:.1f} s; {'byte-identical file' if same else 'files differ'}, {len(diff)} differences",
+              *diff, sep="\n  ")
+        ref.unlink()
+    ours.unlink()
 
 
 def main() -> None:
@@ -173,11 +212,19 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="build, compare and record the tiny folders")
     ap.add_argument("--real", type=Path, metavar="DIR", help="the real folder (made from the GGUF when missing)")
     ap.add_argument("--record-only", action="store_true", help="with --record: skip the real folder's checks")
+    ap.add_argument("--tokenize-only", action="store_true", help="with --real: only llama-tokenize the files in --work")
+    ap.add_argument("--llama-tokenize", type=Path, default=BIN / "llama-tokenize", metavar="PATH",
+                    help="llama.cpp's llama-tokenize (build-isa has none: g++ tools/tokenize/tokenize.cpp against "
+                         "build-isa/bin's libllama and libllama-common)")
+    ap.add_argument("--big", type=Path, metavar="DIR", help="a 1B-class folder (made when missing): speed, RSS")
+    ap.add_argument("--big-converter", action="store_true", help="with --big: run and compare the converter too")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "check_hf_import")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.real is not None and not args.record_only:
-        real(args.real, args.work)
+        real(args.real, args.work, args.llama_tokenize, args.tokenize_only)
+    if args.big is not None:
+        big(args.big, args.work, args.big_converter)
     if args.record:
         record(args.work, args.real or args.work / "SmolLM2-135M-Instruct")
     print(f"peak RSS of this script: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")

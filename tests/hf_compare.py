@@ -6,33 +6,30 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType as VT
+from gguf import GGUFValueType as VT
+
+from llmtune.gguf.file import load_gguf
+
+
+def _plain(value):
+    return value.item() if hasattr(value, "item") else value
 
 
 def plain_fields(path) -> dict:
-    """Every metadata key -> (type name, value) with gguf-py's reader (the file's own layout, not llmtune's)."""
+    """Every metadata key -> (type name, value): arrays as lists of python values, in file order."""
     out = {}
-    for key, field in GGUFReader(path).fields.items():
-        if key.startswith("GGUF."):
-            continue
-        vtype = VT(field.types[0])
-        if vtype == VT.ARRAY:
-            sub = VT(field.types[1])
-            vals = [field.parts[i] for i in field.data]
-            value = [bytes(v).decode("utf-8", "surrogateescape") if sub == VT.STRING else v.item() for v in vals]
-            out[key] = (f"ARRAY[{sub.name}]", value)
-        elif vtype == VT.STRING:
-            out[key] = ("STRING", bytes(field.parts[field.data[0]]).decode("utf-8", "surrogateescape"))
+    for key, mv in load_gguf(path).meta.items():
+        if mv.type == VT.ARRAY:
+            out[key] = (f"ARRAY[{VT(mv.sub_type).name}]", [_plain(v) for v in mv.value])
         else:
-            out[key] = (vtype.name, field.parts[field.data[0]].item())
+            out[key] = (VT(mv.type).name, _plain(mv.value))
     return out
 
 
 def tensor_digests(path) -> dict:
-    """name -> (type name, GGUF shape, sha256 of the stored bytes), in file order."""
-    return {t.name: (t.tensor_type.name, [int(n) for n in t.shape], hashlib.sha256(np.ascontiguousarray(t.data)
-                                                                                  .view(np.uint8)).hexdigest())
-            for t in GGUFReader(path).tensors}
+    """name -> (type name, GGUF shape (ne), sha256 of the stored bytes), in file order."""
+    return {name: (t.type.name, list(reversed(t.shape)), hashlib.sha256(np.ascontiguousarray(t.raw).view(np.uint8))
+                   .hexdigest()) for name, t in load_gguf(path).tensors.items()}
 
 
 def metadata_digest(fields: dict) -> dict:

@@ -48,24 +48,27 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return dict(sorted(shapes.items()))
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str) -> None:
-    """float32 arrays stored as `dtype` (F32, F16, BF16: the upper 16 bits, rounded to nearest even)."""
-    header, blobs, offset = {}, [], 0
-    for name, arr in tensors.items():
-        if dtype == "BF16":
-            bits = np.ascontiguousarray(arr, dtype="<f4").view("<u4")
-            raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
-        else:
-            raw = np.ascontiguousarray(arr, dtype=_ST_DTYPES[dtype]).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], draw, dtype: str) -> None:
+    """Tensors of `shapes`, each `draw(shape)` (float32, asked in order, one held at a time), stored as `dtype`
+    (F32, F16, BF16: the upper 16 bits, rounded to nearest even)."""
+    header, offset = {}, 0
+    width = {"F32": 4, "F16": 2, "BF16": 2}[dtype]
+    for name, shape in shapes.items():
+        size = int(np.prod(shape)) * width
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
     head = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     with open(path, "wb") as fh:
         fh.write(len(head).to_bytes(8, "little") + head)
-        for raw in blobs:
-            fh.write(raw)
+        for shape in shapes.values():
+            arr = draw(shape)
+            if dtype == "BF16":
+                bits = np.ascontiguousarray(arr, dtype="<f4").view("<u4")
+                fh.write(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes())
+            else:
+                fh.write(np.ascontiguousarray(arr, dtype=_ST_DTYPES[dtype]).tobytes())
+            del arr
 
 
 def make_folder(record: dict, folder: Path) -> Path:
@@ -73,9 +76,8 @@ def make_folder(record: dict, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(record["config"], indent=2) + "\n", encoding="utf-8")
     rng = np.random.default_rng(record["seed"])
-    tensors = {name: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05)
-               for name, shape in hf_tensor_shapes(record["config"]).items()}
-    write_safetensors(folder / "model.safetensors", tensors, record["dtype"])
+    write_safetensors(folder / "model.safetensors", hf_tensor_shapes(record["config"]),
+                      lambda shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05), record["dtype"])
     with gzip.open(DATA / "smollm2-tokenizer.json.gz", "rb") as src, open(folder / "tokenizer.json", "wb") as dst:
         shutil.copyfileobj(src, dst)
     for name in TOKENIZER_FILES:

@@ -5,7 +5,7 @@ The folder: config.json, model.safetensors (or model-*.safetensors with model.sa
 a byte-level BPE tokenizer (hf_vocab.py). The tensors are renamed by the family's HF table
 (arch/hf_names.py; llama's q/k rows permuted back, LlamaModel.permute), the hyper-parameters read by
 arch/hf_config.py's table, and the file is written one piece of one tensor at a time
-(write_gguf_streamed): memory holds a piece, whatever the model's size. The safetensors files are
+(write_gguf_streamed): memory holds a few pieces, whatever the model's size. The safetensors files are
 checked with the `safetensors` library and their data read through a memory map (BF16 included,
 which numpy cannot name). Never the network: a hub name is refused with the path form to use.
 """
@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -29,9 +30,17 @@ from llmtune.arch.hf_config import gguf_hparams
 from llmtune.convert.export import tensor_plans
 from llmtune.convert.hf_vocab import read_json, vocab_metadata
 from llmtune.errors import LlmtuneError
-from llmtune.gguf.file import GGUF_KIND, MetaValue, TensorSlot, check_output_path, write_gguf_streamed
+from llmtune.gguf.file import (
+    GGUF_KIND,
+    MetaValue,
+    TensorSlot,
+    check_output_path,
+    metadata_nbytes,
+    write_gguf_streamed,
+)
 from llmtune.quant import blocks as quants
 from llmtune.quant.plan import export_type
+from llmtune.resources import check_disk_space
 
 PIECE_ELEMENTS = 1 << 22  # values read, converted and written at a time (16 MiB as float32)
 IMPORT_TYPES = ("f32", "f16", "bf16", "q8_0")  # convert_hf_to_gguf.py's --outtype (others: llmtune export)
@@ -86,15 +95,20 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     }
     if arch == "llama" and config.get("vocab_size", 32000) == 49152:  # LlamaModel.set_vocab: "granite small models"
         meta["tokenizer.ggml.add_bos_token"] = MetaValue(False, VT.BOOL)
+    check_disk_space(out.parent, metadata_nbytes(meta) + sum(slot.n_bytes for slot in slots),
+                     f"the imported model's {len(slots)} tensors ({type})")
     by_name = {s.name: s for s in sources}
     rows = _row_order(get_family(arch).hf, hp)
 
-    def pieces(slot: TensorSlot) -> Iterator[np.ndarray]:
-        yield from _pieces(by_name[slot.name], slot.type, rows(slot.name, slot.shape))
-
     done = iter(range(1, len(slots) + 1))
     on_written = None if progress is None else lambda name: progress(next(done), len(slots), name)
-    return write_gguf_streamed(out, arch, meta, slots, pieces, inputs=[s.path for s in sources], progress=on_written)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="import") as pool:
+
+        def pieces(slot: TensorSlot) -> Iterator[np.ndarray]:
+            yield from _pieces(by_name[slot.name], slot.type, rows(slot.name, slot.shape), pool)
+
+        return write_gguf_streamed(out, arch, meta, slots, pieces, inputs=[s.path for s in sources],
+                                   progress=on_written)
 
 
 def _check_folder(folder) -> Path:
@@ -244,28 +258,38 @@ def _row_order(names, hp) -> Callable[[str, tuple[int, ...]], np.ndarray | None]
     return order
 
 
-def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None) -> Iterator[np.ndarray]:
-    """The tensor's rows as `qtype`, PIECE_ELEMENTS values at a time, read through a memory map."""
+def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
+    """The tensor's rows as `qtype`, PIECE_ELEMENTS values at a time, read through a memory map; the next
+    piece is read and converted on `pool`'s thread while the writer writes this one (numpy and file
+    writes release the GIL), so reading, converting and writing overlap: memory holds three pieces."""
     count = math.prod(src.shape)
     data = np.memmap(src.path, dtype=_DTYPES[src.dtype], mode="r", offset=src.offset, shape=(count,))
     n_cols = src.shape[-1] if src.shape else 1
     data = data.reshape(-1, n_cols)
     step = max(1, PIECE_ELEMENTS // n_cols)
+
+    def convert(start: int) -> np.ndarray:
+        rows = slice(start, start + step) if order is None else order[start:start + step]
+        piece = _as_float(np.asarray(data[rows]), src.dtype, qtype)
+        return quants.quantize(piece.reshape(-1) if len(src.shape) <= 1 else piece, qtype)
+
+    pending = pool.submit(convert, 0)
     try:
-        for start in range(0, data.shape[0], step):
-            rows = slice(start, start + step) if order is None else order[start:start + step]
-            piece = _as_float(np.asarray(data[rows]), src.dtype, qtype)
-            if len(src.shape) <= 1:
-                piece = piece.reshape(-1)
-            yield quants.quantize(piece, qtype)
+        for start in range(step, data.shape[0], step):
+            ahead = pool.submit(convert, start)
+            yield pending.result()
+            pending = ahead
+        yield pending.result()
     finally:
-        del data
+        pending.cancel()
 
 
 def _as_float(raw: np.ndarray, dtype: str, qtype: QT) -> np.ndarray:
     """prepare_tensors' float: F16 kept for F16 output, everything else float32 (BF16: the upper half)."""
     if dtype == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
+        wide = raw.astype(np.uint32)
+        wide <<= 16
+        return wide.view(np.float32)
     if dtype == "F16" and qtype == QT.F16:
         return raw
     return raw.astype(np.float32)

@@ -140,25 +140,24 @@ def special_metadata(folder: Path, tok_json: dict, config: dict) -> dict[str, Me
             single = proc.get("single", [])
             if len(single) > 1:
                 first = single[0].get("SpecialToken", {}).get("id")
-                if first:
-                    add["bos"] = first == _content(tc.get("bos_token"))
+                if first:  # without a tokenizer_config.json the template's own token is the BOS
+                    add["bos"] = not tc or first in (_content(tc.get("bos_token")), _content(tc.get("cls_token")))
                 last = single[-1].get("SpecialToken", {}).get("id")
                 if last:
-                    add["eos"] = last == _content(tc.get("eos_token"))
+                    add["eos"] = not tc or last == _content(tc.get("eos_token"))
         elif proc.get("type") is not None:
             raise LlmtuneError(f"{folder / 'tokenizer.json'}: a {proc['type']} post-processor; llmtune import "
                                f"knows ByteLevel and TemplateProcessing")
     ids: dict[str, int] = {}
     added = tok_json.get("added_tokens", [])
-    n_vocab = None
     for typ in SPECIAL_TYPES:
         if isinstance(entry := tc.get(f"add_{typ}_token"), bool):
             add.setdefault(typ, entry)
         content = _content(tc.get(f"{typ}_token"))
         if content is not None:
-            _set_id(ids, typ, next((a.get("id") for a in added if a.get("content") == content), None), n_vocab)
+            _set_id(ids, typ, next((a.get("id") for a in added if a.get("content") == content), None))
     for typ in SPECIAL_TYPES:
-        _set_id(ids, typ, config.get(f"{typ}_token_id"), n_vocab)
+        _set_id(ids, typ, config.get(f"{typ}_token_id"))
     meta = {}
     if merges := _merges(tok_json):
         meta["tokenizer.ggml.merges"] = MetaValue(merges, VT.ARRAY, VT.STRING)
@@ -167,7 +166,7 @@ def special_metadata(folder: Path, tok_json: dict, config: dict) -> dict[str, Me
         meta[f"tokenizer.ggml.{key}_token_id"] = MetaValue(tid, VT.UINT32)
     for typ, value in add.items():
         meta[f"tokenizer.ggml.add_{typ}_token"] = MetaValue(value, VT.BOOL)
-    if (template := _chat_template(folder, tc)) is not None:
+    if tc and (template := _chat_template(folder, tc)) is not None:  # SpecialVocab reads it beside a config only
         meta["tokenizer.chat_template"] = MetaValue(template, VT.STRING)
     return meta
 
@@ -183,7 +182,7 @@ def _content(entry) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
-def _set_id(ids: dict[str, int], typ: str, tid, n_vocab) -> None:
+def _set_id(ids: dict[str, int], typ: str, tid) -> None:
     """SpecialVocab._set_special_token: the first id found for a type stays."""
     if isinstance(tid, int) and not isinstance(tid, bool) and tid >= 0 and typ not in ids:
         ids[typ] = tid
