@@ -87,13 +87,15 @@ def test_damaged_safetensors_header(folders, tmp_path, monkeypatch, capsys):
     assert str(weights) in line and "not a readable safetensors file" in line
 
 
-def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("arch,words", [("MambaForCausalLM", "is not an architecture llmtune imports"),
+                                        ("Gemma2ForCausalLM", "import is not supported yet")])
+def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys, arch, words):
     folder = _copy(folders, tmp_path)
     config = json.loads((folder / "config.json").read_text())
-    config["architectures"] = ["MambaForCausalLM"]
+    config["architectures"] = [arch]
     (folder / "config.json").write_text(json.dumps(config))
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
-    assert "MambaForCausalLM" in line and "LlamaForCausalLM" in line
+    assert arch in line and words in line and "LlamaForCausalLM" in line
 
 
 def test_sentencepiece_tokenizer_refused(folders, tmp_path, monkeypatch, capsys):

@@ -81,7 +81,8 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     plain = {"general.architecture": arch, **{k: v for k, (v, _) in {**hparam_meta, **extra_meta}.items()},
              "tokenizer.ggml.tokens": vocab["tokenizer.ggml.tokens"].value}
     hp = read_hparams(plain, {s.name for s in sources}, str(folder / "config.json"))
-    check_tensors(hp, {s.name: s.shape for s in sources}, str(folder / "config.json"))
+    files = ", ".join(sorted({s.path.name for s in sources}))
+    check_tensors(hp, {s.name: s.shape for s in sources}, f"{folder / 'config.json'} and {files}")
     xt = export_type(type)
     plans = tensor_plans(xt, {s.name: (s.shape, QT.F32) for s in sources}, plain)
     slots = [TensorSlot(s.name, s.shape, _stored_type(s, plans[s.name].dst_type)) for s in sources]
@@ -134,17 +135,16 @@ def _config(folder: Path) -> dict:
 
 
 def _family_arch(folder: Path, config: dict) -> str:
-    """The GGUF architecture of config.json's "architectures"[0], by the families' HF tables."""
+    """The GGUF architecture of config.json's "architectures"[0], by the imported families' HF tables."""
     names = config.get("architectures") or []
     hf_arch = names[0] if isinstance(names, list) and names else None
-    known = {get_family(a).hf.architecture: a for a in supported() if get_family(a).hf is not None}
-    if hf_arch not in known:
-        raise LlmtuneError(f"{folder / 'config.json'}: architecture {hf_arch!r} is not one llmtune imports "
-                           f"({', '.join(sorted(k for k, a in known.items() if a in IMPORTED))})")
-    if known[hf_arch] not in IMPORTED:
-        raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch} import is not supported yet "
-                           f"({', '.join(sorted(k for k, a in known.items() if a in IMPORTED))} are)")
-    return known[hf_arch]
+    imported = {get_family(a).hf.architecture: a for a in IMPORTED}
+    if hf_arch in imported:
+        return imported[hf_arch]
+    mapped = {get_family(a).hf.architecture for a in supported() if get_family(a).hf is not None}
+    what = "import is not supported yet (its tensor names are mapped; its config and tokenizer rules are not)" \
+        if hf_arch in mapped else "is not an architecture llmtune imports"
+    raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch!r} {what}; import reads {', '.join(sorted(imported))}")
 
 
 IMPORTED = ("llama", "qwen2", "qwen3")  # families whose config table and converter rules import covers
