@@ -14,9 +14,11 @@ import pytest
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
+from safetensors.numpy import load_file  # noqa: E402
+
 from cli_helpers import run_cli  # noqa: E402
 from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E402
-from hf_fixture import load_record, make_folder  # noqa: E402
+from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
 
 CASES = [(name, t) for name in ("llama-tiny", "qwen2-tiny", "qwen3-tiny") for t in load_record(name)["outputs"]]
 
@@ -115,3 +117,26 @@ def test_hub_name_refused(tmp_path, monkeypatch, capsys):
 def test_unknown_type(folders, tmp_path, monkeypatch, capsys):
     line = _bad(monkeypatch, capsys, folders["llama-tiny"], tmp_path / "o.gguf", "--type", "q4_k_m")
     assert line.startswith("error: --type") or "--type" in line
+
+
+def test_sharded_folder_with_index(folders, tmp_path, monkeypatch, capsys):
+    """model-0000N-of-00002.safetensors with model.safetensors.index.json: the same file as one part."""
+    folder = _copy(folders, tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for part, part_names in parts.items():
+        arrays = iter([tensors[n] for n in part_names])
+        write_safetensors(folder / part, {n: tensors[n].shape for n in part_names}, lambda _, a=arrays: next(a), "F32")
+    weight_map = {n: part for part, part_names in parts.items() for n in part_names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    expected = load_record("llama-tiny")["outputs"]["f32"]["tensors"]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "model.safetensors.index.json" in line and "model-00002-of-00002.safetensors" in line
