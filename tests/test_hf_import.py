@@ -115,8 +115,8 @@ def test_hub_name_refused(tmp_path, monkeypatch, capsys):
 
 
 def test_unknown_type(folders, tmp_path, monkeypatch, capsys):
-    line = _bad(monkeypatch, capsys, folders["llama-tiny"], tmp_path / "o.gguf", "--type", "q4_k_m")
-    assert line.startswith("error: --type") or "--type" in line
+    line = _bad(monkeypatch, capsys, folders["llama-tiny"], tmp_path / "o.gguf", "--type", "q3_x")
+    assert "--type" in line and "q3_x" in line
 
 
 def test_sharded_folder_with_index(folders, tmp_path, monkeypatch, capsys):
@@ -140,3 +140,14 @@ def test_sharded_folder_with_index(folders, tmp_path, monkeypatch, capsys):
     (folder / "model-00002-of-00002.safetensors").unlink()
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert "model.safetensors.index.json" in line and "model-00002-of-00002.safetensors" in line
+
+
+def test_other_types_are_import_then_export(folders, tmp_path, monkeypatch, capsys):
+    """--type q4_k_m: byte for byte `import --type f32` followed by `llmtune export --type q4_k_m`."""
+    one, f32, two = tmp_path / "one.gguf", tmp_path / "f32.gguf", tmp_path / "two.gguf"
+    for args in (("import", folders["qwen2-tiny"], "-o", one, "--type", "q4_k_m"),
+                 ("import", folders["qwen2-tiny"], "-o", f32, "--type", "f32"),
+                 ("export", f32, "-o", two, "--type", "q4_k_m")):
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 0, err
+    assert one.read_bytes() == two.read_bytes()

@@ -43,7 +43,7 @@ from llmtune.quant.plan import export_type
 from llmtune.resources import check_disk_space
 
 PIECE_ELEMENTS = 1 << 22  # values read, converted and written at a time (16 MiB as float32)
-IMPORT_TYPES = ("f32", "f16", "bf16", "q8_0")  # convert_hf_to_gguf.py's --outtype (others: llmtune export)
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")  # convert_hf_to_gguf.py's --outtype; the others: llmtune export's
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8")}
 _SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")  # prepare_tensors drops these
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -65,12 +65,11 @@ class SourceTensor:
 
 def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str = "f16", force: bool = False,
               progress: Progress | None = None) -> Path:
-    """Write the HF model in `folder` to `out_path` with its matrices as `type` (f32, f16, bf16, q8_0;
-    1-D tensors and norms stay F32, as the converter keeps them)."""
+    """Write the HF model in `folder` to `out_path` with its matrices as `type`: f32, f16, bf16, q8_0 as the
+    converter's --outtype (1-D tensors and norms F32); any other `llmtune export` type as import to f32
+    followed by `llmtune export --type` (llama-quantize's per-tensor policy), in one pass."""
+    xt = export_type(type)
     folder = _check_folder(folder)
-    if type not in IMPORT_TYPES:
-        raise LlmtuneError(f"--type: {type!r} is not one of {', '.join(IMPORT_TYPES)} (convert_hf_to_gguf.py's "
-                           f"types; quantize further with llmtune export --type)")
     out = check_output_path(out_path, folder / "config.json", replaces=GGUF_KIND, force=force)
     config = _config(folder)
     arch = _family_arch(folder, config)
@@ -83,7 +82,6 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     hp = read_hparams(plain, {s.name for s in sources}, str(folder / "config.json"))
     files = ", ".join(sorted({s.path.name for s in sources}))
     check_tensors(hp, {s.name: s.shape for s in sources}, f"{folder / 'config.json'} and {files}")
-    xt = export_type(type)
     plans = tensor_plans(xt, {s.name: (s.shape, QT.F32) for s in sources}, plain)
     slots = [TensorSlot(s.name, s.shape, _stored_type(s, plans[s.name].dst_type)) for s in sources]
     meta = {
