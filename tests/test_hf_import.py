@@ -102,7 +102,6 @@ def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys, arch, 
 
 def test_sentencepiece_tokenizer_refused(folders, tmp_path, monkeypatch, capsys):
     folder = _copy(folders, tmp_path)
-    (folder / "tokenizer.json").unlink()
     (folder / "tokenizer.model").write_bytes(b"\x00")
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert "tokenizer.model (SentencePiece)" in line and "byte-level BPE" in line

@@ -44,9 +44,11 @@ def read_json(path: Path) -> Any:
 def vocab_metadata(folder: Path, config: dict) -> dict[str, MetaValue]:
     """Every `tokenizer.*` key the converter writes for the byte-level BPE tokenizer in `folder`."""
     path = folder / "tokenizer.json"
+    if (folder / "tokenizer.model").is_file():  # the converter's llama / qwen2 set_vocab try SentencePiece first
+        raise LlmtuneError(f"{folder}: has tokenizer.model (SentencePiece), which llama.cpp's converter reads "
+                           f"first; llmtune import reads byte-level BPE tokenizers (tokenizer.json) only")
     if not path.is_file():
-        found = "tokenizer.model (SentencePiece)" if (folder / "tokenizer.model").is_file() else "no tokenizer"
-        raise LlmtuneError(f"{folder}: has {found}; llmtune import reads byte-level BPE tokenizers "
+        raise LlmtuneError(f"{folder}: has no tokenizer.json; llmtune import reads byte-level BPE tokenizers "
                            f"(tokenizer.json) only")
     tok_json = read_json(path)
     model = tok_json.get("model") or {}
