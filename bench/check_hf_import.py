@@ -171,6 +171,15 @@ def convert_real(folder: Path, work: Path) -> None:
               f"differences; import {t_ours:.1f} s ({size / t_ours / 2**20:.0f} MiB/s read, "
               f"{ours.stat().st_size / t_ours / 2**20:.0f} MiB/s written), peak RSS {rss / 1024:.0f} MiB; "
               f"converter {t_ref:.1f} s", *diff, sep="\n  ")
+    # a type the converter has not: import --type q4_k_m against import f32 + llmtune export (llama-quantize's twin)
+    one, exported = work / "real.q4_k_m.gguf", work / "real.f32-export.q4_k_m.gguf"
+    t_one, rss = llmtune_import(folder, one, "q4_k_m")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "llmtune", "export", str(work / "real.f32.gguf"), "--type", "q4_k_m", "-o",
+                    str(exported), "--force"], env=env, check=True, capture_output=True)
+    same = one.read_bytes() == exported.read_bytes()
+    print(f"{folder.name} -> q4_k_m in {t_one:.1f} s (peak RSS {rss / 1024:.0f} MiB): "
+          f"{'byte-identical to' if same else 'DIFFERS from'} import f32 + llmtune export --type q4_k_m")
 
 
 # configs/llama-1b.toml's shape (Llama-3.2-1B) with SmolLM2's 49,152-token vocabulary, output untied: 1.07B
