@@ -284,6 +284,37 @@ def init_cmd(
               f"{human_bytes(gf.file_size)} ({type.lower()}), seed {seed}", highlight=False)
 
 
+# --- import (llmtune/convert/hf_import.py) ---
+@app.command("import")
+def import_cmd(
+    folder: Path = typer.Argument(..., metavar="HF_DIR", show_default=False,
+                                  help="A local Hugging Face model folder (config.json, *.safetensors, "
+                                       "tokenizer.json)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the GGUF.", show_default=False),
+    type: str = type_option("f16", " f32, f16, bf16, q8_0: as convert_hf_to_gguf.py --outtype (1-D tensors and "
+                                   "norms F32); the others: as import to f32, then export --type. \\[default: f16]"),
+    force: bool = force_option(),
+):
+    """Convert a local Hugging Face model folder to GGUF, as llama.cpp's convert_hf_to_gguf.py does (same tensors, bytes and metadata).
+
+    Families: llama (SmolLM2, Llama 3), qwen2, qwen3, with a byte-level BPE tokenizer (tokenizer.json). The weights are read and written one piece at a time; never the network (a hub name is refused).
+
+    Example: llmtune import SmolLM2-135M-Instruct/ -o smollm2.gguf --type q8_0
+
+    Example (K-quants in one pass): llmtune import SmolLM2-135M-Instruct/ -o smollm2-q4_k_m.gguf --type q4_k_m
+    """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
+    from llmtune.convert.hf_import import import_hf
+    from llmtune.gguf.file import load_gguf
+    from llmtune.ui.format import human_bytes, human_count
+    from llmtune.ui.progress import tensor_progress
+
+    with tensor_progress(err, f"import {type}") as on_tensor:
+        path = import_hf(folder, output, type=type, force=force, progress=on_tensor)
+    gf = load_gguf(path)
+    out.print(f"wrote {path}: {gf.arch}, {human_count(gf.n_params())} parameters, "
+              f"{human_bytes(gf.file_size)} ({type.lower()})", highlight=False)
+
+
 # --- export / save (llmtune/convert/export.py) ---
 def _export_cmd(
     model: Path = ModelArg,

@@ -1,11 +1,16 @@
-"""A family's Hugging Face config.json, from the hyper-parameters llmtune reads out of a GGUF file.
+"""A family's hyper-parameters in a Hugging Face config.json, both ways: import and export --hf.
 
-One table (FAMILIES) says, per family, which config.json keys carry which HParams field (llama.cpp's
-convert_hf_to_gguf.py read backwards: `TextModel.set_gguf_parameters` and each model's own
-`set_gguf_parameters`), what each family adds (qwen2's disabled sliding window, gemma's softcaps,
-Llama 3.1's rope scaling recovered from rope_freqs.weight: `llama3_rope`),
-how its stored values differ from transformers' (`norm_offset`: gemma's norm weights are stored +1)
-and what has no exact config.json form (refused in one line naming the file and the reason).
+One table of rows (`ROWS`, plus a family's `EXTRA` rows), each a GGUF key suffix, the config.json
+keys llama.cpp's convert_hf_to_gguf.py find_hparam tries in order, the value type and the HParams
+field it carries (row order: the converter's key order):
+- `gguf_hparams` (import): config.json -> `{arch}.*` keys, as the converter's
+  TextModel.set_gguf_parameters writes them;
+- `COMMON` (export --hf), derived from the same rows: config.json key -> the HParams field an
+  export reads; `FAMILIES` says, per family, what its config.json adds (qwen2's disabled sliding
+  window, gemma's softcaps, Llama 3.1's rope scaling recovered from rope_freqs.weight:
+  `llama3_rope`), how its stored values differ from transformers' (`norm_offset`: gemma's norm
+  weights are stored +1) and what has no exact config.json form (refused in one line naming the
+  file and the reason).
 
 Names of the tensors are arch/hf_names.py's (`Family.hf`); this module is the hyper-parameters.
 """
@@ -13,27 +18,85 @@ Names of the tensors are arch/hf_names.py's (`Family.hf`); this module is the hy
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
+from gguf import GGUFValueType as VT
 
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 
-# config.json key -> the HParams field it carries, for every family mapped (transformers'
-# PretrainedConfig names); a table both directions read (an import reads config.json into these fields)
+ALL = ("llama", "qwen2", "qwen3")  # the families import reads config.json for
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str  # GGUF key after "{arch}."
+    hf: tuple[str, ...]  # config.json keys, the first present wins (find_hparam)
+    vtype: VT
+    families: tuple[str, ...] = ALL
+    required: bool = False
+    hparam: Optional[str] = None  # the HParams field it carries (export --hf reads it), None: not exported
+
+
+ROWS: tuple[Row, ...] = (
+    Row("block_count", ("num_hidden_layers", "n_layer"), VT.UINT32, required=True, hparam="n_layer"),
+    Row("context_length", ("max_position_embeddings", "n_ctx", "n_positions"), VT.UINT32, hparam="n_ctx_train"),
+    Row("embedding_length", ("hidden_size", "n_embd"), VT.UINT32, required=True, hparam="n_embd"),
+    Row("feed_forward_length", ("intermediate_size", "n_inner"), VT.UINT32, required=True, hparam="n_ff"),
+    Row("attention.head_count", ("num_attention_heads", "n_head"), VT.UINT32, required=True, hparam="n_head"),
+    Row("attention.head_count_kv", ("num_key_value_heads", "n_kv_heads"), VT.UINT32, hparam="n_head_kv"),
+    # or rope_parameters.rope_theta (transformers >= 5)
+    Row("rope.freq_base", ("rope_theta",), VT.FLOAT32, hparam="rope_freq_base"),
+    Row("attention.layer_norm_rms_epsilon", ("rms_norm_eps",), VT.FLOAT32, required=True, hparam="norm_eps"),
+    Row("attention.key_length", ("head_dim",), VT.UINT32, hparam="head_dim"),
+    Row("attention.value_length", ("head_dim",), VT.UINT32),
+)
+# written after general.file_type by the family's own set_gguf_parameters (LlamaModel)
+EXTRA: tuple[Row, ...] = (
+    Row("vocab_size", ("vocab_size",), VT.UINT32, families=("llama",), required=True, hparam="n_vocab"),
+    Row("rope.dimension_count", ("head_dim",), VT.UINT32, families=("llama",)),  # else hidden / heads
+)
+_CASTS = {VT.UINT32: int, VT.FLOAT32: float}
+
+
+def config_value(config: dict, row: Row) -> Optional[Any]:
+    """The row's value in `config` (None when absent), as the converter reads it."""
+    if row.key == "rope.freq_base":
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope = rope.get("full_attention", rope)
+        theta = rope.get("rope_theta", config.get("rope_theta"))
+        return None if theta is None else float(theta)
+    if row.key == "rope.dimension_count" and config.get("head_dim") is None:
+        return int(config["hidden_size"]) // int(config["num_attention_heads"])
+    for name in row.hf:
+        if config.get(name) is not None:
+            return _CASTS[row.vtype](config[name])
+    return None
+
+
+def rows(arch: str, extra: bool) -> list[Row]:
+    return [r for r in (EXTRA if extra else ROWS) if arch in r.families]
+
+
+def gguf_hparams(config: dict, arch: str, extra: bool, where: str) -> dict[str, tuple[Any, VT]]:
+    """`{arch}.*` keys -> (value, type) from config.json; a required key missing raises naming `where`."""
+    out = {}
+    for row in rows(arch, extra):
+        value = config_value(config, row)
+        if value is None:
+            if row.required:
+                raise LlmtuneError(f"{where}: config.json has no {' / '.join(row.hf)} (needed for {arch}.{row.key})")
+            continue
+        out[f"{arch}.{row.key}"] = (value, row.vtype)
+    return out
+
+
+# config.json key -> the HParams field it carries, for every family export --hf maps (transformers'
+# PretrainedConfig names): the rows' first config key, every family's (a family drops what it lacks)
 COMMON: dict[str, str] = {
-    "hidden_size": "n_embd",
-    "intermediate_size": "n_ff",
-    "num_hidden_layers": "n_layer",
-    "num_attention_heads": "n_head",
-    "num_key_value_heads": "n_head_kv",
-    "head_dim": "head_dim",  # a property: attention.key_length, else n_embd / n_head
-    "max_position_embeddings": "n_ctx_train",
-    "vocab_size": "n_vocab",
-    "rms_norm_eps": "norm_eps",
-    "rope_theta": "rope_freq_base",
-    "tie_word_embeddings": "tied_output",
+    **{row.hf[0]: row.hparam for row in (*ROWS, *EXTRA) if row.hparam},  # head_dim: a property (key_length)
+    "tie_word_embeddings": "tied_output",  # no GGUF key: the file has no output.weight
 }
 ACTIVATIONS = {"silu": "silu", "gelu": "gelu_pytorch_tanh"}  # HParams.activation -> config.json hidden_act
 

@@ -12,7 +12,8 @@ convert_hf_to_gguf.py (gguf-py's tensor_mapping) renames, read in both direction
 - architecture, model_type: config.json's "architectures"[0] and "model_type".
 
 Names and row order only: value changes (gemma's norms stored +1) are the family's docstring's.
-PEFT adapters (model/adapter/peft.py) map with it; so will an import of HF checkpoints.
+PEFT adapters (model/adapter/peft.py) and `llmtune import` (convert/hf_import.py) map with it;
+arch/hf_config.py holds the config.json side (hyper-parameters).
 """
 
 from __future__ import annotations

@@ -1,0 +1,243 @@
+"""`llmtune import` against llama.cpp's convert_hf_to_gguf.py: same tensors (bytes, types, shapes), same keys.
+
+    python bench/check_hf_import.py --record            # tiny llama / qwen2 / qwen3 folders -> tests/data/hf/
+    python bench/check_hf_import.py --real DIR          # a real folder (SmolLM2-135M-Instruct, made from its GGUF
+                                                        # by transformers when DIR is missing), f32 / f16 / q8_0,
+                                                        # timings and peak RSS, then llama-tokenize on both files
+
+Each tiny folder (tests/hf_fixture.py: config.json saved by transformers' config class, seeded numpy weights
+in safetensors, SmolLM2's tokenizer) is converted by both; every difference is printed (none expected) and
+the converter's keys and tensor digests are recorded for tests/test_hf_import.py. The converter runs with
+the vendored gguf-py (PYTHONPATH) and needs torch, transformers and sentencepiece (its llama vocab path
+imports it even for a BPE folder); llmtune import needs none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import hf_compare  # noqa: E402
+import hf_fixture  # noqa: E402
+
+LLAMA_CPP = Path("/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
+BIN = LLAMA_CPP / "build-isa" / "bin"
+GGUF_SOURCE = Path("/work/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
+MIXED = ROOT / "tests" / "data" / "vocab" / "mixed.txt"
+
+SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+# name: (transformers config class, its extra arguments, safetensors dtype, the --type values checked)
+TINY = {
+    "llama-tiny": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0), "F32", ("f32", "f16", "q8_0")),
+    "qwen2-tiny": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0), "BF16", ("bf16", "f32")),
+    "qwen3-tiny": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0), "F16",
+                   ("f16", "q8_0")),
+}
+
+
+# transformers 5's AutoTokenizer builds Qwen2Tokenizer for any qwen2 / qwen3 config and swaps in Qwen2's split
+# regex whatever tokenizer.json says; with SmolLM2's vocabulary (no real Qwen tokenizer is on this machine) the
+# converter's check-text hash is then none it knows. For those folders its get_vocab_base_pre is given the
+# name of the tokenizer.json it reads ("smollm"); every other key and tensor is the converter's own.
+_PATCHED = """import runpy, sys
+sys.path.insert(0, {dir!r})
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+sys.argv = {argv!r}
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def converter(folder: Path, out: Path, outtype: str, pre: str | None = None) -> float:
+    env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP / "gguf-py")}
+    script = str(LLAMA_CPP / "convert_hf_to_gguf.py")
+    argv = [script, str(folder), "--outfile", str(out), "--outtype", outtype]
+    cmd = [sys.executable, *argv] if pre is None else \
+        [sys.executable, "-c", _PATCHED.format(dir=str(LLAMA_CPP), pre=pre, argv=argv, script=script)]
+    start = time.perf_counter()
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"convert_hf_to_gguf.py failed on {folder}: {res.stderr[-1500:]}")
+    return time.perf_counter() - start
+
+
+def llmtune_import(folder: Path, out: Path, outtype: str) -> tuple[float, int]:
+    """Seconds and peak RSS (KiB, GNU time) of `llmtune import`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+        env.pop(var, None)
+    start = time.perf_counter()
+    res = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "llmtune", "import", str(folder), "-o",
+                          str(out), "--type", outtype, "--force"], env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if res.returncode:
+        raise SystemExit(f"llmtune import failed: {res.stderr[-2000:]}")
+    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", res.stderr).group(1))
+    return seconds, rss
+
+
+def tiny_config(name: str) -> dict:
+    import transformers
+
+    cls_name, extra, _, _ = TINY[name]
+    cfg = getattr(transformers, cls_name)(**SMALL, **extra)
+    cfg.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.save_pretrained(tmp)
+        return json.loads((Path(tmp) / "config.json").read_text())
+
+
+def record(work: Path, smol_dir: Path) -> None:
+    hf_fixture.DATA.mkdir(parents=True, exist_ok=True)
+    with open(smol_dir / "tokenizer.json", "rb") as src, \
+            gzip.GzipFile(hf_fixture.DATA / "smollm2-tokenizer.json.gz", "wb", mtime=0) as dst:
+        shutil.copyfileobj(src, dst)
+    for name in hf_fixture.TOKENIZER_FILES:
+        shutil.copy(smol_dir / name, hf_fixture.DATA / f"smollm2-{name}")
+    for name, (_, _, dtype, types) in TINY.items():
+        rec = {"config": tiny_config(name), "dtype": dtype, "seed": 41, "outputs": {}}
+        folder = hf_fixture.make_folder(rec, work / name)
+        for outtype in types:
+            ref, ours = work / f"{name}.{outtype}.ref.gguf", work / f"{name}.{outtype}.gguf"
+            converter(folder, ref, outtype, pre=None if name.startswith("llama") else "smollm")
+            llmtune_import(folder, ours, outtype)
+            diff = hf_compare.differences(ours, ref)
+            same = ours.read_bytes() == ref.read_bytes()
+            print(f"{name} {dtype} -> {outtype}: {'byte-identical file' if same else 'files differ'}; "
+                  f"{len(diff)} differences", *diff, sep="\n  ")
+            rec["outputs"][outtype] = {"metadata": hf_compare.metadata_digest(hf_compare.plain_fields(ref)),
+                                       "tensors": hf_compare.tensor_digests(ref)}
+        (hf_fixture.DATA / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
+        print(f"recorded tests/data/hf/{name}.json")
+
+
+def make_real(folder: Path) -> None:
+    """SmolLM2-135M-Instruct as transformers saves it from its GGUF (dequantised to float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(GGUF_SOURCE.parent, gguf_file=GGUF_SOURCE.name)
+    model = AutoModelForCausalLM.from_pretrained(GGUF_SOURCE.parent, gguf_file=GGUF_SOURCE.name, dtype=torch.float32)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # a GGUF-loaded model refuses save_pretrained: copy it out
+        delattr(config, "quantization_config")
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def tokenize_ids(tool: Path, model: Path, text_file: Path) -> list[int]:
+    res = subprocess.run([str(tool), "-m", str(model), "-f", str(text_file), "--ids", "--log-disable",
+                          "--no-bos"], capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def real(folder: Path, work: Path, tool: Path, tokenize_only: bool) -> None:
+    if not tokenize_only:
+        convert_real(folder, work)
+    wiki = work / "wikitext-slice.txt"
+    wiki.write_text(WIKITEXT.read_text(encoding="utf-8")[:200_000], encoding="utf-8")
+    for text in (wiki, MIXED):
+        a, b = tokenize_ids(tool, work / "real.f32.gguf", text), tokenize_ids(tool, work / "real.f32.ref.gguf", text)
+        print(f"llama-tokenize {text.name}: {len(a)} ids, {'same' if a == b else 'DIFFERENT'} on both files")
+
+
+def convert_real(folder: Path, work: Path) -> None:
+    if not folder.is_dir():
+        make_real(folder)
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    for outtype in ("f32", "f16", "q8_0"):
+        ref, ours = work / f"real.{outtype}.ref.gguf", work / f"real.{outtype}.gguf"
+        t_ref = converter(folder, ref, outtype)
+        t_ours, rss = llmtune_import(folder, ours, outtype)
+        diff = hf_compare.differences(ours, ref)
+        same = ours.read_bytes() == ref.read_bytes()
+        print(f"{folder.name} -> {outtype}: {'byte-identical file' if same else 'files differ'}, {len(diff)} "
+              f"differences; import {t_ours:.1f} s ({size / t_ours / 2**20:.0f} MiB/s read, "
+              f"{ours.stat().st_size / t_ours / 2**20:.0f} MiB/s written), peak RSS {rss / 1024:.0f} MiB; "
+              f"converter {t_ref:.1f} s", *diff, sep="\n  ")
+    # a type the converter has not: import --type q4_k_m against import f32 + llmtune export (llama-quantize's twin)
+    one, exported = work / "real.q4_k_m.gguf", work / "real.f32-export.q4_k_m.gguf"
+    t_one, rss = llmtune_import(folder, one, "q4_k_m")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "llmtune", "export", str(work / "real.f32.gguf"), "--type", "q4_k_m", "-o",
+                    str(exported), "--force"], env=env, check=True, capture_output=True)
+    same = one.read_bytes() == exported.read_bytes()
+    print(f"{folder.name} -> q4_k_m in {t_one:.1f} s (peak RSS {rss / 1024:.0f} MiB): "
+          f"{'byte-identical to' if same else 'DIFFERS from'} import f32 + llmtune export --type q4_k_m")
+
+
+# configs/llama-1b.toml's shape (Llama-3.2-1B) with SmolLM2's 49,152-token vocabulary, output untied: 1.07B
+BIG = dict(SMALL, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+           num_key_value_heads=8, max_position_embeddings=131072)
+
+
+def big(folder: Path, work: Path, with_converter: bool) -> None:
+    """Speed and peak RSS on a 1B-class BF16 folder (seeded weights), as f16; the converter too if asked."""
+    import transformers
+
+    if not (folder / "model.safetensors").is_file():
+        cfg = transformers.LlamaConfig(**BIG, tie_word_embeddings=False, rope_theta=500000.0)
+        cfg.architectures = ["LlamaForCausalLM"]
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg.save_pretrained(tmp)
+            config = json.loads((Path(tmp) / "config.json").read_text())
+        start = time.perf_counter()
+        hf_fixture.make_folder({"config": config, "dtype": "BF16", "seed": 1}, folder)
+        print(f"made {folder} in {time.perf_counter() - start:.0f} s")
+    size = (folder / "model.safetensors").stat().st_size
+    ours = work / "big.f16.gguf"
+    seconds, rss = llmtune_import(folder, ours, "f16")
+    print(f"{folder.name}: {size / 2**30:.2f} GiB BF16 -> f16 {ours.stat().st_size / 2**30:.2f} GiB in {seconds:.1f} s "
+          f"({ours.stat().st_size / seconds / 2**20:.0f} MiB/s written), peak RSS {rss / 1024:.0f} MiB")
+    if with_converter:
+        ref = work / "big.f16.ref.gguf"
+        t_ref = converter(folder, ref, "f16")
+        diff = hf_compare.differences(ours, ref)
+        same = ours.read_bytes() == ref.read_bytes()
+        print(f"converter {t_ref:.1f} s; {'byte-identical file' if same else 'files differ'}, {len(diff)} differences",
+              *diff, sep="\n  ")
+        ref.unlink()
+    ours.unlink()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--record", action="store_true", help="build, compare and record the tiny folders")
+    ap.add_argument("--real", type=Path, metavar="DIR", help="the real folder (made from the GGUF when missing)")
+    ap.add_argument("--record-only", action="store_true", help="with --record: skip the real folder's checks")
+    ap.add_argument("--tokenize-only", action="store_true", help="with --real: only llama-tokenize the files in --work")
+    ap.add_argument("--llama-tokenize", type=Path, default=BIN / "llama-tokenize", metavar="PATH",
+                    help="llama.cpp's llama-tokenize (build-isa has none: g++ tools/tokenize/tokenize.cpp against "
+                         "build-isa/bin's libllama and libllama-common)")
+    ap.add_argument("--big", type=Path, metavar="DIR", help="a 1B-class folder (made when missing): speed, RSS")
+    ap.add_argument("--big-converter", action="store_true", help="with --big: run and compare the converter too")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "check_hf_import")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.real is not None and not args.record_only:
+        real(args.real, args.work, args.llama_tokenize, args.tokenize_only)
+    if args.big is not None:
+        big(args.big, args.work, args.big_converter)
+    if args.record:
+        record(args.work, args.real or args.work / "SmolLM2-135M-Instruct")
+    print(f"peak RSS of this script: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

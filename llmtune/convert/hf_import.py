@@ -1,0 +1,293 @@
+"""`llmtune import HF_DIR -o MODEL.gguf`: a local Hugging Face model folder as a GGUF model, as llama.cpp's
+convert_hf_to_gguf.py writes it (same tensors, types, bytes and metadata; bench/check_hf_import.py).
+
+The folder: config.json, model.safetensors (or model-*.safetensors with model.safetensors.index.json),
+a byte-level BPE tokenizer (hf_vocab.py). The tensors are renamed by the family's HF table
+(arch/hf_names.py; llama's q/k rows permuted back, LlamaModel.permute), the hyper-parameters read by
+arch/hf_config.py's table, and the file is written one piece of one tensor at a time
+(write_gguf_streamed): memory holds a few pieces, whatever the model's size. The safetensors files are
+checked with the `safetensors` library and their data read through a memory map (BF16 included,
+which numpy cannot name). Never the network: a hub name is refused with the path form to use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import gguf
+import numpy as np
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
+
+from llmtune.arch import check_tensors, get_family, read_hparams, supported
+from llmtune.arch.hf_config import gguf_hparams
+from llmtune.convert.export import tensor_plans
+from llmtune.convert.hf_vocab import read_json, vocab_metadata
+from llmtune.errors import LlmtuneError
+from llmtune.gguf.file import (
+    GGUF_KIND,
+    MetaValue,
+    TensorSlot,
+    check_output_path,
+    metadata_nbytes,
+    write_gguf_streamed,
+)
+from llmtune.quant import blocks as quants
+from llmtune.quant.plan import export_type
+from llmtune.resources import check_disk_space
+
+PIECE_ELEMENTS = 1 << 22  # values read, converted and written at a time (16 MiB as float32)
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")  # convert_hf_to_gguf.py's --outtype; the others: llmtune export's
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "F64": np.dtype("<f8")}
+_SKIPPED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")  # prepare_tensors drops these
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One safetensors tensor: file, HF name, GGUF name, dtype, shape, byte offset of its data."""
+
+    path: Path
+    hf_name: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str = "f16", force: bool = False,
+              progress: Progress | None = None) -> Path:
+    """Write the HF model in `folder` to `out_path` with its matrices as `type`: f32, f16, bf16, q8_0 as the
+    converter's --outtype (1-D tensors and norms F32); any other `llmtune export` type as import to f32
+    followed by `llmtune export --type` (llama-quantize's per-tensor policy), in one pass."""
+    xt = export_type(type)
+    folder = _check_folder(folder)
+    out = check_output_path(out_path, folder / "config.json", replaces=GGUF_KIND, force=force)
+    config = _config(folder)
+    arch = _family_arch(folder, config)
+    hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
+    extra_meta = gguf_hparams(config, arch, extra=True, where=str(folder))
+    sources = read_sources(folder, get_family(arch).hf)
+    vocab = vocab_metadata(folder, config)
+    plain = {"general.architecture": arch, **{k: v for k, (v, _) in {**hparam_meta, **extra_meta}.items()},
+             "tokenizer.ggml.tokens": vocab["tokenizer.ggml.tokens"].value}
+    hp = read_hparams(plain, {s.name for s in sources}, str(folder / "config.json"))
+    files = ", ".join(sorted({s.path.name for s in sources}))
+    check_tensors(hp, {s.name: s.shape for s in sources}, f"{folder / 'config.json'} and {files}")
+    plans = tensor_plans(xt, {s.name: (s.shape, QT.F32) for s in sources}, plain)
+    slots = [TensorSlot(s.name, s.shape, _stored_type(s, plans[s.name].dst_type)) for s in sources]
+    meta = {
+        **general_metadata(folder, arch, sum(math.prod(s.shape) for s in sources)),
+        **{k: MetaValue(v, t) for k, (v, t) in hparam_meta.items()},
+        "general.file_type": MetaValue(int(xt.ftype), VT.UINT32),
+        **{k: MetaValue(v, t) for k, (v, t) in extra_meta.items()},
+        "general.quantization_version": MetaValue(GGML_QUANT_VERSION, VT.UINT32),
+        **vocab,
+    }
+    if arch == "llama" and config.get("vocab_size", 32000) == 49152:  # LlamaModel.set_vocab: "granite small models"
+        meta["tokenizer.ggml.add_bos_token"] = MetaValue(False, VT.BOOL)
+    check_disk_space(out.parent, metadata_nbytes(meta) + sum(slot.n_bytes for slot in slots),
+                     f"the imported model's {len(slots)} tensors ({type})")
+    by_name = {s.name: s for s in sources}
+    rows = _row_order(get_family(arch).hf, hp)
+
+    done = iter(range(1, len(slots) + 1))
+    on_written = None if progress is None else lambda name: progress(next(done), len(slots), name)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="import") as pool:
+
+        def pieces(slot: TensorSlot) -> Iterator[np.ndarray]:
+            yield from _pieces(by_name[slot.name], slot.type, rows(slot.name, slot.shape), pool)
+
+        return write_gguf_streamed(out, arch, meta, slots, pieces, inputs=[s.path for s in sources],
+                                   progress=on_written)
+
+
+def _check_folder(folder) -> Path:
+    path = Path(folder)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise LlmtuneError(f"{path}: no config.json (a Hugging Face model folder holds config.json, "
+                               f"*.safetensors and the tokenizer's files)")
+        return path
+    if not path.exists() and _HUB_NAME.match(str(folder)):
+        raise LlmtuneError(f"{folder}: not a local folder; llmtune never downloads (fetch it first, e.g. "
+                           f"huggingface-cli download {folder} --local-dir DIR, then: llmtune import DIR -o OUT.gguf)")
+    raise LlmtuneError(f"{folder}: not a folder (llmtune import reads a local Hugging Face model folder)")
+
+
+def _config(folder: Path) -> dict:
+    config = read_json(folder / "config.json")
+    if not isinstance(config, dict):
+        raise LlmtuneError(f"{folder / 'config.json'}: not a JSON object")
+    if isinstance(config.get("text_config"), dict):  # TextModel: the text config's keys at the root
+        config = {**config, **config["text_config"]}
+    return config
+
+
+def _family_arch(folder: Path, config: dict) -> str:
+    """The GGUF architecture of config.json's "architectures"[0], by the imported families' HF tables."""
+    names = config.get("architectures") or []
+    hf_arch = names[0] if isinstance(names, list) and names else None
+    imported = {get_family(a).hf.architecture: a for a in IMPORTED}
+    if hf_arch in imported:
+        return imported[hf_arch]
+    mapped = {get_family(a).hf.architecture for a in supported() if get_family(a).hf is not None}
+    what = "import is not supported yet (its tensor names are mapped; its config and tokenizer rules are not)" \
+        if hf_arch in mapped else "is not an architecture llmtune imports"
+    raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch!r} {what}; import reads {', '.join(sorted(imported))}")
+
+
+IMPORTED = ("llama", "qwen2", "qwen3")  # families whose config table and converter rules import covers
+
+
+def general_metadata(folder: Path, arch: str, n_params: int) -> dict[str, MetaValue]:
+    """general.* as the converter writes them: gguf-py's Metadata (name, basename, size label, ... from
+    the folder's name, README.md and config.json), set_gguf_meta_model."""
+    md = gguf.Metadata.load(None, folder, None, n_params)
+    if md.name is None:
+        md.name = folder.name
+    if md.size_label is None and n_params > 0:
+        md.size_label = gguf.size_label(n_params, 0, 0, 0)
+    writer = gguf.GGUFWriter(None, arch)
+    writer.add_type(gguf.GGUFType.MODEL)
+    md.set_gguf_meta_model(writer)
+    meta = {"general.architecture": MetaValue(arch, VT.STRING)}
+    for key, val in writer.kv_data[0].items():
+        if key != "general.architecture":
+            sub = val.sub_type if val.type == VT.ARRAY else None
+            meta[key] = MetaValue(val.value, val.type, sub)
+    return meta
+
+
+def _stored_type(src: SourceTensor, planned: QT) -> QT:
+    """prepare_tensors: 1-D tensors and norms F32, whatever the type."""
+    return QT.F32 if len(src.shape) <= 1 or src.name.endswith("_norm.weight") else planned
+
+
+# -- the safetensors files --------------------------------------------------------------------------------
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """index_tensors' parts: the index's files (sorted), else model*.safetensors (sorted)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = (read_json(index) or {}).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise LlmtuneError(f"{index}: has no weight_map")
+        files = [folder / n for n in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise LlmtuneError(f"{index}: names {', '.join(missing)}, missing from the folder")
+        return files
+    files = sorted(p for p in folder.glob("model*.safetensors"))
+    if not files:
+        raise LlmtuneError(f"{folder}: no model.safetensors (nor an index of its parts); import reads safetensors "
+                           f"weights only")
+    return files
+
+
+def read_sources(folder: Path, names) -> list[SourceTensor]:
+    """Every weight of the folder's safetensors files, in file then header order, with its GGUF name."""
+    out = []
+    for path in weight_files(folder):
+        for hf_name, dtype, shape, offset in _header(path):
+            if hf_name.endswith(_SKIPPED):
+                continue
+            name = names.gguf_name(hf_name)
+            if name is None:
+                raise LlmtuneError(f"{path}: tensor {hf_name!r} has no GGUF name in the {names.model_type} family")
+            if dtype not in _DTYPES:
+                raise LlmtuneError(f"{path}: tensor {hf_name!r} is {dtype}; import reads F32, F16, BF16, F64")
+            out.append(SourceTensor(path, hf_name, name, dtype, shape, offset))
+    return out
+
+
+def _header(path: Path) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """(name, dtype, shape, absolute data offset) for each tensor, checked by the safetensors library
+    (a damaged or truncated file is refused naming it) and against the file's size."""
+    st = _safetensors()
+    try:
+        with st.safe_open(str(path), framework="np") as f:
+            keys = set(f.keys())
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+    except Exception as exc:  # safetensors' SafetensorError (damaged, truncated), OSError, JSON
+        raise LlmtuneError(f"{path}: not a readable safetensors file ({exc})") from None
+    size = path.stat().st_size
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__" or name not in keys:
+            continue
+        start, end = info["data_offsets"]
+        if 8 + n + end > size:
+            raise LlmtuneError(f"{path}: truncated ({size:,} bytes; tensor {name!r} ends at {8 + n + end:,})")
+        out.append((name, info["dtype"], tuple(info["shape"]), 8 + n + start))
+    return out
+
+
+def _safetensors():
+    try:
+        import safetensors  # noqa: PLC0415 - optional (the hf extra): only HF folders need it
+    except ImportError:
+        raise LlmtuneError("llmtune import needs the safetensors and tokenizers packages: pip install llmtune[hf]") \
+            from None
+    return safetensors
+
+
+# -- the data --------------------------------------------------------------------------------------------
+
+
+def _row_order(names, hp) -> Callable[[str, tuple[int, ...]], np.ndarray | None]:
+    """GGUF row r comes from HF row order[r] (llama's q/k: LlamaModel.permute); None: the same order."""
+
+    def order(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        hf_rows = names.hf_rows(name, shape[0], hp.n_head, hp.n_head_kv)
+        return None if hf_rows is None else np.argsort(hf_rows)
+
+    return order
+
+
+def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
+    """The tensor's rows as `qtype`, PIECE_ELEMENTS values at a time, read through a memory map; the next
+    piece is read and converted on `pool`'s thread while the writer writes this one (numpy and file
+    writes release the GIL), so reading, converting and writing overlap: memory holds three pieces."""
+    count = math.prod(src.shape)
+    data = np.memmap(src.path, dtype=_DTYPES[src.dtype], mode="r", offset=src.offset, shape=(count,))
+    n_cols = src.shape[-1] if src.shape else 1
+    data = data.reshape(-1, n_cols)
+    step = max(1, PIECE_ELEMENTS // n_cols)
+
+    def convert(start: int) -> np.ndarray:
+        rows = slice(start, start + step) if order is None else order[start:start + step]
+        piece = _as_float(np.asarray(data[rows]), src.dtype, qtype)
+        return quants.quantize(piece.reshape(-1) if len(src.shape) <= 1 else piece, qtype)
+
+    pending = pool.submit(convert, 0)
+    try:
+        for start in range(step, data.shape[0], step):
+            ahead = pool.submit(convert, start)
+            yield pending.result()
+            pending = ahead
+        yield pending.result()
+    finally:
+        pending.cancel()
+
+
+def _as_float(raw: np.ndarray, dtype: str, qtype: QT) -> np.ndarray:
+    """prepare_tensors' float: F16 kept for F16 output, everything else float32 (BF16: the upper half)."""
+    if dtype == "BF16":
+        wide = raw.astype(np.uint32)
+        wide <<= 16
+        return wide.view(np.float32)
+    if dtype == "F16" and qtype == QT.F16:
+        return raw
+    return raw.astype(np.float32)

@@ -1,0 +1,89 @@
+"""Tiny Hugging Face model folders for `llmtune import`, rebuilt from a small record (tests/data/hf/).
+
+A record holds config.json (as transformers' config class saved it), the dtype and seed of the weights and,
+from llama.cpp's convert_hf_to_gguf.py run by bench/check_hf_import.py on the same folder, every metadata key
+(long arrays as a sha256) and every tensor's type, shape and sha256. The weights are drawn here with numpy
+(seeded, so the folder is the same every time) and written as safetensors, BF16 included, in the format's
+own layout (8-byte header length, JSON header in name order, then the data), the way transformers saves it.
+The tokenizer is SmolLM2's (tokenizer.json, gzipped, with tokenizer_config.json and chat_template.jinja).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+DATA = Path(__file__).parent / "data" / "hf"
+TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja")
+_ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<f4"}
+
+
+def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The safetensors of a llama / qwen2 / qwen3 causal LM with `config` (HF names, torch shapes)."""
+    arch = config["architectures"][0]
+    d, n_ff, n_vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or d // heads
+    shapes = {"model.embed_tokens.weight": (n_vocab, d), "model.norm.weight": (d,)}
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (n_vocab, d)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (heads * head_dim, d), p + "self_attn.k_proj.weight": (kv * head_dim, d),
+            p + "self_attn.v_proj.weight": (kv * head_dim, d), p + "self_attn.o_proj.weight": (d, heads * head_dim),
+            p + "mlp.gate_proj.weight": (n_ff, d), p + "mlp.up_proj.weight": (n_ff, d),
+            p + "mlp.down_proj.weight": (d, n_ff),
+        })
+        if arch == "Qwen2ForCausalLM":
+            shapes.update({p + f"self_attn.{x}_proj.bias": (n * head_dim,) for x, n in (("q", heads), ("k", kv),
+                                                                                     ("v", kv))})
+        if arch == "Qwen3ForCausalLM":
+            shapes.update({p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)})
+    return dict(sorted(shapes.items()))
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], draw, dtype: str) -> None:
+    """Tensors of `shapes`, each `draw(shape)` (float32, asked in order, one held at a time), stored as `dtype`
+    (F32, F16, BF16: the upper 16 bits, rounded to nearest even)."""
+    header, offset = {}, 0
+    width = {"F32": 4, "F16": 2, "BF16": 2}[dtype]
+    for name, shape in shapes.items():
+        size = int(np.prod(shape)) * width
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(head).to_bytes(8, "little") + head)
+        for shape in shapes.values():
+            arr = draw(shape)
+            if dtype == "BF16":
+                bits = np.ascontiguousarray(arr, dtype="<f4").view("<u4")
+                fh.write(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes())
+            else:
+                fh.write(np.ascontiguousarray(arr, dtype=_ST_DTYPES[dtype]).tobytes())
+            del arr
+
+
+def make_folder(record: dict, folder: Path) -> Path:
+    """The record's HF folder: config.json, model.safetensors (seeded weights), SmolLM2's tokenizer files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(record["config"], indent=2) + "\n", encoding="utf-8")
+    rng = np.random.default_rng(record["seed"])
+    write_safetensors(folder / "model.safetensors", hf_tensor_shapes(record["config"]),
+                      lambda shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05), record["dtype"])
+    with gzip.open(DATA / "smollm2-tokenizer.json.gz", "rb") as src, open(folder / "tokenizer.json", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DATA / f"smollm2-{name}", folder / name)
+    return folder
+
+
+def load_record(name: str) -> dict:
+    return json.loads((DATA / f"{name}.json").read_text(encoding="utf-8"))

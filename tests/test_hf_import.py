@@ -1,0 +1,152 @@
+"""`llmtune import` (convert/hf_import.py): the converter's bytes and keys on recorded tiny folders, bad input.
+
+The records (tests/data/hf/*.json, bench/check_hf_import.py --record) hold what llama.cpp's
+convert_hf_to_gguf.py wrote for each tiny folder: every key and every tensor's type, shape and sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from safetensors.numpy import load_file  # noqa: E402
+
+from cli_helpers import run_cli  # noqa: E402
+from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E402
+from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
+
+CASES = [(name, t) for name in ("llama-tiny", "qwen2-tiny", "qwen3-tiny") for t in load_record(name)["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: make_folder(load_record(name), root / name) for name in ("llama-tiny", "qwen2-tiny", "qwen3-tiny")}
+
+
+@pytest.mark.parametrize("name,outtype", CASES)
+def test_same_as_convert_hf_to_gguf(folders, tmp_path, monkeypatch, capsys, name, outtype):
+    expected = load_record(name)["outputs"][outtype]
+    out = tmp_path / "m.gguf"
+    code, stdout, err = run_cli(monkeypatch, capsys, "import", folders[name], "-o", out, "--type", outtype)
+    assert code == 0, err
+    got_tensors = {k: list(v) for k, v in tensor_digests(out).items()}
+    assert list(got_tensors) == list(expected["tensors"])  # same names, same order
+    assert got_tensors == expected["tensors"]  # same types, shapes, bytes
+    got_meta = json.loads(json.dumps(metadata_digest(plain_fields(out))))
+    assert list(got_meta) == list(expected["metadata"])  # same keys, same order
+    assert got_meta == expected["metadata"]
+
+
+def _bad(monkeypatch, capsys, folder, out, *extra):
+    code, stdout, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, *extra)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert not out.exists() and not list(out.parent.glob("*.tmp*"))
+    return lines[0]
+
+
+def _copy(folders, tmp_path, name="llama-tiny"):
+    return shutil.copytree(folders[name], tmp_path / name)
+
+
+def test_missing_config_key(folders, tmp_path, monkeypatch, capsys):
+    folder = _copy(folders, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    del config["rms_norm_eps"]
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "config.json has no rms_norm_eps" in line and str(folder) in line
+
+
+def test_shape_not_matching_config(folders, tmp_path, monkeypatch, capsys):
+    folder = _copy(folders, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] += 32
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "config.json" in line and "ffn_" in line and "shape" in line
+
+
+def test_truncated_safetensors(folders, tmp_path, monkeypatch, capsys):
+    folder = _copy(folders, tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert str(weights) in line
+
+
+def test_damaged_safetensors_header(folders, tmp_path, monkeypatch, capsys):
+    folder = _copy(folders, tmp_path)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"\xff" * 64)
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert str(weights) in line and "not a readable safetensors file" in line
+
+
+@pytest.mark.parametrize("arch,words", [("MambaForCausalLM", "is not an architecture llmtune imports"),
+                                        ("Gemma2ForCausalLM", "import is not supported yet")])
+def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys, arch, words):
+    folder = _copy(folders, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = [arch]
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert arch in line and words in line and "LlamaForCausalLM" in line
+
+
+def test_sentencepiece_tokenizer_refused(folders, tmp_path, monkeypatch, capsys):
+    folder = _copy(folders, tmp_path)
+    (folder / "tokenizer.model").write_bytes(b"\x00")
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "tokenizer.model (SentencePiece)" in line and "byte-level BPE" in line
+
+
+def test_hub_name_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    line = _bad(monkeypatch, capsys, "HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path / "o.gguf")
+    assert "never downloads" in line and "--local-dir" in line
+
+
+def test_unknown_type(folders, tmp_path, monkeypatch, capsys):
+    line = _bad(monkeypatch, capsys, folders["llama-tiny"], tmp_path / "o.gguf", "--type", "q3_x")
+    assert "--type" in line and "q3_x" in line
+
+
+def test_sharded_folder_with_index(folders, tmp_path, monkeypatch, capsys):
+    """model-0000N-of-00002.safetensors with model.safetensors.index.json: the same file as one part."""
+    folder = _copy(folders, tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(tensors)
+    parts = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for part, part_names in parts.items():
+        arrays = iter([tensors[n] for n in part_names])
+        write_safetensors(folder / part, {n: tensors[n].shape for n in part_names}, lambda _, a=arrays: next(a), "F32")
+    weight_map = {n: part for part, part_names in parts.items() for n in part_names}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    expected = load_record("llama-tiny")["outputs"]["f32"]["tensors"]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "model.safetensors.index.json" in line and "model-00002-of-00002.safetensors" in line
+
+
+def test_other_types_are_import_then_export(folders, tmp_path, monkeypatch, capsys):
+    """--type q4_k_m: byte for byte `import --type f32` followed by `llmtune export --type q4_k_m`."""
+    one, f32, two = tmp_path / "one.gguf", tmp_path / "f32.gguf", tmp_path / "two.gguf"
+    for args in (("import", folders["qwen2-tiny"], "-o", one, "--type", "q4_k_m"),
+                 ("import", folders["qwen2-tiny"], "-o", f32, "--type", "f32"),
+                 ("export", f32, "-o", two, "--type", "q4_k_m")):
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 0, err
+    assert one.read_bytes() == two.read_bytes()
