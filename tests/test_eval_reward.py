@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import run_cli
+from llmtune.errors import Interrupted
 from llmtune.eval.generate import Generator
 from llmtune.eval.graded import GradedSettings, evaluate_graded, pass_at, sample_seed
 from llmtune.eval.sampling import Sampler, SamplerConfig
@@ -186,3 +187,19 @@ def test_bad_input_is_one_line_exit_2(stories_path, task, tmp_path, monkeypatch,
     for w in words:
         assert w in stderr, stderr
     assert task.read_bytes() == before
+
+
+def test_ctrl_c_keeps_the_prompts_done(stories_path, task, tmp_path):
+    """Interrupted after the adapter's first batch: the comparison over its 2 prompts, base cut to them."""
+    adapter = write_fixture_adapter(stories_path, tmp_path / "a.gguf")
+
+    def progress(p):
+        if p.stage == "adapter":
+            raise Interrupted(2)
+
+    with pytest.raises(Interrupted) as info:
+        evaluate_graded(stories_path, task, ["regex:the"], settings=_settings(n_seq=2), lora=[adapter],
+                        progress=progress)
+    part = info.value.partial
+    assert part.partial and len(part.model.prompts) == 2 and len(part.base.prompts) == 2
+    assert part.to_dict()["prompts_done"] == 2 and part.to_dict()["prompts_planned"] == 5
