@@ -5,6 +5,8 @@ completed greedily by both, graded by the same graders (train/rewards.py), promp
         --reward number:answer [--reward ...] [--reward-weights W] [--lora A.gguf | --random-lora OUT.gguf] \
         [-n 32] [--ctx 512] [--json OUT]
     python bench/check_eval_reward.py --write-arithmetic T.jsonl [--count 12]   # a chat arithmetic task
+        # and T.rewards.py's last_number: the completion's last number equals "answer" (a small model
+        # repeats the sum, "13 + 14 = 27", where number:answer reads the first number)
 
 Each prompt is given to llama-completion as the text llmtune tokenizes (a plain prompt as it is; a
 conversation rendered with the model's chat template and its generation prompt), raw (-no-cnv,
@@ -54,6 +56,21 @@ def write_arithmetic(path: Path, count: int, seed: int = 0) -> None:
             a, b = rng.randint(1, 20), rng.randint(1, 20)
             msg = f"What is {a} + {b}? Reply with the number only."
             fh.write(json.dumps({"prompt": [{"role": "user", "content": msg}], "answer": a + b}) + "\n")
+    path.with_suffix(".rewards.py").write_text(LAST_NUMBER)
+
+
+LAST_NUMBER = '''import re
+
+
+def last_number(prompts, completions, answer, **kwargs):
+    """1.0 when the completion's last number equals the answer (TRL's reward-function signature)."""
+    out = []
+    for c, want in zip(completions, answer):
+        text = c[-1]["content"] if isinstance(c, list) else c
+        found = re.findall(r"-?\\d+(?:\\.\\d+)?", text)
+        out.append(float(bool(found) and float(found[-1]) == float(want)))
+    return out
+'''
 
 
 def random_lora(model_path: Path, out: Path, b_std: float, seed: int = 0) -> Path:
