@@ -168,7 +168,7 @@ def main() -> None:
         for p, (ours_p, t, r) in enumerate(zip(res.prompts, theirs, total)):
             o = ours_p.texts[0]
             st, sr = o == t, ours_p.rewards[0] == r or (np.isnan(r) and np.isnan(ours_p.rewards[0]))
-            same_text, same_reward = same_text + st, same_reward + sr
+            same_text, same_reward = same_text + int(st), same_reward + int(sr)
             print(f"{p + 1:3d} same_text={'yes' if st else 'NO '} reward llmtune {ours_p.rewards[0]:.3f} llama.cpp "
                   f"{r:.3f}  llmtune {o[:40]!r}  llama.cpp {t[:40]!r}")
         means = {n: float(np.nanmean(scores[:, i])) for i, n in enumerate(rewards.names)}
