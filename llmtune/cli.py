@@ -441,7 +441,7 @@ def eval_cmd(
                                                  "comma-separated. \\[default: 1 each]", show_default=False),
     samples: Optional[int] = typer.Option(None, "--samples", help="--reward: K sampled completions per prompt "
                                           "(mean reward, pass@1, pass@K). \\[default: one greedy]", show_default=False),
-    n_predict: int = typer.Option(256, "--max-completion-length", "-n", help="--reward: a completion's most tokens."),
+    n_predict: int = typer.Option(256, "--max-completion-length", help="--reward: a completion's most tokens."),
     temp: float = typer.Option(0.8, "--temp", help="--reward --samples: the sampling temperature."),
     seed: int = typer.Option(0, "--seed", help="--reward --samples: completion j of prompt p draws with "
                              "SeedSequence(\\[seed, p, j])."),
@@ -456,7 +456,7 @@ def eval_cmd(
 
     Example: llmtune eval model.gguf mmlu-test.jsonl --multiple-choice --topics --json mmlu.json
 
-    Example: llmtune eval model.gguf sums.jsonl --reward number:answer --lora sums.gguf -n 32 --json sums.json
+    Example: llmtune eval model.gguf sums.jsonl --reward number:answer --lora sums.gguf --max-completion-length 32 --json sums.json
     """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
     from llmtune.eval.benchmarks import evaluate
     from llmtune.gguf.file import check_output_path

@@ -137,8 +137,8 @@ def test_cli_tables_and_json(stories_path, task, tmp_path, monkeypatch, capsys):
     adapter = write_fixture_adapter(stories_path, tmp_path / "a.gguf")
     out = tmp_path / "out.json"
     code, stdout, stderr = run_cli(monkeypatch, capsys, "eval", stories_path, task, "--reward", "exact:label",
-                                   "--reward", "regex:the", "--reward-weights", "1,0.5", "--lora", adapter, "-n", N,
-                                   "--ctx", 64, "--json", out)
+                                   "--reward", "regex:the", "--reward-weights", "1,0.5", "--lora", adapter,
+                                   "--max-completion-length", N, "--ctx", 64, "--json", out)
     assert code == 0, stderr
     assert "base" in stdout and "adapter" in stdout and "difference" in stdout and "gold" in stdout
     d = json.loads(out.read_text())
@@ -174,14 +174,15 @@ def word(prompts, completions, **kw):
     (["--reward", "regex:a", "--json", "{task}"], ["--json", "refusing to overwrite the input"]),
     (["--reward", "regex:a", "--json", "{dir}"], ["--json", "is a directory"]),
     (["--reward", "regex:a", "--hellaswag"], ["--reward", "--hellaswag"]),
-    (["--reward", "regex:a", "-n", "64"], ["--max-completion-length"]),
+    (["--reward", "regex:a", "--max-completion-length", "64"], ["--max-completion-length"]),
 ])
 def test_bad_input_is_one_line_exit_2(stories_path, task, tmp_path, monkeypatch, capsys, args, words):
     py = tmp_path / "rewards.py"
     py.write_text(BAD_REWARDS)
     before = task.read_bytes()
     args = [a.format(py=py, dir=tmp_path, task=task) for a in args]
-    code, stdout, stderr = run_cli(monkeypatch, capsys, "eval", stories_path, task, "-n", N, "--ctx", 64, *args)
+    code, stdout, stderr = run_cli(monkeypatch, capsys, "eval", stories_path, task, "--max-completion-length", N,
+                                   "--ctx", 64, *args)
     assert code == 2, stderr
     assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
     for w in words:
