@@ -456,8 +456,9 @@ def _report(result, text: str, write_json, json_out: Optional[Path], inputs) -> 
 def eval_cmd(
     model: Path = ModelArg,
     file: Path = typer.Argument(..., help="Tasks: HellaSwag text (6 lines per task), Winogrande CSV, llama.cpp's "
-                                          "multiple-choice binary file, or JSONL with question, choices, answer "
-                                          "(e.g. MMLU).", show_default=False),
+                                          "multiple-choice binary file, JSONL with question, choices, answer "
+                                          "(e.g. MMLU), or with --reward prompt records as finetune --method grpo "
+                                          "reads them.", show_default=False),
     hellaswag: bool = typer.Option(False, "--hellaswag",
                                    help="HellaSwag: acc_norm of the 4 endings (llama-perplexity --hellaswag)."),
     winogrande: bool = typer.Option(False, "--winogrande",
@@ -490,17 +491,42 @@ def eval_cmd(
                                  help="Print only the final lines, not llama.cpp's running line per task."),
     lora: Optional[List[Path]] = LoraOption,
     lora_scale: Optional[List[float]] = LoraScaleOption,
+    reward: Optional[List[str]] = typer.Option(None, "--reward", help="Grade completions of FILE's prompts (your "
+                                               "own task): exact:COLUMN, number:COLUMN, regex:PATTERN, length:N or "
+                                               "FILE.py:FUNCTION, as finetune --method grpo; repeat for several.",
+                                               show_default=False),
+    reward_weights: Optional[str] = typer.Option(None, "--reward-weights", help="--reward: the graders' weights, "
+                                                 "comma-separated. \\[default: 1 each]", show_default=False),
+    samples: Optional[int] = typer.Option(None, "--samples", help="--reward: K sampled completions per prompt "
+                                          "(mean reward, pass@1, pass@K). \\[default: one greedy]", show_default=False),
+    n_predict: int = typer.Option(256, "--max-completion-length", help="--reward: a completion's most tokens."),
+    temp: float = typer.Option(0.8, "--temp", help="--reward --samples: the sampling temperature."),
+    seed: int = typer.Option(0, "--seed", help="--reward --samples: completion j of prompt p draws with "
+                             "SeedSequence(\\[seed, p, j])."),
+    pass_reward: Optional[float] = typer.Option(None, "--pass-reward", help="--reward: a completion passes at this "
+                                                "reward. \\[default: every grader's best]", show_default=False),
 ):
     """Benchmarks scored exactly as llama.cpp's llama-perplexity --hellaswag / --winogrande / --multiple-choice.
 
     Each answer is scored by the mean log-probability of its tokens after the question; the best wins. The kind follows from the file when no flag is given. Prints llama.cpp's running lines, then its final result.
 
+    With --reward: your own task. Each prompt record of FILE is completed (greedy, or --samples K), the completions graded as finetune --method grpo grades them; a table of each grader's mean, the weighted reward and pass@k; with --lora the base and the adapted model side by side; a confusion table when an exact:COLUMN answer is a label.
+
     Example: llmtune eval model.gguf mmlu-test.jsonl --multiple-choice --topics --json mmlu.json
+
+    Example: llmtune eval model.gguf sums.jsonl --reward number:answer --lora sums.gguf --max-completion-length 32 --json sums.json
     """  # noqa: E501 - the --help text, one line a paragraph (the help keeps its line breaks)
     from llmtune.eval.benchmarks import evaluate
     from llmtune.gguf.file import check_output_path
     from llmtune.ui.benchmarks import benchmark_progress, format_report, topics_table, write_json
 
+    if reward:
+        if hellaswag or winogrande or multiple_choice or kl_base or topics:
+            raise LlmtuneError("--reward: grades your own prompts; --hellaswag, --winogrande, --multiple-choice, "
+                               "--kl-base and --topics are for benchmarks")
+        return _eval_graded(model, file, reward, reward_weights, lora, lora_scale, json_out, backend,
+                            dict(max_completion_length=n_predict, samples=samples, temp=temp, seed=seed, ctx=ctx,
+                                 limit=tasks, pass_reward=pass_reward))
     kinds = [k for k, on in (("hellaswag", hellaswag), ("winogrande", winogrande), ("multiple-choice", multiple_choice))
              if on]
     if len(kinds) > 1:
@@ -524,6 +550,28 @@ def eval_cmd(
             err.print(f"--topics: {file} names no topics (a JSONL \"topic\" field)", highlight=False)
         else:
             out.print(topics_table(result))
+
+
+def _eval_graded(model, file, reward, reward_weights, lora, lora_scale, json_out, backend, settings: dict) -> None:
+    """eval --reward (llmtune/eval/graded.py): progress, the tables, --json; Ctrl-C reports the prompts done."""
+    from llmtune.eval.graded import GradedSettings, evaluate_graded
+    from llmtune.gguf.file import check_output_path
+    from llmtune.train.rewards import parse_weights
+    from llmtune.ui.graded import graded_progress, report
+
+    inputs = (model, file, *(lora or []))
+    if json_out is not None:
+        check_output_path(json_out, *inputs, flag="--json")  # refuse a bad --json before the (long) evaluation
+    try:
+        with graded_progress(err) as on_progress:
+            result = evaluate_graded(model, file, reward, parse_weights(reward_weights, len(reward)),
+                                     settings=GradedSettings(**settings), backend=backend, lora=lora,
+                                     lora_scale=lora_scale, progress=on_progress)
+    except Interrupted as exc:  # Ctrl-C: the prompts done, then exit 130
+        if exc.partial is not None:
+            report(out, exc.partial, json_out, inputs)
+        raise
+    report(out, result, json_out, inputs)
 
 
 # --- generate (llmtune/eval/generate.py) ---

@@ -356,20 +356,13 @@ GRPO_SETTINGS = ("reward", "reward_weights", "num_generations", "max_completion_
 def _check_grpo(c: "FinetuneConfig") -> None:
     """--method grpo's settings: rewards named (kinds known; files are loaded with the data), ranges as TRL's."""
     from llmtune.train.grpo import LOSS_TYPES, SCALE_REWARDS
-    from llmtune.train.rewards import check_spec
+    from llmtune.train.rewards import check_spec, parse_weights
 
     if not c.reward:
         raise LlmtuneError("--method grpo: needs --reward (e.g. regex:PATTERN, exact:COLUMN, FILE.py:FUNCTION)")
     for spec in c.reward:
         check_spec(spec)
-    if c.reward_weights is not None:
-        try:
-            weights = [float(w) for w in c.reward_weights.split(",")]
-        except ValueError:
-            raise LlmtuneError(f"--reward-weights: {c.reward_weights!r} is not comma-separated numbers") from None
-        if len(weights) != len(c.reward) or not all(map(math.isfinite, weights)):
-            raise LlmtuneError(f"--reward-weights: {len(weights)} weight(s) for {len(c.reward)} --reward(s) "
-                               f"(one finite number each)")
+    parse_weights(c.reward_weights, len(c.reward))
     if c.num_generations < 2:
         raise LlmtuneError(f"--num-generations: must be at least 2 (GRPO compares a prompt's completions), got "
                            f"{c.num_generations}")

@@ -27,7 +27,7 @@ from llmtune.train.observe import observe_hooks
 from llmtune.train.optim import LRSchedule
 from llmtune.train.output import write_output
 from llmtune.train.preference import REFERENCE_METHODS, Objective, PreferenceTrainer, build_pairs
-from llmtune.train.rewards import RewardError, Rewards
+from llmtune.train.rewards import RewardError, Rewards, parse_weights
 from llmtune.train.selection import Selection
 from llmtune.train.signals import StopRequest, signal_name
 from llmtune.train.trainer import Trainer
@@ -122,8 +122,8 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
         if rollout is None:
             raise LlmtuneError("--method grpo: needs eval's sampler; call llmtune.finetune (llmtune/workflows.py), "
                                "not llmtune.train.finetune.finetune")
-        weights = [float(w) for w in cfg.reward_weights.split(",")] if cfg.reward_weights else None
-        rewards = Rewards.of(cfg.reward, weights)  # a user's reward file is imported here
+        # a user's reward file is imported here
+        rewards = Rewards.of(cfg.reward, parse_weights(cfg.reward_weights, len(cfg.reward)))
         dataset, n_tokens = build_prompts(model, data_path, cfg, rewards)
     else:  # preference pairs, one per window (train/preference.py)
         dataset, n_tokens = build_pairs(model, data_path, cfg.ctx, cfg.holdout, cfg.format, cfg.chat_template,

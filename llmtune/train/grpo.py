@@ -51,7 +51,7 @@ from llmtune.train.chat import pad_token, prompt_ids
 from llmtune.train.data import Holdout, TrainValSplit
 from llmtune.train.preference import CHOSEN, PAD, TRUNK, Objective, PairLayout, PreferenceTrainer
 from llmtune.train.records import read_records
-from llmtune.train.rewards import RewardError, Rewards
+from llmtune.train.rewards import RewardError, Rewards, weighted_sum
 from llmtune.train.trainer import RunningStats
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -170,20 +170,19 @@ class PromptDataset(TrainValSplit):
                 "padding": 0.0}
 
 
-def build_prompts(model, data_path, cfg, rewards: Rewards) -> tuple[PromptDataset, int]:
-    """(dataset, n prompt tokens) of a prompt file for --method grpo; every record must hold the
-    columns the built-in graders read, and every prompt leave --max-completion-length tokens of --ctx."""
-    fmt = "prompt" if cfg.format == "auto" else cfg.format
-    if fmt != "prompt":
-        raise LlmtuneError(f"--method grpo: --format {fmt}: GRPO reads prompt records {{\"prompt\", <columns>}} "
-                           f"(--format prompt or auto)")
+def read_prompts(model, data_path, rewards: Rewards, chat_template: Optional[str],
+                 room: int) -> tuple[list, int, object]:
+    """(kept, dropped, template) of a prompt file (--method grpo, eval --reward): kept holds
+    (ids, prompt, columns, where) of each record whose prompt has 1 to `room` tokens; a string
+    prompt tokenized as the preference methods tokenize theirs, a message list rendered with the
+    chat template (--chat-template or the model's) and its generation prompt. Every record must
+    hold the columns the built-in graders read."""
     records = read_records(data_path, "prompt")
     conversational = not isinstance(records.items[0][0], str)
-    template = ChatTemplate.for_model(model.gguf, model.tokenizer, cfg.chat_template) if conversational else None
-    if cfg.chat_template is not None and not conversational:
+    template = ChatTemplate.for_model(model.gguf, model.tokenizer, chat_template) if conversational else None
+    if chat_template is not None and not conversational:
         raise LlmtuneError(f"--chat-template: {data_path} holds plain-string prompts, not conversations")
     need = rewards.columns()
-    room = cfg.ctx - cfg.max_completion_length
     kept, dropped = [], 0
     for (prompt, columns), where in zip(records.items, records.wheres):
         if isinstance(prompt, str) == conversational:
@@ -203,6 +202,18 @@ def build_prompts(model, data_path, cfg, rewards: Rewards) -> tuple[PromptDatase
             dropped += 1
             continue
         kept.append((np.asarray(ids, dtype=np.int32), prompt, columns, where))
+    return kept, dropped, template
+
+
+def build_prompts(model, data_path, cfg, rewards: Rewards) -> tuple[PromptDataset, int]:
+    """(dataset, n prompt tokens) of a prompt file for --method grpo; every record must hold the
+    columns the built-in graders read, and every prompt leave --max-completion-length tokens of --ctx."""
+    fmt = "prompt" if cfg.format == "auto" else cfg.format
+    if fmt != "prompt":
+        raise LlmtuneError(f"--method grpo: --format {fmt}: GRPO reads prompt records {{\"prompt\", <columns>}} "
+                           f"(--format prompt or auto)")
+    room = cfg.ctx - cfg.max_completion_length
+    kept, dropped, template = read_prompts(model, data_path, rewards, cfg.chat_template, room)
     if not kept:
         raise LlmtuneError(f"{data_path}: no prompt leaves --max-completion-length {cfg.max_completion_length} tokens "
                            f"of --ctx {cfg.ctx}: raise --ctx or lower --max-completion-length")
@@ -230,11 +241,8 @@ def advantages(rewards_per_func: np.ndarray, weights: np.ndarray, generations: i
                scale: str = "group") -> tuple[np.ndarray, np.ndarray, dict]:
     """(advantages [n], rewards [n] (NaN: no grader scored it), metrics) of rewards per grader [n, k]
     in groups of `generations` consecutive completions: TRL's sum_then_normalize."""
-    r = np.asarray(rewards_per_func, dtype=np.float64)
-    unscorable = np.isnan(r).all(axis=1)
     with np.errstate(invalid="ignore"):
-        rewards = np.nansum(r * weights[None, :], axis=1)
-        rewards[unscorable] = np.nan
+        rewards = weighted_sum(rewards_per_func, weights)
         grouped = rewards.reshape(-1, generations)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)

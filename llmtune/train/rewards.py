@@ -92,6 +92,12 @@ class Grader:
     fn: Callable  # TRL's signature: fn(prompts, completions, completion_ids=..., **columns) -> list
     column: Optional[str] = None  # the record column a built-in reads (checked when the data is read)
     path: Optional[Path] = None  # a user's file
+    best: float = 1.0  # the reward of a perfect completion (eval --reward's pass threshold): length's is 0
+
+    @property
+    def kind(self) -> str:
+        """exact, number, regex, length, or "function" for a user's."""
+        return "function" if self.path is not None else self.spec.partition(":")[0]
 
     def score(self, prompts, completions, completion_ids, columns: dict, wheres: list[str]) -> np.ndarray:
         """One reward per completion (NaN: None), or a one-line RewardError naming the grader,
@@ -158,7 +164,7 @@ def _builtin(kind: str, arg: str, spec: str) -> Grader:
 
     def length(prompts, completions, completion_ids, **columns):
         return [-abs(len(ids) - target) / target for ids in completion_ids]
-    return Grader(spec, spec, length)
+    return Grader(spec, spec, length, best=0.0)
 
 
 def load_function(spec: str, path: Path, name: str) -> Grader:
@@ -202,6 +208,29 @@ def check_spec(spec: str) -> None:
     kind, sep, _ = spec.partition(":")
     if not (sep and kind in KINDS) and not spec.rpartition(":")[0].endswith(".py"):
         raise LlmtuneError(f"--reward {spec}: unknown reward kind {kind!r} (choose {SPEC_WORDS})")
+
+
+def parse_weights(text: Optional[str], n_rewards: int) -> Optional[list[float]]:
+    """--reward-weights "1,0.5": one finite number per --reward (None: 1 each)."""
+    if text is None:
+        return None
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise LlmtuneError(f"--reward-weights: {text!r} is not comma-separated numbers") from None
+    if len(weights) != n_rewards or not all(map(math.isfinite, weights)):
+        raise LlmtuneError(f"--reward-weights: {len(weights)} weight(s) for {n_rewards} --reward(s) "
+                           f"(one finite number each)")
+    return weights
+
+
+def weighted_sum(rewards_per_func: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Each completion's reward [n] of its rewards per grader [n, k]: TRL's weighted nan-sum, NaN
+    where every grader said None."""
+    r = np.asarray(rewards_per_func, dtype=np.float64)
+    total = np.nansum(r * np.asarray(weights, dtype=np.float64)[None, :], axis=1)
+    total[np.isnan(r).all(axis=1)] = np.nan
+    return total
 
 
 @dataclass
