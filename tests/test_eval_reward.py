@@ -17,6 +17,7 @@ from llmtune.eval.sampling import Sampler, SamplerConfig
 from llmtune.model.adapter import attach
 from llmtune.model.loaded import load_model
 from llmtune.train.chat import prompt_ids
+from llmtune.train.rewards import normalise
 from lora_fixture import write_fixture_adapter
 
 PROMPTS = ["Once upon a time", "Lily went to the", "The cat", "Tom had a big", "One day"]
@@ -76,7 +77,7 @@ def test_greedy_completions_and_grades(stories_path, task, base_runs):
 def test_confusion_table_of_label_answers(stories_path, task, base_runs):
     m = evaluate_graded(stories_path, task, ["exact:label"], settings=_settings()).model
     conf = m.confusion()["exact:label"]
-    a, b = sorted([" ".join(base_runs[0].text.split()).casefold(), " ".join(base_runs[1].text.split()).casefold()])
+    a, b = sorted([normalise(base_runs[0].text), normalise(base_runs[1].text)])
     assert conf["gold"] == sorted([a, b, "no", "yes"]) and conf["predicted"] == conf["gold"] + ["other"]
     counts = np.asarray(conf["counts"])
     gold = {g: i for i, g in enumerate(conf["gold"])}
