@@ -133,9 +133,11 @@ def test_batched_rollouts_are_each_completion_alone(stories_path, full, native_o
         else:
             tr, _ = _trainer(stories_path, GRPOSettings())
         tok = tr.model.tokenizer
-        prompts = [list(tok.encode(t, add_special=True)) for t in ("Once upon a time", "Tom", "The big dog was")]
+        texts = ("Once upon a time", "Tom", "Lily went to the park and saw a big red ball. She was happy")
+        prompts = [list(tok.encode(t, add_special=True)) for t in texts]
+        assert len(prompts[2]) > PolicySampler.PREFILL_BATCH  # a prompt of several prefill passes
         seeds = [1000 + j for j in range(3 * 3)]
-        alone = Generator(tr.model, tr.backend, n_ctx=64, values=tr.values)
+        alone = Generator(tr.model, tr.backend, n_ctx=64, n_batch=PolicySampler.PREFILL_BATCH, values=tr.values)
 
         def one_by_one(temp):
             alone.tokens = []  # (its cached prompt is of the weights it had)

@@ -538,7 +538,12 @@ class PolicySampler:
     together as a BatchGenerator decodes (as TRL's vLLM / generate batch them): up to `lanes`
     completions at a time, whole groups of n where n <= lanes, a prompt prefilled once per chunk
     and its k/v copied into its other lanes. Each completion's tokens are those it would draw
-    alone: its own sampler (seed), its own stop, its own rows of the cache."""
+    alone (a Generator with the same n_batch): its own sampler (seed), its own stop, its own rows
+    of the cache."""
+
+    # prompt tokens a prefill pass evaluates: the compiled cpu products' rows (a longer pass goes to
+    # BLAS over dequantized blocks: 2-5x slower per token on SmolLM2 Q4_1's 48-token prompts, measured)
+    PREFILL_BATCH = GENERATION_LANES
 
     def __init__(self, trainer, n_ctx: int, lanes: int = GENERATION_LANES, share_prompts: bool = True):
         self.trainer, self.n_ctx, self.lanes, self.share_prompts = trainer, int(n_ctx), int(lanes), share_prompts
@@ -556,7 +561,7 @@ class PolicySampler:
             tr = self.trainer
             self.gen = None  # its cache released before the next one is allocated
             self.gen = BatchGenerator(tr.model, tr.backend, n_seq=n_seq, n_ctx=self.n_ctx, values=tr.values,
-                                      share_prompts=self.share_prompts)
+                                      n_batch=self.PREFILL_BATCH, share_prompts=self.share_prompts)
         return self.gen
 
     def memory_bytes(self, n_prompts: int, n: int) -> dict[str, int]:
