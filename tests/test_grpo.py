@@ -162,6 +162,18 @@ def test_batched_rollouts_are_each_completion_alone(stories_path, full, native_o
         kernels.reset()
 
 
+def test_memory_estimate_counts_the_rollout_cache(stories_path):
+    """The run's estimate holds the batched generator's KV cache as it allocates it: 4 prompts'
+    windows a step at G = 2, so 4 sequences of --ctx positions."""
+    tr, _ = _trainer(stories_path, GRPOSettings(num_generations=2))
+    tr.rollout_factory = PolicySampler
+    estimate = tr.memory_bytes()["generation kv cache"]
+    tok = tr.model.tokenizer
+    tr.rollout()([list(tok.encode("Tom", add_special=True))] * 2, 2, 4, 1.0, 1.0, [1, 2, 3, 4])
+    gen = tr.sampler.gen
+    assert gen.n_seq == 4 and estimate == sum(buf.nbytes for buf in gen.cache.values()) > 0
+
+
 # ------------------------------------------------------------------------------------ rewards
 def test_builtin_rewards():
     assert normalise("  The   Cat\n") == "the cat" and normalise(42) == "42"

@@ -375,7 +375,7 @@ class GRPOTrainer(PreferenceTrainer):
     # ------------------------------------------------------------------ rollouts
     def rollout(self):
         """The sampler of completions, made once (its generator's buffers when it first samples)."""
-        if self.sampler is None:
+        if self.sampler is None and self.rollout_factory is not None:
             self.sampler = self.rollout_factory(self, self.n_ctx)
         return self.sampler
 
