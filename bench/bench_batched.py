@@ -64,7 +64,7 @@ def llama_cmd(binary: Path, model: Path, args) -> list[str]:
 
 
 def llama(binary: Path, model: Path, args) -> dict[int, dict]:
-    """{B: {"pp": S_PP, "tg": S_TG}} from one llama-batched-bench run."""
+    """{B: {"pp": S_PP, "tg": S_TG, "t_pp": T_PP, "t_tg": T_TG, "t": T}} from one llama-batched-bench run."""
     res = subprocess.run(llama_cmd(binary, model, args), capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"llama-batched-bench failed:\n{res.stderr[-2000:]}")
@@ -72,7 +72,8 @@ def llama(binary: Path, model: Path, args) -> dict[int, dict]:
     for line in (res.stdout + res.stderr).splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 8 and cells[0].isdigit():
-            rows[int(cells[2])] = {"pp": float(cells[5]), "tg": float(cells[7])}
+            rows[int(cells[2])] = {"pp": float(cells[5]), "tg": float(cells[7]), "t_pp": float(cells[4]),
+                                   "t_tg": float(cells[6]), "t": float(cells[8])}
     if set(rows) != set(args.npl):
         raise RuntimeError(f"llama-batched-bench: rows for {sorted(rows)}, wanted {args.npl}:\n{res.stdout[-2000:]}")
     return rows

@@ -2,9 +2,13 @@
 # One-shot check of the CUDA backend on a lent GPU machine, under 8 minutes in all (each step has
 # its own timeout; their sum, 470 s, leaves room for start-up):
 #   0. gguf from .whl/ when the machine lacks it (no network there);
-#   1. the CUDA op tests (tests/test_backends.py's cuda parameter, then every other cuda-marked test);
+#   1. the CUDA op tests (tests/test_backends.py's cuda parameter, then every other cuda-marked test,
+#      among them batched decode: G prompts decoded together equal to each alone, greedy, on the
+#      device (tests/test_batched.py), and two GRPO steps with --backend cuda sampling the CPU
+#      run's completions and reaching its losses (tests/test_grpo.py));
 #   2. the SmolLM2 shape on the GPU: QLoRA (LoRA r8 over the Q4_1 file) and LoRA (over its f32
-#      export) finetunes at ctx 128, `generate`, `perplexity` and `eval` (HellaSwag);
+#      export) finetunes at ctx 128, `generate`, batched decode's throughput (`generate --parallel
+#      B --bench`, B = 1 and 16: llama-batched-bench's row), `perplexity` and `eval` (HellaSwag);
 #   3. the training benchmark (15M and 110M shapes, ctx 512, f32 and bf16 matmuls, per-op profile).
 # Logs and the benchmark's JSON go to $OUT when set, else bench/out/. A missing piece (cupy, the
 # model) is skipped with a message. (The random model: init + Q4_1 export took 207 s on the busy
@@ -92,7 +96,7 @@ fi
 
 section "1. CUDA op tests"
 step tests_backends_cuda 80 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_backends.py -k "cuda and not emu"
-step tests_marked_cuda 50 "$PY" -m pytest -q -rs -p no:cacheprovider tests -m cuda --ignore=tests/test_backends.py \
+step tests_marked_cuda 60 "$PY" -m pytest -q -rs -p no:cacheprovider tests -m cuda --ignore=tests/test_backends.py \
     --continue-on-collection-errors
 
 section "2. SmolLM2 shape: QLoRA, LoRA, generate, perplexity, eval"
@@ -119,14 +123,16 @@ else
         --metrics "$LOG/qlora_metrics.jsonl"
     [ -f "$F32" ] && step lora_f32 45 "$PY" -m llmtune finetune "$F32" "$TEXT" -o "$WORK/lora.gguf" "${TRAIN[@]}" \
         --metrics "$LOG/lora_metrics.jsonl"
-    step generate 20 "$PY" -m llmtune generate "$MODEL" -p "Once upon a time" -n 64 --temp 0 --backend cuda
-    step perplexity 20 "$PY" -m llmtune perplexity "$MODEL" "$TEXT" --ctx 512 --chunks 8 --backend cuda
-    step eval_hellaswag 20 "$PY" -m llmtune eval "$MODEL" tests/data/benchmarks/hellaswag-20.txt --hellaswag --backend cuda
+    step generate 15 "$PY" -m llmtune generate "$MODEL" -p "Once upon a time" -n 64 --temp 0 --backend cuda
+    step batched_decode 20 bash -c "for b in 1 16; do '$PY' -m llmtune generate '$MODEL' -p 'Once upon a time' \
+        --parallel \$b -n 65 --bench --temp 0 --backend cuda; done"
+    step perplexity 15 "$PY" -m llmtune perplexity "$MODEL" "$TEXT" --ctx 512 --chunks 8 --backend cuda
+    step eval_hellaswag 15 "$PY" -m llmtune eval "$MODEL" tests/data/benchmarks/hellaswag-20.txt --hellaswag --backend cuda
 fi
 rm -rf "$WORK"
 
 section "3. training benchmark: 15M and 110M shapes"
-step bench_cuda 80 "$PY" bench/bench_cuda.py --shapes 15m,110m --ctx 512 --seqs 8 --steps 3 --precision f32,bf16 \
+step bench_cuda 65 "$PY" bench/bench_cuda.py --shapes 15m,110m --ctx 512 --seqs 8 --steps 3 --precision f32,bf16 \
     --profile --json "$LOG/bench_cuda.json"
 
 section "done"

@@ -10,6 +10,7 @@ import pytest
 
 import cuda_emu
 from cli_helpers import run_cli
+from llmtune.backends import cuda
 from llmtune.backends.cpu.native import kernels
 from llmtune.backends.cuda import CUDABackend
 from llmtune.convert.export import export
@@ -138,6 +139,19 @@ def test_cuda_kernels_decode_the_batch_as_the_cpu(stories):
     emu = BatchGenerator(stories, CUDABackend(np.float32, runtime=cuda_emu.EmuRuntime()), n_seq=4, n_ctx=64)
     cpu = BatchGenerator(stories, "cpu", n_seq=4, n_ctx=64)
     assert [r.tokens for r in emu.generate_batch(ids, 6)] == [r.tokens for r in cpu.generate_batch(ids, 6)]
+
+
+@pytest.mark.cuda
+def test_batch_on_a_real_gpu_is_each_prompt_alone(stories):
+    """bench/gpu_check.sh's batched decode: on a CUDA device, G = 4 prompts decoded together give
+    each prompt's one-sequence greedy tokens on that device, and the CPU's."""
+    if not cuda.available():
+        pytest.skip(f"no CUDA device: {cuda.unavailable_reason()}")
+    ids = _ids(stories)
+    greedy = SamplerConfig(temp=0.0, seed=0)
+    got = [r.tokens for r in BatchGenerator(stories, "cuda", n_seq=4, n_ctx=128).generate_batch(ids, 24)]
+    assert got == [alone(stories, i, 24, greedy, backend="cuda", n_ctx=128) for i in ids]
+    assert got == [alone(stories, i, 24, greedy, n_ctx=128) for i in ids]
 
 
 # ------------------------------------------------------------------------------ command line

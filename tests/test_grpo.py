@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from cli_helpers import run_cli
-from llmtune.backends import get_backend
+from llmtune.backends import cuda, get_backend
+from llmtune.backends.cpu.native import kernels
 from llmtune.errors import LlmtuneError
-from llmtune.eval.generate import PolicySampler
+from llmtune.eval.generate import Generator, PolicySampler
+from llmtune.eval.sampling import Sampler, SamplerConfig
 from llmtune.model.adapter import attach, init_adapter
 from llmtune.model.loaded import load_model
 from llmtune.train import checkpoint as ckpts, observe
@@ -113,6 +115,65 @@ def test_gradient_matches_finite_differences(stories_path):
         assert fd == pytest.approx(float(g @ direction), rel=1e-3, abs=1e-3 * np.linalg.norm(g))
 
 
+# ------------------------------------------------------------------------------------ rollouts
+@pytest.mark.parametrize("native_on", ["1", "0"])
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+def test_batched_rollouts_are_each_completion_alone(stories_path, full, native_on, monkeypatch):
+    """PolicySampler decodes prompts x G together (BatchGenerator, a prompt's k/v copied into its
+    lanes): each completion is the one-sequence Generator's with its seed over the live weights
+    (LoRA with B != 0, or every tensor trained), in chunks of whole groups, of split groups, or
+    one; and a change of the trained values reaches the next call."""
+    monkeypatch.setenv("LLMTUNE_NATIVE", native_on)
+    kernels.reset()
+    try:
+        if full:
+            model = load_model(stories_path)
+            tr = GRPOTrainer(model, get_backend("cpu"), settings=GRPOSettings(), rewards=Rewards([], np.ones(1)),
+                             rollout=None, n_ctx=64, n_batch=64 * 4, n_ubatch=64 * 4, trainable=model.select(None))
+        else:
+            tr, _ = _trainer(stories_path, GRPOSettings())
+        tok = tr.model.tokenizer
+        texts = ("Once upon a time", "Tom", "Lily went to the park and saw a big red ball. She was happy")
+        prompts = [list(tok.encode(t, add_special=True)) for t in texts]
+        assert len(prompts[2]) > PolicySampler.PREFILL_BATCH  # a prompt of several prefill passes
+        seeds = [1000 + j for j in range(3 * 3)]
+        alone = Generator(tr.model, tr.backend, n_ctx=64, n_batch=PolicySampler.PREFILL_BATCH, values=tr.values)
+
+        def one_by_one(temp):
+            alone.tokens = []  # (its cached prompt is of the weights it had)
+            return [alone.generate(prompts[j // 3], min(40, 64 - len(prompts[j // 3])),
+                                   Sampler(SamplerConfig(temp=temp, top_k=0, top_p=0.95, min_p=0.0, seed=seed))).tokens
+                    for j, seed in enumerate(seeds)]
+
+        want = one_by_one(1.0)
+        assert len({tuple(c) for c in want}) > 3  # the seeds draw different completions
+        for lanes in (16, 4, 2, 1):  # one chunk; whole groups; groups split; one lane
+            assert PolicySampler(tr, 64, lanes=lanes)(prompts, 3, 40, 1.0, 0.95, seeds) == want, lanes
+        # f32 products of 9 rows and of 1 round differently (logits ~4e-6 apart): a sampled token
+        # may flip where two candidates tie that closely; greedy picks compare the weights' effect
+        sampler = PolicySampler(tr, 64)
+        before = sampler(prompts, 3, 40, 0.0, 0.95, seeds)
+        assert before == one_by_one(0.0)
+        tr.flat_w[...] += tr.backend.asarray(np.random.default_rng(0).normal(0, 0.05, tr.flat_w.shape)
+                                             .astype(np.float32))
+        after = sampler(prompts, 3, 40, 0.0, 0.95, seeds)
+        assert after != before and after == one_by_one(0.0)
+    finally:
+        kernels.reset()
+
+
+def test_memory_estimate_counts_the_rollout_cache(stories_path):
+    """The run's estimate holds the batched generator's KV cache as it allocates it: 4 prompts'
+    windows a step at G = 2, so 4 sequences of --ctx positions."""
+    tr, _ = _trainer(stories_path, GRPOSettings(num_generations=2))
+    tr.rollout_factory = PolicySampler
+    estimate = tr.memory_bytes()["generation kv cache"]
+    tok = tr.model.tokenizer
+    tr.rollout()([list(tok.encode("Tom", add_special=True))] * 2, 2, 4, 1.0, 1.0, [1, 2, 3, 4])
+    gen = tr.sampler.gen
+    assert gen.n_seq == 4 and estimate == sum(buf.nbytes for buf in gen.cache.values()) > 0
+
+
 # ------------------------------------------------------------------------------------ rewards
 def test_builtin_rewards():
     assert normalise("  The   Cat\n") == "the cat" and normalise(42) == "42"
@@ -189,6 +250,26 @@ def test_two_steps_write_adapter_metrics_and_completions(stories_path, tmp_path)
     assert len(lines) == 2 * 16 and {r["step"] for r in lines} == {1, 2}
     assert set(lines[0]) >= {"prompt", "completion", "rewards", "reward", "advantage"}
     assert all(r["tokens"] <= 12 for r in lines)
+
+
+@pytest.mark.cuda
+def test_two_steps_on_a_real_gpu_equal_the_cpus(stories_path, tmp_path):
+    """bench/gpu_check.sh's GRPO step: two steps with --backend cuda sample the CPU run's
+    completions (same seed: f32 logits a few ulps apart do not move a draw) and reach its losses."""
+    if not cuda.available():
+        pytest.skip(f"no CUDA device: {cuda.unavailable_reason()}")
+    runs = {}
+    for backend in ("cpu", "cuda"):
+        metrics = tmp_path / f"{backend}.jsonl"
+        finetune(stories_path, PROMPTS, tmp_path / f"{backend}.gguf", epochs=1, metrics=str(metrics), backend=backend,
+                 **{**RUN, "batch": 32 * 16})  # 4 prompts a step: 8 prompts, 2 steps
+        steps = [json.loads(line) for line in metrics.read_text().splitlines() if '"train_step"' in line]
+        completions = [json.loads(line)["completion"]
+                       for line in (tmp_path / f"{backend}.completions.jsonl").read_text().splitlines()]
+        runs[backend] = ([s["loss"] for s in steps], completions)
+    (cpu_loss, cpu_text), (gpu_loss, gpu_text) = runs["cpu"], runs["cuda"]
+    assert len(cpu_loss) == 2 and gpu_text == cpu_text
+    np.testing.assert_allclose(gpu_loss, cpu_loss, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.determinism

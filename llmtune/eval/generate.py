@@ -36,6 +36,7 @@ from llmtune.tokenizer.tokenizer import incomplete_tail, whole_characters
 DEFAULT_N_CTX = 4096  # llama.cpp's common default context; never more than the model's n_ctx_train
 DEFAULT_N_BATCH = 512  # prompt tokens per forward pass
 MAX_PROGRAMS = 16  # compiled programs kept (least recently used dropped)
+GENERATION_LANES = 16  # GRPO's completions decoded together: the rows a compiled cpu product takes (native.MAX_ROWS)
 
 
 def kv_bucket(n: int, n_ctx: int) -> int:
@@ -275,10 +276,11 @@ class BatchGenerator(Generator):
     shares."""
 
     def __init__(self, model, backend=None, *, n_seq: int, n_ctx: Optional[int] = None,
-                 n_batch: int = DEFAULT_N_BATCH, values: Optional[dict] = None):
+                 n_batch: int = DEFAULT_N_BATCH, values: Optional[dict] = None, share_prompts: bool = False):
         if n_seq < 1:
             raise LlmtuneError(f"--parallel: must be positive, got {n_seq}")
         self.n_seq = int(n_seq)
+        self.share_prompts = share_prompts  # a prompt seen earlier in the batch: its k/v copied, not prefilled
         super().__init__(model, backend, n_ctx=n_ctx, n_batch=n_batch, values=values)
         self._tok_buf = np.zeros((self.n_seq, 1), dtype=np.int32)
         # positions per sequence [G, 1]; one sequence's graph takes them as [1] (arch/context.py Batch)
@@ -294,6 +296,30 @@ class BatchGenerator(Generator):
             logits = self._run(np.asarray(ids[start : start + self.n_batch], dtype=np.int32), start, lane)
         self.lanes[lane] = list(ids)
         return np.array(self.backend.to_numpy(logits), dtype=np.float32).reshape(-1)
+
+    def share_prefix(self, src: int, dst: int) -> None:
+        """Sequence dst takes sequence src's cached tokens: their k/v rows copied (what prefilling
+        the same tokens into dst writes, bit for bit), as llama.cpp's llama_memory_seq_cp shares
+        a prompt among sequences (llama-batched-bench -pps)."""
+        n = len(self.lanes[src])
+        for buf in self.cache.values():
+            buf[dst, :, :n] = buf[src, :, :n]
+        self.lanes[dst] = list(self.lanes[src])
+
+    def prefill_all(self, prompts: list[list[int]]) -> np.ndarray:
+        """Each prompt into its lane (prompt b into sequence b) -> the logits [len(prompts), V] after
+        each; with share_prompts, a prompt equal to an earlier one copies that one's k/v."""
+        first: dict[tuple, int] = {}
+        rows = []
+        for b, ids in enumerate(prompts):
+            src = first.get(tuple(ids)) if self.share_prompts else None
+            if src is None:
+                first[tuple(ids)] = b
+                rows.append(self.prefill(b, ids))
+            else:
+                self.share_prefix(src, b)
+                rows.append(rows[src])
+        return np.stack(rows)
 
     def step_all(self, tokens, positions) -> np.ndarray:
         """One decode step of every sequence: token tokens[b] at position positions[b] of sequence
@@ -311,29 +337,34 @@ class BatchGenerator(Generator):
             logits = prog.run(tokens=be.asarray(self._tok_buf), pos=be.asarray(self._pos_buf))[0]
         return np.asarray(be.to_numpy(logits), dtype=np.float32).reshape(self.n_seq, -1)
 
-    def generate_batch(self, prompts: list[list[int]], n_predict: int = -1, samplers: Optional[list] = None,
+    def generate_batch(self, prompts: list[list[int]], n_predict=-1, samplers: Optional[list] = None,
                        stop_at_eog: bool = True) -> list[GenerateResult]:
-        """Up to n_predict tokens (-1: until EOG or the context is full) after each of the G prompts
-        (as many as n_seq, any lengths), generated together; one GenerateResult per prompt, each
-        as Generator.generate gives it (prompt_seconds: all the prefills, decode_seconds: the
-        steps of the whole batch). samplers: one per sequence (batch_samplers), or None: greedy."""
-        if len(prompts) != self.n_seq:
-            raise LlmtuneError(f"generate: {len(prompts)} prompts for {self.n_seq} sequences")
-        samplers = samplers or batch_samplers(SamplerConfig(temp=0.0, seed=0), self.n_seq)
+        """Up to n_predict tokens (-1: until EOG or the context is full; an int, or one per prompt)
+        after each of up to n_seq prompts (any lengths), generated together; one GenerateResult per
+        prompt, each as Generator.generate gives it (prompt_seconds: all the prefills,
+        decode_seconds: the steps of the whole batch). samplers: one per prompt (batch_samplers),
+        or None: greedy. Sequences past the prompts idle (padding from the start)."""
+        n = len(prompts)
+        if not 0 < n <= self.n_seq:
+            raise LlmtuneError(f"generate: {n} prompts for {self.n_seq} sequences")
+        limits = list(n_predict) if isinstance(n_predict, (list, tuple)) else [n_predict] * n
+        samplers = samplers or batch_samplers(SamplerConfig(temp=0.0, seed=0), n)
         t0 = time.perf_counter()
-        logits = np.stack([self.prefill(b, ids) for b, ids in enumerate(prompts)])
+        logits = self.prefill_all(prompts)
         prompt_seconds = time.perf_counter() - t0
         for sampler, ids in zip(samplers, self.lanes):
             for t in ids:
                 sampler.accept(t)
+        for b in range(n, self.n_seq):  # an idle sequence steps on token 0 at position 0, in its own rows
+            self.lanes[b] = [0]
         outs: list[list[int]] = [[] for _ in prompts]
-        stops: list[Optional[str]] = [None] * self.n_seq
+        stops: list[Optional[str]] = [None] * n + ["idle"] * (self.n_seq - n)
         t1 = time.perf_counter()
         with self.backend.decode_context():
             while True:
-                for b in range(self.n_seq):
+                for b in range(n):
                     if stops[b] is None:
-                        stops[b] = self._sample_one(b, logits[b], samplers[b], outs[b], n_predict, stop_at_eog)
+                        stops[b] = self._sample_one(b, logits[b], samplers[b], outs[b], limits[b], stop_at_eog)
                 if all(stops):
                     break
                 # each lane ends with its sampled token, evaluated now at the next position; a finished
@@ -499,23 +530,56 @@ class TrainingSampler:
 
 class PolicySampler:
     """finetune --method grpo's rollouts (train/grpo.py GRPOTrainer): completions sampled with the
-    trainer's live weights, as TrainingSampler samples (a Generator binding its backend arrays,
-    nothing copied), each with its own seed, at a temperature and top-p (TRL's top_k 0 and min_p
-    off; llmtune's sampler chain: top-p before the temperature), stopping at an end-of-generation
-    token (kept) or after max_tokens. Called with a batch of prompts, each sampled n times, in
-    order (prompt-major), one completion after the other: the prompt's cached prefix is reused
-    within a call (the weights change only between calls)."""
+    trainer's live weights, as TrainingSampler samples (its backend arrays bound, nothing copied:
+    LoRA's A and B and a full finetune's tensors as the training step sees them), each with its
+    own seed, at a temperature and top-p (TRL's top_k 0 and min_p off; llmtune's sampler chain:
+    top-p before the temperature), stopping at an end-of-generation token (kept) or after
+    max_tokens. Called with a batch of prompts, each sampled n times (prompt-major), decoded
+    together as a BatchGenerator decodes (as TRL's vLLM / generate batch them): up to `lanes`
+    completions at a time, whole groups of n where n <= lanes, a prompt prefilled once per chunk
+    and its k/v copied into its other lanes. Each completion's tokens are those it would draw
+    alone (a Generator with the same n_batch): its own sampler (seed), its own stop, its own rows
+    of the cache."""
 
-    def __init__(self, trainer, n_ctx: int):
-        self.gen = Generator(trainer.model, trainer.backend, n_ctx=n_ctx, values=trainer.values)
-        self.eog = self.gen.eog
+    # prompt tokens a prefill pass evaluates: the compiled cpu products' rows (a longer pass goes to
+    # BLAS over dequantized blocks: 2-5x slower per token on SmolLM2 Q4_1's 48-token prompts, measured)
+    PREFILL_BATCH = GENERATION_LANES
+
+    def __init__(self, trainer, n_ctx: int, lanes: int = GENERATION_LANES, share_prompts: bool = True):
+        self.trainer, self.n_ctx, self.lanes, self.share_prompts = trainer, int(n_ctx), int(lanes), share_prompts
+        self.gen: Optional[BatchGenerator] = None
+        self.eog = eog_ids(trainer.model.tokenizer)
+        self.results: list[GenerateResult] = []  # the last call's (each chunk's prefill and decode times)
+
+    def chunk(self, n: int) -> int:
+        """Completions decoded together: whole groups of n when n <= lanes."""
+        return self.lanes // n * n if n <= self.lanes else self.lanes
+
+    def generator(self, n_seq: int) -> BatchGenerator:
+        """The batched generator over the live weights, made once (again only when more sequences are asked)."""
+        if self.gen is None or self.gen.n_seq < n_seq:
+            tr = self.trainer
+            self.gen = None  # its cache released before the next one is allocated
+            self.gen = BatchGenerator(tr.model, tr.backend, n_seq=n_seq, n_ctx=self.n_ctx, values=tr.values,
+                                      n_batch=self.PREFILL_BATCH, share_prompts=self.share_prompts)
+        return self.gen
+
+    def memory_bytes(self, n_prompts: int, n: int) -> dict[str, int]:
+        """The generator's KV cache for calls of n_prompts x n completions, made or not (the run's estimate)."""
+        n_seq = min(self.chunk(n), n_prompts * n)
+        itemsize = np.dtype(self.trainer.backend.dtype).itemsize
+        return {"generation kv cache": CacheShape.of(self.trainer.model.hp, self.n_ctx, n_seq).nbytes(itemsize)}
 
     def __call__(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
                  seeds: list[int]) -> list[list[int]]:
-        self.gen.tokens = []  # the weights changed: nothing cached is valid
-        out = []
-        for i, ids in enumerate(prompts):
-            for g in range(n):
-                cfg = SamplerConfig(temp=temperature, top_k=0, top_p=top_p, min_p=0.0, seed=seeds[i * n + g])
-                out.append(self.gen.generate(ids, min(max_tokens, self.gen.n_ctx - len(ids)), Sampler(cfg)).tokens)
-        return out
+        jobs = [(list(ids), seeds[i * n + g]) for i, ids in enumerate(prompts) for g in range(n)]
+        step = self.chunk(n)
+        gen = self.generator(min(step, len(jobs)))
+        self.results = []
+        for start in range(0, len(jobs), step):
+            part = jobs[start : start + step]
+            samplers = [Sampler(SamplerConfig(temp=temperature, top_k=0, top_p=top_p, min_p=0.0, seed=seed))
+                        for _, seed in part]
+            limits = [min(max_tokens, self.n_ctx - len(ids)) for ids, _ in part]
+            self.results += gen.generate_batch([ids for ids, _ in part], limits, samplers)
+        return [r.tokens for r in self.results]

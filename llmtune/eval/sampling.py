@@ -85,6 +85,7 @@ class Sampler:
         self.prev: deque[int] = deque(maxlen=max(cfg.repeat_last_n, 1))
         self.penalties_on = cfg.repeat_last_n > 0 and cfg.repeat_penalty != 1.0
         self.banned = np.zeros(0, dtype=np.int64)
+        self._buf: Optional[tuple] = None  # _dist's scratch arrays
 
     def ban(self, tokens) -> None:
         """Never sample these tokens: llama.cpp's logit bias of -inf, the first sampler of its
@@ -150,12 +151,19 @@ class Sampler:
         return int(ids[self._dist(logit, sorted_)])
 
     def _dist(self, logit: np.ndarray, sorted_: bool) -> int:
-        """llama_sampler_dist_apply: walk the cumulative probabilities in candidate order."""
+        """llama_sampler_dist_apply: walk the cumulative probabilities in candidate order. (Into
+        buffers kept between tokens: a vocabulary's fresh arrays cost more in page faults than in
+        arithmetic, and a batch samples many per step; the first cumulative sum >= the target
+        found by bisection: the sums only grow.)"""
         rnd = self.uniform()
-        if logit.size == 1:
+        n = logit.size
+        if n == 1:
             return 0
+        if self._buf is None or self._buf[0].size < n:
+            self._buf = (np.empty(n, np.float32), np.empty(n, np.float64), np.empty(n, np.float64))
+        e, p, cum = (b[:n] for b in self._buf)
         max_l = logit[0] if sorted_ else logit.max()
-        p = np.exp(logit - max_l).astype(np.float64)
+        np.exp(np.subtract(logit, max_l, out=e), out=e)
+        p[...] = e
         target = float(p.sum()) * rnd
-        hit = np.flatnonzero(np.cumsum(p) >= target)
-        return int(hit[0]) if hit.size else logit.size - 1
+        return min(int(np.searchsorted(np.cumsum(p, out=cum), target, side="left")), n - 1)

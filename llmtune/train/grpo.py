@@ -381,9 +381,20 @@ class GRPOTrainer(PreferenceTrainer):
             self.ref_weights = np.array(self.backend.to_numpy(self.flat_w), dtype=np.float32)
 
     # ------------------------------------------------------------------ rollouts
-    def _sample(self, batch: PromptBatch, seeds: list[int]) -> list[list[int]]:
-        if self.sampler is None:
+    def rollout(self):
+        """The sampler of completions, made once (its generator's buffers when it first samples)."""
+        if self.sampler is None and self.rollout_factory is not None:
             self.sampler = self.rollout_factory(self, self.n_ctx)
+        return self.sampler
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The training estimate, plus the rollout's (its KV cache) for a step's prompts x G."""
+        g = self.settings.num_generations
+        rollout_bytes = getattr(self.rollout(), "memory_bytes", lambda n_prompts, n: {})
+        return {**super().memory_bytes(), **rollout_bytes(max(1, self.n_batch // self.n_ctx // g), g)}
+
+    def _sample(self, batch: PromptBatch, seeds: list[int]) -> list[list[int]]:
+        self.rollout()
         s = self.settings
         return self.sampler([list(map(int, ids)) for ids in batch.ids], s.num_generations, s.max_completion_length,
                             s.temperature, s.top_p, seeds)
