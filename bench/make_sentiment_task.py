@@ -58,7 +58,7 @@ def records(rng: random.Random, subjects: list[str], n: int) -> list[dict]:
 def main() -> None:
     rng = random.Random(0)
     root = Path(__file__).resolve().parent.parent / "data"
-    splits = (("sentiment-train.jsonl", TRAIN_SUBJECTS, 256), ("sentiment-test.jsonl", TEST_SUBJECTS, 64))
+    splits = (("sentiment-train.jsonl", TRAIN_SUBJECTS, 128), ("sentiment-test.jsonl", TEST_SUBJECTS, 64))
     for name, subjects, n in splits:
         rows = records(rng, subjects, n)
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
