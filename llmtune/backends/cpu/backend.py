@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 
+from llmtune.backends import vocab_chunks
 from llmtune.backends.base import Backend, kernel_table
 from llmtune.backends.cpu import attention, optim, probes, products
 from llmtune.backends.cpu.native import kernels as native, program as native_program
@@ -586,6 +587,44 @@ def k_token_nll_back(out, logits, targets, lse, g):
 
 def k_count_correct(out, logits, targets):
     out[...] = np.count_nonzero(logits.argmax(axis=-1) == targets)
+    return out
+
+
+def _vocab_products(w, qtype):
+    """W's storage as backends/vocab_chunks.py reads it, and x rows^T and g rows for its row blocks."""
+    if qtype:
+        return (_raw(w), lambda o, x, rows: products.qlinear(o, x, rows, qtype, False),
+                lambda o, g, rows: products.qlinear_back(o, g, rows, qtype))
+    return (w, lambda o, x, rows: k_matmul(o, x, rows, False, True),
+            lambda o, g, rows: k_matmul(o, g, rows, False, False))
+
+
+def k_vocab_stats(out, x, w, targets, chunk, cap, qtype):
+    w, product, _ = _vocab_products(w, qtype)
+    return vocab_chunks.logit_stats(np, product, out, x, w, targets, chunk, cap)
+
+
+def k_linear_cross_entropy(out, x, w, targets, stats, chunk, cap, qtype, mean):
+    """The mean (or per-row) of lse - target logit over the rows that count, from vocab_stats."""
+    nll = np.where(targets.reshape(-1) >= 0, stats[0] - stats[1], 0).astype(out.dtype)
+    if mean:
+        rows, n = _counted_rows(targets.reshape(-1))
+        out[...] = nll.sum() / n
+    else:
+        out.reshape(-1)[...] = nll
+    return out
+
+
+def k_linear_cross_entropy_back(out, x, w, targets, stats, g, chunk, cap, qtype, mean, wrt):
+    w, product, product_back = _vocab_products(w, qtype)
+    gw = vocab_chunks.row_weights(np, targets, g, mean, out.dtype)
+    if wrt == "x":
+        return vocab_chunks.grad_x(np, product, product_back, out, x, w, targets, stats, gw, chunk, cap)
+    return vocab_chunks.grad_w(np, product, k_matmul, out, x, w, targets, stats, gw, chunk, cap)
+
+
+def k_vocab_hits(out, stats):
+    out[...] = np.count_nonzero(stats[2])
     return out
 
 

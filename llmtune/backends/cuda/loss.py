@@ -1,11 +1,13 @@
 """The CUDA kernels of ops.py's loss section (loss.cu): logsumexp, cross entropy (mean over the
 rows whose target is not masked) and its gradient, the per-row NLL of token_nll and its
-gradient, count_correct."""
+gradient, count_correct; and the loss over vocabulary chunks (vocab_stats, linear_cross_entropy and
+its backward, vocab_hits): backends/vocab_chunks.py over this backend's products and cupy."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from llmtune.backends import vocab_chunks
 from llmtune.backends.cuda.launch import BLOCK, flat_grid, row_threads
 
 
@@ -71,4 +73,39 @@ class LossKernels:
     def _k_count_correct(self, out, logits, targets):
         hits = self._per_row("count_correct_rows", logits, targets)
         self.xp.sum(hits, out=out)
+        return out
+
+    # ------------------------------------------------------------------ the loss over vocabulary chunks
+    def _vocab_products(self, w, qtype):
+        """x rows^T and g rows for a block of W's rows, as backends/vocab_chunks.py reads them."""
+        if qtype:
+            return (lambda o, x, rows: self._k_qlinear(o, x, rows, qtype, False),
+                    lambda o, g, rows: self._k_qlinear_back(o, g, rows, qtype))
+        return (lambda o, x, rows: self._k_matmul(o, x, rows, False, True),
+                lambda o, g, rows: self._k_matmul(o, g, rows, False, False))
+
+    def _k_vocab_stats(self, out, x, w, targets, chunk, cap, qtype):
+        product, _ = self._vocab_products(w, qtype)
+        return vocab_chunks.logit_stats(self.xp, product, out, self._contig(x), w, self._ids(targets), chunk, cap)
+
+    def _k_linear_cross_entropy(self, out, x, w, targets, stats, chunk, cap, qtype, mean):
+        targets = self._ids(targets).reshape(-1)
+        nll = self.xp.where(targets >= 0, stats[0] - stats[1], 0).astype(out.dtype)
+        if mean:
+            self.xp.sum(nll, out=out)
+            self.xp.divide(out, self._counted(targets, targets.size, out.dtype), out=out)
+        else:
+            out.reshape(-1)[...] = nll
+        return out
+
+    def _k_linear_cross_entropy_back(self, out, x, w, targets, stats, g, chunk, cap, qtype, mean, wrt):
+        product, product_back = self._vocab_products(w, qtype)
+        x, targets = self._contig(x), self._ids(targets)
+        gw = vocab_chunks.row_weights(self.xp, targets, g, mean, out.dtype)
+        if wrt == "x":
+            return vocab_chunks.grad_x(self.xp, product, product_back, out, x, w, targets, stats, gw, chunk, cap)
+        return vocab_chunks.grad_w(self.xp, product, self._k_matmul, out, x, w, targets, stats, gw, chunk, cap)
+
+    def _k_vocab_hits(self, out, stats):
+        self.xp.sum(stats[2], out=out)
         return out
