@@ -25,6 +25,9 @@ def name(request):
 
 
 N, D, V = 9, 16, 53
+# float32 rounding: each path is ~1e-6 of its largest value off a float64 run (the chunks sum their
+# logsumexp in another order, and dx chunk by chunk)
+RTOL = 5e-6
 TARGETS = np.array([4, -1, 52, 0, 17, -1, 30, 51, 7], dtype=np.int32)  # two masked rows
 
 
@@ -59,7 +62,7 @@ def test_chunked_equals_whole_logits(name, chunk, cap, mean):
     want = _run(be, x, w, targets, g, 0, cap, mean)
     got = _run(be, x, w, targets, g, chunk, cap, mean)
     for a, b in zip(got, want):
-        assert_close(a, b, 2e-6)
+        assert_close(a, b, RTOL)
     assert got[3] >= 1
     assert np.all(got[1][targets < 0] == 0) or not mean  # masked rows: no gradient through the mean
 
@@ -90,7 +93,7 @@ def test_stored_output_matrix(name, qtype):
         out = prog.run(t=be.asarray(TARGETS), g=be.asarray(np.array(1.0, np.float32)))
         results.append([be.to_numpy(o).astype(np.float64) for o in out])
     for a, b in zip(*results):
-        assert_close(a, b, 2e-6)
+        assert_close(a, b, RTOL)
 
 
 @pytest.mark.parametrize("mean,cap", [(True, 0.0), (False, 2.5)])

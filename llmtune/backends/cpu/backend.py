@@ -590,18 +590,22 @@ def k_count_correct(out, logits, targets):
     return out
 
 
-def _vocab_products(w, qtype):
-    """W's storage as backends/vocab_chunks.py reads it, and x rows^T and g rows for its row blocks."""
+def _vocab_kit(w, qtype):
+    """W's storage as backends/vocab_chunks.py reads it, and the Kit of this backend's kernels."""
     if qtype:
-        return (_raw(w), lambda o, x, rows: products.qlinear(o, x, rows, qtype, False),
-                lambda o, g, rows: products.qlinear_back(o, g, rows, qtype))
-    return (w, lambda o, x, rows: k_matmul(o, x, rows, False, True),
-            lambda o, g, rows: k_matmul(o, g, rows, False, False))
+        w = _raw(w)
+        product = lambda o, x, rows: products.qlinear(o, x, rows, qtype, False)  # noqa: E731
+        product_back = lambda o, g, rows: products.qlinear_back(o, g, rows, qtype)  # noqa: E731
+    else:
+        product = lambda o, x, rows: k_matmul(o, x, rows, False, True)  # noqa: E731
+        product_back = lambda o, g, rows: k_matmul(o, g, rows, False, False)  # noqa: E731
+    return w, vocab_chunks.Kit(np, product, product_back, k_matmul, k_logsumexp, k_token_nll_back, k_softcap,
+                               k_softcap_back)
 
 
 def k_vocab_stats(out, x, w, targets, chunk, cap, qtype):
-    w, product, _ = _vocab_products(w, qtype)
-    return vocab_chunks.logit_stats(np, product, out, x, w, targets, chunk, cap)
+    w, kit = _vocab_kit(w, qtype)
+    return vocab_chunks.logit_stats(kit, out, x, w, targets, chunk, cap)
 
 
 def k_linear_cross_entropy(out, x, w, targets, stats, chunk, cap, qtype, mean):
@@ -616,11 +620,10 @@ def k_linear_cross_entropy(out, x, w, targets, stats, chunk, cap, qtype, mean):
 
 
 def k_linear_cross_entropy_back(out, x, w, targets, stats, g, chunk, cap, qtype, mean, wrt):
-    w, product, product_back = _vocab_products(w, qtype)
+    w, kit = _vocab_kit(w, qtype)
     gw = vocab_chunks.row_weights(np, targets, g, mean, out.dtype)
-    if wrt == "x":
-        return vocab_chunks.grad_x(np, product, product_back, out, x, w, targets, stats, gw, chunk, cap)
-    return vocab_chunks.grad_w(np, product, k_matmul, out, x, w, targets, stats, gw, chunk, cap)
+    grad = vocab_chunks.grad_x if wrt == "x" else vocab_chunks.grad_w
+    return grad(kit, out, x, w, targets, stats, gw, chunk, cap)
 
 
 def k_vocab_hits(out, stats):

@@ -76,17 +76,19 @@ class LossKernels:
         return out
 
     # ------------------------------------------------------------------ the loss over vocabulary chunks
-    def _vocab_products(self, w, qtype):
-        """x rows^T and g rows for a block of W's rows, as backends/vocab_chunks.py reads them."""
+    def _vocab_kit(self, qtype):
+        """This backend's Kit for backends/vocab_chunks.py: W's row blocks multiplied in W's storage."""
         if qtype:
-            return (lambda o, x, rows: self._k_qlinear(o, x, rows, qtype, False),
-                    lambda o, g, rows: self._k_qlinear_back(o, g, rows, qtype))
-        return (lambda o, x, rows: self._k_matmul(o, x, rows, False, True),
-                lambda o, g, rows: self._k_matmul(o, g, rows, False, False))
+            product = lambda o, x, rows: self._k_qlinear(o, x, rows, qtype, False)  # noqa: E731
+            product_back = lambda o, g, rows: self._k_qlinear_back(o, g, rows, qtype)  # noqa: E731
+        else:
+            product = lambda o, x, rows: self._k_matmul(o, x, rows, False, True)  # noqa: E731
+            product_back = lambda o, g, rows: self._k_matmul(o, g, rows, False, False)  # noqa: E731
+        return vocab_chunks.Kit(self.xp, product, product_back, self._k_matmul, self._k_logsumexp,
+                                self._k_token_nll_back, self._k_softcap, self._k_softcap_back)
 
     def _k_vocab_stats(self, out, x, w, targets, chunk, cap, qtype):
-        product, _ = self._vocab_products(w, qtype)
-        return vocab_chunks.logit_stats(self.xp, product, out, self._contig(x), w, self._ids(targets), chunk, cap)
+        return vocab_chunks.logit_stats(self._vocab_kit(qtype), out, self._contig(x), w, self._ids(targets), chunk, cap)
 
     def _k_linear_cross_entropy(self, out, x, w, targets, stats, chunk, cap, qtype, mean):
         targets = self._ids(targets).reshape(-1)
@@ -99,12 +101,10 @@ class LossKernels:
         return out
 
     def _k_linear_cross_entropy_back(self, out, x, w, targets, stats, g, chunk, cap, qtype, mean, wrt):
-        product, product_back = self._vocab_products(w, qtype)
         x, targets = self._contig(x), self._ids(targets)
         gw = vocab_chunks.row_weights(self.xp, targets, g, mean, out.dtype)
-        if wrt == "x":
-            return vocab_chunks.grad_x(self.xp, product, product_back, out, x, w, targets, stats, gw, chunk, cap)
-        return vocab_chunks.grad_w(self.xp, product, self._k_matmul, out, x, w, targets, stats, gw, chunk, cap)
+        grad = vocab_chunks.grad_x if wrt == "x" else vocab_chunks.grad_w
+        return grad(self._vocab_kit(qtype), out, x, w, targets, stats, gw, chunk, cap)
 
     def _k_vocab_hits(self, out, stats):
         self.xp.sum(stats[2], out=out)
