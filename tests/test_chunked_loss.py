@@ -153,11 +153,16 @@ def test_a_finetune_step_that_chunks_is_the_step_that_does_not(stories_path, mon
         assert_close(got[1][n], w, 5e-5)
 
 
-def test_flops_count_the_recomputed_chunks():
-    """A frozen output matrix: the whole logits' step multiplies by W twice (logits, dx); the
-    chunked one three times (stats, then each chunk's logits recomputed and dx)."""
-    x, w, t = ops.param((N, D), name="x"), ops.param((V, D), name="w", requires_grad=False), ops.input((N,), "i32")
-    whole = ops.cross_entropy(ops.linear(x, w), t)
-    chunked = ops.linear_cross_entropy(x, w, t, 7)
-    count = [flops.program_flops(topo_order([loss, grad(loss, [x])[x]])) for loss in (whole, chunked)]
-    assert count == [4 * N * V * D, 6 * N * V * D]
+@pytest.mark.parametrize("trains", [False, True])
+def test_flops_count_the_recomputed_chunks(trains):
+    """The whole logits' step multiplies by W twice for a frozen output matrix (logits, dx), three
+    times for a trained one (and dW); the chunked step once more: each chunk's logits recomputed
+    once, for dx and dW together."""
+    x, t = ops.param((N, D), name="x"), ops.input((N,), "i32")
+    w = ops.param((V, D), name="w", requires_grad=trains)
+    wanted = [x, w] if trains else [x]
+    count = []
+    for loss in (ops.cross_entropy(ops.linear(x, w), t), ops.linear_cross_entropy(x, w, t, 7)):
+        g = grad(loss, wanted)
+        count.append(flops.program_flops(topo_order([loss] + [g[n] for n in wanted])) // (N * V * D))
+    assert count == ([6, 8] if trains else [4, 6])

@@ -106,18 +106,19 @@ def _grad_chunks(kit: Kit, x, w, targets, stats, gw, chunk: int, cap: float):
         yield v0, v1, gc
 
 
-def grad_x(kit: Kit, out, x, w, targets, stats, gw, chunk: int, cap: float):
-    """out [T, d] = sum over chunks of G_c W_c."""
-    out[...] = 0
-    part = kit.xp.empty(out.shape, dtype=out.dtype)
+def grads(kit: Kit, out, x, w, targets, stats, gw, chunk: int, cap: float, dx: bool, dw: bool):
+    """out: dx [T, d] (when dx) = sum over chunks of G_c W_c, then dW [V, d] (when dw), whose rows
+    v0..v1 are G_c^T x, packed flat in that order (ops.linear_cross_entropy_back)."""
+    n_dx = x.size if dx else 0
+    gx = out[:n_dx].reshape(x.shape) if dx else None
+    gwt = out[n_dx:].reshape(w.shape[0], x.shape[1]) if dw else None
+    part = kit.xp.empty(x.shape, dtype=out.dtype) if dx else None
+    if dx:
+        gx[...] = 0
     for v0, v1, gc in _grad_chunks(kit, x, w, targets, stats, gw, chunk, cap):
-        kit.product_back(part, gc, w[v0:v1])
-        out += part
-    return out
-
-
-def grad_w(kit: Kit, out, x, w, targets, stats, gw, chunk: int, cap: float):
-    """out [V, d]: rows v0..v1 = G_c^T x, chunk by chunk."""
-    for v0, v1, gc in _grad_chunks(kit, x, w, targets, stats, gw, chunk, cap):
-        kit.matmul(out[v0:v1], gc, x, True, False)
+        if dx:
+            kit.product_back(part, gc, w[v0:v1])
+            gx += part
+        if dw:
+            kit.matmul(gwt[v0:v1], gc, x, True, False)
     return out

@@ -737,12 +737,13 @@ def linear_cross_entropy(x: Node, w: Node, targets: Node, chunk: int, cap: float
     return _node("linear_cross_entropy", (x, w, targets, stats), attrs, () if mean else targets.shape)
 
 
-def linear_cross_entropy_back(n: Node, g: Node, wrt: str) -> Node:
-    """The gradient of linear_cross_entropy `n` wrt its x ("x") or its W ("w"), the chunks' logits
-    recomputed: sum over chunks of G_c W_c, or the rows G_c^T x, G_c = (softmax - onehot) * g."""
+def linear_cross_entropy_back(n: Node, g: Node, dx: bool, dw: bool) -> Node:
+    """The gradients of linear_cross_entropy `n` wrt its x (when `dx`) and its W (when `dw`), packed
+    in one buffer in that order, each chunk's logits recomputed once for both: dx = sum over chunks
+    of G_c W_c, dW's rows G_c^T x, G_c = (softmax - onehot) * g."""
     x, w, targets, stats = n.inputs
-    attrs = dict(n.attrs, wrt=wrt)
-    return _node("linear_cross_entropy_back", (x, w, targets, stats, g), attrs, x.shape if wrt == "x" else w.shape)
+    size = (x.size if dx else 0) + (w.size if dw else 0)
+    return _node("linear_cross_entropy_back", (x, w, targets, stats, g), dict(n.attrs, dx=dx, dw=dw), (size,))
 
 
 def vocab_hits(stats: Node) -> Node:
@@ -752,8 +753,13 @@ def vocab_hits(stats: Node) -> Node:
 
 def _linear_cross_entropy_backward(n: Node, g: Node):
     x, w = n.inputs[:2]
-    return (linear_cross_entropy_back(n, g, "x") if x.requires_grad else None,
-            linear_cross_entropy_back(n, g, "w") if w.requires_grad else None, None, None)
+    if not (x.requires_grad or w.requires_grad):
+        return None, None, None, None
+    back = linear_cross_entropy_back(n, g, x.requires_grad, w.requires_grad)
+    dx = reshape(slice_axis(back, 0, 0, x.size), x.shape) if x.requires_grad else None
+    start = x.size if x.requires_grad else 0
+    dw = reshape(slice_axis(back, 0, start, start + w.size), w.shape) if w.requires_grad else None
+    return dx, dw, None, None
 
 
 _register("vocab_stats", None)

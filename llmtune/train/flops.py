@@ -31,9 +31,10 @@ def node_flops(n) -> int:
         x, a, b, _ = n.inputs
         rows, (r, n_in), n_out = int(np.prod(x.shape[:-1])), a.shape, b.shape[0]
         return 2 * rows * r * (n_in + n_out + n_in + n_out + (n_in if n.attrs["dx"] else 0))
-    if n.op in ("vocab_stats", "linear_cross_entropy_back"):  # x [N, d] W [V, d]^T; back: recomputed, then G W or G^T x
+    if n.op in ("vocab_stats", "linear_cross_entropy_back"):  # x [N, d] W [V, d]^T; back: recomputed, G W, G^T x
         (rows, d), n_vocab = n.inputs[0].shape, n.inputs[1].shape[0]
-        return (2 if n.op == "vocab_stats" else 4) * rows * n_vocab * d
+        products = 1 if n.op == "vocab_stats" else 1 + n.attrs["dx"] + n.attrs["dw"]
+        return 2 * products * rows * n_vocab * d
     if n.op in ("flash_attn", "flash_attn_back"):  # q [B, T, H, d]: S = QK^T and O = PV; back: dV, dP, dQ, dK
         b, t, h, d = n.inputs[0].shape
         return (4 if n.op == "flash_attn" else 8) * b * h * t * t * d

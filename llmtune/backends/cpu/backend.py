@@ -619,11 +619,10 @@ def k_linear_cross_entropy(out, x, w, targets, stats, chunk, cap, qtype, mean):
     return out
 
 
-def k_linear_cross_entropy_back(out, x, w, targets, stats, g, chunk, cap, qtype, mean, wrt):
+def k_linear_cross_entropy_back(out, x, w, targets, stats, g, chunk, cap, qtype, mean, dx, dw):
     w, kit = _vocab_kit(w, qtype)
     gw = vocab_chunks.row_weights(np, targets, g, mean, out.dtype)
-    grad = vocab_chunks.grad_x if wrt == "x" else vocab_chunks.grad_w
-    return grad(kit, out, x, w, targets, stats, gw, chunk, cap)
+    return vocab_chunks.grads(kit, out, x, w, targets, stats, gw, chunk, cap, dx, dw)
 
 
 def k_vocab_hits(out, stats):

@@ -100,11 +100,10 @@ class LossKernels:
             out.reshape(-1)[...] = nll
         return out
 
-    def _k_linear_cross_entropy_back(self, out, x, w, targets, stats, g, chunk, cap, qtype, mean, wrt):
+    def _k_linear_cross_entropy_back(self, out, x, w, targets, stats, g, chunk, cap, qtype, mean, dx, dw):
         x, targets = self._contig(x), self._ids(targets)
         gw = vocab_chunks.row_weights(self.xp, targets, g, mean, out.dtype)
-        grad = vocab_chunks.grad_x if wrt == "x" else vocab_chunks.grad_w
-        return grad(self._vocab_kit(qtype), out, x, w, targets, stats, gw, chunk, cap)
+        return vocab_chunks.grads(self._vocab_kit(qtype), out, x, w, targets, stats, gw, chunk, cap, dx, dw)
 
     def _k_vocab_hits(self, out, stats):
         self.xp.sum(stats[2], out=out)
