@@ -133,6 +133,10 @@ def _steps(stories_path, trainable, monkeypatch, chunk: str):
     val = RunningStats()
     tr.evaluate(x, y, val)  # the validation pass chunks too
     ops_used |= {n.op for cache in tr.programs.eval_caches for p in cache.programs() for n in p.order}
+    scratch = tr.programs.chunk_scratch  # a chunk's logits and their gradient, and dx's part, float32
+    assert scratch == (0 if chunk == "0" else (2 * 32 * 100 + 32 * 64) * 4)
+    arenas = sum(p.memory.planned_bytes for p in tr.programs.train)
+    assert tr.memory_bytes()["activations"] == arenas + scratch * len(tr.programs.train)  # one set per worker
     return losses + [val.loss], tr.trained_weights(), (stats.correct, val.correct), ops_used
 
 

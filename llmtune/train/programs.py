@@ -125,6 +125,9 @@ class StepPrograms:
         self.out_passes: dict[tuple[int, int], tuple[Program, dict, dict]] = {}
         self.eval_caches: list[ProgramCache] = []  # validation programs by shape, one per worker
         self.pos = t.backend.asarray(np.arange(t.n_ctx, dtype=np.int32))
+        # a chunked loss's buffers outside the arena, per worker: a chunk's logits and their
+        # gradient, and a [rows, d] part of dx (backends/vocab_chunks.py)
+        self.chunk_scratch = 0
 
     # ------------------------------------------------------------------ building
     def graph(self, n_seq: int, **kwargs):
@@ -137,6 +140,8 @@ class StepPrograms:
     def add_worker(self, grad_views: dict) -> None:
         """A worker's full training pass, its gradients accumulated into grad_views."""
         prog = self.train_program(grad_views)
+        if self.arena_budget is not None:
+            self.arena_budget -= self.chunk_scratch
         self.train.append(prog)
         self.inputs.append(self.input_buffers(prog))
         self.replays.append({})
@@ -171,6 +176,9 @@ class StepPrograms:
         product = output_product(logits)
         chunk = vocab_chunk(*logits.shape) if product is not None and hasattr(self.loss, "train_chunked") else 0
         if chunk:
+            (rows, d), size = product[0].shape, np.dtype(self.trainer.backend.dtype).itemsize
+            need = (2 * rows * min(chunk, product[1].shape[0]) + rows * d) * size
+            self.chunk_scratch = max(self.chunk_scratch, need)
             return self.loss.train_chunked(*product[:2], targets, chunk, product[2])
         return None if chunked_only else self.loss.train(logits, targets)
 
@@ -252,5 +260,5 @@ class StepPrograms:
         return self.eval_caches[:n_workers]
 
     def planned_bytes(self) -> int:
-        """The training passes' arenas (what every worker holds at once)."""
-        return sum(p.memory.planned_bytes for p in self.train)
+        """The training passes' arenas and chunked losses' buffers (what every worker holds at once)."""
+        return sum(p.memory.planned_bytes for p in self.train) + self.chunk_scratch * len(self.train)
