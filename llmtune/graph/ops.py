@@ -731,9 +731,9 @@ def linear_cross_entropy(x: Node, w: Node, targets: Node, chunk: int, cap: float
     """cross_entropy (mean: True) or token_nll (False) of the logits x W^T (softcapped by cap),
     computed from vocab_stats, so neither pass holds the [N, V] logits (Liger Kernel's
     LigerFusedLinearCrossEntropyLoss, Cut Cross-Entropy's linear_cross_entropy)."""
+    x = x if x.contiguous else cont(x)  # one copy, read by the stats and the backward
     stats = vocab_stats(x, w, targets, chunk, cap)
     attrs = dict(_vocab_attrs(x, w, chunk, cap, "linear_cross_entropy"), mean=bool(mean))
-    x = x if x.contiguous else cont(x)
     return _node("linear_cross_entropy", (x, w, targets, stats), attrs, () if mean else targets.shape)
 
 
