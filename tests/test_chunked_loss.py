@@ -5,6 +5,7 @@ on every backend; and a training step that chunks is the step that does not."""
 import numpy as np
 import pytest
 
+import test_grpo
 from llmtune.backends.cpu import CPUBackend
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
@@ -170,3 +171,19 @@ def test_flops_count_the_recomputed_chunks(trains):
         g = grad(loss, wanted)
         count.append(flops.program_flops(topo_order([loss] + [g[n] for n in wanted])) // (N * V * D))
     assert count == ([6, 8] if trains else [4, 6])
+
+
+def test_grpo_tempered_logits_over_chunks(stories_path, monkeypatch):
+    """GRPO's logits / temperature chunk as (x / T) W^T: its training pass's gradient still matches
+    finite differences of TRL's loss (test_grpo's check, every pass chunked)."""
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(kw.get("mean", args[5] if len(args) > 5 else True))
+        return real(*args, **kw)
+
+    real = ops.linear_cross_entropy
+    monkeypatch.setattr(ops, "linear_cross_entropy", spy)
+    monkeypatch.setenv(programs.VOCAB_CHUNK_ENV, "100")
+    test_grpo.test_gradient_matches_finite_differences(stories_path)
+    assert calls and not any(calls)  # per-token NLLs (mean=False), chunked

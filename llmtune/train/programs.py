@@ -46,7 +46,7 @@ def vocab_chunk(n_rows: int, n_vocab: int) -> int:
 def output_product(logits):
     """(x, W, cap) where logits = x W^T, softcapped by cap > 0 (ArchContext.output's product with
     the output matrix or the tied token_embd, in any storage), or None for anything else (an
-    adapted output: lora adds to the product; GRPO's logits divided by a temperature)."""
+    adapted output: lora adds to the product)."""
     node, cap = logits, 0.0
     if node.op == "softcap":
         node, cap = node.inputs[0], node.attrs["cap"]
@@ -171,15 +171,17 @@ class StepPrograms:
     def loss_of(self, logits, targets, chunked_only: bool = False):
         """The pass's loss as (outputs, the node the backward starts from, its seed): over
         vocabulary chunks where the logits are a plain product too large to hold (vocab_chunk) and
-        the loss has a chunked form (train_chunked: the same outputs), else over the whole logits
-        (None with chunked_only; a validation pass then takes the loss's evaluate)."""
+        the loss has a chunked form (train_chunked: the same outputs, or None where it has none for
+        these logits), else over the whole logits (None with chunked_only; a validation pass then
+        takes the loss's evaluate)."""
         product = output_product(logits)
         chunk = vocab_chunk(*logits.shape) if product is not None and hasattr(self.loss, "train_chunked") else 0
-        if chunk:
+        chunked = self.loss.train_chunked(*product[:2], targets, chunk, product[2]) if chunk else None
+        if chunked is not None:
             (rows, d), size = product[0].shape, np.dtype(self.trainer.backend.dtype).itemsize
             need = (2 * rows * min(chunk, product[1].shape[0]) + rows * d) * size
             self.chunk_scratch = max(self.chunk_scratch, need)
-            return self.loss.train_chunked(*product[:2], targets, chunk, product[2])
+            return chunked
         return None if chunked_only else self.loss.train(logits, targets)
 
     def compile(self, outputs, nodes, accumulate=None, arena=None) -> Program:
