@@ -33,7 +33,8 @@ def _register(name, backward=None, view=False, inplace=False):
 
 # ops that read a stored matrix (ops.qweight) as its blocks; any other op given one reads it decoded
 # (dequantize), as ggml converts a src type, so graph builders never branch on a weight's storage
-_STORED_READERS = frozenset({"qlinear", "qlinear_back", "qget_rows", "dequantize"})
+_STORED_READERS = frozenset({"qlinear", "qlinear_back", "qget_rows", "dequantize", "vocab_stats",
+                             "linear_cross_entropy", "linear_cross_entropy_back"})
 
 
 def _node(op, inputs, attrs, shape, dtype="f32", contiguous=True):
@@ -705,3 +706,63 @@ _register("cross_entropy_back", None, inplace=True)
 _register("count_correct", None)
 _register("token_nll", lambda n, g: (token_nll_back(*n.inputs, g), None, None))
 _register("token_nll_back", None, inplace=True)
+
+
+# --------------------------------------------------------------------------- loss over vocabulary chunks
+def _vocab_attrs(x: Node, w: Node, chunk: int, cap: float, op: str) -> dict:
+    if len(x.shape) != 2 or len(w.shape) != 2 or x.shape[1] != w.shape[1] or chunk < 1 or cap < 0:
+        raise ValueError(f"{op}: x {x.shape}, W {w.shape}, chunk {chunk}, cap {cap}")
+    return {"chunk": int(chunk), "cap": float(cap), "qtype": w.attrs["qtype"] if w.dtype == "q" else ""}
+
+
+def vocab_stats(x: Node, w: Node, targets: Node, chunk: int, cap: float = 0.0) -> Node:
+    """[3, N]: per row of logits = cap tanh(x W^T / cap) (or x W^T without a cap), x [N, d], W [V, d]
+    in any storage, their logsumexp, the target's logit (0 where masked) and 1 where the argmax is
+    the target, computed `chunk` vocabulary rows at a time (backends/vocab_chunks.py): Cut
+    Cross-Entropy's forward, the [N, V] logits never whole. No gradient of its own, as logsumexp."""
+    attrs = _vocab_attrs(x, w, chunk, cap, "vocab_stats")
+    node = _node("vocab_stats", (x if x.contiguous else cont(x), w, targets), attrs, (3, x.shape[0]))
+    node.requires_grad = False
+    return node
+
+
+def linear_cross_entropy(x: Node, w: Node, targets: Node, chunk: int, cap: float = 0.0,
+                         mean: bool = True) -> Node:
+    """cross_entropy (mean: True) or token_nll (False) of the logits x W^T (softcapped by cap),
+    computed from vocab_stats, so neither pass holds the [N, V] logits (Liger Kernel's
+    LigerFusedLinearCrossEntropyLoss, Cut Cross-Entropy's linear_cross_entropy)."""
+    x = x if x.contiguous else cont(x)  # one copy, read by the stats and the backward
+    stats = vocab_stats(x, w, targets, chunk, cap)
+    attrs = dict(_vocab_attrs(x, w, chunk, cap, "linear_cross_entropy"), mean=bool(mean))
+    return _node("linear_cross_entropy", (x, w, targets, stats), attrs, () if mean else targets.shape)
+
+
+def linear_cross_entropy_back(n: Node, g: Node, dx: bool, dw: bool) -> Node:
+    """The gradients of linear_cross_entropy `n` wrt its x (when `dx`) and its W (when `dw`), packed
+    in one buffer in that order, each chunk's logits recomputed once for both: dx = sum over chunks
+    of G_c W_c, dW's rows G_c^T x, G_c = (softmax - onehot) * g."""
+    x, w, targets, stats = n.inputs
+    size = (x.size if dx else 0) + (w.size if dw else 0)
+    return _node("linear_cross_entropy_back", (x, w, targets, stats, g), dict(n.attrs, dx=dx, dw=dw), (size,))
+
+
+def vocab_hits(stats: Node) -> Node:
+    """Number of rows whose argmax is the target, from vocab_stats (count_correct's)."""
+    return Node("vocab_hits", (stats,), {}, (), "f32")
+
+
+def _linear_cross_entropy_backward(n: Node, g: Node):
+    x, w = n.inputs[:2]
+    if not (x.requires_grad or w.requires_grad):
+        return None, None, None, None
+    back = linear_cross_entropy_back(n, g, x.requires_grad, w.requires_grad)
+    dx = reshape(slice_axis(back, 0, 0, x.size), x.shape) if x.requires_grad else None
+    start = x.size if x.requires_grad else 0
+    dw = reshape(slice_axis(back, 0, start, start + w.size), w.shape) if w.requires_grad else None
+    return dx, dw, None, None
+
+
+_register("vocab_stats", None)
+_register("linear_cross_entropy", _linear_cross_entropy_backward)
+_register("linear_cross_entropy_back", None)
+_register("vocab_hits", None)

@@ -4,8 +4,9 @@ utilisation (MFU, PaLM's appendix B) it reaches against the backend's measured f
 Every product the step runs counts, as planned: the forward's (2·N·T for N weights multiplied over
 T tokens, attention's QK^T and PV), the input gradients' (2·N·T again, through the frozen matrices
 too), the trained weights' own gradients, LoRA's rank-r products and, under --grad-checkpoint, the
-forward recomputed in the backward. Norms, activations, rope, the softmax and the optimizer are not
-products and are left out (they are a few percent of a step's arithmetic)."""
+forward recomputed in the backward, and the logits a loss over vocabulary chunks recomputes. Norms,
+activations, rope, the softmax and the optimizer are not products and are left out (they are a few
+percent of a step's arithmetic)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ def node_flops(n) -> int:
         x, a, b, _ = n.inputs
         rows, (r, n_in), n_out = int(np.prod(x.shape[:-1])), a.shape, b.shape[0]
         return 2 * rows * r * (n_in + n_out + n_in + n_out + (n_in if n.attrs["dx"] else 0))
+    if n.op in ("vocab_stats", "linear_cross_entropy_back"):  # x [N, d] W [V, d]^T; back: recomputed, G W, G^T x
+        (rows, d), n_vocab = n.inputs[0].shape, n.inputs[1].shape[0]
+        products = 1 if n.op == "vocab_stats" else 1 + n.attrs["dx"] + n.attrs["dw"]
+        return 2 * products * rows * n_vocab * d
     if n.op in ("flash_attn", "flash_attn_back"):  # q [B, T, H, d]: S = QK^T and O = PV; back: dV, dP, dQ, dK
         b, t, h, d = n.inputs[0].shape
         return (4 if n.op == "flash_attn" else 8) * b * h * t * t * d

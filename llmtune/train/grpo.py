@@ -50,6 +50,7 @@ from llmtune.train import guard
 from llmtune.train.chat import pad_token, prompt_ids
 from llmtune.train.data import Holdout, TrainValSplit
 from llmtune.train.preference import CHOSEN, PAD, TRUNK, Objective, PairLayout, PreferenceTrainer
+from llmtune.train.programs import WeightedTokenNLL
 from llmtune.train.records import read_records
 from llmtune.train.rewards import RewardError, Rewards, weighted_sum
 from llmtune.train.trainer import RunningStats
@@ -320,6 +321,11 @@ class TemperedTokenNLL:
     def train(self, logits, targets):
         nll = ops.token_nll(self._logits(logits), targets)
         return [nll], nll, ops.input((targets.shape[0],), name="token_weights")
+
+    def train_chunked(self, x, w, targets, chunk: int, cap: float):
+        """train over vocabulary chunks (programs.StepPrograms.loss_of): logits / T = (x / T) W^T;
+        None (the whole logits) under a final softcap, which comes before the temperature."""
+        return None if cap else WeightedTokenNLL.train_chunked(self._logits(x), w, targets, chunk, cap)
 
     def evaluate(self, logits, targets):
         return [ops.token_nll(self._logits(logits), targets)]

@@ -6,17 +6,56 @@ A pass's loss is pluggable: NextTokenLoss (the mean cross-entropy, seeded by the
 the step's tokens) for next-token training, WeightedTokenNLL (every token's NLL, seeded per token
 by weights the host computes from a forward pass) for losses of sequence log-probabilities: the
 preference methods (train/preference.py), and any other such loss, through the same step.
+
+A pass whose logits [rows, vocab] would take more than CHUNKED_LOGITS_BYTES (a 152k vocabulary's
+window) computes its loss over vocabulary chunks instead (ops.linear_cross_entropy: Cut
+Cross-Entropy), so the logits never exist whole; LLMTUNE_VOCAB_CHUNK=N forces chunks of N rows
+(0: never). The memory plan (train/preflight.py) measures the passes as built, chunks included.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import numpy as np
 
+from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import ArenaTooLarge, Program, ProgramCache, Replay
+
+VOCAB_CHUNK_ENV = "LLMTUNE_VOCAB_CHUNK"
+CHUNKED_LOGITS_BYTES = 256 << 20  # whole logits above this: chunked
+CHUNK_BYTES = 32 << 20  # a chunk's logits (the forward's and the backward's buffer)
+
+
+def vocab_chunk(n_rows: int, n_vocab: int) -> int:
+    """Vocabulary rows a chunk of the loss holds (0: the logits whole): LLMTUNE_VOCAB_CHUNK when
+    set, else chunks of about CHUNK_BYTES once the whole logits pass CHUNKED_LOGITS_BYTES."""
+    forced = os.environ.get(VOCAB_CHUNK_ENV, "").strip()
+    if forced:
+        if not forced.isdigit():
+            raise LlmtuneError(f"{VOCAB_CHUNK_ENV}={forced!r}: expected a number of vocabulary rows (0: never chunk)")
+        return int(forced)
+    if n_rows * n_vocab * 4 <= CHUNKED_LOGITS_BYTES:
+        return 0
+    return max(256, CHUNK_BYTES // (4 * max(n_rows, 1)) // 256 * 256)
+
+
+def output_product(logits):
+    """(x, W, cap) where logits = x W^T, softcapped by cap > 0 (ArchContext.output's product with
+    the output matrix or the tied token_embd, in any storage), or None for anything else (an
+    adapted output: lora adds to the product)."""
+    node, cap = logits, 0.0
+    if node.op == "softcap":
+        node, cap = node.inputs[0], node.attrs["cap"]
+    plain = node.op == "matmul" and node.attrs["tb"] and not node.attrs["ta"]
+    if not (plain or (node.op == "qlinear" and not node.attrs["round_x"])):
+        return None
+    x, w = node.inputs
+    return (x, w, cap) if len(x.shape) == 2 and len(w.shape) == 2 else None
+
 
 
 class NextTokenLoss:
@@ -33,6 +72,12 @@ class NextTokenLoss:
         return [loss, ops.count_correct(logits, targets)], loss, ops.input((), name="loss_scale")
 
     @staticmethod
+    def train_chunked(x, w, targets, chunk: int, cap: float) -> tuple[list, object, object]:
+        """train's outputs over vocabulary chunks (ops.linear_cross_entropy)."""
+        loss = ops.linear_cross_entropy(x, w, targets, chunk, cap)
+        return [loss, ops.vocab_hits(loss.inputs[3])], loss, ops.input((), name="loss_scale")
+
+    @staticmethod
     def evaluate(logits, targets) -> list:
         return [ops.cross_entropy(logits, targets), ops.count_correct(logits, targets)]
 
@@ -47,6 +92,11 @@ class WeightedTokenNLL:
     @staticmethod
     def train(logits, targets) -> tuple[list, object, object]:
         nll = ops.token_nll(logits, targets)
+        return [nll], nll, ops.input((targets.shape[0],), name="token_weights")
+
+    @staticmethod
+    def train_chunked(x, w, targets, chunk: int, cap: float) -> tuple[list, object, object]:
+        nll = ops.linear_cross_entropy(x, w, targets, chunk, cap, mean=False)
         return [nll], nll, ops.input((targets.shape[0],), name="token_weights")
 
     @staticmethod
@@ -75,6 +125,9 @@ class StepPrograms:
         self.out_passes: dict[tuple[int, int], tuple[Program, dict, dict]] = {}
         self.eval_caches: list[ProgramCache] = []  # validation programs by shape, one per worker
         self.pos = t.backend.asarray(np.arange(t.n_ctx, dtype=np.int32))
+        # a chunked loss's buffers outside the arena, per worker: a chunk's logits and their
+        # gradient, and a [rows, d] part of dx (backends/vocab_chunks.py)
+        self.chunk_scratch = 0
 
     # ------------------------------------------------------------------ building
     def graph(self, n_seq: int, **kwargs):
@@ -87,6 +140,8 @@ class StepPrograms:
     def add_worker(self, grad_views: dict) -> None:
         """A worker's full training pass, its gradients accumulated into grad_views."""
         prog = self.train_program(grad_views)
+        if self.arena_budget is not None:
+            self.arena_budget -= self.chunk_scratch
         self.train.append(prog)
         self.inputs.append(self.input_buffers(prog))
         self.replays.append({})
@@ -98,7 +153,7 @@ class StepPrograms:
         _, nodes, logits = self.graph(t.seqs_per_ubatch, trainable=t.trainable, lora_dropout=t.lora_dropout,
                                       packed=t.packed, n_out=n_out)
         targets = ops.input((logits.shape[0],), "i32", name="targets")
-        outputs, loss, seed = self.loss.train(logits, targets)
+        outputs, loss, seed = self.loss_of(logits, targets)
         grads = grad(loss, [nodes[n] for n in t.trainable], seed=seed, checkpoint=t.grad_checkpoint)
         # a trainable tensor the loss does not reach keeps a zero gradient (buffers start zeroed)
         sinks = {grads[nodes[n]]: grad_views[n] for n in t.trainable if nodes[n] in grads}
@@ -109,7 +164,25 @@ class StepPrograms:
         "out_ids") produce logits, planned into `arena` where it fits."""
         _, nodes, logits = self.graph(n_seq, packed=self.trainer.packed, n_out=n_out)
         targets = ops.input((logits.shape[0],), "i32", name="targets")
-        return self.compile(self.loss.evaluate(logits, targets), nodes, arena=arena)
+        chunked = self.loss_of(logits, targets, chunked_only=True)
+        outputs = chunked[0] if chunked else self.loss.evaluate(logits, targets)
+        return self.compile(outputs, nodes, arena=arena)
+
+    def loss_of(self, logits, targets, chunked_only: bool = False):
+        """The pass's loss as (outputs, the node the backward starts from, its seed): over
+        vocabulary chunks where the logits are a plain product too large to hold (vocab_chunk) and
+        the loss has a chunked form (train_chunked: the same outputs, or None where it has none for
+        these logits), else over the whole logits (None with chunked_only; a validation pass then
+        takes the loss's evaluate)."""
+        product = output_product(logits)
+        chunk = vocab_chunk(*logits.shape) if product is not None and hasattr(self.loss, "train_chunked") else 0
+        chunked = self.loss.train_chunked(*product[:2], targets, chunk, product[2]) if chunk else None
+        if chunked is not None:
+            (rows, d), size = product[0].shape, np.dtype(self.trainer.backend.dtype).itemsize
+            need = (2 * rows * min(chunk, product[1].shape[0]) + rows * d) * size
+            self.chunk_scratch = max(self.chunk_scratch, need)
+            return chunked
+        return None if chunked_only else self.loss.train(logits, targets)
 
     def compile(self, outputs, nodes, accumulate=None, arena=None) -> Program:
         """A compiled program whose arena must fit what is left of the memory budget (or `arena`,
@@ -189,5 +262,5 @@ class StepPrograms:
         return self.eval_caches[:n_workers]
 
     def planned_bytes(self) -> int:
-        """The training passes' arenas (what every worker holds at once)."""
-        return sum(p.memory.planned_bytes for p in self.train)
+        """The training passes' arenas and chunked losses' buffers (what every worker holds at once)."""
+        return sum(p.memory.planned_bytes for p in self.train) + self.chunk_scratch * len(self.train)

@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 
+from llmtune.backends import vocab_chunks
 from llmtune.backends.base import Backend, kernel_table
 from llmtune.backends.cpu import attention, optim, probes, products
 from llmtune.backends.cpu.native import kernels as native, program as native_program
@@ -586,6 +587,46 @@ def k_token_nll_back(out, logits, targets, lse, g):
 
 def k_count_correct(out, logits, targets):
     out[...] = np.count_nonzero(logits.argmax(axis=-1) == targets)
+    return out
+
+
+def _vocab_kit(w, qtype):
+    """W's storage as backends/vocab_chunks.py reads it, and the Kit of this backend's kernels."""
+    if qtype:
+        w = _raw(w)
+        product = lambda o, x, rows: products.qlinear(o, x, rows, qtype, False)  # noqa: E731
+        product_back = lambda o, g, rows: products.qlinear_back(o, g, rows, qtype)  # noqa: E731
+    else:
+        product = lambda o, x, rows: k_matmul(o, x, rows, False, True)  # noqa: E731
+        product_back = lambda o, g, rows: k_matmul(o, g, rows, False, False)  # noqa: E731
+    return w, vocab_chunks.Kit(np, product, product_back, k_matmul, k_logsumexp, k_token_nll_back, k_softcap,
+                               k_softcap_back)
+
+
+def k_vocab_stats(out, x, w, targets, chunk, cap, qtype):
+    w, kit = _vocab_kit(w, qtype)
+    return vocab_chunks.logit_stats(kit, out, x, w, targets, chunk, cap)
+
+
+def k_linear_cross_entropy(out, x, w, targets, stats, chunk, cap, qtype, mean):
+    """The mean (or per-row) of lse - target logit over the rows that count, from vocab_stats."""
+    nll = np.where(targets.reshape(-1) >= 0, stats[0] - stats[1], 0).astype(out.dtype)
+    if mean:
+        rows, n = _counted_rows(targets.reshape(-1))
+        out[...] = nll.sum() / n
+    else:
+        out.reshape(-1)[...] = nll
+    return out
+
+
+def k_linear_cross_entropy_back(out, x, w, targets, stats, g, chunk, cap, qtype, mean, dx, dw):
+    w, kit = _vocab_kit(w, qtype)
+    gw = vocab_chunks.row_weights(np, targets, g, mean, out.dtype)
+    return vocab_chunks.grads(kit, out, x, w, targets, stats, gw, chunk, cap, dx, dw)
+
+
+def k_vocab_hits(out, stats):
+    out[...] = np.count_nonzero(stats[2])
     return out
 
 

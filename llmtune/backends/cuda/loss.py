@@ -1,11 +1,13 @@
 """The CUDA kernels of ops.py's loss section (loss.cu): logsumexp, cross entropy (mean over the
 rows whose target is not masked) and its gradient, the per-row NLL of token_nll and its
-gradient, count_correct."""
+gradient, count_correct; and the loss over vocabulary chunks (vocab_stats, linear_cross_entropy and
+its backward, vocab_hits): backends/vocab_chunks.py over this backend's products and cupy."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from llmtune.backends import vocab_chunks
 from llmtune.backends.cuda.launch import BLOCK, flat_grid, row_threads
 
 
@@ -71,4 +73,38 @@ class LossKernels:
     def _k_count_correct(self, out, logits, targets):
         hits = self._per_row("count_correct_rows", logits, targets)
         self.xp.sum(hits, out=out)
+        return out
+
+    # ------------------------------------------------------------------ the loss over vocabulary chunks
+    def _vocab_kit(self, qtype):
+        """This backend's Kit for backends/vocab_chunks.py: W's row blocks multiplied in W's storage."""
+        if qtype:
+            product = lambda o, x, rows: self._k_qlinear(o, x, rows, qtype, False)  # noqa: E731
+            product_back = lambda o, g, rows: self._k_qlinear_back(o, g, rows, qtype)  # noqa: E731
+        else:
+            product = lambda o, x, rows: self._k_matmul(o, x, rows, False, True)  # noqa: E731
+            product_back = lambda o, g, rows: self._k_matmul(o, g, rows, False, False)  # noqa: E731
+        return vocab_chunks.Kit(self.xp, product, product_back, self._k_matmul, self._k_logsumexp,
+                                self._k_token_nll_back, self._k_softcap, self._k_softcap_back)
+
+    def _k_vocab_stats(self, out, x, w, targets, chunk, cap, qtype):
+        return vocab_chunks.logit_stats(self._vocab_kit(qtype), out, self._contig(x), w, self._ids(targets), chunk, cap)
+
+    def _k_linear_cross_entropy(self, out, x, w, targets, stats, chunk, cap, qtype, mean):
+        targets = self._ids(targets).reshape(-1)
+        nll = self.xp.where(targets >= 0, stats[0] - stats[1], 0).astype(out.dtype)
+        if mean:
+            self.xp.sum(nll, out=out)
+            self.xp.divide(out, self._counted(targets, targets.size, out.dtype), out=out)
+        else:
+            out.reshape(-1)[...] = nll
+        return out
+
+    def _k_linear_cross_entropy_back(self, out, x, w, targets, stats, g, chunk, cap, qtype, mean, dx, dw):
+        x, targets = self._contig(x), self._ids(targets)
+        gw = vocab_chunks.row_weights(self.xp, targets, g, mean, out.dtype)
+        return vocab_chunks.grads(self._vocab_kit(qtype), out, x, w, targets, stats, gw, chunk, cap, dx, dw)
+
+    def _k_vocab_hits(self, out, stats):
+        self.xp.sum(stats[2], out=out)
         return out
