@@ -1,6 +1,7 @@
 """`llmtune import` against llama.cpp's convert_hf_to_gguf.py: same tensors (bytes, types, shapes), same keys.
 
-    python bench/check_hf_import.py --record            # tiny llama / qwen2 / qwen3 folders -> tests/data/hf/
+    python bench/check_hf_import.py --record            # tiny llama / qwen2 / qwen3 / llama-spm folders
+                                                        # -> tests/data/hf/ (--only NAME: just that one)
     python bench/check_hf_import.py --real DIR          # a real folder (SmolLM2-135M-Instruct, made from its GGUF
                                                         # by transformers when DIR is missing), f32 / f16 / q8_0,
                                                         # timings and peak RSS, then llama-tokenize on both files
@@ -46,7 +47,42 @@ TINY = {
     "qwen2-tiny": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0), "BF16", ("bf16", "f32")),
     "qwen3-tiny": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0), "F16",
                    ("f16", "q8_0")),
+    # SentencePiece (tokenizer.model, no tokenizer.json): 640 pieces, added tokens in ids 640-642, [PAD643]
+    "llama-spm-tiny": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=10000.0, vocab_size=644), "BF16",
+                       ("f32", "f16")),
 }
+SPM_PIECES = 640
+# tokenizer_config.json and added_tokens.json as a Llama 2 style folder holds them, with the overrides the
+# converter applies: a special added token (CONTROL), a non-special one with U+2581 (USER_DEFINED, a space),
+# added_tokens.json's (USER_DEFINED); add_prefix_space (LlamaModel.set_vocab's add_space_prefix)
+SPM_CONFIG = {
+    "add_bos_token": True, "add_eos_token": False, "add_prefix_space": False, "legacy": False,
+    "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None,
+    "added_tokens_decoder": {str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
+                                      "single_word": False, "special": sp}
+                             for i, c, sp in ((0, "<unk>", True), (1, "<s>", True), (2, "</s>", True),
+                                              (640, "<|im_start|>", True), (641, "\u2581hello", False))},
+    "chat_template": "{% for m in messages %}<|im_start|>{{ m['content'] }}</s>{% endfor %}",
+    "model_max_length": 2048, "tokenizer_class": "LlamaTokenizer",
+}
+SPM_ADDED = {"<extra_0>": 642}
+
+
+def train_spm() -> None:
+    """tests/data/hf/spm-*: a BPE SentencePiece model (byte fallback, identity normalisation as Llama's) trained
+    on WikiText-2's first 300,000 characters and the repo's mixed-script text, and its two JSON files."""
+    import sentencepiece as spm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "train.txt"
+        text.write_text(WIKITEXT.read_text(encoding="utf-8")[:300_000] + MIXED.read_text(encoding="utf-8"),
+                        encoding="utf-8")
+        spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(Path(tmp) / "m"), vocab_size=SPM_PIECES,
+                                       model_type="bpe", byte_fallback=True, character_coverage=0.99,
+                                       normalization_rule_name="identity", num_threads=1, minloglevel=2)
+        shutil.copy(Path(tmp) / "m.model", hf_fixture.DATA / "spm-tokenizer.model")
+    (hf_fixture.DATA / "spm-tokenizer_config.json").write_text(json.dumps(SPM_CONFIG, indent=2) + "\n")
+    (hf_fixture.DATA / "spm-added_tokens.json").write_text(json.dumps(SPM_ADDED) + "\n")
 
 
 # transformers 5's AutoTokenizer builds Qwen2Tokenizer for any qwen2 / qwen3 config and swaps in Qwen2's split
@@ -94,35 +130,50 @@ def tiny_config(name: str) -> dict:
     import transformers
 
     cls_name, extra, _, _ = TINY[name]
-    cfg = getattr(transformers, cls_name)(**SMALL, **extra)
+    cfg = getattr(transformers, cls_name)(**{**SMALL, **extra})
     cfg.architectures = [cls_name.replace("Config", "ForCausalLM")]
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())
 
 
-def record(work: Path, smol_dir: Path) -> None:
+def record(work: Path, smol_dir: Path, only: list[str]) -> None:
     hf_fixture.DATA.mkdir(parents=True, exist_ok=True)
+    if not only:
+        record_smollm2(smol_dir)
+    if not (hf_fixture.DATA / "spm-tokenizer.model").is_file():
+        train_spm()
+    for name, (_, _, dtype, types) in TINY.items():
+        if only and name not in only:
+            continue
+        rec = {"config": tiny_config(name), "dtype": dtype, "seed": 41, "outputs": {}}
+        if "spm" in name:
+            rec["tokenizer"] = "spm"
+        record_one(work, name, rec, dtype, types)
+
+
+def record_smollm2(smol_dir: Path) -> None:
     with open(smol_dir / "tokenizer.json", "rb") as src, \
             gzip.GzipFile(hf_fixture.DATA / "smollm2-tokenizer.json.gz", "wb", mtime=0) as dst:
         shutil.copyfileobj(src, dst)
     for name in hf_fixture.TOKENIZER_FILES:
         shutil.copy(smol_dir / name, hf_fixture.DATA / f"smollm2-{name}")
-    for name, (_, _, dtype, types) in TINY.items():
-        rec = {"config": tiny_config(name), "dtype": dtype, "seed": 41, "outputs": {}}
-        folder = hf_fixture.make_folder(rec, work / name)
-        for outtype in types:
-            ref, ours = work / f"{name}.{outtype}.ref.gguf", work / f"{name}.{outtype}.gguf"
-            converter(folder, ref, outtype, pre=None if name.startswith("llama") else "smollm")
-            llmtune_import(folder, ours, outtype)
-            diff = hf_compare.differences(ours, ref)
-            same = ours.read_bytes() == ref.read_bytes()
-            print(f"{name} {dtype} -> {outtype}: {'byte-identical file' if same else 'files differ'}; "
-                  f"{len(diff)} differences", *diff, sep="\n  ")
-            rec["outputs"][outtype] = {"metadata": hf_compare.metadata_digest(hf_compare.plain_fields(ref)),
-                                       "tensors": hf_compare.tensor_digests(ref)}
-        (hf_fixture.DATA / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
-        print(f"recorded tests/data/hf/{name}.json")
+
+
+def record_one(work: Path, name: str, rec: dict, dtype: str, types: tuple[str, ...]) -> None:
+    folder = hf_fixture.make_folder(rec, work / name)
+    for outtype in types:
+        ref, ours = work / f"{name}.{outtype}.ref.gguf", work / f"{name}.{outtype}.gguf"
+        converter(folder, ref, outtype, pre=None if name.startswith("llama") else "smollm")
+        llmtune_import(folder, ours, outtype)
+        diff = hf_compare.differences(ours, ref)
+        same = ours.read_bytes() == ref.read_bytes()
+        print(f"{name} {dtype} -> {outtype}: {'byte-identical file' if same else 'files differ'}; "
+              f"{len(diff)} differences", *diff, sep="\n  ")
+        rec["outputs"][outtype] = {"metadata": hf_compare.metadata_digest(hf_compare.plain_fields(ref)),
+                                   "tensors": hf_compare.tensor_digests(ref)}
+    (hf_fixture.DATA / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
+    print(f"recorded tests/data/hf/{name}.json")
 
 
 def make_real(folder: Path) -> None:
@@ -219,6 +270,8 @@ def big(folder: Path, work: Path, with_converter: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true", help="build, compare and record the tiny folders")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help=f"with --record: only this tiny folder (repeatable; SmolLM2's files kept): {', '.join(TINY)}")
     ap.add_argument("--real", type=Path, metavar="DIR", help="the real folder (made from the GGUF when missing)")
     ap.add_argument("--record-only", action="store_true", help="with --record: skip the real folder's checks")
     ap.add_argument("--tokenize-only", action="store_true", help="with --real: only llama-tokenize the files in --work")
@@ -235,7 +288,7 @@ def main() -> None:
     if args.big is not None:
         big(args.big, args.work, args.big_converter)
     if args.record:
-        record(args.work, args.real or args.work / "SmolLM2-135M-Instruct")
+        record(args.work, args.real or args.work / "SmolLM2-135M-Instruct", args.only)
     print(f"peak RSS of this script: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

@@ -5,7 +5,9 @@ from llama.cpp's convert_hf_to_gguf.py run by bench/check_hf_import.py on the sa
 (long arrays as a sha256) and every tensor's type, shape and sha256. The weights are drawn here with numpy
 (seeded, so the folder is the same every time) and written as safetensors, BF16 included, in the format's
 own layout (8-byte header length, JSON header in name order, then the data), the way transformers saves it.
-The tokenizer is SmolLM2's (tokenizer.json, gzipped, with tokenizer_config.json and chat_template.jinja).
+The tokenizer is SmolLM2's (tokenizer.json, gzipped, with tokenizer_config.json and chat_template.jinja),
+or with "tokenizer": "spm" a small SentencePiece model (spm-tokenizer.model, trained by the bench script,
+with its tokenizer_config.json and added_tokens.json, as Llama 2 / TinyLlama folders hold them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 
 DATA = Path(__file__).parent / "data" / "hf"
 TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja")
+SPM_FILES = ("tokenizer.model", "tokenizer_config.json", "added_tokens.json")
 _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<f4"}
 
 
@@ -72,12 +75,16 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], draw, dtyp
 
 
 def make_folder(record: dict, folder: Path) -> Path:
-    """The record's HF folder: config.json, model.safetensors (seeded weights), SmolLM2's tokenizer files."""
+    """The record's HF folder: config.json, model.safetensors (seeded weights), the tokenizer's files."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(record["config"], indent=2) + "\n", encoding="utf-8")
     rng = np.random.default_rng(record["seed"])
     write_safetensors(folder / "model.safetensors", hf_tensor_shapes(record["config"]),
                       lambda shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05), record["dtype"])
+    if record.get("tokenizer") == "spm":
+        for name in SPM_FILES:
+            shutil.copy(DATA / f"spm-{name}", folder / name)
+        return folder
     with gzip.open(DATA / "smollm2-tokenizer.json.gz", "rb") as src, open(folder / "tokenizer.json", "wb") as dst:
         shutil.copyfileobj(src, dst)
     for name in TOKENIZER_FILES:

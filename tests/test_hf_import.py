@@ -20,13 +20,14 @@ from cli_helpers import run_cli  # noqa: E402
 from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E402
 from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
 
-CASES = [(name, t) for name in ("llama-tiny", "qwen2-tiny", "qwen3-tiny") for t in load_record(name)["outputs"]]
+NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny")  # llama-spm: a SentencePiece tokenizer.model
+CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {name: make_folder(load_record(name), root / name) for name in ("llama-tiny", "qwen2-tiny", "qwen3-tiny")}
+    return {name: make_folder(load_record(name), root / name) for name in NAMES}
 
 
 @pytest.mark.parametrize("name,outtype", CASES)
@@ -100,11 +101,35 @@ def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys, arch, 
     assert arch in line and words in line and "LlamaForCausalLM" in line
 
 
-def test_sentencepiece_tokenizer_refused(folders, tmp_path, monkeypatch, capsys):
-    folder = _copy(folders, tmp_path)
-    (folder / "tokenizer.model").write_bytes(b"\x00")
+@pytest.mark.parametrize("data", [b"\x00", b"\x0a\x05\x0a\x03ab", b"\x0a\x02\x10\x01", b"\x0b"])
+def test_damaged_sentencepiece_model(folders, tmp_path, monkeypatch, capsys, data):
+    """A field running past its message, a piece without text, an unknown wire type: one line naming the file."""
+    folder = _copy(folders, tmp_path, "llama-spm-tiny")
+    (folder / "tokenizer.model").write_bytes(data)
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
-    assert "tokenizer.model (SentencePiece)" in line and "byte-level BPE" in line
+    assert str(folder / "tokenizer.model") in line and "SentencePiece model" in line
+
+
+def test_sentencepiece_model_read_first(folders, tmp_path, monkeypatch, capsys):
+    """tokenizer.model beside a byte-level BPE tokenizer.json: the SentencePiece vocabulary, as the converter's
+    llama set_vocab tries it first (the same tokens, scores and types as without tokenizer.json)."""
+    folder = _copy(folders, tmp_path, "llama-spm-tiny")
+    shutil.copy(folders["llama-tiny"] / "tokenizer.json", folder / "tokenizer.json")
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    got = json.loads(json.dumps(metadata_digest(plain_fields(out))))
+    expected = load_record("llama-spm-tiny")["outputs"]["f32"]["metadata"]
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        assert got[key] == expected[key], key
+    assert "tokenizer.ggml.merges" not in got
+
+
+def test_no_tokenizer(folders, tmp_path, monkeypatch, capsys):
+    folder = _copy(folders, tmp_path, "llama-spm-tiny")
+    (folder / "tokenizer.model").unlink()
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "neither tokenizer.model" in line and str(folder) in line
 
 
 def test_hub_name_refused(tmp_path, monkeypatch, capsys):

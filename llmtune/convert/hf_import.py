@@ -76,7 +76,7 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
     extra_meta = gguf_hparams(config, arch, extra=True, where=str(folder))
     sources = read_sources(folder, get_family(arch).hf)
-    vocab = vocab_metadata(folder, config)
+    vocab = vocab_metadata(folder, config, arch)
     plain = {"general.architecture": arch, **{k: v for k, (v, _) in {**hparam_meta, **extra_meta}.items()},
              "tokenizer.ggml.tokens": vocab["tokenizer.ggml.tokens"].value}
     hp = read_hparams(plain, {s.name for s in sources}, str(folder / "config.json"))
