@@ -5,6 +5,8 @@
     python bench/check_hf_import.py --real DIR          # a real folder (SmolLM2-135M-Instruct, made from its GGUF
                                                         # by transformers when DIR is missing), f32 / f16 / q8_0,
                                                         # timings and peak RSS, then llama-tokenize on both files
+    python bench/check_hf_import.py --spm-gguf tests/data/vocab/ggml-vocab-llama-spm.gguf --llama-tokenize PATH
+                                                        # a real SentencePiece vocabulary (as tokenizer.model)
 
 Each tiny folder (tests/hf_fixture.py: config.json saved by transformers' config class, seeded numpy weights
 in safetensors, SmolLM2's tokenizer) is converted by both; every difference is printed (none expected) and
@@ -27,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -233,6 +237,63 @@ def convert_real(folder: Path, work: Path) -> None:
           f"{'byte-identical to' if same else 'DIFFERS from'} import f32 + llmtune export --type q4_k_m")
 
 
+def spm_model_from_gguf(gguf_path: Path, out: Path) -> tuple[int, dict]:
+    """A SentencePiece tokenizer.model holding a GGUF's llama vocabulary (pieces, scores, types; the GGUF's
+    token types are SentencePiece's), written with sentencepiece's protobuf module (bench only), and the
+    special ids. Returns the number of pieces and {bos, eos, unk: id}."""
+    from gguf import GGUFReader
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    fields = GGUFReader(gguf_path).fields
+    toks, scores, types = (fields[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type"))
+    model = pb.ModelProto()
+    for i in range(len(toks.data)):
+        piece = model.pieces.add()
+        piece.piece = bytes(toks.parts[toks.data[i]]).decode("utf-8")
+        piece.score = float(scores.parts[scores.data[i]][0])
+        piece.type = int(types.parts[types.data[i]][0])
+    model.trainer_spec.model_type = pb.TrainerSpec.BPE
+    model.trainer_spec.vocab_size = len(toks.data)
+    model.trainer_spec.byte_fallback = any(p.type == 6 for p in model.pieces)
+    model.normalizer_spec.name = "identity"
+    model.normalizer_spec.add_dummy_prefix = True
+    model.normalizer_spec.remove_extra_whitespaces = False
+    out.write_bytes(model.SerializeToString())
+    special = {k: int(fields[f"tokenizer.ggml.{key}_token_id"].parts[-1][0])
+               for k, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"))}
+    return len(toks.data), special
+
+
+def spm_real(gguf_path: Path, work: Path, tool: Path) -> None:
+    """A tiny llama folder (seeded weights) with a real SentencePiece vocabulary taken from `gguf_path`
+    (e.g. tests/data/vocab/ggml-vocab-llama-spm.gguf: Llama's 32,000 pieces): import against the converter,
+    then llama-tokenize on the imported file against the GGUF the vocabulary came from."""
+    folder = work / f"spm-{gguf_path.stem}"
+    folder.mkdir(parents=True, exist_ok=True)
+    n, special = spm_model_from_gguf(gguf_path, folder / "tokenizer.model")
+    config = {**tiny_config("llama-tiny"), "vocab_size": n, "bos_token_id": special["bos"],
+              "eos_token_id": special["eos"]}
+    rng = np.random.default_rng(7)
+    hf_fixture.write_safetensors(folder / "model.safetensors", hf_fixture.hf_tensor_shapes(config),
+                                 lambda shape: rng.standard_normal(shape, dtype=np.float32), "F16")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "add_eos_token": False}))
+    ref, ours = work / f"{folder.name}.ref.gguf", work / f"{folder.name}.gguf"
+    t_ref = converter(folder, ref, "f16")
+    t_ours, rss = llmtune_import(folder, ours, "f16")
+    diff = hf_compare.differences(ours, ref)
+    same = ours.read_bytes() == ref.read_bytes()
+    print(f"{folder.name} ({n} pieces) -> f16: {'byte-identical file' if same else 'files differ'}, {len(diff)} "
+          f"differences; import {t_ours:.1f} s (peak RSS {rss / 1024:.0f} MiB), converter {t_ref:.1f} s",
+          *diff, sep="\n  ")
+    wiki = work / "wikitext-slice.txt"
+    wiki.write_text(WIKITEXT.read_text(encoding="utf-8")[:200_000], encoding="utf-8")
+    for text in (wiki, MIXED):
+        a, b = tokenize_ids(tool, ours, text), tokenize_ids(tool, gguf_path, text)
+        print(f"llama-tokenize {text.name}: {len(a)} ids, {'same' if a == b else 'DIFFERENT'} on the import and "
+              f"on {gguf_path.name}")
+
+
 # configs/llama-1b.toml's shape (Llama-3.2-1B) with SmolLM2's 49,152-token vocabulary, output untied: 1.07B
 BIG = dict(SMALL, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
            num_key_value_heads=8, max_position_embeddings=131072)
@@ -278,6 +339,8 @@ def main() -> None:
     ap.add_argument("--llama-tokenize", type=Path, default=BIN / "llama-tokenize", metavar="PATH",
                     help="llama.cpp's llama-tokenize (build-isa has none: g++ tools/tokenize/tokenize.cpp against "
                          "build-isa/bin's libllama and libllama-common)")
+    ap.add_argument("--spm-gguf", type=Path, metavar="GGUF", help="a tiny llama folder with this GGUF's SentencePiece "
+                    "vocabulary: import against the converter, llama-tokenize against the GGUF")
     ap.add_argument("--big", type=Path, metavar="DIR", help="a 1B-class folder (made when missing): speed, RSS")
     ap.add_argument("--big-converter", action="store_true", help="with --big: run and compare the converter too")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "check_hf_import")
@@ -285,6 +348,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     if args.real is not None and not args.record_only:
         real(args.real, args.work, args.llama_tokenize, args.tokenize_only)
+    if args.spm_gguf is not None:
+        spm_real(args.spm_gguf, args.work, args.llama_tokenize)
     if args.big is not None:
         big(args.big, args.work, args.big_converter)
     if args.record:
