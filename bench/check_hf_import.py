@@ -54,6 +54,9 @@ TINY = {
     # SentencePiece (tokenizer.model, no tokenizer.json): 640 pieces, added tokens in ids 640-642, [PAD643]
     "llama-spm-tiny": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=10000.0, vocab_size=644), "BF16",
                        ("f32", "f16")),
+    # gemma2: its own key order, softcaps, sliding window, norms + 1 rounded to BF16, add_space_prefix false
+    "gemma2-spm-tiny": ("Gemma2Config", dict(head_dim=16, vocab_size=644, sliding_window=512), "BF16",
+                        ("bf16", "f32")),
 }
 SPM_PIECES = 640
 # tokenizer_config.json and added_tokens.json as a Llama 2 style folder holds them, with the overrides the

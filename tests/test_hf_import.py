@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
+from gguf import GGUFReader
 
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
@@ -20,7 +22,8 @@ from cli_helpers import run_cli  # noqa: E402
 from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E402
 from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
 
-NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny")  # llama-spm: a SentencePiece tokenizer.model
+# *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read
+NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny")
 CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
@@ -91,7 +94,7 @@ def test_damaged_safetensors_header(folders, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("arch,words", [("MambaForCausalLM", "is not an architecture llmtune imports"),
-                                        ("Gemma2ForCausalLM", "import is not supported yet")])
+                                        ("Phi3ForCausalLM", "import is not supported yet")])
 def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys, arch, words):
     folder = _copy(folders, tmp_path)
     config = json.loads((folder / "config.json").read_text())
@@ -123,6 +126,26 @@ def test_sentencepiece_model_read_first(folders, tmp_path, monkeypatch, capsys):
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
         assert got[key] == expected[key], key
     assert "tokenizer.ggml.merges" not in got
+
+
+def test_gemma2_norms_and_lm_head(tmp_path, monkeypatch, capsys):
+    """gemma2: every norm written as 1 + w in float32 (BF16 widened first, no BF16 rounding), and an
+    lm_head.weight in the folder never read (Gemma2Model.filter_tensors)."""
+    record = load_record("gemma2-spm-tiny")
+    record["config"] = {**record["config"], "tie_word_embeddings": False}  # hf_tensor_shapes adds lm_head.weight
+    folder = make_folder(record, tmp_path / "g2")
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    assert list(tensor_digests(out)) == list(record["outputs"]["f32"]["tensors"])  # no output.weight
+    with open(folder / "model.safetensors", "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        info = json.loads(fh.read(n))["model.norm.weight"]
+        fh.seek(8 + n + info["data_offsets"][0])
+        bf16 = np.frombuffer(fh.read(info["data_offsets"][1] - info["data_offsets"][0]), "<u2")
+    expected = (bf16.astype(np.uint32) << 16).view(np.float32) + np.float32(1)
+    got = next(t for t in GGUFReader(out).tensors if t.name == "output_norm.weight")
+    assert np.array_equal(np.asarray(got.data), expected)
 
 
 def test_no_tokenizer(folders, tmp_path, monkeypatch, capsys):

@@ -26,7 +26,7 @@ from gguf import GGUFValueType as VT
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 
-ALL = ("llama", "qwen2", "qwen3")  # the families import reads config.json for
+ALL = ("llama", "qwen2", "qwen3", "gemma2")  # the families import reads config.json for
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,18 @@ ROWS: tuple[Row, ...] = (
 EXTRA: tuple[Row, ...] = (
     Row("vocab_size", ("vocab_size",), VT.UINT32, families=("llama",), required=True, hparam="n_vocab"),
     Row("rope.dimension_count", ("head_dim",), VT.UINT32, families=("llama",)),  # else hidden / heads
+    # Gemma2Model.set_gguf_parameters: config.json's values, required (hparams[...])
+    Row("attn_logit_softcapping", ("attn_logit_softcapping",), VT.FLOAT32, families=("gemma2",), required=True),
+    Row("final_logit_softcapping", ("final_logit_softcapping",), VT.FLOAT32, families=("gemma2",), required=True),
+    Row("attention.sliding_window", ("sliding_window",), VT.UINT32, families=("gemma2",), required=True),
 )
+# a family whose converter writes its own set_gguf_parameters (not TextModel's): its ROWS in its order
+ORDER: dict[str, tuple[str, ...]] = {
+    "gemma2": ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+               "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length",
+               "attention.value_length"),  # Gemma2Model: no rope.freq_base, head_dim required
+}
+_REQUIRED = {"gemma2": ("context_length", "attention.key_length")}
 _CASTS = {VT.UINT32: int, VT.FLOAT32: float}
 
 
@@ -76,7 +87,13 @@ def config_value(config: dict, row: Row) -> Optional[Any]:
 
 
 def rows(arch: str, extra: bool) -> list[Row]:
-    return [r for r in (EXTRA if extra else ROWS) if arch in r.families]
+    """The family's rows in the converter's order (ORDER's, else the table's)."""
+    found = [r for r in (EXTRA if extra else ROWS) if arch in r.families]
+    if extra or arch not in ORDER:
+        return found
+    by_key = {r.key: r for r in found}
+    must = _REQUIRED.get(arch, ())
+    return [by_key[k] if k not in must else Row(k, by_key[k].hf, by_key[k].vtype, (arch,), True) for k in ORDER[arch]]
 
 
 def gguf_hparams(config: dict, arch: str, extra: bool, where: str) -> dict[str, tuple[Any, VT]]:

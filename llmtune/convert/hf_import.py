@@ -2,8 +2,9 @@
 convert_hf_to_gguf.py writes it (same tensors, types, bytes and metadata; bench/check_hf_import.py).
 
 The folder: config.json, model.safetensors (or model-*.safetensors with model.safetensors.index.json),
-a byte-level BPE tokenizer (hf_vocab.py). The tensors are renamed by the family's HF table
-(arch/hf_names.py; llama's q/k rows permuted back, LlamaModel.permute), the hyper-parameters read by
+a SentencePiece tokenizer.model or a byte-level BPE tokenizer.json (hf_vocab.py, hf_spm.py). The
+tensors are renamed by the family's HF table (arch/hf_names.py; llama's q/k rows permuted back,
+LlamaModel.permute; gemma's norms + 1: hf_config's norm_offset), the hyper-parameters read by
 arch/hf_config.py's table, and the file is written one piece of one tensor at a time
 (write_gguf_streamed): memory holds a few pieces, whatever the model's size. The safetensors files are
 checked with the `safetensors` library and their data read through a memory map (BF16 included,
@@ -26,7 +27,7 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
 
 from llmtune.arch import check_tensors, get_family, read_hparams, supported
-from llmtune.arch.hf_config import gguf_hparams
+from llmtune.arch.hf_config import gguf_hparams, hf_config_of
 from llmtune.convert.export import tensor_plans
 from llmtune.convert.hf_vocab import read_json, vocab_metadata
 from llmtune.errors import LlmtuneError
@@ -75,7 +76,7 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     arch = _family_arch(folder, config)
     hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
     extra_meta = gguf_hparams(config, arch, extra=True, where=str(folder))
-    sources = read_sources(folder, get_family(arch).hf)
+    sources = read_sources(folder, get_family(arch).hf, _SKIPPED + _NOT_READ.get(arch, ()))
     vocab = vocab_metadata(folder, config, arch)
     plain = {"general.architecture": arch, **{k: v for k, (v, _) in {**hparam_meta, **extra_meta}.items()},
              "tokenizer.ggml.tokens": vocab["tokenizer.ggml.tokens"].value}
@@ -98,13 +99,16 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
                      f"the imported model's {len(slots)} tensors ({type})")
     by_name = {s.name: s for s in sources}
     rows = _row_order(get_family(arch).hf, hp)
+    norm_offset = hf_config_of(arch).norm_offset  # gemma: HF stores w, llama.cpp 1 + w
 
     done = iter(range(1, len(slots) + 1))
     on_written = None if progress is None else lambda name: progress(next(done), len(slots), name)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="import") as pool:
 
         def pieces(slot: TensorSlot) -> Iterator[np.ndarray]:
-            yield from _pieces(by_name[slot.name], slot.type, rows(slot.name, slot.shape), pool)
+            src = by_name[slot.name]
+            offset = norm_offset if src.hf_name.endswith("norm.weight") else 0.0
+            yield from _pieces(src, slot.type, rows(slot.name, slot.shape), pool, offset)
 
         return write_gguf_streamed(out, arch, meta, slots, pieces, inputs=[s.path for s in sources],
                                    progress=on_written)
@@ -145,7 +149,8 @@ def _family_arch(folder: Path, config: dict) -> str:
     raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch!r} {what}; import reads {', '.join(sorted(imported))}")
 
 
-IMPORTED = ("llama", "qwen2", "qwen3")  # families whose config table and converter rules import covers
+IMPORTED = ("llama", "qwen2", "qwen3", "gemma2")  # families whose config table and converter rules import covers
+_NOT_READ = {"gemma2": ("lm_head.weight",)}  # Gemma2Model.filter_tensors: llama.cpp never loads it
 
 
 def general_metadata(folder: Path, arch: str, n_params: int) -> dict[str, MetaValue]:
@@ -194,12 +199,13 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_sources(folder: Path, names) -> list[SourceTensor]:
-    """Every weight of the folder's safetensors files, in file then header order, with its GGUF name."""
+def read_sources(folder: Path, names, skipped: tuple[str, ...] = _SKIPPED) -> list[SourceTensor]:
+    """Every weight of the folder's safetensors files but the `skipped` ones, in file then header order,
+    with its GGUF name."""
     out = []
     for path in weight_files(folder):
         for hf_name, dtype, shape, offset in _header(path):
-            if hf_name.endswith(_SKIPPED):
+            if hf_name.endswith(skipped):
                 continue
             name = names.gguf_name(hf_name)
             if name is None:
@@ -256,8 +262,9 @@ def _row_order(names, hp) -> Callable[[str, tuple[int, ...]], np.ndarray | None]
     return order
 
 
-def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
-    """The tensor's rows as `qtype`, PIECE_ELEMENTS values at a time, read through a memory map; the next
+def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: ThreadPoolExecutor,
+            offset: float = 0.0) -> Iterator[np.ndarray]:
+    """The tensor's rows (+ `offset`) as `qtype`, PIECE_ELEMENTS values at a time, read through a memory map; the next
     piece is read and converted on `pool`'s thread while the writer writes this one (numpy and file
     writes release the GIL), so reading, converting and writing overlap: memory holds three pieces."""
     count = math.prod(src.shape)
@@ -268,7 +275,7 @@ def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: Thread
 
     def convert(start: int) -> np.ndarray:
         rows = slice(start, start + step) if order is None else order[start:start + step]
-        piece = _as_float(np.asarray(data[rows]), src.dtype, qtype)
+        piece = _as_float(np.asarray(data[rows]), src.dtype, qtype, offset)
         return quants.quantize(piece.reshape(-1) if len(src.shape) <= 1 else piece, qtype)
 
     pending = pool.submit(convert, 0)
@@ -282,12 +289,16 @@ def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: Thread
         pending.cancel()
 
 
-def _as_float(raw: np.ndarray, dtype: str, qtype: QT) -> np.ndarray:
-    """prepare_tensors' float: F16 kept for F16 output, everything else float32 (BF16: the upper half)."""
+def _as_float(raw: np.ndarray, dtype: str, qtype: QT, offset: float = 0.0) -> np.ndarray:
+    """prepare_tensors' float: F16 kept for F16 output, everything else float32 (BF16: the upper half).
+    `offset` (gemma's norms: modify_tensors' data_torch + 1) is added as torch adds it to what
+    prepare_tensors hands over: float32 (BF16 widened first), F16 computed in float32 and rounded to F16."""
     if dtype == "BF16":
         wide = raw.astype(np.uint32)
         wide <<= 16
-        return wide.view(np.float32)
+        return wide.view(np.float32) + np.float32(offset) if offset else wide.view(np.float32)
+    if offset:
+        raw = (raw.astype(np.float32) + np.float32(offset)).astype(raw.dtype)
     if dtype == "F16" and qtype == QT.F16:
         return raw
     return raw.astype(np.float32)

@@ -60,7 +60,11 @@ def vocab_metadata(folder: Path, config: dict, arch: str) -> dict[str, MetaValue
         tok_json = read_json(path) if path.is_file() else {}
         n_vocab = len(meta["tokenizer.ggml.tokens"].value)
         meta.update(special_metadata(folder, tok_json, config, merges=False, n_vocab=n_vocab))
+        if arch in ("gemma2", "gemma3"):  # Gemma2Model / Gemma3Model.set_vocab, after the rest
+            meta["tokenizer.ggml.add_space_prefix"] = MetaValue(False, VT.BOOL)
         return meta
+    if arch == "gemma2":  # Gemma2Model.set_vocab reads tokenizer.model only
+        raise LlmtuneError(f"{folder}: has no tokenizer.model; gemma2's converter reads its SentencePiece model")
     if not path.is_file():
         raise LlmtuneError(f"{folder}: has neither tokenizer.model (SentencePiece) nor tokenizer.json; llmtune "
                            f"import reads those two")
