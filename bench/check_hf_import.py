@@ -57,6 +57,9 @@ TINY = {
     # gemma2: its own key order, softcaps, sliding window, norms + 1 rounded to BF16, add_space_prefix false
     "gemma2-spm-tiny": ("Gemma2Config", dict(head_dim=16, vocab_size=644, sliding_window=512), "BF16",
                         ("bf16", "f32")),
+    # gemma3 (text): q/k norms + 1, the global / local rope bases
+    "gemma3-spm-tiny": ("Gemma3TextConfig", dict(head_dim=16, vocab_size=644, sliding_window=512, rms_norm_eps=1e-6),
+                        "BF16", ("bf16", "q8_0")),
 }
 SPM_PIECES = 640
 # tokenizer_config.json and added_tokens.json as a Llama 2 style folder holds them, with the overrides the
@@ -138,7 +141,7 @@ def tiny_config(name: str) -> dict:
 
     cls_name, extra, _, _ = TINY[name]
     cfg = getattr(transformers, cls_name)(**{**SMALL, **extra})
-    cfg.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    cfg.architectures = [cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())

@@ -26,7 +26,7 @@ _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<f4"}
 
 
 def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The safetensors of a llama / qwen2 / qwen3 / gemma2 causal LM with `config` (HF names, torch shapes)."""
+    """The safetensors of a llama / qwen2 / qwen3 / gemma2 / gemma3 causal LM with `config` (HF names, torch shapes)."""
     arch = config["architectures"][0]
     d, n_ff, n_vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
@@ -46,9 +46,9 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         if arch == "Qwen2ForCausalLM":
             shapes.update({p + f"self_attn.{x}_proj.bias": (n * head_dim,) for x, n in (("q", heads), ("k", kv),
                                                                                      ("v", kv))})
-        if arch == "Gemma2ForCausalLM":  # the norm sandwich around the MLP
+        if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # the norm sandwich around the MLP
             shapes.update({p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)})
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
             shapes.update({p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)})
     return dict(sorted(shapes.items()))
 

@@ -22,8 +22,9 @@ from cli_helpers import run_cli  # noqa: E402
 from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E402
 from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
 
-# *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read
-NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny")
+# *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
+# + 1, the local rope base
+NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny", "gemma3-spm-tiny")
 CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
@@ -146,6 +147,34 @@ def test_gemma2_norms_and_lm_head(tmp_path, monkeypatch, capsys):
     expected = (bf16.astype(np.uint32) << 16).view(np.float32) + np.float32(1)
     got = next(t for t in GGUFReader(out).tensors if t.name == "output_norm.weight")
     assert np.array_equal(np.asarray(got.data), expected)
+
+
+@pytest.mark.parametrize("change,present,absent", [
+    ({"sliding_window_pattern": 1}, (), ("gemma3.attention.sliding_window",)),  # every layer global
+    ({"final_logit_softcapping": 30.0}, ("gemma3.final_logit_softcapping",), ()),
+])
+def test_gemma3_conditional_keys(folders, tmp_path, monkeypatch, capsys, change, present, absent):
+    """Gemma3Model.set_gguf_parameters' conditions: the window unless the pattern is 1, the softcap when set."""
+    folder = _copy(folders, tmp_path, "gemma3-spm-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "bf16")
+    assert code == 0, err
+    keys = plain_fields(out)
+    assert all(k in keys for k in present) and not any(k in keys for k in absent)
+    expected = load_record("gemma3-spm-tiny")["outputs"]["bf16"]["metadata"]
+    assert [k for k in keys if k not in present] == [k for k in expected if k not in absent]
+
+
+def test_gemma3_needs_head_dim(folders, tmp_path, monkeypatch, capsys):
+    """The converter would write its default (256) after the other keys: refused, naming the key."""
+    folder = _copy(folders, tmp_path, "gemma3-spm-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    del config["head_dim"]
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "config.json has no head_dim" in line
 
 
 def test_no_tokenizer(folders, tmp_path, monkeypatch, capsys):

@@ -26,7 +26,7 @@ from gguf import GGUFValueType as VT
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 
-ALL = ("llama", "qwen2", "qwen3", "gemma2")  # the families import reads config.json for
+ALL = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # the families import reads config.json for
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ ROWS: tuple[Row, ...] = (
     Row("attention.head_count_kv", ("num_key_value_heads", "n_kv_heads"), VT.UINT32, hparam="n_head_kv"),
     # or rope_parameters.rope_theta (transformers >= 5)
     Row("rope.freq_base", ("rope_theta",), VT.FLOAT32, hparam="rope_freq_base"),
+    Row("rope.freq_base_swa", (), VT.FLOAT32),  # rope_parameters.sliding_attention.rope_theta (gemma3)
     Row("attention.layer_norm_rms_epsilon", ("rms_norm_eps",), VT.FLOAT32, required=True, hparam="norm_eps"),
     Row("attention.key_length", ("head_dim",), VT.UINT32, hparam="head_dim"),
     Row("attention.value_length", ("head_dim",), VT.UINT32),
@@ -59,7 +60,9 @@ EXTRA: tuple[Row, ...] = (
     # Gemma2Model.set_gguf_parameters: config.json's values, required (hparams[...])
     Row("attn_logit_softcapping", ("attn_logit_softcapping",), VT.FLOAT32, families=("gemma2",), required=True),
     Row("final_logit_softcapping", ("final_logit_softcapping",), VT.FLOAT32, families=("gemma2",), required=True),
-    Row("attention.sliding_window", ("sliding_window",), VT.UINT32, families=("gemma2",), required=True),
+    Row("final_logit_softcapping", ("final_logit_softcapping",), VT.FLOAT32, families=("gemma3",)),  # when set
+    # gemma3: unless sliding_window_pattern is 1 (every layer global)
+    Row("attention.sliding_window", ("sliding_window",), VT.UINT32, families=("gemma2", "gemma3"), required=True),
 )
 # a family whose converter writes its own set_gguf_parameters (not TextModel's): its ROWS in its order
 ORDER: dict[str, tuple[str, ...]] = {
@@ -67,7 +70,11 @@ ORDER: dict[str, tuple[str, ...]] = {
                "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length",
                "attention.value_length"),  # Gemma2Model: no rope.freq_base, head_dim required
 }
-_REQUIRED = {"gemma2": ("context_length", "attention.key_length")}
+# keys the family's converter writes with its own default when config.json lacks them (after the others,
+# in another order): refused instead, naming the key
+_REQUIRED = {"gemma2": ("context_length", "attention.key_length"),
+             "gemma3": ("context_length", "attention.head_count", "attention.head_count_kv",
+                        "attention.layer_norm_rms_epsilon", "attention.key_length", "attention.value_length")}
 _CASTS = {VT.UINT32: int, VT.FLOAT32: float}
 
 
@@ -78,6 +85,10 @@ def config_value(config: dict, row: Row) -> Optional[Any]:
         rope = rope.get("full_attention", rope)
         theta = rope.get("rope_theta", config.get("rope_theta"))
         return None if theta is None else float(theta)
+    if row.key == "rope.freq_base_swa":
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        theta = (rope.get("sliding_attention") or {}).get("rope_theta")
+        return None if theta is None else float(theta)
     if row.key == "rope.dimension_count" and config.get("head_dim") is None:
         return int(config["hidden_size"]) // int(config["num_attention_heads"])
     for name in row.hf:
@@ -87,19 +98,21 @@ def config_value(config: dict, row: Row) -> Optional[Any]:
 
 
 def rows(arch: str, extra: bool) -> list[Row]:
-    """The family's rows in the converter's order (ORDER's, else the table's)."""
+    """The family's rows in the converter's order (ORDER's, else the table's), _REQUIRED's required."""
     found = [r for r in (EXTRA if extra else ROWS) if arch in r.families]
-    if extra or arch not in ORDER:
-        return found
-    by_key = {r.key: r for r in found}
+    if not extra and arch in ORDER:
+        by_key = {r.key: r for r in found}
+        found = [by_key[k] for k in ORDER[arch]]
     must = _REQUIRED.get(arch, ())
-    return [by_key[k] if k not in must else Row(k, by_key[k].hf, by_key[k].vtype, (arch,), True) for k in ORDER[arch]]
+    return [Row(r.key, r.hf, r.vtype, (arch,), True) if r.key in must else r for r in found]
 
 
 def gguf_hparams(config: dict, arch: str, extra: bool, where: str) -> dict[str, tuple[Any, VT]]:
     """`{arch}.*` keys -> (value, type) from config.json; a required key missing raises naming `where`."""
     out = {}
     for row in rows(arch, extra):
+        if _unwritten(config, arch, row):
+            continue
         value = config_value(config, row)
         if value is None:
             if row.required:
@@ -107,6 +120,16 @@ def gguf_hparams(config: dict, arch: str, extra: bool, where: str) -> dict[str, 
             continue
         out[f"{arch}.{row.key}"] = (value, row.vtype)
     return out
+
+
+def _unwritten(config: dict, arch: str, row: Row) -> bool:
+    """Gemma3Model.set_gguf_parameters' conditions: no softcap key when 0 / null, no window with a pattern
+    of 1 (every layer global)."""
+    if arch != "gemma3":
+        return False
+    if row.key == "final_logit_softcapping":
+        return not config.get("final_logit_softcapping")
+    return row.key == "attention.sliding_window" and config.get("sliding_window_pattern") == 1
 
 
 # config.json key -> the HParams field it carries, for every family export --hf maps (transformers'

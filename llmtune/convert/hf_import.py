@@ -149,7 +149,7 @@ def _family_arch(folder: Path, config: dict) -> str:
     raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch!r} {what}; import reads {', '.join(sorted(imported))}")
 
 
-IMPORTED = ("llama", "qwen2", "qwen3", "gemma2")  # families whose config table and converter rules import covers
+IMPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # families whose config and converter rules import covers
 _NOT_READ = {"gemma2": ("lm_head.weight",)}  # Gemma2Model.filter_tensors: llama.cpp never loads it
 
 
