@@ -60,6 +60,9 @@ TINY = {
     # gemma3 (text): q/k norms + 1, the global / local rope bases
     "gemma3-spm-tiny": ("Gemma3TextConfig", dict(head_dim=16, vocab_size=644, sliding_window=512, rms_norm_eps=1e-6),
                         "BF16", ("bf16", "q8_0")),
+    # phi3: fused qkv / gate_up, its own keys, its own added-token rules; untied output
+    "phi3-spm-tiny": ("Phi3Config", dict(vocab_size=644, original_max_position_embeddings=2048, pad_token_id=None,
+                                         tie_word_embeddings=False), "F16", ("f16", "f32")),
 }
 SPM_PIECES = 640
 # tokenizer_config.json and added_tokens.json as a Llama 2 style folder holds them, with the overrides the

@@ -26,7 +26,8 @@ _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<f4"}
 
 
 def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The safetensors of a llama / qwen2 / qwen3 / gemma2 / gemma3 causal LM with `config` (HF names, torch shapes)."""
+    """The safetensors of a llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3 causal LM with `config` (HF names,
+    torch shapes)."""
     arch = config["architectures"][0]
     d, n_ff, n_vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
@@ -36,6 +37,14 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (n_vocab, d)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if arch == "Phi3ForCausalLM":  # HF's own fused q/k/v and gate/up
+            shapes.update({
+                p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                p + "self_attn.qkv_proj.weight": ((heads + 2 * kv) * head_dim, d),
+                p + "self_attn.o_proj.weight": (d, heads * head_dim),
+                p + "mlp.gate_up_proj.weight": (2 * n_ff, d), p + "mlp.down_proj.weight": (d, n_ff),
+            })
+            continue
         shapes.update({
             p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
             p + "self_attn.q_proj.weight": (heads * head_dim, d), p + "self_attn.k_proj.weight": (kv * head_dim, d),

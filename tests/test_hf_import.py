@@ -23,8 +23,9 @@ from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E4
 from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
 
 # *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
-# + 1, the local rope base
-NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny", "gemma3-spm-tiny")
+# + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules
+NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny", "gemma3-spm-tiny",
+         "phi3-spm-tiny")
 CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
@@ -95,7 +96,7 @@ def test_damaged_safetensors_header(folders, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("arch,words", [("MambaForCausalLM", "is not an architecture llmtune imports"),
-                                        ("Phi3ForCausalLM", "import is not supported yet")])
+                                        ("GPT2LMHeadModel", "is not an architecture llmtune imports")])
 def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys, arch, words):
     folder = _copy(folders, tmp_path)
     config = json.loads((folder / "config.json").read_text())
@@ -175,6 +176,16 @@ def test_gemma3_needs_head_dim(folders, tmp_path, monkeypatch, capsys):
     (folder / "config.json").write_text(json.dumps(config))
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert "config.json has no head_dim" in line
+
+
+def test_phi3_longrope_refused(folders, tmp_path, monkeypatch, capsys):
+    folder = _copy(folders, tmp_path, "phi3-spm-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "longrope", "long_factor": [1.0] * 8,
+                                 "short_factor": [1.0] * 8}
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "LongRoPE" in line and "config.json" in line
 
 
 def test_no_tokenizer(folders, tmp_path, monkeypatch, capsys):

@@ -26,7 +26,7 @@ from gguf import GGUFValueType as VT
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 
-ALL = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # the families import reads config.json for
+ALL = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # the families import reads config.json for
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Row:
     families: tuple[str, ...] = ALL
     required: bool = False
     hparam: Optional[str] = None  # the HParams field it carries (export --hf reads it), None: not exported
+    compute: Optional[Callable[[dict], Any]] = None  # the value from config.json when not one key's (None: absent)
 
 
 ROWS: tuple[Row, ...] = (
@@ -52,6 +53,12 @@ ROWS: tuple[Row, ...] = (
     Row("attention.layer_norm_rms_epsilon", ("rms_norm_eps",), VT.FLOAT32, required=True, hparam="norm_eps"),
     Row("attention.key_length", ("head_dim",), VT.UINT32, hparam="head_dim"),
     Row("attention.value_length", ("head_dim",), VT.UINT32),
+    # Phi3MiniModel.set_gguf_parameters' own keys (ORDER)
+    Row("rope.scaling.original_context_length", ("original_max_position_embeddings",), VT.UINT32,
+        families=("phi3",), required=True, compute=lambda c: _rope_param(c, "original_max_position_embeddings")),
+    Row("rope.dimension_count", ("hidden_size", "num_attention_heads"), VT.UINT32, families=("phi3",),
+        compute=lambda c: int(float(_rope_param(c, "partial_rotary_factor") or 1.0) * int(c["hidden_size"]))
+        // int(c["num_attention_heads"])),  # int(partial_rotary_factor * n_embd) // n_head
 )
 # written after general.file_type by the family's own set_gguf_parameters (LlamaModel)
 EXTRA: tuple[Row, ...] = (
@@ -63,23 +70,39 @@ EXTRA: tuple[Row, ...] = (
     Row("final_logit_softcapping", ("final_logit_softcapping",), VT.FLOAT32, families=("gemma3",)),  # when set
     # gemma3: unless sliding_window_pattern is 1 (every layer global)
     Row("attention.sliding_window", ("sliding_window",), VT.UINT32, families=("gemma2", "gemma3"), required=True),
+    Row("attention.sliding_window", ("sliding_window",), VT.UINT32, families=("phi3",),
+        compute=lambda c: int(c.get("sliding_window") or 0)),  # 0: none (Phi-4), llama.cpp disables it for phi3
 )
 # a family whose converter writes its own set_gguf_parameters (not TextModel's): its ROWS in its order
 ORDER: dict[str, tuple[str, ...]] = {
     "gemma2": ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
                "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length",
                "attention.value_length"),  # Gemma2Model: no rope.freq_base, head_dim required
+    "phi3": ("context_length", "rope.scaling.original_context_length", "embedding_length", "feed_forward_length",
+             "block_count", "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+             "rope.dimension_count", "rope.freq_base"),
 }
 # keys the family's converter writes with its own default when config.json lacks them (after the others,
 # in another order): refused instead, naming the key
 _REQUIRED = {"gemma2": ("context_length", "attention.key_length"),
              "gemma3": ("context_length", "attention.head_count", "attention.head_count_kv",
-                        "attention.layer_norm_rms_epsilon", "attention.key_length", "attention.value_length")}
+                        "attention.layer_norm_rms_epsilon", "attention.key_length", "attention.value_length"),
+             "phi3": ("context_length", "attention.head_count_kv", "rope.freq_base")}  # find_hparam's KeyError
 _CASTS = {VT.UINT32: int, VT.FLOAT32: float}
+_LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
+
+
+def _rope_param(config: dict, name: str) -> Optional[Any]:
+    """TextModel's rope_parameters[name], the config's own key mirrored into it when rope_parameters lacks it."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope.get(name, config.get(name))
 
 
 def config_value(config: dict, row: Row) -> Optional[Any]:
     """The row's value in `config` (None when absent), as the converter reads it."""
+    if row.compute is not None:
+        value = row.compute(config)
+        return None if value is None else _CASTS[row.vtype](value)
     if row.key == "rope.freq_base":
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope = rope.get("full_attention", rope)
@@ -87,7 +110,10 @@ def config_value(config: dict, row: Row) -> Optional[Any]:
         return None if theta is None else float(theta)
     if row.key == "rope.freq_base_swa":
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        theta = (rope.get("sliding_attention") or {}).get("rope_theta")
+        if "full_attention" in rope or "sliding_attention" in rope:
+            theta = (rope.get("sliding_attention") or {}).get("rope_theta")
+        else:  # TextModel's mirror of the older keys (gemma3's rope_local_base_freq)
+            theta = next((config[k] for k in _LOCAL_THETA if config.get(k) is not None), None)
         return None if theta is None else float(theta)
     if row.key == "rope.dimension_count" and config.get("head_dim") is None:
         return int(config["hidden_size"]) // int(config["num_attention_heads"])

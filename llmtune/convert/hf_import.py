@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
 
-from llmtune.arch import check_tensors, get_family, read_hparams, supported
+from llmtune.arch import check_tensors, get_family, read_hparams
 from llmtune.arch.hf_config import gguf_hparams, hf_config_of
 from llmtune.convert.export import tensor_plans
 from llmtune.convert.hf_vocab import read_json, vocab_metadata
@@ -74,6 +74,9 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     out = check_output_path(out_path, folder / "config.json", replaces=GGUF_KIND, force=force)
     config = _config(folder)
     arch = _family_arch(folder, config)
+    if arch == "phi3" and (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("long_factor"):
+        raise LlmtuneError(f"{folder / 'config.json'}: LongRoPE factors (long_factor / short_factor); import does "
+                           f"not write phi3's rope_factors tensors yet")
     hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
     extra_meta = gguf_hparams(config, arch, extra=True, where=str(folder))
     sources = read_sources(folder, get_family(arch).hf, _SKIPPED + _NOT_READ.get(arch, ()))
@@ -143,13 +146,12 @@ def _family_arch(folder: Path, config: dict) -> str:
     imported = {get_family(a).hf.architecture: a for a in IMPORTED}
     if hf_arch in imported:
         return imported[hf_arch]
-    mapped = {get_family(a).hf.architecture for a in supported() if get_family(a).hf is not None}
-    what = "import is not supported yet (its tensor names are mapped; its config and tokenizer rules are not)" \
-        if hf_arch in mapped else "is not an architecture llmtune imports"
-    raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch!r} {what}; import reads {', '.join(sorted(imported))}")
+    raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch!r} is not an architecture llmtune imports; import reads "
+                       f"{', '.join(sorted(imported))}")
 
 
-IMPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # families whose config and converter rules import covers
+# the families whose config and converter rules import covers (every family with an HF table, arch/hf_names.py)
+IMPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 _NOT_READ = {"gemma2": ("lm_head.weight",)}  # Gemma2Model.filter_tensors: llama.cpp never loads it
 
 

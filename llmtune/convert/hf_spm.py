@@ -98,10 +98,14 @@ def _token_type(kind: int) -> int:
             _BYTE: TokenType.BYTE}.get(kind, TokenType.NORMAL)
 
 
-def spm_vocab(path: Path, config: dict, added: dict, decoder: dict, looks_special) -> dict[str, MetaValue]:
+def spm_vocab(path: Path, config: dict, added: dict, decoder: dict, looks_special,
+              json_added: list | None = None) -> dict[str, MetaValue]:
     """_set_vocab_sentencepiece's tokens, scores and types for the tokenizer.model at `path`, with
     added_tokens.json's `added` and tokenizer_config.json's added_tokens_decoder `decoder` laid over them
-    (the special ids, flags and chat template are SpecialVocab's: hf_vocab.special_metadata)."""
+    (the special ids, flags and chat template are SpecialVocab's: hf_vocab.special_metadata).
+    `json_added` (phi3: tokenizer.json's added_tokens, [] without one): Phi3MiniModel.set_vocab's
+    variant instead, where every decoder or tokenizer.json added token is USER_DEFINED, CONTROL when
+    special, its text as written."""
     pieces = read_pieces(path)
     size = int(config.get("vocab_size_per_layer_input") or config.get("vocab_size") or len(pieces))
     tokens = [f"[PAD{i}]" for i in range(size)]
@@ -112,6 +116,13 @@ def spm_vocab(path: Path, config: dict, added: dict, decoder: dict, looks_specia
     for token, tid in added.items():
         if isinstance(tid, int) and 0 <= tid < size:
             tokens[tid], scores[tid], types[tid] = token, -1000.0, int(TokenType.USER_DEFINED)
+    if json_added is not None:
+        entries = [(int(k), d) for k, d in decoder.items()] + [(int(d["id"]), d) for d in json_added]
+        for tid, data in entries:
+            if 0 <= tid < size:
+                kind = TokenType.CONTROL if data.get("special") else TokenType.USER_DEFINED
+                tokens[tid], scores[tid], types[tid] = data["content"], -1000.0, int(kind)
+        return _vocab_keys(tokens, scores, types)
     for key, data in decoder.items():
         tid, token = int(key), data["content"]
         if tid >= size:
@@ -122,6 +133,10 @@ def spm_vocab(path: Path, config: dict, added: dict, decoder: dict, looks_specia
             token = token.replace("\u2581", " ")  # the converter pre-normalises user-defined spaces
             types[tid] = int(TokenType.USER_DEFINED)
         tokens[tid], scores[tid] = token, -1000.0
+    return _vocab_keys(tokens, scores, types)
+
+
+def _vocab_keys(tokens: list[str], scores: list[float], types: list[int]) -> dict[str, MetaValue]:
     return {
         "tokenizer.ggml.model": MetaValue("llama", VT.STRING),
         "tokenizer.ggml.pre": MetaValue("default", VT.STRING),

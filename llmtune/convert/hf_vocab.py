@@ -52,19 +52,21 @@ def vocab_metadata(folder: Path, config: dict, arch: str) -> dict[str, MetaValue
     meta = {}
     if arch == "llama" and isinstance(tc.get("add_prefix_space"), bool):  # LlamaModel.set_vocab, before the rest
         meta["tokenizer.ggml.add_space_prefix"] = MetaValue(tc["add_prefix_space"], VT.BOOL)
-    if (folder / "tokenizer.model").is_file():
+    phi3_bpe = arch == "phi3" and tc.get("tokenizer_class") == "GPT2Tokenizer"  # Phi-4: Phi3MiniModel.set_vocab
+    if (folder / "tokenizer.model").is_file() and not phi3_bpe:
         added_path = folder / "added_tokens.json"
         added = read_json(added_path) if added_path.is_file() else {}
-        meta.update(spm_vocab(folder / "tokenizer.model", config, added if isinstance(added, dict) else {},
-                              tc.get("added_tokens_decoder") or {}, _looks_special))
         tok_json = read_json(path) if path.is_file() else {}
+        json_added = tok_json.get("added_tokens", []) if arch == "phi3" else None
+        meta.update(spm_vocab(folder / "tokenizer.model", config, added if isinstance(added, dict) else {},
+                              tc.get("added_tokens_decoder") or {}, _looks_special, json_added))
         n_vocab = len(meta["tokenizer.ggml.tokens"].value)
         meta.update(special_metadata(folder, tok_json, config, merges=False, n_vocab=n_vocab))
         if arch in ("gemma2", "gemma3"):  # Gemma2Model / Gemma3Model.set_vocab, after the rest
             meta["tokenizer.ggml.add_space_prefix"] = MetaValue(False, VT.BOOL)
         return meta
-    if arch == "gemma2":  # Gemma2Model.set_vocab reads tokenizer.model only
-        raise LlmtuneError(f"{folder}: has no tokenizer.model; gemma2's converter reads its SentencePiece model")
+    if arch in ("gemma2", "phi3") and not phi3_bpe:  # their set_vocab reads tokenizer.model only
+        raise LlmtuneError(f"{folder}: has no tokenizer.model; {arch}'s converter reads its SentencePiece model")
     if not path.is_file():
         raise LlmtuneError(f"{folder}: has neither tokenizer.model (SentencePiece) nor tokenizer.json; llmtune "
                            f"import reads those two")
