@@ -28,6 +28,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType a
 
 from llmtune.arch import check_tensors, get_family, read_hparams
 from llmtune.arch.hf_config import gguf_hparams, hf_config_of
+from llmtune.backends.cpu.native import kernels as native
 from llmtune.convert.export import tensor_plans
 from llmtune.convert.hf_vocab import read_json, vocab_metadata
 from llmtune.errors import LlmtuneError
@@ -106,12 +107,13 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
 
     done = iter(range(1, len(slots) + 1))
     on_written = None if progress is None else lambda name: progress(next(done), len(slots), name)
+    ring = _Ring()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="import") as pool:
 
         def pieces(slot: TensorSlot) -> Iterator[np.ndarray]:
             src = by_name[slot.name]
             offset = norm_offset if src.hf_name.endswith("norm.weight") else 0.0
-            yield from _pieces(src, slot.type, rows(slot.name, slot.shape), pool, offset)
+            yield from _pieces(src, slot.type, rows(slot.name, slot.shape), pool, offset, ring)
 
         return write_gguf_streamed(out, arch, meta, slots, pieces, inputs=[s.path for s in sources],
                                    progress=on_written)
@@ -264,20 +266,46 @@ def _row_order(names, hp) -> Callable[[str, tuple[int, ...]], np.ndarray | None]
     return order
 
 
+class _Ring:
+    """Three reused float16 buffers the F16 pieces are converted into, in turn: a fresh 8 MiB array a
+    piece costs its pages' first-touch faults (sys time of the order of the conversion itself). Safe
+    with _pieces' one-ahead pipeline: when piece k + 2 is converted, piece k has been written."""
+
+    def __init__(self) -> None:
+        self.buffers: list[np.ndarray] = [np.empty(0, np.float16)] * 3
+        self.turn = 0
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        self.turn = (self.turn + 1) % 3
+        n = math.prod(shape)
+        if self.buffers[self.turn].size < n:
+            self.buffers[self.turn] = np.empty(max(n, PIECE_ELEMENTS), np.float16)
+        return self.buffers[self.turn][:n].reshape(shape)
+
+
 def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: ThreadPoolExecutor,
-            offset: float = 0.0) -> Iterator[np.ndarray]:
-    """The tensor's rows (+ `offset`) as `qtype`, PIECE_ELEMENTS values at a time, read through a memory map; the next
-    piece is read and converted on `pool`'s thread while the writer writes this one (numpy and file
-    writes release the GIL), so reading, converting and writing overlap: memory holds three pieces."""
+            offset: float = 0.0, ring: _Ring | None = None) -> Iterator[np.ndarray]:
+    """The tensor's rows (+ `offset`) as `qtype`, PIECE_ELEMENTS values at a time, read through a memory
+    map; the next piece is read and converted on `pool`'s thread while the writer writes this one (numpy,
+    the native cast and file writes release the GIL), so reading, converting and writing overlap: memory
+    holds three pieces. F32 / BF16 to F16 (the default --type): the native cast (F16C) into `ring`'s
+    buffers, else numpy's astype."""
     count = math.prod(src.shape)
     data = np.memmap(src.path, dtype=_DTYPES[src.dtype], mode="r", offset=src.offset, shape=(count,))
     n_cols = src.shape[-1] if src.shape else 1
     data = data.reshape(-1, n_cols)
     step = max(1, PIECE_ELEMENTS // n_cols)
 
+    fast_f16 = ring is not None and qtype == QT.F16 and not offset and src.dtype in ("F32", "BF16")
+
     def convert(start: int) -> np.ndarray:
         rows = slice(start, start + step) if order is None else order[start:start + step]
-        piece = _as_float(np.asarray(data[rows]), src.dtype, qtype, offset)
+        raw = np.ascontiguousarray(data[rows])
+        if fast_f16:
+            out = ring.take(raw.shape)
+            if native.to_f16(out.reshape(-1), raw.reshape(-1), bf16=src.dtype == "BF16"):
+                return out.reshape(-1) if len(src.shape) <= 1 else out
+        piece = _as_float(raw, src.dtype, qtype, offset)
         return quants.quantize(piece.reshape(-1) if len(src.shape) <= 1 else piece, qtype)
 
     pending = pool.submit(convert, 0)
