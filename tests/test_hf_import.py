@@ -21,6 +21,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from cli_helpers import run_cli  # noqa: E402
 from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E402
 from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
+from llmtune.convert import hf_import  # noqa: E402
 
 # *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
 # + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules
@@ -227,6 +228,17 @@ def test_sharded_folder_with_index(folders, tmp_path, monkeypatch, capsys):
     (folder / "model-00002-of-00002.safetensors").unlink()
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert "model.safetensors.index.json" in line and "model-00002-of-00002.safetensors" in line
+
+
+@pytest.mark.parametrize("name,outtype", [("llama-spm-tiny", "f16"), ("llama-tiny", "f16"), ("qwen2-tiny", "bf16")])
+def test_small_pieces_same_bytes(folders, tmp_path, monkeypatch, capsys, name, outtype):
+    """Pieces of 200 values (many a tensor, rows permuted across pieces for llama's q/k): the one-ahead
+    pipeline and the reused F16 buffers give the converter's bytes still."""
+    monkeypatch.setattr(hf_import, "PIECE_ELEMENTS", 200)
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folders[name], "-o", out, "--type", outtype)
+    assert code == 0, err
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == load_record(name)["outputs"][outtype]["tensors"]
 
 
 def test_other_types_are_import_then_export(folders, tmp_path, monkeypatch, capsys):
