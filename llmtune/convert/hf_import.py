@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType a
 
 from llmtune.arch import check_tensors, get_family, read_hparams
 from llmtune.arch.hf_config import gguf_hparams, hf_config_of
-from llmtune.backends.cpu.native import kernels as native
+from llmtune.backends.cpu import to_f16
 from llmtune.convert.export import tensor_plans
 from llmtune.convert.hf_vocab import read_json, vocab_metadata
 from llmtune.errors import LlmtuneError
@@ -303,7 +303,7 @@ def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: Thread
         raw = np.ascontiguousarray(data[rows])
         if fast_f16:
             out = ring.take(raw.shape)
-            if native.to_f16(out.reshape(-1), raw.reshape(-1), bf16=src.dtype == "BF16"):
+            if to_f16(out.reshape(-1), raw.reshape(-1), bf16=src.dtype == "BF16"):
                 return out.reshape(-1) if len(src.shape) <= 1 else out
         piece = _as_float(raw, src.dtype, qtype, offset)
         return quants.quantize(piece.reshape(-1) if len(src.shape) <= 1 else piece, qtype)
