@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGUFReader
@@ -239,6 +240,13 @@ def test_small_pieces_same_bytes(folders, tmp_path, monkeypatch, capsys, name, o
     code, _, err = run_cli(monkeypatch, capsys, "import", folders[name], "-o", out, "--type", outtype)
     assert code == 0, err
     assert {k: list(v) for k, v in tensor_digests(out).items()} == load_record(name)["outputs"][outtype]["tensors"]
+
+
+def test_bf16_kept_is_the_converters_round_trip():
+    """BF16 -> BF16 without the float32 round trip: gguf-py's quantize of the widened values, NaNs made quiet."""
+    bits = np.concatenate([np.arange(0, 1 << 16, 7, dtype=np.uint16), np.uint16([0x7F81, 0xFF81, 0x7FC0, 0x7F80])])
+    wide = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(hf_import.bf16_kept(bits), gguf.quants.quantize(wide, gguf.GGMLQuantizationType.BF16))
 
 
 def test_other_types_are_import_then_export(folders, tmp_path, monkeypatch, capsys):

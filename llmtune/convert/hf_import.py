@@ -305,6 +305,8 @@ def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: Thread
             out = ring.take(raw.shape)
             if to_f16(out.reshape(-1), raw.reshape(-1), bf16=src.dtype == "BF16"):
                 return out.reshape(-1) if len(src.shape) <= 1 else out
+        if qtype == QT.BF16 and src.dtype == "BF16" and not offset:
+            return bf16_kept(raw)
         piece = _as_float(raw, src.dtype, qtype, offset)
         return quants.quantize(piece.reshape(-1) if len(src.shape) <= 1 else piece, qtype)
 
@@ -317,6 +319,12 @@ def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: Thread
         yield pending.result()
     finally:
         pending.cancel()
+
+
+def bf16_kept(raw: np.ndarray) -> np.ndarray:
+    """BF16 values stored as BF16: the converter widens them to float32 and rounds back (gguf-py's
+    BF16.quantize_blocks), which gives the same bits but for NaNs, made quiet; as uint8 blocks."""
+    return np.where((raw & 0x7FFF) > 0x7F80, raw | np.uint16(0x40), raw).view(np.uint8)
 
 
 def _as_float(raw: np.ndarray, dtype: str, qtype: QT, offset: float = 0.0) -> np.ndarray:
