@@ -63,6 +63,13 @@ TINY = {
     # phi3: fused qkv / gate_up, its own keys, its own added-token rules; untied output
     "phi3-spm-tiny": ("Phi3Config", dict(vocab_size=644, original_max_position_embeddings=2048, pad_token_id=None,
                                          tie_word_embeddings=False), "F16", ("f16", "f32")),
+    # phi3 LongRoPE (Phi-3-128k / 3.5): rope.scaling.attn_factor first, rope_factors_long / short tensors first
+    "phi3-longrope-spm-tiny": ("Phi3Config", dict(
+        vocab_size=644, max_position_embeddings=8192, original_max_position_embeddings=2048, pad_token_id=None,
+        tie_word_embeddings=False, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=1.0, original_max_position_embeddings=2048,
+            long_factor=[1.0 + i / 10 for i in range(8)], short_factor=[1.0 + i / 100 for i in range(8)])),
+        "BF16", ("f16",)),
 }
 SPM_PIECES = 640
 # tokenizer_config.json and added_tokens.json as a Llama 2 style folder holds them, with the overrides the

@@ -25,9 +25,9 @@ from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
 from llmtune.convert import hf_import  # noqa: E402
 
 # *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
-# + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules
+# + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules (longrope: the rope factors)
 NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny", "gemma3-spm-tiny",
-         "phi3-spm-tiny")
+         "phi3-spm-tiny", "phi3-longrope-spm-tiny")
 CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
@@ -180,14 +180,15 @@ def test_gemma3_needs_head_dim(folders, tmp_path, monkeypatch, capsys):
     assert "config.json has no head_dim" in line
 
 
-def test_phi3_longrope_refused(folders, tmp_path, monkeypatch, capsys):
-    folder = _copy(folders, tmp_path, "phi3-spm-tiny")
+@pytest.mark.parametrize("change,words", [({"long_factor": [1.0] * 7}, "8 values each"),
+                                          ({"rope_type": "dynamic"}, "su / longrope / yarn")])
+def test_phi3_bad_longrope(folders, tmp_path, monkeypatch, capsys, change, words):
+    folder = _copy(folders, tmp_path, "phi3-longrope-spm-tiny")
     config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "longrope", "long_factor": [1.0] * 8,
-                                 "short_factor": [1.0] * 8}
+    config["rope_parameters"] = {**config["rope_parameters"], **change}
     (folder / "config.json").write_text(json.dumps(config))
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
-    assert "LongRoPE" in line and "config.json" in line
+    assert words in line and str(folder / "config.json") in line
 
 
 def test_no_tokenizer(folders, tmp_path, monkeypatch, capsys):

@@ -55,9 +55,9 @@ ROWS: tuple[Row, ...] = (
     Row("attention.value_length", ("head_dim",), VT.UINT32),
     # Phi3MiniModel.set_gguf_parameters' own keys (ORDER)
     Row("rope.scaling.original_context_length", ("original_max_position_embeddings",), VT.UINT32,
-        families=("phi3",), required=True, compute=lambda c: _rope_param(c, "original_max_position_embeddings")),
+        families=("phi3",), required=True, compute=lambda c: rope_param(c, "original_max_position_embeddings")),
     Row("rope.dimension_count", ("hidden_size", "num_attention_heads"), VT.UINT32, families=("phi3",),
-        compute=lambda c: int(float(_rope_param(c, "partial_rotary_factor") or 1.0) * int(c["hidden_size"]))
+        compute=lambda c: int(float(rope_param(c, "partial_rotary_factor") or 1.0) * int(c["hidden_size"]))
         // int(c["num_attention_heads"])),  # int(partial_rotary_factor * n_embd) // n_head
 )
 # written after general.file_type by the family's own set_gguf_parameters (LlamaModel)
@@ -92,7 +92,7 @@ _CASTS = {VT.UINT32: int, VT.FLOAT32: float}
 _LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
 
 
-def _rope_param(config: dict, name: str) -> Optional[Any]:
+def rope_param(config: dict, name: str) -> Optional[Any]:
     """TextModel's rope_parameters[name], the config's own key mirrored into it when rope_parameters lacks it."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     return rope.get(name, config.get(name))

@@ -27,7 +27,7 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
 
 from llmtune.arch import check_tensors, get_family, read_hparams
-from llmtune.arch.hf_config import gguf_hparams, hf_config_of
+from llmtune.arch.hf_config import gguf_hparams, hf_config_of, rope_param
 from llmtune.backends.cpu import to_f16
 from llmtune.convert.export import tensor_plans
 from llmtune.convert.hf_vocab import read_json, vocab_metadata
@@ -75,22 +75,26 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     out = check_output_path(out_path, folder / "config.json", replaces=GGUF_KIND, force=force)
     config = _config(folder)
     arch = _family_arch(folder, config)
-    if arch == "phi3" and (config.get("rope_parameters") or config.get("rope_scaling") or {}).get("long_factor"):
-        raise LlmtuneError(f"{folder / 'config.json'}: LongRoPE factors (long_factor / short_factor); import does "
-                           f"not write phi3's rope_factors tensors yet")
+    first_meta, generated = longrope(config, arch, folder / "config.json")
     hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
     extra_meta = gguf_hparams(config, arch, extra=True, where=str(folder))
     sources = read_sources(folder, get_family(arch).hf, _SKIPPED + _NOT_READ.get(arch, ()))
     vocab = vocab_metadata(folder, config, arch)
     plain = {"general.architecture": arch, **{k: v for k, (v, _) in {**hparam_meta, **extra_meta}.items()},
+             **{k: mv.value for k, mv in first_meta.items()},
              "tokenizer.ggml.tokens": vocab["tokenizer.ggml.tokens"].value}
-    hp = read_hparams(plain, {s.name for s in sources}, str(folder / "config.json"))
+    shapes = {**{name: arr.shape for name, arr in generated.items()}, **{s.name: s.shape for s in sources}}
+    hp = read_hparams(plain, set(shapes), str(folder / "config.json"))
     files = ", ".join(sorted({s.path.name for s in sources}))
-    check_tensors(hp, {s.name: s.shape for s in sources}, f"{folder / 'config.json'} and {files}")
-    plans = tensor_plans(xt, {s.name: (s.shape, QT.F32) for s in sources}, plain)
-    slots = [TensorSlot(s.name, s.shape, _stored_type(s, plans[s.name].dst_type)) for s in sources]
+    check_tensors(hp, shapes, f"{folder / 'config.json'} and {files}")
+    plans = tensor_plans(xt, {name: (shape, QT.F32) for name, shape in shapes.items()}, plain)
+    slots = [TensorSlot(name, arr.shape, QT.F32) for name, arr in generated.items()]  # the converter's first
+    slots += [TensorSlot(s.name, s.shape, _stored_type(s, plans[s.name].dst_type)) for s in sources]
+    general = general_metadata(folder, arch, sum(math.prod(shape) for shape in shapes.values()))
     meta = {
-        **general_metadata(folder, arch, sum(math.prod(s.shape) for s in sources)),
+        "general.architecture": general.pop("general.architecture"),
+        **first_meta,  # added while the converter prepares the tensors, before its other keys
+        **general,
         **{k: MetaValue(v, t) for k, (v, t) in hparam_meta.items()},
         "general.file_type": MetaValue(int(xt.ftype), VT.UINT32),
         **{k: MetaValue(v, t) for k, (v, t) in extra_meta.items()},
@@ -111,12 +115,45 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="import") as pool:
 
         def pieces(slot: TensorSlot) -> Iterator[np.ndarray]:
+            if slot.name in generated:
+                yield generated[slot.name]
+                return
             src = by_name[slot.name]
             offset = norm_offset if src.hf_name.endswith("norm.weight") else 0.0
             yield from _pieces(src, slot.type, rows(slot.name, slot.shape), pool, offset, ring)
 
         return write_gguf_streamed(out, arch, meta, slots, pieces, inputs=[s.path for s in sources],
                                    progress=on_written)
+
+
+def longrope(config: dict, arch: str, where: Path) -> tuple[dict[str, MetaValue], dict[str, np.ndarray]]:
+    """Phi3MiniModel.generate_extra_tensors: a LongRoPE config's rope.scaling.attn_factor and its
+    rope_factors_long / rope_factors_short tensors (float32, rope dims / 2 each); nothing otherwise."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    long, short = rope.get("long_factor"), rope.get("short_factor")
+    if arch != "phi3" or not long:
+        return {}, {}
+    n_embd, n_head = int(config["hidden_size"]), int(config["num_attention_heads"])
+    rope_dims = int(float(rope_param(config, "partial_rotary_factor") or 1.0) * n_embd) // n_head
+    orig = rope_param(config, "original_max_position_embeddings")
+    n_ctx = config.get("n_positions") or config.get("max_position_embeddings")
+    kind = str(rope.get("rope_type", rope.get("type")) or "").lower()
+    if orig is None or n_ctx is None or kind not in ("su", "longrope", "yarn"):
+        raise LlmtuneError(f"{where}: LongRoPE factors need max_position_embeddings, original_max_position_embeddings "
+                           f"and a rope type su / longrope / yarn (got {kind or 'none'})")
+    if short is None or len(long) != len(short) or len(long) != rope_dims / 2:
+        raise LlmtuneError(f"{where}: long_factor / short_factor must hold {rope_dims // 2} values each "
+                           f"(rope dims / 2)")
+    scale = n_ctx / orig
+    if scale <= 1.0:
+        attn = 1.0
+    elif kind == "yarn":
+        attn = 0.1 * math.log(scale) + 1.0
+    else:
+        attn = math.sqrt(1 + math.log(scale) / math.log(orig))
+    return ({f"{arch}.rope.scaling.attn_factor": MetaValue(attn, VT.FLOAT32)},
+            {"rope_factors_long.weight": np.asarray(long, np.float32),
+             "rope_factors_short.weight": np.asarray(short, np.float32)})
 
 
 def _check_folder(folder) -> Path:
