@@ -191,6 +191,18 @@ def test_phi3_bad_longrope(folders, tmp_path, monkeypatch, capsys, change, words
     assert words in line and str(folder / "config.json") in line
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0},
+                                  {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}])
+def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, rope):
+    """Not written yet: refused, never a file without the converter's rope keys or rope_freqs.weight."""
+    folder = _copy(folders, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = rope
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert f"rope scaling {rope['rope_type']!r}" in line and "config.json" in line
+
+
 def test_no_tokenizer(folders, tmp_path, monkeypatch, capsys):
     folder = _copy(folders, tmp_path, "llama-spm-tiny")
     (folder / "tokenizer.model").unlink()

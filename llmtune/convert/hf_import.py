@@ -76,6 +76,7 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     config = _config(folder)
     arch = _family_arch(folder, config)
     first_meta, generated = longrope(config, arch, folder / "config.json")
+    _refuse_rope_scaling(config, arch, bool(generated), folder / "config.json")
     hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
     extra_meta = gguf_hparams(config, arch, extra=True, where=str(folder))
     sources = read_sources(folder, get_family(arch).hf, _SKIPPED + _NOT_READ.get(arch, ()))
@@ -124,6 +125,17 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
 
         return write_gguf_streamed(out, arch, meta, slots, pieces, inputs=[s.path for s in sources],
                                    progress=on_written)
+
+
+def _refuse_rope_scaling(config: dict, arch: str, longrope_done: bool, where: Path) -> None:
+    """Rope scaling other than phi3's LongRoPE (Llama 3.1's llama3 factors, linear, yarn: keys and a
+    rope_freqs tensor the converter writes) is refused rather than written without it."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
+    kind = str(rope.get("rope_type") or rope.get("type") or "default").lower()
+    if kind != "default" and not (arch == "phi3" and longrope_done):
+        raise LlmtuneError(f"{where}: rope scaling {kind!r}; llmtune import does not write it yet (convert with "
+                           f"llama.cpp's convert_hf_to_gguf.py)")
 
 
 def longrope(config: dict, arch: str, where: Path) -> tuple[dict[str, MetaValue], dict[str, np.ndarray]]:
