@@ -192,7 +192,8 @@ def test_phi3_bad_longrope(folders, tmp_path, monkeypatch, capsys, change, words
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0},
-                                  {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}])
+                                  {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                                   "original_max_position_embeddings": 1024}])
 def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, rope):
     """Not written yet: refused, never a file without the converter's rope keys or rope_freqs.weight."""
     folder = _copy(folders, tmp_path)
@@ -201,6 +202,26 @@ def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, rope):
     (folder / "config.json").write_text(json.dumps(config))
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert f"rope scaling {rope['rope_type']!r}" in line and "config.json" in line
+
+
+def test_linear_rope_scaling_keys(folders, tmp_path, monkeypatch, capsys):
+    """TextModel.set_gguf_parameters' linear scaling: type and factor after head_count_kv, before the rope base
+    (the converter's bytes on this folder, and on gemma3 with a full_attention factor: bench, ad hoc)."""
+    folder = _copy(folders, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    fields = plain_fields(out)
+    keys = list(fields)
+    at = keys.index("llama.attention.head_count_kv")
+    assert keys[at + 1:at + 4] == ["llama.rope.scaling.type", "llama.rope.scaling.factor", "llama.rope.freq_base"]
+    assert fields["llama.rope.scaling.type"] == ("STRING", "linear")
+    assert fields["llama.rope.scaling.factor"] == ("FLOAT32", 2.0)
+    expected = load_record("llama-tiny")["outputs"]["f32"]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
 
 
 def test_no_tokenizer(folders, tmp_path, monkeypatch, capsys):

@@ -29,6 +29,14 @@ from llmtune.errors import LlmtuneError
 ALL = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # the families import reads config.json for
 
 
+def _linear_factor(config: dict) -> Optional[float]:
+    """rope_parameters' (its full_attention's) factor when the rope type is linear, else None."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
+    kind = rope.get("rope_type", rope.get("type"))
+    return None if kind != "linear" or rope.get("factor") is None else float(rope["factor"])
+
+
 @dataclass(frozen=True)
 class Row:
     key: str  # GGUF key after "{arch}."
@@ -47,6 +55,9 @@ ROWS: tuple[Row, ...] = (
     Row("feed_forward_length", ("intermediate_size", "n_inner"), VT.UINT32, required=True, hparam="n_ff"),
     Row("attention.head_count", ("num_attention_heads", "n_head"), VT.UINT32, required=True, hparam="n_head"),
     Row("attention.head_count_kv", ("num_key_value_heads", "n_kv_heads"), VT.UINT32, hparam="n_head_kv"),
+    # TextModel.set_gguf_parameters' linear rope scaling (Gemma 3 4B+): when a factor is given
+    Row("rope.scaling.type", (), VT.STRING, compute=lambda c: "linear" if _linear_factor(c) is not None else None),
+    Row("rope.scaling.factor", (), VT.FLOAT32, compute=_linear_factor),
     # or rope_parameters.rope_theta (transformers >= 5)
     Row("rope.freq_base", ("rope_theta",), VT.FLOAT32, hparam="rope_freq_base"),
     Row("rope.freq_base_swa", (), VT.FLOAT32),  # rope_parameters.sliding_attention.rope_theta (gemma3)
@@ -88,7 +99,7 @@ _REQUIRED = {"gemma2": ("context_length", "attention.key_length"),
              "gemma3": ("context_length", "attention.head_count", "attention.head_count_kv",
                         "attention.layer_norm_rms_epsilon", "attention.key_length", "attention.value_length"),
              "phi3": ("context_length", "attention.head_count_kv", "rope.freq_base")}  # find_hparam's KeyError
-_CASTS = {VT.UINT32: int, VT.FLOAT32: float}
+_CASTS = {VT.UINT32: int, VT.FLOAT32: float, VT.STRING: str}
 _LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
 
 

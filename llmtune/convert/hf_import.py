@@ -128,12 +128,12 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
 
 
 def _refuse_rope_scaling(config: dict, arch: str, longrope_done: bool, where: Path) -> None:
-    """Rope scaling other than phi3's LongRoPE (Llama 3.1's llama3 factors, linear, yarn: keys and a
-    rope_freqs tensor the converter writes) is refused rather than written without it."""
+    """Rope scaling other than linear (hf_config's rows) and phi3's LongRoPE (Llama 3.1's llama3 factors,
+    yarn: keys and a rope_freqs tensor the converter writes) is refused rather than written without it."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope = rope.get("full_attention", rope)
     kind = str(rope.get("rope_type") or rope.get("type") or "default").lower()
-    if kind != "default" and not (arch == "phi3" and longrope_done):
+    if kind not in ("default", "linear") and not (arch == "phi3" and longrope_done):
         raise LlmtuneError(f"{where}: rope scaling {kind!r}; llmtune import does not write it yet (convert with "
                            f"llama.cpp's convert_hf_to_gguf.py)")
 
