@@ -1,9 +1,12 @@
 """`llmtune import` against llama.cpp's convert_hf_to_gguf.py: same tensors (bytes, types, shapes), same keys.
 
-    python bench/check_hf_import.py --record            # tiny llama / qwen2 / qwen3 folders -> tests/data/hf/
+    python bench/check_hf_import.py --record            # tiny llama / qwen2 / qwen3 / llama-spm folders
+                                                        # -> tests/data/hf/ (--only NAME: just that one)
     python bench/check_hf_import.py --real DIR          # a real folder (SmolLM2-135M-Instruct, made from its GGUF
                                                         # by transformers when DIR is missing), f32 / f16 / q8_0,
                                                         # timings and peak RSS, then llama-tokenize on both files
+    python bench/check_hf_import.py --spm-gguf tests/data/vocab/ggml-vocab-llama-spm.gguf --llama-tokenize PATH
+                                                        # a real SentencePiece vocabulary (as tokenizer.model)
 
 Each tiny folder (tests/hf_fixture.py: config.json saved by transformers' config class, seeded numpy weights
 in safetensors, SmolLM2's tokenizer) is converted by both; every difference is printed (none expected) and
@@ -27,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import hf_compare  # noqa: E402
@@ -46,7 +51,58 @@ TINY = {
     "qwen2-tiny": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0), "BF16", ("bf16", "f32")),
     "qwen3-tiny": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32, rope_theta=1000000.0), "F16",
                    ("f16", "q8_0")),
+    # SentencePiece (tokenizer.model, no tokenizer.json): 640 pieces, added tokens in ids 640-642, [PAD643]
+    "llama-spm-tiny": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=10000.0, vocab_size=644), "BF16",
+                       ("f32", "f16")),
+    # gemma2: its own key order, softcaps, sliding window, norms + 1 rounded to BF16, add_space_prefix false
+    "gemma2-spm-tiny": ("Gemma2Config", dict(head_dim=16, vocab_size=644, sliding_window=512), "BF16",
+                        ("bf16", "f32")),
+    # gemma3 (text): q/k norms + 1, the global / local rope bases
+    "gemma3-spm-tiny": ("Gemma3TextConfig", dict(head_dim=16, vocab_size=644, sliding_window=512, rms_norm_eps=1e-6),
+                        "BF16", ("bf16", "q8_0")),
+    # phi3: fused qkv / gate_up, its own keys, its own added-token rules; untied output
+    "phi3-spm-tiny": ("Phi3Config", dict(vocab_size=644, original_max_position_embeddings=2048, pad_token_id=None,
+                                         tie_word_embeddings=False), "F16", ("f16", "f32")),
+    # phi3 LongRoPE (Phi-3-128k / 3.5): rope.scaling.attn_factor first, rope_factors_long / short tensors first
+    "phi3-longrope-spm-tiny": ("Phi3Config", dict(
+        vocab_size=644, max_position_embeddings=8192, original_max_position_embeddings=2048, pad_token_id=None,
+        tie_word_embeddings=False, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=1.0, original_max_position_embeddings=2048,
+            long_factor=[1.0 + i / 10 for i in range(8)], short_factor=[1.0 + i / 100 for i in range(8)])),
+        "BF16", ("f16",)),
 }
+SPM_PIECES = 640
+# tokenizer_config.json and added_tokens.json as a Llama 2 style folder holds them, with the overrides the
+# converter applies: a special added token (CONTROL), a non-special one with U+2581 (USER_DEFINED, a space),
+# added_tokens.json's (USER_DEFINED); add_prefix_space (LlamaModel.set_vocab's add_space_prefix)
+SPM_CONFIG = {
+    "add_bos_token": True, "add_eos_token": False, "add_prefix_space": False, "legacy": False,
+    "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None,
+    "added_tokens_decoder": {str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
+                                      "single_word": False, "special": sp}
+                             for i, c, sp in ((0, "<unk>", True), (1, "<s>", True), (2, "</s>", True),
+                                              (640, "<|im_start|>", True), (641, "\u2581hello", False))},
+    "chat_template": "{% for m in messages %}<|im_start|>{{ m['content'] }}</s>{% endfor %}",
+    "model_max_length": 2048, "tokenizer_class": "LlamaTokenizer",
+}
+SPM_ADDED = {"<extra_0>": 642}
+
+
+def train_spm() -> None:
+    """tests/data/hf/spm-*: a BPE SentencePiece model (byte fallback, identity normalisation as Llama's) trained
+    on WikiText-2's first 300,000 characters and the repo's mixed-script text, and its two JSON files."""
+    import sentencepiece as spm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "train.txt"
+        text.write_text(WIKITEXT.read_text(encoding="utf-8")[:300_000] + MIXED.read_text(encoding="utf-8"),
+                        encoding="utf-8")
+        spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(Path(tmp) / "m"), vocab_size=SPM_PIECES,
+                                       model_type="bpe", byte_fallback=True, character_coverage=0.99,
+                                       normalization_rule_name="identity", num_threads=1, minloglevel=2)
+        shutil.copy(Path(tmp) / "m.model", hf_fixture.DATA / "spm-tokenizer.model")
+    (hf_fixture.DATA / "spm-tokenizer_config.json").write_text(json.dumps(SPM_CONFIG, indent=2) + "\n")
+    (hf_fixture.DATA / "spm-added_tokens.json").write_text(json.dumps(SPM_ADDED) + "\n")
 
 
 # transformers 5's AutoTokenizer builds Qwen2Tokenizer for any qwen2 / qwen3 config and swaps in Qwen2's split
@@ -94,35 +150,50 @@ def tiny_config(name: str) -> dict:
     import transformers
 
     cls_name, extra, _, _ = TINY[name]
-    cfg = getattr(transformers, cls_name)(**SMALL, **extra)
-    cfg.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    cfg = getattr(transformers, cls_name)(**{**SMALL, **extra})
+    cfg.architectures = [cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())
 
 
-def record(work: Path, smol_dir: Path) -> None:
+def record(work: Path, smol_dir: Path, only: list[str]) -> None:
     hf_fixture.DATA.mkdir(parents=True, exist_ok=True)
+    if not only:
+        record_smollm2(smol_dir)
+    if not (hf_fixture.DATA / "spm-tokenizer.model").is_file():
+        train_spm()
+    for name, (_, _, dtype, types) in TINY.items():
+        if only and name not in only:
+            continue
+        rec = {"config": tiny_config(name), "dtype": dtype, "seed": 41, "outputs": {}}
+        if "spm" in name:
+            rec["tokenizer"] = "spm"
+        record_one(work, name, rec, dtype, types)
+
+
+def record_smollm2(smol_dir: Path) -> None:
     with open(smol_dir / "tokenizer.json", "rb") as src, \
             gzip.GzipFile(hf_fixture.DATA / "smollm2-tokenizer.json.gz", "wb", mtime=0) as dst:
         shutil.copyfileobj(src, dst)
     for name in hf_fixture.TOKENIZER_FILES:
         shutil.copy(smol_dir / name, hf_fixture.DATA / f"smollm2-{name}")
-    for name, (_, _, dtype, types) in TINY.items():
-        rec = {"config": tiny_config(name), "dtype": dtype, "seed": 41, "outputs": {}}
-        folder = hf_fixture.make_folder(rec, work / name)
-        for outtype in types:
-            ref, ours = work / f"{name}.{outtype}.ref.gguf", work / f"{name}.{outtype}.gguf"
-            converter(folder, ref, outtype, pre=None if name.startswith("llama") else "smollm")
-            llmtune_import(folder, ours, outtype)
-            diff = hf_compare.differences(ours, ref)
-            same = ours.read_bytes() == ref.read_bytes()
-            print(f"{name} {dtype} -> {outtype}: {'byte-identical file' if same else 'files differ'}; "
-                  f"{len(diff)} differences", *diff, sep="\n  ")
-            rec["outputs"][outtype] = {"metadata": hf_compare.metadata_digest(hf_compare.plain_fields(ref)),
-                                       "tensors": hf_compare.tensor_digests(ref)}
-        (hf_fixture.DATA / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
-        print(f"recorded tests/data/hf/{name}.json")
+
+
+def record_one(work: Path, name: str, rec: dict, dtype: str, types: tuple[str, ...]) -> None:
+    folder = hf_fixture.make_folder(rec, work / name)
+    for outtype in types:
+        ref, ours = work / f"{name}.{outtype}.ref.gguf", work / f"{name}.{outtype}.gguf"
+        converter(folder, ref, outtype, pre=None if name.startswith("llama") else "smollm")
+        llmtune_import(folder, ours, outtype)
+        diff = hf_compare.differences(ours, ref)
+        same = ours.read_bytes() == ref.read_bytes()
+        print(f"{name} {dtype} -> {outtype}: {'byte-identical file' if same else 'files differ'}; "
+              f"{len(diff)} differences", *diff, sep="\n  ")
+        rec["outputs"][outtype] = {"metadata": hf_compare.metadata_digest(hf_compare.plain_fields(ref)),
+                                   "tensors": hf_compare.tensor_digests(ref)}
+    (hf_fixture.DATA / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
+    print(f"recorded tests/data/hf/{name}.json")
 
 
 def make_real(folder: Path) -> None:
@@ -182,6 +253,63 @@ def convert_real(folder: Path, work: Path) -> None:
           f"{'byte-identical to' if same else 'DIFFERS from'} import f32 + llmtune export --type q4_k_m")
 
 
+def spm_model_from_gguf(gguf_path: Path, out: Path) -> tuple[int, dict]:
+    """A SentencePiece tokenizer.model holding a GGUF's llama vocabulary (pieces, scores, types; the GGUF's
+    token types are SentencePiece's), written with sentencepiece's protobuf module (bench only), and the
+    special ids. Returns the number of pieces and {bos, eos, unk: id}."""
+    from gguf import GGUFReader
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    fields = GGUFReader(gguf_path).fields
+    toks, scores, types = (fields[f"tokenizer.ggml.{k}"] for k in ("tokens", "scores", "token_type"))
+    model = pb.ModelProto()
+    for i in range(len(toks.data)):
+        piece = model.pieces.add()
+        piece.piece = bytes(toks.parts[toks.data[i]]).decode("utf-8")
+        piece.score = float(scores.parts[scores.data[i]][0])
+        piece.type = int(types.parts[types.data[i]][0])
+    model.trainer_spec.model_type = pb.TrainerSpec.BPE
+    model.trainer_spec.vocab_size = len(toks.data)
+    model.trainer_spec.byte_fallback = any(p.type == 6 for p in model.pieces)
+    model.normalizer_spec.name = "identity"
+    model.normalizer_spec.add_dummy_prefix = True
+    model.normalizer_spec.remove_extra_whitespaces = False
+    out.write_bytes(model.SerializeToString())
+    special = {k: int(fields[f"tokenizer.ggml.{key}_token_id"].parts[-1][0])
+               for k, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"))}
+    return len(toks.data), special
+
+
+def spm_real(gguf_path: Path, work: Path, tool: Path) -> None:
+    """A tiny llama folder (seeded weights) with a real SentencePiece vocabulary taken from `gguf_path`
+    (e.g. tests/data/vocab/ggml-vocab-llama-spm.gguf: Llama's 32,000 pieces): import against the converter,
+    then llama-tokenize on the imported file against the GGUF the vocabulary came from."""
+    folder = work / f"spm-{gguf_path.stem}"
+    folder.mkdir(parents=True, exist_ok=True)
+    n, special = spm_model_from_gguf(gguf_path, folder / "tokenizer.model")
+    config = {**tiny_config("llama-tiny"), "vocab_size": n, "bos_token_id": special["bos"],
+              "eos_token_id": special["eos"]}
+    rng = np.random.default_rng(7)
+    hf_fixture.write_safetensors(folder / "model.safetensors", hf_fixture.hf_tensor_shapes(config),
+                                 lambda shape: rng.standard_normal(shape, dtype=np.float32), "F16")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "add_eos_token": False}))
+    ref, ours = work / f"{folder.name}.ref.gguf", work / f"{folder.name}.gguf"
+    t_ref = converter(folder, ref, "f16")
+    t_ours, rss = llmtune_import(folder, ours, "f16")
+    diff = hf_compare.differences(ours, ref)
+    same = ours.read_bytes() == ref.read_bytes()
+    print(f"{folder.name} ({n} pieces) -> f16: {'byte-identical file' if same else 'files differ'}, {len(diff)} "
+          f"differences; import {t_ours:.1f} s (peak RSS {rss / 1024:.0f} MiB), converter {t_ref:.1f} s",
+          *diff, sep="\n  ")
+    wiki = work / "wikitext-slice.txt"
+    wiki.write_text(WIKITEXT.read_text(encoding="utf-8")[:200_000], encoding="utf-8")
+    for text in (wiki, MIXED):
+        a, b = tokenize_ids(tool, ours, text), tokenize_ids(tool, gguf_path, text)
+        print(f"llama-tokenize {text.name}: {len(a)} ids, {'same' if a == b else 'DIFFERENT'} on the import and "
+              f"on {gguf_path.name}")
+
+
 # configs/llama-1b.toml's shape (Llama-3.2-1B) with SmolLM2's 49,152-token vocabulary, output untied: 1.07B
 BIG = dict(SMALL, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
            num_key_value_heads=8, max_position_embeddings=131072)
@@ -219,12 +347,16 @@ def big(folder: Path, work: Path, with_converter: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true", help="build, compare and record the tiny folders")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help=f"with --record: only this tiny folder (repeatable; SmolLM2's files kept): {', '.join(TINY)}")
     ap.add_argument("--real", type=Path, metavar="DIR", help="the real folder (made from the GGUF when missing)")
     ap.add_argument("--record-only", action="store_true", help="with --record: skip the real folder's checks")
     ap.add_argument("--tokenize-only", action="store_true", help="with --real: only llama-tokenize the files in --work")
     ap.add_argument("--llama-tokenize", type=Path, default=BIN / "llama-tokenize", metavar="PATH",
                     help="llama.cpp's llama-tokenize (build-isa has none: g++ tools/tokenize/tokenize.cpp against "
                          "build-isa/bin's libllama and libllama-common)")
+    ap.add_argument("--spm-gguf", type=Path, metavar="GGUF", help="a tiny llama folder with this GGUF's SentencePiece "
+                    "vocabulary: import against the converter, llama-tokenize against the GGUF")
     ap.add_argument("--big", type=Path, metavar="DIR", help="a 1B-class folder (made when missing): speed, RSS")
     ap.add_argument("--big-converter", action="store_true", help="with --big: run and compare the converter too")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "check_hf_import")
@@ -232,10 +364,12 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     if args.real is not None and not args.record_only:
         real(args.real, args.work, args.llama_tokenize, args.tokenize_only)
+    if args.spm_gguf is not None:
+        spm_real(args.spm_gguf, args.work, args.llama_tokenize)
     if args.big is not None:
         big(args.big, args.work, args.big_converter)
     if args.record:
-        record(args.work, args.real or args.work / "SmolLM2-135M-Instruct")
+        record(args.work, args.real or args.work / "SmolLM2-135M-Instruct", args.only)
     print(f"peak RSS of this script: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

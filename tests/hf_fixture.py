@@ -5,7 +5,9 @@ from llama.cpp's convert_hf_to_gguf.py run by bench/check_hf_import.py on the sa
 (long arrays as a sha256) and every tensor's type, shape and sha256. The weights are drawn here with numpy
 (seeded, so the folder is the same every time) and written as safetensors, BF16 included, in the format's
 own layout (8-byte header length, JSON header in name order, then the data), the way transformers saves it.
-The tokenizer is SmolLM2's (tokenizer.json, gzipped, with tokenizer_config.json and chat_template.jinja).
+The tokenizer is SmolLM2's (tokenizer.json, gzipped, with tokenizer_config.json and chat_template.jinja),
+or with "tokenizer": "spm" a small SentencePiece model (spm-tokenizer.model, trained by the bench script,
+with its tokenizer_config.json and added_tokens.json, as Llama 2 / TinyLlama folders hold them).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import numpy as np
 
 DATA = Path(__file__).parent / "data" / "hf"
 TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja")
+SPM_FILES = ("tokenizer.model", "tokenizer_config.json", "added_tokens.json")
 _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<f4"}
 
 
 def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """The safetensors of a llama / qwen2 / qwen3 causal LM with `config` (HF names, torch shapes)."""
+    """The safetensors of a llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3 causal LM with `config` (HF names,
+    torch shapes)."""
     arch = config["architectures"][0]
     d, n_ff, n_vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
@@ -33,6 +37,14 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (n_vocab, d)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if arch == "Phi3ForCausalLM":  # HF's own fused q/k/v and gate/up
+            shapes.update({
+                p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                p + "self_attn.qkv_proj.weight": ((heads + 2 * kv) * head_dim, d),
+                p + "self_attn.o_proj.weight": (d, heads * head_dim),
+                p + "mlp.gate_up_proj.weight": (2 * n_ff, d), p + "mlp.down_proj.weight": (d, n_ff),
+            })
+            continue
         shapes.update({
             p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
             p + "self_attn.q_proj.weight": (heads * head_dim, d), p + "self_attn.k_proj.weight": (kv * head_dim, d),
@@ -43,7 +55,9 @@ def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         if arch == "Qwen2ForCausalLM":
             shapes.update({p + f"self_attn.{x}_proj.bias": (n * head_dim,) for x, n in (("q", heads), ("k", kv),
                                                                                      ("v", kv))})
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # the norm sandwich around the MLP
+            shapes.update({p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)})
+        if arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"):
             shapes.update({p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)})
     return dict(sorted(shapes.items()))
 
@@ -72,12 +86,16 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], draw, dtyp
 
 
 def make_folder(record: dict, folder: Path) -> Path:
-    """The record's HF folder: config.json, model.safetensors (seeded weights), SmolLM2's tokenizer files."""
+    """The record's HF folder: config.json, model.safetensors (seeded weights), the tokenizer's files."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(record["config"], indent=2) + "\n", encoding="utf-8")
     rng = np.random.default_rng(record["seed"])
     write_safetensors(folder / "model.safetensors", hf_tensor_shapes(record["config"]),
                       lambda shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05), record["dtype"])
+    if record.get("tokenizer") == "spm":
+        for name in SPM_FILES:
+            shutil.copy(DATA / f"spm-{name}", folder / name)
+        return folder
     with gzip.open(DATA / "smollm2-tokenizer.json.gz", "rb") as src, open(folder / "tokenizer.json", "wb") as dst:
         shutil.copyfileobj(src, dst)
     for name in TOKENIZER_FILES:

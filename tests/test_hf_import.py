@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import shutil
 
+import gguf
+import numpy as np
 import pytest
+from gguf import GGUFReader
 
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
@@ -19,14 +22,19 @@ from safetensors.numpy import load_file  # noqa: E402
 from cli_helpers import run_cli  # noqa: E402
 from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E402
 from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
+from llmtune.convert import hf_import  # noqa: E402
 
-CASES = [(name, t) for name in ("llama-tiny", "qwen2-tiny", "qwen3-tiny") for t in load_record(name)["outputs"]]
+# *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
+# + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules (longrope: the rope factors)
+NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny", "gemma3-spm-tiny",
+         "phi3-spm-tiny", "phi3-longrope-spm-tiny")
+CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {name: make_folder(load_record(name), root / name) for name in ("llama-tiny", "qwen2-tiny", "qwen3-tiny")}
+    return {name: make_folder(load_record(name), root / name) for name in NAMES}
 
 
 @pytest.mark.parametrize("name,outtype", CASES)
@@ -90,7 +98,7 @@ def test_damaged_safetensors_header(folders, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("arch,words", [("MambaForCausalLM", "is not an architecture llmtune imports"),
-                                        ("Gemma2ForCausalLM", "import is not supported yet")])
+                                        ("GPT2LMHeadModel", "is not an architecture llmtune imports")])
 def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys, arch, words):
     folder = _copy(folders, tmp_path)
     config = json.loads((folder / "config.json").read_text())
@@ -100,11 +108,127 @@ def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys, arch, 
     assert arch in line and words in line and "LlamaForCausalLM" in line
 
 
-def test_sentencepiece_tokenizer_refused(folders, tmp_path, monkeypatch, capsys):
-    folder = _copy(folders, tmp_path)
-    (folder / "tokenizer.model").write_bytes(b"\x00")
+@pytest.mark.parametrize("data", [b"\x00", b"\x0a\x05\x0a\x03ab", b"\x0a\x02\x10\x01", b"\x0b"])
+def test_damaged_sentencepiece_model(folders, tmp_path, monkeypatch, capsys, data):
+    """A field running past its message, a piece without text, an unknown wire type: one line naming the file."""
+    folder = _copy(folders, tmp_path, "llama-spm-tiny")
+    (folder / "tokenizer.model").write_bytes(data)
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
-    assert "tokenizer.model (SentencePiece)" in line and "byte-level BPE" in line
+    assert str(folder / "tokenizer.model") in line and "SentencePiece model" in line
+
+
+def test_sentencepiece_model_read_first(folders, tmp_path, monkeypatch, capsys):
+    """tokenizer.model beside a byte-level BPE tokenizer.json: the SentencePiece vocabulary, as the converter's
+    llama set_vocab tries it first (the same tokens, scores and types as without tokenizer.json)."""
+    folder = _copy(folders, tmp_path, "llama-spm-tiny")
+    shutil.copy(folders["llama-tiny"] / "tokenizer.json", folder / "tokenizer.json")
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    got = json.loads(json.dumps(metadata_digest(plain_fields(out))))
+    expected = load_record("llama-spm-tiny")["outputs"]["f32"]["metadata"]
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        assert got[key] == expected[key], key
+    assert "tokenizer.ggml.merges" not in got
+
+
+def test_gemma2_norms_and_lm_head(tmp_path, monkeypatch, capsys):
+    """gemma2: every norm written as 1 + w in float32 (BF16 widened first, no BF16 rounding), and an
+    lm_head.weight in the folder never read (Gemma2Model.filter_tensors)."""
+    record = load_record("gemma2-spm-tiny")
+    record["config"] = {**record["config"], "tie_word_embeddings": False}  # hf_tensor_shapes adds lm_head.weight
+    folder = make_folder(record, tmp_path / "g2")
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    assert list(tensor_digests(out)) == list(record["outputs"]["f32"]["tensors"])  # no output.weight
+    with open(folder / "model.safetensors", "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        info = json.loads(fh.read(n))["model.norm.weight"]
+        fh.seek(8 + n + info["data_offsets"][0])
+        bf16 = np.frombuffer(fh.read(info["data_offsets"][1] - info["data_offsets"][0]), "<u2")
+    expected = (bf16.astype(np.uint32) << 16).view(np.float32) + np.float32(1)
+    got = next(t for t in GGUFReader(out).tensors if t.name == "output_norm.weight")
+    assert np.array_equal(np.asarray(got.data), expected)
+
+
+@pytest.mark.parametrize("change,present,absent", [
+    ({"sliding_window_pattern": 1}, (), ("gemma3.attention.sliding_window",)),  # every layer global
+    ({"final_logit_softcapping": 30.0}, ("gemma3.final_logit_softcapping",), ()),
+])
+def test_gemma3_conditional_keys(folders, tmp_path, monkeypatch, capsys, change, present, absent):
+    """Gemma3Model.set_gguf_parameters' conditions: the window unless the pattern is 1, the softcap when set."""
+    folder = _copy(folders, tmp_path, "gemma3-spm-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "bf16")
+    assert code == 0, err
+    keys = plain_fields(out)
+    assert all(k in keys for k in present) and not any(k in keys for k in absent)
+    expected = load_record("gemma3-spm-tiny")["outputs"]["bf16"]["metadata"]
+    assert [k for k in keys if k not in present] == [k for k in expected if k not in absent]
+
+
+def test_gemma3_needs_head_dim(folders, tmp_path, monkeypatch, capsys):
+    """The converter would write its default (256) after the other keys: refused, naming the key."""
+    folder = _copy(folders, tmp_path, "gemma3-spm-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    del config["head_dim"]
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "config.json has no head_dim" in line
+
+
+@pytest.mark.parametrize("change,words", [({"long_factor": [1.0] * 7}, "8 values each"),
+                                          ({"rope_type": "dynamic"}, "su / longrope / yarn")])
+def test_phi3_bad_longrope(folders, tmp_path, monkeypatch, capsys, change, words):
+    folder = _copy(folders, tmp_path, "phi3-longrope-spm-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], **change}
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert words in line and str(folder / "config.json") in line
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0},
+                                  {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                                   "original_max_position_embeddings": 1024}])
+def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, rope):
+    """Not written yet: refused, never a file without the converter's rope keys or rope_freqs.weight."""
+    folder = _copy(folders, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = rope
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert f"rope scaling {rope['rope_type']!r}" in line and "config.json" in line
+
+
+def test_linear_rope_scaling_keys(folders, tmp_path, monkeypatch, capsys):
+    """TextModel.set_gguf_parameters' linear scaling: type and factor after head_count_kv, before the rope base
+    (the converter's bytes on this folder, and on gemma3 with a full_attention factor: bench, ad hoc)."""
+    folder = _copy(folders, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    fields = plain_fields(out)
+    keys = list(fields)
+    at = keys.index("llama.attention.head_count_kv")
+    assert keys[at + 1:at + 4] == ["llama.rope.scaling.type", "llama.rope.scaling.factor", "llama.rope.freq_base"]
+    assert fields["llama.rope.scaling.type"] == ("STRING", "linear")
+    assert fields["llama.rope.scaling.factor"] == ("FLOAT32", 2.0)
+    expected = load_record("llama-tiny")["outputs"]["f32"]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
+
+
+def test_no_tokenizer(folders, tmp_path, monkeypatch, capsys):
+    folder = _copy(folders, tmp_path, "llama-spm-tiny")
+    (folder / "tokenizer.model").unlink()
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "neither tokenizer.model" in line and str(folder) in line
 
 
 def test_hub_name_refused(tmp_path, monkeypatch, capsys):
@@ -139,6 +263,24 @@ def test_sharded_folder_with_index(folders, tmp_path, monkeypatch, capsys):
     (folder / "model-00002-of-00002.safetensors").unlink()
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert "model.safetensors.index.json" in line and "model-00002-of-00002.safetensors" in line
+
+
+@pytest.mark.parametrize("name,outtype", [("llama-spm-tiny", "f16"), ("llama-tiny", "f16"), ("qwen2-tiny", "bf16")])
+def test_small_pieces_same_bytes(folders, tmp_path, monkeypatch, capsys, name, outtype):
+    """Pieces of 200 values (many a tensor, rows permuted across pieces for llama's q/k): the one-ahead
+    pipeline and the reused F16 buffers give the converter's bytes still."""
+    monkeypatch.setattr(hf_import, "PIECE_ELEMENTS", 200)
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folders[name], "-o", out, "--type", outtype)
+    assert code == 0, err
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == load_record(name)["outputs"][outtype]["tensors"]
+
+
+def test_bf16_kept_is_the_converters_round_trip():
+    """BF16 -> BF16 without the float32 round trip: gguf-py's quantize of the widened values, NaNs made quiet."""
+    bits = np.concatenate([np.arange(0, 1 << 16, 7, dtype=np.uint16), np.uint16([0x7F81, 0xFF81, 0x7FC0, 0x7F80])])
+    wide = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(hf_import.bf16_kept(bits), gguf.quants.quantize(wide, gguf.GGMLQuantizationType.BF16))
 
 
 def test_other_types_are_import_then_export(folders, tmp_path, monkeypatch, capsys):

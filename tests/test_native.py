@@ -272,6 +272,30 @@ def _child_product(raw, x):
     return out
 
 
+def _f16_cases() -> np.ndarray:
+    """Values across fp16's range: subnormals, ties, overflow to inf, infinities, signed zeros."""
+    rng = np.random.default_rng(41)
+    scaled = [rng.standard_normal(4099).astype(np.float32) * np.float32(s) for s in (1e-7, 1e-4, 1, 1e3, 7e4)]
+    edges = np.float32([np.inf, -np.inf, 0.0, -0.0, 65504, 65520, 65519.996, 6e-8, 2.9802322e-8, 1 + 2 ** -11])
+    return np.concatenate([*scaled, edges])
+
+
+@needs_library
+def test_to_f16_is_numpys_cast():
+    """lt_to_f16 (llmtune import's F16 output): float32 and bfloat16 bit for bit as numpy's astype(float16)."""
+    x = _f16_cases()
+    out = np.empty(x.size, np.float16)
+    with np.errstate(over="ignore"):
+        assert kernels.to_f16(out, x)
+        assert np.array_equal(out.view(np.uint16), x.astype(np.float16).view(np.uint16))
+        bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)
+        assert kernels.to_f16(out, bf16, bf16=True)
+        wide = (bf16.astype(np.uint32) << 16).view(np.float32)
+        assert np.array_equal(out.view(np.uint16), wide.astype(np.float16).view(np.uint16))
+    assert not kernels.to_f16(out[:-1], x)  # sizes differ: nothing written, the caller's numpy path
+    assert not kernels.to_f16(out, x.astype(np.float64))
+
+
 def test_portable_build_matches_numpy(fresh, monkeypatch):
     """The source built without -march=native (no AVX2, no F16C: the portable loops and the
     software fp16 conversions) gives the numpy path's numbers too."""
@@ -288,6 +312,7 @@ def test_portable_build_matches_numpy(fresh, monkeypatch):
     assert kernels.pack(_matrix("Q8_0", 8, 32, np.random.default_rng(5)), "Q8_0") is None  # no packed kernel
     test_compiled_elementwise_ops_are_numpy_bit_for_bit()  # the compiled programs' portable ops (libm's exp)
     test_compiled_attention_ops_match_numpy()
+    test_to_f16_is_numpys_cast()  # the software fp16 rounding
     b = kernels.quantize_activations(np.float32([1e-6, 65504.0, -3.0, 0.5] * 8), "q8_1")
     assert b.view(np.uint8)[:2].view(np.float16)[0] == np.float16(65504.0 / 127)
 

@@ -26,7 +26,15 @@ from gguf import GGUFValueType as VT
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 
-ALL = ("llama", "qwen2", "qwen3")  # the families import reads config.json for
+ALL = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # the families import reads config.json for
+
+
+def _linear_factor(config: dict) -> Optional[float]:
+    """rope_parameters' (its full_attention's) factor when the rope type is linear, else None."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
+    kind = rope.get("rope_type", rope.get("type"))
+    return None if kind != "linear" or rope.get("factor") is None else float(rope["factor"])
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class Row:
     families: tuple[str, ...] = ALL
     required: bool = False
     hparam: Optional[str] = None  # the HParams field it carries (export --hf reads it), None: not exported
+    compute: Optional[Callable[[dict], Any]] = None  # the value from config.json when not one key's (None: absent)
 
 
 ROWS: tuple[Row, ...] = (
@@ -46,26 +55,76 @@ ROWS: tuple[Row, ...] = (
     Row("feed_forward_length", ("intermediate_size", "n_inner"), VT.UINT32, required=True, hparam="n_ff"),
     Row("attention.head_count", ("num_attention_heads", "n_head"), VT.UINT32, required=True, hparam="n_head"),
     Row("attention.head_count_kv", ("num_key_value_heads", "n_kv_heads"), VT.UINT32, hparam="n_head_kv"),
+    # TextModel.set_gguf_parameters' linear rope scaling (Gemma 3 4B+): when a factor is given
+    Row("rope.scaling.type", (), VT.STRING, compute=lambda c: "linear" if _linear_factor(c) is not None else None),
+    Row("rope.scaling.factor", (), VT.FLOAT32, compute=_linear_factor),
     # or rope_parameters.rope_theta (transformers >= 5)
     Row("rope.freq_base", ("rope_theta",), VT.FLOAT32, hparam="rope_freq_base"),
+    Row("rope.freq_base_swa", (), VT.FLOAT32),  # rope_parameters.sliding_attention.rope_theta (gemma3)
     Row("attention.layer_norm_rms_epsilon", ("rms_norm_eps",), VT.FLOAT32, required=True, hparam="norm_eps"),
     Row("attention.key_length", ("head_dim",), VT.UINT32, hparam="head_dim"),
     Row("attention.value_length", ("head_dim",), VT.UINT32),
+    # Phi3MiniModel.set_gguf_parameters' own keys (ORDER)
+    Row("rope.scaling.original_context_length", ("original_max_position_embeddings",), VT.UINT32,
+        families=("phi3",), required=True, compute=lambda c: rope_param(c, "original_max_position_embeddings")),
+    Row("rope.dimension_count", ("hidden_size", "num_attention_heads"), VT.UINT32, families=("phi3",),
+        compute=lambda c: int(float(rope_param(c, "partial_rotary_factor") or 1.0) * int(c["hidden_size"]))
+        // int(c["num_attention_heads"])),  # int(partial_rotary_factor * n_embd) // n_head
 )
 # written after general.file_type by the family's own set_gguf_parameters (LlamaModel)
 EXTRA: tuple[Row, ...] = (
     Row("vocab_size", ("vocab_size",), VT.UINT32, families=("llama",), required=True, hparam="n_vocab"),
     Row("rope.dimension_count", ("head_dim",), VT.UINT32, families=("llama",)),  # else hidden / heads
+    # Gemma2Model.set_gguf_parameters: config.json's values, required (hparams[...])
+    Row("attn_logit_softcapping", ("attn_logit_softcapping",), VT.FLOAT32, families=("gemma2",), required=True),
+    Row("final_logit_softcapping", ("final_logit_softcapping",), VT.FLOAT32, families=("gemma2",), required=True),
+    Row("final_logit_softcapping", ("final_logit_softcapping",), VT.FLOAT32, families=("gemma3",)),  # when set
+    # gemma3: unless sliding_window_pattern is 1 (every layer global)
+    Row("attention.sliding_window", ("sliding_window",), VT.UINT32, families=("gemma2", "gemma3"), required=True),
+    Row("attention.sliding_window", ("sliding_window",), VT.UINT32, families=("phi3",),
+        compute=lambda c: int(c.get("sliding_window") or 0)),  # 0: none (Phi-4), llama.cpp disables it for phi3
 )
-_CASTS = {VT.UINT32: int, VT.FLOAT32: float}
+# a family whose converter writes its own set_gguf_parameters (not TextModel's): its ROWS in its order
+ORDER: dict[str, tuple[str, ...]] = {
+    "gemma2": ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+               "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "attention.key_length",
+               "attention.value_length"),  # Gemma2Model: no rope.freq_base, head_dim required
+    "phi3": ("context_length", "rope.scaling.original_context_length", "embedding_length", "feed_forward_length",
+             "block_count", "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+             "rope.dimension_count", "rope.freq_base"),
+}
+# keys the family's converter writes with its own default when config.json lacks them (after the others,
+# in another order): refused instead, naming the key
+_REQUIRED = {"gemma2": ("context_length", "attention.key_length"),
+             "gemma3": ("context_length", "attention.head_count", "attention.head_count_kv",
+                        "attention.layer_norm_rms_epsilon", "attention.key_length", "attention.value_length"),
+             "phi3": ("context_length", "attention.head_count_kv", "rope.freq_base")}  # find_hparam's KeyError
+_CASTS = {VT.UINT32: int, VT.FLOAT32: float, VT.STRING: str}
+_LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
+
+
+def rope_param(config: dict, name: str) -> Optional[Any]:
+    """TextModel's rope_parameters[name], the config's own key mirrored into it when rope_parameters lacks it."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope.get(name, config.get(name))
 
 
 def config_value(config: dict, row: Row) -> Optional[Any]:
     """The row's value in `config` (None when absent), as the converter reads it."""
+    if row.compute is not None:
+        value = row.compute(config)
+        return None if value is None else _CASTS[row.vtype](value)
     if row.key == "rope.freq_base":
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope = rope.get("full_attention", rope)
         theta = rope.get("rope_theta", config.get("rope_theta"))
+        return None if theta is None else float(theta)
+    if row.key == "rope.freq_base_swa":
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if "full_attention" in rope or "sliding_attention" in rope:
+            theta = (rope.get("sliding_attention") or {}).get("rope_theta")
+        else:  # TextModel's mirror of the older keys (gemma3's rope_local_base_freq)
+            theta = next((config[k] for k in _LOCAL_THETA if config.get(k) is not None), None)
         return None if theta is None else float(theta)
     if row.key == "rope.dimension_count" and config.get("head_dim") is None:
         return int(config["hidden_size"]) // int(config["num_attention_heads"])
@@ -76,13 +135,21 @@ def config_value(config: dict, row: Row) -> Optional[Any]:
 
 
 def rows(arch: str, extra: bool) -> list[Row]:
-    return [r for r in (EXTRA if extra else ROWS) if arch in r.families]
+    """The family's rows in the converter's order (ORDER's, else the table's), _REQUIRED's required."""
+    found = [r for r in (EXTRA if extra else ROWS) if arch in r.families]
+    if not extra and arch in ORDER:
+        by_key = {r.key: r for r in found}
+        found = [by_key[k] for k in ORDER[arch]]
+    must = _REQUIRED.get(arch, ())
+    return [Row(r.key, r.hf, r.vtype, (arch,), True) if r.key in must else r for r in found]
 
 
 def gguf_hparams(config: dict, arch: str, extra: bool, where: str) -> dict[str, tuple[Any, VT]]:
     """`{arch}.*` keys -> (value, type) from config.json; a required key missing raises naming `where`."""
     out = {}
     for row in rows(arch, extra):
+        if _unwritten(config, arch, row):
+            continue
         value = config_value(config, row)
         if value is None:
             if row.required:
@@ -90,6 +157,16 @@ def gguf_hparams(config: dict, arch: str, extra: bool, where: str) -> dict[str, 
             continue
         out[f"{arch}.{row.key}"] = (value, row.vtype)
     return out
+
+
+def _unwritten(config: dict, arch: str, row: Row) -> bool:
+    """Gemma3Model.set_gguf_parameters' conditions: no softcap key when 0 / null, no window with a pattern
+    of 1 (every layer global)."""
+    if arch != "gemma3":
+        return False
+    if row.key == "final_logit_softcapping":
+        return not config.get("final_logit_softcapping")
+    return row.key == "attention.sliding_window" and config.get("sliding_window_pattern") == 1
 
 
 # config.json key -> the HParams field it carries, for every family export --hf maps (transformers'

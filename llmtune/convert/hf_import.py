@@ -2,8 +2,9 @@
 convert_hf_to_gguf.py writes it (same tensors, types, bytes and metadata; bench/check_hf_import.py).
 
 The folder: config.json, model.safetensors (or model-*.safetensors with model.safetensors.index.json),
-a byte-level BPE tokenizer (hf_vocab.py). The tensors are renamed by the family's HF table
-(arch/hf_names.py; llama's q/k rows permuted back, LlamaModel.permute), the hyper-parameters read by
+a SentencePiece tokenizer.model or a byte-level BPE tokenizer.json (hf_vocab.py, hf_spm.py). The
+tensors are renamed by the family's HF table (arch/hf_names.py; llama's q/k rows permuted back,
+LlamaModel.permute; gemma's norms + 1: hf_config's norm_offset), the hyper-parameters read by
 arch/hf_config.py's table, and the file is written one piece of one tensor at a time
 (write_gguf_streamed): memory holds a few pieces, whatever the model's size. The safetensors files are
 checked with the `safetensors` library and their data read through a memory map (BF16 included,
@@ -25,8 +26,9 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
 
-from llmtune.arch import check_tensors, get_family, read_hparams, supported
-from llmtune.arch.hf_config import gguf_hparams
+from llmtune.arch import check_tensors, get_family, read_hparams
+from llmtune.arch.hf_config import gguf_hparams, hf_config_of, rope_param
+from llmtune.backends.cpu import to_f16
 from llmtune.convert.export import tensor_plans
 from llmtune.convert.hf_vocab import read_json, vocab_metadata
 from llmtune.errors import LlmtuneError
@@ -73,19 +75,27 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     out = check_output_path(out_path, folder / "config.json", replaces=GGUF_KIND, force=force)
     config = _config(folder)
     arch = _family_arch(folder, config)
+    first_meta, generated = longrope(config, arch, folder / "config.json")
+    _refuse_rope_scaling(config, arch, bool(generated), folder / "config.json")
     hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
     extra_meta = gguf_hparams(config, arch, extra=True, where=str(folder))
-    sources = read_sources(folder, get_family(arch).hf)
-    vocab = vocab_metadata(folder, config)
+    sources = read_sources(folder, get_family(arch).hf, _SKIPPED + _NOT_READ.get(arch, ()))
+    vocab = vocab_metadata(folder, config, arch)
     plain = {"general.architecture": arch, **{k: v for k, (v, _) in {**hparam_meta, **extra_meta}.items()},
+             **{k: mv.value for k, mv in first_meta.items()},
              "tokenizer.ggml.tokens": vocab["tokenizer.ggml.tokens"].value}
-    hp = read_hparams(plain, {s.name for s in sources}, str(folder / "config.json"))
+    shapes = {**{name: arr.shape for name, arr in generated.items()}, **{s.name: s.shape for s in sources}}
+    hp = read_hparams(plain, set(shapes), str(folder / "config.json"))
     files = ", ".join(sorted({s.path.name for s in sources}))
-    check_tensors(hp, {s.name: s.shape for s in sources}, f"{folder / 'config.json'} and {files}")
-    plans = tensor_plans(xt, {s.name: (s.shape, QT.F32) for s in sources}, plain)
-    slots = [TensorSlot(s.name, s.shape, _stored_type(s, plans[s.name].dst_type)) for s in sources]
+    check_tensors(hp, shapes, f"{folder / 'config.json'} and {files}")
+    plans = tensor_plans(xt, {name: (shape, QT.F32) for name, shape in shapes.items()}, plain)
+    slots = [TensorSlot(name, arr.shape, QT.F32) for name, arr in generated.items()]  # the converter's first
+    slots += [TensorSlot(s.name, s.shape, _stored_type(s, plans[s.name].dst_type)) for s in sources]
+    general = general_metadata(folder, arch, sum(math.prod(shape) for shape in shapes.values()))
     meta = {
-        **general_metadata(folder, arch, sum(math.prod(s.shape) for s in sources)),
+        "general.architecture": general.pop("general.architecture"),
+        **first_meta,  # added while the converter prepares the tensors, before its other keys
+        **general,
         **{k: MetaValue(v, t) for k, (v, t) in hparam_meta.items()},
         "general.file_type": MetaValue(int(xt.ftype), VT.UINT32),
         **{k: MetaValue(v, t) for k, (v, t) in extra_meta.items()},
@@ -98,16 +108,64 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
                      f"the imported model's {len(slots)} tensors ({type})")
     by_name = {s.name: s for s in sources}
     rows = _row_order(get_family(arch).hf, hp)
+    norm_offset = hf_config_of(arch).norm_offset  # gemma: HF stores w, llama.cpp 1 + w
 
     done = iter(range(1, len(slots) + 1))
     on_written = None if progress is None else lambda name: progress(next(done), len(slots), name)
+    ring = _Ring()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="import") as pool:
 
         def pieces(slot: TensorSlot) -> Iterator[np.ndarray]:
-            yield from _pieces(by_name[slot.name], slot.type, rows(slot.name, slot.shape), pool)
+            if slot.name in generated:
+                yield generated[slot.name]
+                return
+            src = by_name[slot.name]
+            offset = norm_offset if src.hf_name.endswith("norm.weight") else 0.0
+            yield from _pieces(src, slot.type, rows(slot.name, slot.shape), pool, offset, ring)
 
         return write_gguf_streamed(out, arch, meta, slots, pieces, inputs=[s.path for s in sources],
                                    progress=on_written)
+
+
+def _refuse_rope_scaling(config: dict, arch: str, longrope_done: bool, where: Path) -> None:
+    """Rope scaling other than linear (hf_config's rows) and phi3's LongRoPE (Llama 3.1's llama3 factors,
+    yarn: keys and a rope_freqs tensor the converter writes) is refused rather than written without it."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
+    kind = str(rope.get("rope_type") or rope.get("type") or "default").lower()
+    if kind not in ("default", "linear") and not (arch == "phi3" and longrope_done):
+        raise LlmtuneError(f"{where}: rope scaling {kind!r}; llmtune import does not write it yet (convert with "
+                           f"llama.cpp's convert_hf_to_gguf.py)")
+
+
+def longrope(config: dict, arch: str, where: Path) -> tuple[dict[str, MetaValue], dict[str, np.ndarray]]:
+    """Phi3MiniModel.generate_extra_tensors: a LongRoPE config's rope.scaling.attn_factor and its
+    rope_factors_long / rope_factors_short tensors (float32, rope dims / 2 each); nothing otherwise."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    long, short = rope.get("long_factor"), rope.get("short_factor")
+    if arch != "phi3" or not long:
+        return {}, {}
+    n_embd, n_head = int(config["hidden_size"]), int(config["num_attention_heads"])
+    rope_dims = int(float(rope_param(config, "partial_rotary_factor") or 1.0) * n_embd) // n_head
+    orig = rope_param(config, "original_max_position_embeddings")
+    n_ctx = config.get("n_positions") or config.get("max_position_embeddings")
+    kind = str(rope.get("rope_type", rope.get("type")) or "").lower()
+    if orig is None or n_ctx is None or kind not in ("su", "longrope", "yarn"):
+        raise LlmtuneError(f"{where}: LongRoPE factors need max_position_embeddings, original_max_position_embeddings "
+                           f"and a rope type su / longrope / yarn (got {kind or 'none'})")
+    if short is None or len(long) != len(short) or len(long) != rope_dims / 2:
+        raise LlmtuneError(f"{where}: long_factor / short_factor must hold {rope_dims // 2} values each "
+                           f"(rope dims / 2)")
+    scale = n_ctx / orig
+    if scale <= 1.0:
+        attn = 1.0
+    elif kind == "yarn":
+        attn = 0.1 * math.log(scale) + 1.0
+    else:
+        attn = math.sqrt(1 + math.log(scale) / math.log(orig))
+    return ({f"{arch}.rope.scaling.attn_factor": MetaValue(attn, VT.FLOAT32)},
+            {"rope_factors_long.weight": np.asarray(long, np.float32),
+             "rope_factors_short.weight": np.asarray(short, np.float32)})
 
 
 def _check_folder(folder) -> Path:
@@ -139,13 +197,13 @@ def _family_arch(folder: Path, config: dict) -> str:
     imported = {get_family(a).hf.architecture: a for a in IMPORTED}
     if hf_arch in imported:
         return imported[hf_arch]
-    mapped = {get_family(a).hf.architecture for a in supported() if get_family(a).hf is not None}
-    what = "import is not supported yet (its tensor names are mapped; its config and tokenizer rules are not)" \
-        if hf_arch in mapped else "is not an architecture llmtune imports"
-    raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch!r} {what}; import reads {', '.join(sorted(imported))}")
+    raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch!r} is not an architecture llmtune imports; import reads "
+                       f"{', '.join(sorted(imported))}")
 
 
-IMPORTED = ("llama", "qwen2", "qwen3")  # families whose config table and converter rules import covers
+# the families whose config and converter rules import covers (every family with an HF table, arch/hf_names.py)
+IMPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+_NOT_READ = {"gemma2": ("lm_head.weight",)}  # Gemma2Model.filter_tensors: llama.cpp never loads it
 
 
 def general_metadata(folder: Path, arch: str, n_params: int) -> dict[str, MetaValue]:
@@ -194,12 +252,13 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_sources(folder: Path, names) -> list[SourceTensor]:
-    """Every weight of the folder's safetensors files, in file then header order, with its GGUF name."""
+def read_sources(folder: Path, names, skipped: tuple[str, ...] = _SKIPPED) -> list[SourceTensor]:
+    """Every weight of the folder's safetensors files but the `skipped` ones, in file then header order,
+    with its GGUF name."""
     out = []
     for path in weight_files(folder):
         for hf_name, dtype, shape, offset in _header(path):
-            if hf_name.endswith(_SKIPPED):
+            if hf_name.endswith(skipped):
                 continue
             name = names.gguf_name(hf_name)
             if name is None:
@@ -256,19 +315,48 @@ def _row_order(names, hp) -> Callable[[str, tuple[int, ...]], np.ndarray | None]
     return order
 
 
-def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
-    """The tensor's rows as `qtype`, PIECE_ELEMENTS values at a time, read through a memory map; the next
-    piece is read and converted on `pool`'s thread while the writer writes this one (numpy and file
-    writes release the GIL), so reading, converting and writing overlap: memory holds three pieces."""
+class _Ring:
+    """Three reused float16 buffers the F16 pieces are converted into, in turn: a fresh 8 MiB array a
+    piece costs its pages' first-touch faults (sys time of the order of the conversion itself). Safe
+    with _pieces' one-ahead pipeline: when piece k + 2 is converted, piece k has been written."""
+
+    def __init__(self) -> None:
+        self.buffers: list[np.ndarray] = [np.empty(0, np.float16)] * 3
+        self.turn = 0
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        self.turn = (self.turn + 1) % 3
+        n = math.prod(shape)
+        if self.buffers[self.turn].size < n:
+            self.buffers[self.turn] = np.empty(max(n, PIECE_ELEMENTS), np.float16)
+        return self.buffers[self.turn][:n].reshape(shape)
+
+
+def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: ThreadPoolExecutor,
+            offset: float = 0.0, ring: _Ring | None = None) -> Iterator[np.ndarray]:
+    """The tensor's rows (+ `offset`) as `qtype`, PIECE_ELEMENTS values at a time, read through a memory
+    map; the next piece is read and converted on `pool`'s thread while the writer writes this one (numpy,
+    the native cast and file writes release the GIL), so reading, converting and writing overlap: memory
+    holds three pieces. F32 / BF16 to F16 (the default --type): the native cast (F16C) into `ring`'s
+    buffers, else numpy's astype."""
     count = math.prod(src.shape)
     data = np.memmap(src.path, dtype=_DTYPES[src.dtype], mode="r", offset=src.offset, shape=(count,))
     n_cols = src.shape[-1] if src.shape else 1
     data = data.reshape(-1, n_cols)
     step = max(1, PIECE_ELEMENTS // n_cols)
 
+    fast_f16 = ring is not None and qtype == QT.F16 and not offset and src.dtype in ("F32", "BF16")
+
     def convert(start: int) -> np.ndarray:
         rows = slice(start, start + step) if order is None else order[start:start + step]
-        piece = _as_float(np.asarray(data[rows]), src.dtype, qtype)
+        raw = np.ascontiguousarray(data[rows])
+        if fast_f16:
+            out = ring.take(raw.shape)
+            if to_f16(out.reshape(-1), raw.reshape(-1), bf16=src.dtype == "BF16"):
+                return out.reshape(-1) if len(src.shape) <= 1 else out
+        if qtype == QT.BF16 and src.dtype == "BF16" and not offset:
+            return bf16_kept(raw)
+        piece = _as_float(raw, src.dtype, qtype, offset)
         return quants.quantize(piece.reshape(-1) if len(src.shape) <= 1 else piece, qtype)
 
     pending = pool.submit(convert, 0)
@@ -282,12 +370,22 @@ def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: Thread
         pending.cancel()
 
 
-def _as_float(raw: np.ndarray, dtype: str, qtype: QT) -> np.ndarray:
-    """prepare_tensors' float: F16 kept for F16 output, everything else float32 (BF16: the upper half)."""
+def bf16_kept(raw: np.ndarray) -> np.ndarray:
+    """BF16 values stored as BF16: the converter widens them to float32 and rounds back (gguf-py's
+    BF16.quantize_blocks), which gives the same bits but for NaNs, made quiet; as uint8 blocks."""
+    return np.where((raw & 0x7FFF) > 0x7F80, raw | np.uint16(0x40), raw).view(np.uint8)
+
+
+def _as_float(raw: np.ndarray, dtype: str, qtype: QT, offset: float = 0.0) -> np.ndarray:
+    """prepare_tensors' float: F16 kept for F16 output, everything else float32 (BF16: the upper half).
+    `offset` (gemma's norms: modify_tensors' data_torch + 1) is added as torch adds it to what
+    prepare_tensors hands over: float32 (BF16 widened first), F16 computed in float32 and rounded to F16."""
     if dtype == "BF16":
         wide = raw.astype(np.uint32)
         wide <<= 16
-        return wide.view(np.float32)
+        return wide.view(np.float32) + np.float32(offset) if offset else wide.view(np.float32)
+    if offset:
+        raw = (raw.astype(np.float32) + np.float32(offset)).astype(raw.dtype)
     if dtype == "F16" and qtype == QT.F16:
         return raw
     return raw.astype(np.float32)

@@ -1,11 +1,12 @@
 """A Hugging Face tokenizer folder's tokenizer as GGUF `tokenizer.*` metadata, as llama.cpp's converter writes it.
 
-Byte-level BPE tokenizers (tokenizer.json with a BPE model and a ByteLevel pre-tokenizer) only:
+SentencePiece models (tokenizer.model, which the converter's set_vocab tries first: hf_spm.py) and
+byte-level BPE tokenizers (tokenizer.json with a BPE model and a ByteLevel pre-tokenizer):
 convert_hf_to_gguf.py's `_set_vocab_gpt2` (get_vocab_base: tokens with their types; get_vocab_base_pre:
 the pre-tokenizer's name by the hash of the check text's ids) and gguf-py's SpecialVocab (merges,
 special token ids, add_bos / add_eos, the chat template). The check text is encoded with the
-`tokenizers` library (the Rust tokenizer transformers itself wraps, no torch). A SentencePiece or
-WordPiece tokenizer is refused naming what is missing.
+`tokenizers` library (the Rust tokenizer transformers itself wraps, no torch). Any other tokenizer
+(WordPiece, a tokenizer.json-only SentencePiece BPE) is refused naming what is missing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from gguf import GGUFValueType as VT, TokenType
 
 from llmtune.convert.hf_pretok import CHECK_TEXT, PRE_BY_HASH
+from llmtune.convert.hf_spm import spm_vocab
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import MetaValue
 
@@ -41,28 +43,46 @@ def read_json(path: Path) -> Any:
         raise LlmtuneError(f"{path}: not readable JSON ({exc})") from None
 
 
-def vocab_metadata(folder: Path, config: dict) -> dict[str, MetaValue]:
-    """Every `tokenizer.*` key the converter writes for the byte-level BPE tokenizer in `folder`."""
+def vocab_metadata(folder: Path, config: dict, arch: str) -> dict[str, MetaValue]:
+    """Every `tokenizer.*` key the converter writes for the tokenizer in `folder`: tokenizer.model
+    (SentencePiece, which set_vocab tries first: hf_spm.py), else a byte-level BPE tokenizer.json."""
     path = folder / "tokenizer.json"
-    if (folder / "tokenizer.model").is_file():  # the converter's llama / qwen2 set_vocab try SentencePiece first
-        raise LlmtuneError(f"{folder}: has tokenizer.model (SentencePiece), which llama.cpp's converter reads "
-                           f"first; llmtune import reads byte-level BPE tokenizers (tokenizer.json) only")
+    tc_path = folder / "tokenizer_config.json"
+    tc = read_json(tc_path) if tc_path.is_file() else {}
+    meta = {}
+    if arch == "llama" and isinstance(tc.get("add_prefix_space"), bool):  # LlamaModel.set_vocab, before the rest
+        meta["tokenizer.ggml.add_space_prefix"] = MetaValue(tc["add_prefix_space"], VT.BOOL)
+    phi3_bpe = arch == "phi3" and tc.get("tokenizer_class") == "GPT2Tokenizer"  # Phi-4: Phi3MiniModel.set_vocab
+    if (folder / "tokenizer.model").is_file() and not phi3_bpe:
+        added_path = folder / "added_tokens.json"
+        added = read_json(added_path) if added_path.is_file() else {}
+        tok_json = read_json(path) if path.is_file() else {}
+        json_added = tok_json.get("added_tokens", []) if arch == "phi3" else None
+        meta.update(spm_vocab(folder / "tokenizer.model", config, added if isinstance(added, dict) else {},
+                              tc.get("added_tokens_decoder") or {}, _looks_special, json_added))
+        n_vocab = len(meta["tokenizer.ggml.tokens"].value)
+        meta.update(special_metadata(folder, tok_json, config, merges=False, n_vocab=n_vocab))
+        if arch in ("gemma2", "gemma3"):  # Gemma2Model / Gemma3Model.set_vocab, after the rest
+            meta["tokenizer.ggml.add_space_prefix"] = MetaValue(False, VT.BOOL)
+        return meta
+    if arch in ("gemma2", "phi3") and not phi3_bpe:  # their set_vocab reads tokenizer.model only
+        raise LlmtuneError(f"{folder}: has no tokenizer.model; {arch}'s converter reads its SentencePiece model")
     if not path.is_file():
-        raise LlmtuneError(f"{folder}: has no tokenizer.json; llmtune import reads byte-level BPE tokenizers "
-                           f"(tokenizer.json) only")
+        raise LlmtuneError(f"{folder}: has neither tokenizer.model (SentencePiece) nor tokenizer.json; llmtune "
+                           f"import reads those two")
     tok_json = read_json(path)
     model = tok_json.get("model") or {}
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(tok_json.get("pre_tokenizer")):
-        raise LlmtuneError(f"{path}: a {model.get('type')} tokenizer without a ByteLevel pre-tokenizer; "
-                           f"llmtune import reads byte-level BPE tokenizers only (SentencePiece: not yet)")
+        raise LlmtuneError(f"{path}: a {model.get('type')} tokenizer without a ByteLevel pre-tokenizer and no "
+                           f"tokenizer.model; llmtune import reads SentencePiece models and byte-level BPE only")
     tokenizer = _tokenizers().Tokenizer.from_file(str(path))
     tokens, types = _tokens(tokenizer, tok_json, config, path)
-    meta = {
+    meta.update({
         "tokenizer.ggml.model": MetaValue("gpt2", VT.STRING),
         "tokenizer.ggml.pre": MetaValue(_pre_name(tokenizer, path), VT.STRING),
         "tokenizer.ggml.tokens": MetaValue(tokens, VT.ARRAY, VT.STRING),
         "tokenizer.ggml.token_type": MetaValue(types, VT.ARRAY, VT.INT32),
-    }
+    })
     meta.update(special_metadata(folder, tok_json, config))
     return meta
 
@@ -127,10 +147,12 @@ def _merges(tok_json: dict) -> list[str]:
     return list(merges)
 
 
-def special_metadata(folder: Path, tok_json: dict, config: dict) -> dict[str, MetaValue]:
-    """gguf-py SpecialVocab(load_merges=True).add_to_gguf for a byte-level BPE folder: merges, special
-    ids (tokenizer_config.json's tokens by their added_tokens id, then config.json's *_token_id), add_*
-    flags (the post-processor's, else tokenizer_config.json's), and the chat template."""
+def special_metadata(folder: Path, tok_json: dict, config: dict, merges: bool = True,
+                     n_vocab: int | None = None) -> dict[str, MetaValue]:
+    """gguf-py SpecialVocab(load_merges=merges, n_vocab=n_vocab).add_to_gguf: merges, special ids
+    (tokenizer_config.json's tokens by their tokenizer.json added_tokens id, then config.json's
+    *_token_id; ids from n_vocab on skipped), add_* flags (the post-processor's, else
+    tokenizer_config.json's), and the chat template. `tok_json`: {} for a folder without tokenizer.json."""
     tc_path = folder / "tokenizer_config.json"
     tc = read_json(tc_path) if tc_path.is_file() else {}
     add: dict[str, bool] = {}
@@ -157,12 +179,12 @@ def special_metadata(folder: Path, tok_json: dict, config: dict) -> dict[str, Me
             add.setdefault(typ, entry)
         content = _content(tc.get(f"{typ}_token"))
         if content is not None:
-            _set_id(ids, typ, next((a.get("id") for a in added if a.get("content") == content), None))
+            _set_id(ids, typ, next((a.get("id") for a in added if a.get("content") == content), None), n_vocab)
     for typ in SPECIAL_TYPES:
-        _set_id(ids, typ, config.get(f"{typ}_token_id"))
+        _set_id(ids, typ, config.get(f"{typ}_token_id"), n_vocab)
     meta = {}
-    if merges := _merges(tok_json):
-        meta["tokenizer.ggml.merges"] = MetaValue(merges, VT.ARRAY, VT.STRING)
+    if merges and (merge_list := _merges(tok_json)):
+        meta["tokenizer.ggml.merges"] = MetaValue(merge_list, VT.ARRAY, VT.STRING)
     for typ, tid in ids.items():
         key = _ID_KEYS.get(typ, typ)
         meta[f"tokenizer.ggml.{key}_token_id"] = MetaValue(tid, VT.UINT32)
@@ -184,9 +206,10 @@ def _content(entry) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
-def _set_id(ids: dict[str, int], typ: str, tid) -> None:
-    """SpecialVocab._set_special_token: the first id found for a type stays."""
-    if isinstance(tid, int) and not isinstance(tid, bool) and tid >= 0 and typ not in ids:
+def _set_id(ids: dict[str, int], typ: str, tid, n_vocab: int | None = None) -> None:
+    """SpecialVocab._set_special_token: the first id found for a type (under n_vocab) stays."""
+    if isinstance(tid, int) and not isinstance(tid, bool) and tid >= 0 and typ not in ids \
+            and (n_vocab is None or tid < n_vocab):
         ids[typ] = tid
 
 

@@ -8,7 +8,9 @@ What the rest of llmtune may use of it is imported here; its modules are the bac
 """
 
 from llmtune.backends.cpu.backend import CPUBackend, logsumexp_rows
+from llmtune.backends.cpu.native.kernels import to_f16  # import's F16 cast (False: numpy's astype instead)
 from llmtune.backends.cpu.products import FloatCopies
 from llmtune.backends.cpu.threads import blas_threads, cpu_workers, run_in_order, share_cores
 
-__all__ = ["CPUBackend", "FloatCopies", "blas_threads", "cpu_workers", "logsumexp_rows", "run_in_order", "share_cores"]
+__all__ = ["CPUBackend", "FloatCopies", "blas_threads", "cpu_workers", "logsumexp_rows", "run_in_order", "share_cores",
+           "to_f16"]

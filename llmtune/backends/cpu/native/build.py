@@ -34,7 +34,7 @@ NATIVE_FLAGS = ["-march=native"]
 COMPILE_TIMEOUT_S = 120
 # the libraries built from more than one source (the first names the library in reasons)
 SOURCES = {"qdot": ("qdot.c", "kdot.c", "pool.c", "sgemm.c", "program.c", "attention.c", "rope.c", "lora.c", "norm.c",
-                    "loss.c")}
+                    "loss.c", "cast.c")}
 TYPES_HEADER = "lt_types.h"  # generated into the build folder (types_header), included by common.h
 
 

@@ -56,6 +56,8 @@ def _load():
                 lib.lt_rms_norm.restype = None
                 lib.lt_rms_norm_rows.argtypes = [_PTR, _I64, _I64, ctypes.c_float, _PTR, _INT]
                 lib.lt_rms_norm_rows.restype = None
+                lib.lt_to_f16.argtypes = [_PTR, _I64, _INT, _PTR]
+                lib.lt_to_f16.restype = None
                 lib.lt_run.argtypes = [_PTR, _I64, _INT]
                 lib.lt_profile.argtypes = [_INT, _PTR]
                 lib.lt_profile.restype = None
@@ -160,6 +162,18 @@ def _rows_ok(out2: np.ndarray, x2: np.ndarray) -> bool:
 
 def _elementwise_ok(*arrays: np.ndarray) -> bool:
     return all(a.dtype == np.float32 and a.flags.c_contiguous and a.size == arrays[0].size for a in arrays)
+
+
+def to_f16(out: np.ndarray, x: np.ndarray, bf16: bool = False) -> bool:
+    """out (float16) = x (float32, or bfloat16 as uint16 when `bf16`) rounded to nearest even, as
+    x.astype(np.float16), in this thread (F16C); False (nothing written) where the kernel does not
+    take the arrays."""
+    lib = _load()
+    ok = x.dtype == (np.uint16 if bf16 else np.float32) and out.dtype == np.float16
+    if lib is None or not ok or not (out.flags.c_contiguous and x.flags.c_contiguous) or out.size != x.size:
+        return False
+    lib.lt_to_f16(_addr(x), x.size, int(bf16), _addr(out))
+    return True
 
 
 def swiglu(out: np.ndarray, gate: np.ndarray, up: np.ndarray) -> bool:
