@@ -108,9 +108,13 @@ def test_gradients_by_finite_differences(mean, cap):
 
 def test_chunk_choice(monkeypatch):
     monkeypatch.delenv(programs.VOCAB_CHUNK_ENV, raising=False)
+    monkeypatch.delenv("LLMTUNE_MEMORY_LIMIT", raising=False)
     assert programs.vocab_chunk(512, 32000) == 0  # 62.5 MiB of logits: whole
+    assert programs.vocab_chunk(2048, 49152) == 0  # 384 MiB (SmolLM2): whole, for speed
     chunk = programs.vocab_chunk(2048, 151936)  # 1.2 GiB of logits: chunks of about 32 MiB
     assert chunk % 256 == 0 and 2048 * chunk * 4 <= programs.CHUNK_BYTES
+    monkeypatch.setenv("LLMTUNE_MEMORY_LIMIT", "16G")  # a limit: memory over speed from 256 MiB
+    assert programs.vocab_chunk(2048, 49152) > 0 and programs.vocab_chunk(512, 32000) == 0
     monkeypatch.setenv(programs.VOCAB_CHUNK_ENV, "0")
     assert programs.vocab_chunk(2048, 151936) == 0
     monkeypatch.setenv(programs.VOCAB_CHUNK_ENV, "100")

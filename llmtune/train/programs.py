@@ -8,9 +8,10 @@ by weights the host computes from a forward pass) for losses of sequence log-pro
 preference methods (train/preference.py), and any other such loss, through the same step.
 
 A pass whose logits [rows, vocab] would take more than CHUNKED_LOGITS_BYTES (a 152k vocabulary's
-window) computes its loss over vocabulary chunks instead (ops.linear_cross_entropy: Cut
-Cross-Entropy), so the logits never exist whole; LLMTUNE_VOCAB_CHUNK=N forces chunks of N rows
-(0: never). The memory plan (train/preflight.py) measures the passes as built, chunks included.
+2048-token window), or more than LIMITED_LOGITS_BYTES under a memory limit, computes its loss over
+vocabulary chunks instead (ops.linear_cross_entropy: Cut Cross-Entropy), so the logits never exist
+whole; LLMTUNE_VOCAB_CHUNK=N forces chunks of N rows (0: never). The memory plan
+(train/preflight.py) measures the passes as built, chunks included.
 """
 
 from __future__ import annotations
@@ -24,21 +25,28 @@ from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 from llmtune.graph.autodiff import grad
 from llmtune.graph.planner import ArenaTooLarge, Program, ProgramCache, Replay
+from llmtune.resources import memory_limit
 
 VOCAB_CHUNK_ENV = "LLMTUNE_VOCAB_CHUNK"
-CHUNKED_LOGITS_BYTES = 256 << 20  # whole logits above this: chunked
+# whole logits above this: chunked. The chunks cost time (each chunk's logits recomputed in the
+# backward; a frozen quantized output decoded per chunk, without its packed copy: SmolLM2 QLoRA at
+# 2048 tokens a pass, 384 MiB of logits, measured 1.13x slower chunked), so by default only where
+# the logits are a big term; under a memory limit the user chose memory over speed
+CHUNKED_LOGITS_BYTES = 1 << 30
+LIMITED_LOGITS_BYTES = 256 << 20
 CHUNK_BYTES = 32 << 20  # a chunk's logits (the forward's and the backward's buffer)
 
 
 def vocab_chunk(n_rows: int, n_vocab: int) -> int:
     """Vocabulary rows a chunk of the loss holds (0: the logits whole): LLMTUNE_VOCAB_CHUNK when
-    set, else chunks of about CHUNK_BYTES once the whole logits pass CHUNKED_LOGITS_BYTES."""
+    set, else chunks of about CHUNK_BYTES once the whole logits pass CHUNKED_LOGITS_BYTES
+    (LIMITED_LOGITS_BYTES under --memory-limit / LLMTUNE_MEMORY_LIMIT)."""
     forced = os.environ.get(VOCAB_CHUNK_ENV, "").strip()
     if forced:
         if not forced.isdigit():
             raise LlmtuneError(f"{VOCAB_CHUNK_ENV}={forced!r}: expected a number of vocabulary rows (0: never chunk)")
         return int(forced)
-    if n_rows * n_vocab * 4 <= CHUNKED_LOGITS_BYTES:
+    if n_rows * n_vocab * 4 <= (CHUNKED_LOGITS_BYTES if memory_limit() is None else LIMITED_LOGITS_BYTES):
         return 0
     return max(256, CHUNK_BYTES // (4 * max(n_rows, 1)) // 256 * 256)
 
