@@ -247,7 +247,8 @@ def test_packed_copies_all_or_none(stories_path, monkeypatch):
     products packed would run the rest on a single-threaded OpenBLAS), and OpenBLAS's thread
     count is tuned by timing again."""
 
-    monkeypatch.setattr(memory_module, "training_budget", lambda quantized, need, available, packed=0, share=2: packed // 2)
+    monkeypatch.setattr(memory_module, "training_budget",
+                        lambda quantized, need, available, packed=0, share=2: packed // 2)
     tr = _lora_trainer(stories_path, None)
     assert not tr.float_copies.pack and not tr.packed_products and isinstance(tr.blas_tuner, BlasTuner)
     _steps(tr, 1)
