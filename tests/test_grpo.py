@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import run_cli
+from crash_hook import Crash, crash_hooks
 from llmtune.backends import cuda, get_backend
 from llmtune.backends.cpu.native import kernels
 from llmtune.errors import LlmtuneError
@@ -21,7 +22,6 @@ from llmtune.train import checkpoint as ckpts, observe
 from llmtune.train.config import make_config
 from llmtune.train.finetune import finetune as train_finetune
 from llmtune.train.grpo import Generation, GRPOSettings, GRPOTrainer, PromptDataset, advantages, grpo_loss
-from llmtune.train.loop import Hook
 from llmtune.train.preference import LOSS_LABELS
 from llmtune.train.records import read_records
 from llmtune.train.rewards import RewardError, Rewards, first_number, normalise, parse_reward
@@ -220,18 +220,9 @@ RUN = dict(method="grpo", reward=[r"regex:\b(happy|played)\b", "length:10"], num
            max_completion_length=12, ctx=32, lora_rank=2, lr=2e-3, val_split=0.0, seed=3)
 
 
-class Crash(Exception):
-    pass
-
-
 def _run(stories_path, out, crash_at=None, **kw):
-    class CrashAt(Hook):
-        def on_step(self, run, step):
-            if step.global_step == crash_at:
-                raise Crash
-
     # the workflow's sampler, with a test hook
-    return train_finetune(stories_path, PROMPTS, out, hooks=lambda cfg, model: [CrashAt()], rollout=PolicySampler,
+    return train_finetune(stories_path, PROMPTS, out, hooks=crash_hooks(crash_at), rollout=PolicySampler,
                           **{**RUN, **kw})
 
 

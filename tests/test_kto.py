@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import run_cli
+from crash_hook import Crash, crash_hooks
 from llmtune.backends.cpu import CPUBackend
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
@@ -18,7 +19,6 @@ from llmtune.graph.planner import Program
 from llmtune.train import checkpoint as ckpts
 from llmtune.train.finetune import finetune
 from llmtune.train.kto import KTODataset, KTOObjective
-from llmtune.train.loop import Hook
 from llmtune.train.preference import CHOSEN, PAD, REJECTED, TRUNK, SeqLogps
 from llmtune.train.records import read_records
 
@@ -194,18 +194,9 @@ def test_bad_kto_input_is_one_line_exit_2(tmp_path, stories_path, monkeypatch, c
 RUN = dict(ctx=64, batch=256, epochs=3, lr=1e-2, val_split=0.25, checkpoint_every=2, lora_rank=4)
 
 
-class Crash(Exception):
-    pass
-
-
 def _run(stories_path, out, crash_at=None, **kw):
-    class CrashAt(Hook):
-        def on_step(self, run, step):
-            if step.global_step == crash_at:
-                raise Crash
-
     return finetune(stories_path, REPO / "data" / "kto-stories.jsonl", out, method="kto",
-                    hooks=lambda cfg, model: [CrashAt()], **{**RUN, **kw})
+                    hooks=crash_hooks(crash_at), **{**RUN, **kw})
 
 
 @pytest.mark.determinism

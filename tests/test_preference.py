@@ -11,6 +11,7 @@ import pytest
 
 import lora_fixture
 from cli_helpers import run_cli
+from crash_hook import Crash, crash_hooks
 from llmtune.arch.packing import pair_inputs
 from llmtune.backends.cpu import CPUBackend
 from llmtune.errors import LlmtuneError
@@ -21,7 +22,6 @@ from llmtune.model.adapter import load_adapter
 from llmtune.model.loaded import load_model
 from llmtune.train import checkpoint as ckpts, guard
 from llmtune.train.finetune import finetune
-from llmtune.train.loop import Hook
 from llmtune.train.preference import CHOSEN, PAD, REJECTED, TRUNK, Objective, Pair, PairDataset, SeqLogps
 from llmtune.train.records import read_records
 
@@ -284,18 +284,8 @@ PAIRS = [{"prompt": f"Once upon a time, {n} had a {t}.", "chosen": f" {n} was ha
 RUN = dict(ctx=64, batch=128, epochs=2, lr=5e-3, val_split=0.25, checkpoint_every=2)
 
 
-class Crash(Exception):
-    pass
-
-
 def _run(stories_path, data, out, crash_at=None, **kw):
-
-    class CrashAt(Hook):
-        def on_step(self, run, step):
-            if step.global_step == crash_at:
-                raise Crash
-
-    return finetune(stories_path, data, out, hooks=lambda cfg, model: [CrashAt()], **RUN, **kw)
+    return finetune(stories_path, data, out, hooks=crash_hooks(crash_at), **RUN, **kw)
 
 
 @pytest.mark.determinism
