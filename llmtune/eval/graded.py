@@ -234,14 +234,14 @@ def grade_model(model, backend, kept: list, rewards: Rewards, s: GradedSettings,
     res = GradedResult(list(rewards.names), [float(w) for w in rewards.weights], threshold, k,
                        [], len(kept), confusion_of=confusion_of)
     graded = [GradedPrompt(where, prompt, columns) for _, prompt, columns, where in kept]
-    gen = BatchGenerator(model, backend, n_seq=min(s.n_seq, len(jobs)), n_ctx=s.ctx)
+    # a prompt's k samples share its prefill (the k/v copied into their lanes: the same values)
+    gen = BatchGenerator(model, backend, n_seq=min(s.n_seq, len(jobs)), n_ctx=s.ctx, share_prompts=True)
     t0 = time.perf_counter()
     try:
         for start in range(0, len(jobs), gen.n_seq):
             chunk = jobs[start : start + gen.n_seq]
-            lanes = chunk + [chunk[-1]] * (gen.n_seq - len(chunk))  # a short last batch: padding lanes, ignored
-            outs = gen.generate_batch([list(kept[p][0]) for p, _ in lanes], s.max_completion_length,
-                                      [_sampler(s, p, j) for p, j in lanes])[: len(chunk)]
+            outs = gen.generate_batch([list(kept[p][0]) for p, _ in chunk], s.max_completion_length,
+                                      [_sampler(s, p, j) for p, j in chunk])  # a short last batch: lanes idle
             _grade_chunk(rewards, kept, graded, chunk, outs)
             res.n_tokens += sum(len(o.tokens) for o in outs)
             res.prompts = graded[: (start + len(chunk)) // k]
