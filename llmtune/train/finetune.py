@@ -133,7 +133,7 @@ def _prepare(model_path, data_path, out_path, cfg: FinetuneConfig, ckpt, emit: e
     make = lambda c: _trainer(model, trainable, c, ckpt, rewards=rewards if c.method == "grpo" else None,  # noqa: E731
                               rollout=rollout)
     trainer, cfg, plan = preflight.planned_trainer(make, cfg)
-    trainer.peak_flops = trainer.backend.peak_flops()  # measured once per machine (cached): MFU's denominator
+    trainer.peak_flops = trainer.backend.peak_flops()  # the best this machine has shown (cached): MFU's denominator
     trainer.limits = guard.Limits.of(trainer)  # from the weights it starts from (a resume restores them below)
     memory = preflight.checked_memory(trainer, model_path, best_copy=cfg.save_best)
     preflight.check_disk(out_path, trainer, model_path, cfg, dataset)
