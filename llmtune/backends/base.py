@@ -64,7 +64,8 @@ class Backend:
     maps_host_arrays = False  # True where a backend array may be a host numpy array (a memory-mapped file's bytes)
 
     def peak_flops(self) -> Optional[float]:
-        """The float32 product rate (FLOP/s) this backend's matrix products peak at (the cpu: numpy's GEMM on all cores, backends/cpu/probes.py): what a finetune's model FLOP
+        """The float32 product rate (FLOP/s) this backend's matrix products peak at (the cpu: numpy's
+        GEMM on all cores, the best measured: backends/cpu/probes.py): what a finetune's model FLOP
         utilisation is a share of; None where unknown."""
         return None
 
