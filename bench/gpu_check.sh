@@ -9,10 +9,11 @@
 #   2. the SmolLM2 shape on the GPU: QLoRA (LoRA r8 over the Q4_1 file) and LoRA (over its f32
 #      export) finetunes at ctx 128, `generate`, batched decode's throughput (`generate --parallel
 #      B --bench`, B = 1 and 16: llama-batched-bench's row), `perplexity` and `eval` (HellaSwag);
+#   2b. a 7B-class QLoRA step: two of qwen2-7b's blocks, q4_k_m, LoRA r16, ctx 512, --grad-checkpoint;
 #   3. the training benchmark (15M and 110M shapes, ctx 512, f32 and bf16 matmuls, per-op profile).
 # Logs and the benchmark's JSON go to $OUT when set, else bench/out/. A missing piece (cupy, the
 # model) is skipped with a message. (The random model: init + Q4_1 export took 207 s on the busy
-# 2-core host, load ~14; the step allows 90 s on the 16-core GPU host.) Exit status: non-zero when a step failed or timed out.
+# 2-core host, load ~14; the step allows 60 s on the 16-core GPU host.) Exit status: non-zero when a step failed or timed out.
 #
 #   bash bench/gpu_check.sh                  # from anywhere; runs in the repository root
 #   bash bench/gpu_check.sh --prepare MODEL  # on the host, before: the files step 2 travels with
@@ -95,8 +96,8 @@ if ! "$PY" -c "from llmtune.backends import cuda; raise SystemExit(not cuda.avai
 fi
 
 section "1. CUDA op tests"
-step tests_backends_cuda 80 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_backends.py -k "cuda and not emu"
-step tests_marked_cuda 60 "$PY" -m pytest -q -rs -p no:cacheprovider tests -m cuda --ignore=tests/test_backends.py \
+step tests_backends_cuda 65 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_backends.py -k "cuda and not emu"
+step tests_marked_cuda 45 "$PY" -m pytest -q -rs -p no:cacheprovider tests -m cuda --ignore=tests/test_backends.py \
     --continue-on-collection-errors
 
 section "2. SmolLM2 shape: QLoRA, LoRA, generate, perplexity, eval"
@@ -104,7 +105,7 @@ MODEL="${SMOLLM2:-$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf}"
 WORK="$(mktemp -d)"
 if [ ! -f "$MODEL" ] && [ -f "$VOCAB" ]; then
     note "no $MODEL: a random-weight model of SmolLM2's shape from $VOCAB (Q4_1, as the real file)"
-    step smollm2_make 90 bash -c "'$PY' -m llmtune init --config configs/smollm2-135m.toml --vocab-from '$VOCAB' \
+    step smollm2_make 60 bash -c "'$PY' -m llmtune init --config configs/smollm2-135m.toml --vocab-from '$VOCAB' \
         -o '$WORK/smollm2.f32.gguf' --seed 0 && '$PY' -m llmtune export '$WORK/smollm2.f32.gguf' --type q4_1 \
         -o '$WORK/smollm2.q4_1.gguf'"
     MODEL="$WORK/smollm2.q4_1.gguf"
@@ -119,9 +120,9 @@ else
     TEXT="$WORK/wiki.txt"
     "$PY" -c "import gzip,sys; sys.stdout.write(gzip.decompress(open('tests/data/wikitext-2-raw-test.txt.gz','rb').read()).decode()[:60000])" > "$TEXT"
     TRAIN=(--ctx 128 --batch 512 --epochs 1 --lr 1e-4 --lora-rank 8 --val-split 0.05 --backend cuda)
-    step qlora_q4_1 45 "$PY" -m llmtune finetune "$MODEL" "$TEXT" -o "$WORK/qlora.gguf" "${TRAIN[@]}" \
+    step qlora_q4_1 30 "$PY" -m llmtune finetune "$MODEL" "$TEXT" -o "$WORK/qlora.gguf" "${TRAIN[@]}" \
         --metrics "$LOG/qlora_metrics.jsonl"
-    [ -f "$F32" ] && step lora_f32 45 "$PY" -m llmtune finetune "$F32" "$TEXT" -o "$WORK/lora.gguf" "${TRAIN[@]}" \
+    [ -f "$F32" ] && step lora_f32 30 "$PY" -m llmtune finetune "$F32" "$TEXT" -o "$WORK/lora.gguf" "${TRAIN[@]}" \
         --metrics "$LOG/lora_metrics.jsonl"
     step generate 15 "$PY" -m llmtune generate "$MODEL" -p "Once upon a time" -n 64 --temp 0 --backend cuda
     step batched_decode 20 bash -c "for b in 1 16; do '$PY' -m llmtune generate '$MODEL' -p 'Once upon a time' \
@@ -131,8 +132,27 @@ else
 fi
 rm -rf "$WORK"
 
+section "2b. 7B-class QLoRA: two of qwen2-7b's blocks, q4_k_m, r16, ctx 512, --grad-checkpoint"
+# qwen2-7b's blocks (3584 wide, SwiGLU 18944, 28/4 heads) at 2 of 28, with SmolLM2's vocabulary tied
+# (a 152k-token output would take minutes of single-threaded k-quant init): a step's block work is
+# 2/28 of the 7B model's, so tok/s x 2/28 ~ a 7B step's (torchtune's Llama-3.1-8B QLoRA on one
+# RTX 4090: 2,413 tok/s at 7.4 GiB)
+if [ -f "$VOCAB" ]; then
+    WORK="$(mktemp -d)"
+    sed 's/^n_layer = .*/n_layer = 2/; s/^tied_output = .*/tied_output = true/' configs/qwen2-7b.toml > "$WORK/q7b2.toml"
+    step q7b_blocks_make 65 "$PY" -m llmtune init --config "$WORK/q7b2.toml" --vocab-from "$VOCAB" \
+        -o "$WORK/q7b2.gguf" --type q4_k_m
+    "$PY" -c "import gzip,sys; sys.stdout.write(gzip.decompress(open('tests/data/wikitext-2-raw-test.txt.gz','rb').read()).decode()[:9000])" > "$WORK/wiki.txt"
+    step q7b_blocks_qlora 40 "$PY" -m llmtune finetune "$WORK/q7b2.gguf" "$WORK/wiki.txt" -o "$WORK/a.gguf" \
+        --lora-rank 16 --ctx 512 --grad-checkpoint --val-split 0 --epochs 1 --backend cuda \
+        --metrics "$LOG/q7b_blocks_metrics.jsonl"
+    rm -rf "$WORK"
+else
+    note "SKIPPED: no $VOCAB (run 'bash bench/gpu_check.sh --prepare MODEL' first)"
+fi
+
 section "3. training benchmark: 15M and 110M shapes"
-step bench_cuda 65 "$PY" bench/bench_cuda.py --shapes 15m,110m --ctx 512 --seqs 8 --steps 3 --precision f32,bf16 \
+step bench_cuda 50 "$PY" bench/bench_cuda.py --shapes 15m,110m --ctx 512 --seqs 8 --steps 3 --precision f32,bf16 \
     --profile --json "$LOG/bench_cuda.json"
 
 section "done"

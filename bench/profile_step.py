@@ -16,6 +16,11 @@ each side runs --steps steps under its profiler:
 Each side prints its ops by total time, ms per step, and its whole step's median; compare where
 the milliseconds go, not just the totals. Run on a quiet machine: the two sides run one after the
 other, in separate processes.
+
+    python bench/profile_step.py --finetune "MODEL DATA -o OUT --lora-rank 16 --ctx 512 ..." [--by-shape]
+
+profiles a real `llmtune finetune` run instead (its plan, copies and --grad-checkpoint's recompute
+included), llmtune's side only, from its second step on.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ blas_env.at_its_best()
 import argparse
 import collections
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -60,17 +66,10 @@ def _label(call, op: str) -> str:
     return f"matmul {tuple(a.shape)}{'T' if kw.get('ta') else ''} x {tuple(b.shape)}{'T' if kw.get('tb') else ''}"
 
 
-def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int,
-                    by_shape: bool = False) -> dict:
-    from llmtune.graph import planner
-    from llmtune.train.trainer import RunningStats
-
-    timers: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])  # op -> [seconds, calls]
-    active = [False]
-    plain_runs = planner._compiled_runs
-
+def timed_compiled_runs(timers: dict, active: list, by_shape: bool):
+    """planner._compiled_runs' stand-in: each pre-bound call of a replay timed under its op's name
+    (with its operands' shapes: by_shape) into timers[op] = [seconds, calls], while active[0]."""
     def timed_runs(backend, calls, readers):
-        """Each pre-bound call of a replay timed under its op's name (only while profiling)."""
         def wrap(call, op):
             def run():
                 if not active[0]:
@@ -82,7 +81,18 @@ def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, bat
                 cell[1] += 1
             return run
         return [wrap(e[0], _label(e[0], e[2]) if by_shape else e[2]) for e in calls]
+    return timed_runs
 
+
+def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int,
+                    by_shape: bool = False) -> dict:
+    from llmtune.graph import planner
+    from llmtune.train.trainer import RunningStats
+
+    timers: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])  # op -> [seconds, calls]
+    active = [False]
+    plain_runs = planner._compiled_runs
+    timed_runs = timed_compiled_runs(timers, active, by_shape)
     planner._compiled_runs = timed_runs
     windows = dict(np.load(windows_path))
     tr = llmtune_trainer(model_path, kind, ctx, batch)
@@ -111,6 +121,40 @@ def profile_llmtune(model_path: str, windows_path: str, kind: str, ctx: int, bat
     ops = {op: (sec / steps * 1e3, n // steps) for op, (sec, n) in timers.items()}
     ops["(outside kernels)"] = (sum(step_s) / steps * 1e3 - sum(v[0] for v in ops.values()), 0)
     return {"step_ms": statistics.median(step_s) * 1e3, "ops": ops}
+
+
+def profile_finetune(argv: list[str], by_shape: bool) -> dict:
+    """`llmtune finetune ARGV` in this process, its replayed kernels timed by op from the second
+    step on (the first pays the frozen matrices' first decode into their copies): the breakdown of
+    a real run, --grad-checkpoint's recompute, the memory plan and the optimizer included."""
+    from llmtune import cli
+    from llmtune.graph import planner
+    from llmtune.train import loop
+
+    timers: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    active, step_s = [False], []
+    planner._compiled_runs = timed_compiled_runs(timers, active, by_shape)
+    plain_step = loop._train_step
+
+    def timed_step(run, s):
+        active[0] = bool(step_s) or s > 0
+        t = time.perf_counter()
+        out = plain_step(run, s)
+        step_s.append(time.perf_counter() - t)
+        return out
+
+    loop._train_step = timed_step
+    sys.argv = ["llmtune", "finetune", *argv]
+    try:
+        cli.main()
+    except SystemExit as exc:
+        if exc.code:
+            raise
+    timed = step_s[1:]
+    ops = {op: (sec / len(timed) * 1e3, n // len(timed)) for op, (sec, n) in timers.items()}
+    ops["(outside kernels: optimizer, feeding, Python)"] = (sum(timed) / len(timed) * 1e3
+                                                           - sum(v[0] for v in ops.values()), 0)
+    return {"step_ms": statistics.median(timed) * 1e3, "first_step_ms": step_s[0] * 1e3, "ops": ops}
 
 
 def profile_torch(model_path: str, windows_path: str, kind: str, ctx: int, batch: int, steps: int,
@@ -146,7 +190,9 @@ def show(side: str, res: dict, top: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="an f32 llama GGUF (the PyTorch side loads it too)")
+    ap.add_argument("--model", help="an f32 llama GGUF (the PyTorch side loads it too)")
+    ap.add_argument("--finetune", metavar="ARGS", help="profile `llmtune finetune ARGS` (one string) instead, "
+                    "from its second step on: a real run's breakdown (plan, checkpointing, copies)")
     ap.add_argument("--kind", default="lora", choices=("lora", "full"))
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
@@ -159,6 +205,13 @@ def main() -> None:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--windows", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.finetune:
+        res = profile_finetune(shlex.split(args.finetune), args.by_shape)
+        print(f"\nfirst step {res['first_step_ms'] / 1e3:.1f} s")
+        show("llmtune finetune", res, args.top)
+        return
+    if not args.model:
+        ap.error("--model (or --finetune) is required")
     if args.child:
         if args.child == "llmtune":
             res = profile_llmtune(args.model, args.windows, args.kind, args.ctx, args.batch, args.steps, args.by_shape)
