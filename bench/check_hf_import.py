@@ -45,6 +45,10 @@ MIXED = ROOT / "tests" / "data" / "vocab" / "mixed.txt"
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+# GPT2Config's own names (its attribute_map would take SMALL's, but GPT-2's config.json holds these); n_ctx as
+# GPT-2's config.json has it (GPT2Model.set_gguf_parameters reads it; transformers 5 no longer writes it)
+GPT2_SMALL = dict(vocab_size=50257, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_ctx=256,
+                  layer_norm_epsilon=1e-5, bos_token_id=50256, eos_token_id=50256)
 # name: (transformers config class, its extra arguments, safetensors dtype, the --type values checked)
 TINY = {
     "llama-tiny": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0), "F32", ("f32", "f16", "q8_0")),
@@ -70,6 +74,9 @@ TINY = {
             rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=1.0, original_max_position_embeddings=2048,
             long_factor=[1.0 + i / 10 for i in range(8)], short_factor=[1.0 + i / 100 for i in range(8)])),
         "BF16", ("f16",)),
+    # gpt2: Conv1D weights transposed, learned positions (F32 at every type), biases, GPT-2's own tokenizer
+    # (tests/data/vocab/ggml-vocab-gpt-2.gguf as tokenizer.json: pre-tokenizer "gpt-2" by its own hash)
+    "gpt2-tiny": ("GPT2Config", dict(tie_word_embeddings=True), "F32", ("f32", "f16", "q8_0")),
 }
 SPM_PIECES = 640
 # tokenizer_config.json and added_tokens.json as a Llama 2 style folder holds them, with the overrides the
@@ -150,8 +157,10 @@ def tiny_config(name: str) -> dict:
     import transformers
 
     cls_name, extra, _, _ = TINY[name]
-    cfg = getattr(transformers, cls_name)(**{**SMALL, **extra})
-    cfg.architectures = [cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
+    gpt2 = cls_name == "GPT2Config"
+    cfg = getattr(transformers, cls_name)(**{**(GPT2_SMALL if gpt2 else SMALL), **extra})
+    cfg.architectures = ["GPT2LMHeadModel" if gpt2 else
+                         cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())
@@ -167,8 +176,8 @@ def record(work: Path, smol_dir: Path, only: list[str]) -> None:
         if only and name not in only:
             continue
         rec = {"config": tiny_config(name), "dtype": dtype, "seed": 41, "outputs": {}}
-        if "spm" in name:
-            rec["tokenizer"] = "spm"
+        if "spm" in name or name.startswith("gpt2"):
+            rec["tokenizer"] = "spm" if "spm" in name else "gpt2"
         record_one(work, name, rec, dtype, types)
 
 
@@ -184,7 +193,7 @@ def record_one(work: Path, name: str, rec: dict, dtype: str, types: tuple[str, .
     folder = hf_fixture.make_folder(rec, work / name)
     for outtype in types:
         ref, ours = work / f"{name}.{outtype}.ref.gguf", work / f"{name}.{outtype}.gguf"
-        converter(folder, ref, outtype, pre=None if name.startswith("llama") else "smollm")
+        converter(folder, ref, outtype, pre=None if name.startswith(("llama", "gpt2")) else "smollm")
         llmtune_import(folder, ours, outtype)
         diff = hf_compare.differences(ours, ref)
         same = ours.read_bytes() == ref.read_bytes()
