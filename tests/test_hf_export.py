@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import toy_family
 from cli_helpers import run_cli
 from conftest import DATA, REPO
 from llmtune import arch
 from llmtune.arch import hf_names
-from llmtune.arch.gpt2 import GPT2
 from llmtune.arch.hf_config import llama3_factors, llama3_rope
 from llmtune.arch.hparams import HParams
 from llmtune.backends.cpu import CPUBackend
@@ -173,17 +173,11 @@ def _leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
 
-class _Unmapped(GPT2):
-    """gpt2 as a family without Hugging Face names (every built-in family has them now)."""
-
-    hf = None
-
-
 def test_a_family_without_a_mapping_is_refused_and_nothing_written(tmp_path, monkeypatch, capsys):
     model = tmp_path / "gpt2.gguf"
     init_model(REPO / "configs" / "gpt2-tiny.toml", VOCAB_DIR / "ggml-vocab-gpt-2.gguf", model, 0,
                test_weights=True)
-    monkeypatch.setitem(arch._FAMILIES, "gpt2", _Unmapped())
+    monkeypatch.setitem(arch._FAMILIES, "gpt2", toy_family.GPT2WithoutNames())
     code, _, err = run_cli(monkeypatch, capsys, "export", model, "--hf", tmp_path / "out")
     _one_line(code, err, str(model), "the gpt2 family has no Hugging Face tensor names")
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
