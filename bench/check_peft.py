@@ -27,6 +27,9 @@ itself and llama.cpp's convert_lora_to_gguf.py.
    attn_output, ffn_up, ffn_down: transformers' Conv1D c_attn, c_proj, c_fc), and one on attn_output
    alone (target_modules must then name attn.c_proj, not the "c_proj" mlp.c_proj shares); exported
    with --peft, PEFT's logits on transformers' gpt2 vs llmtune's with the GGUF adapter (goal < 1e-4).
+   With --llama-cpp / --bin: convert_lora_to_gguf.py on that folder and on PEFT's own gpt2 adapter; its
+   GPT2Model transposes the Conv1D modules' LoRA (A and B swapped), so llama.cpp refuses both files:
+   shown, not a goal llmtune can meet (its folder is PEFT's own layout).
 
 --record writes the tests' fixtures: tests/data/peft/<case>/ (case 3's plain and bfloat16 rsLoRA
 folders and gpt2's) and tests/data/peft/expected.npz (their tokens and PEFT's logits), expected.json (how).
@@ -62,6 +65,7 @@ from llmtune.backends.cpu import CPUBackend  # noqa: E402
 from llmtune.convert.init import init_model  # noqa: E402
 from llmtune.eval.perplexity import tokenize  # noqa: E402
 from llmtune.eval.scoring import add_bos_of, as_model  # noqa: E402
+from llmtune.gguf.file import load_gguf  # noqa: E402
 from llmtune.graph.planner import Program  # noqa: E402
 from llmtune.model.adapter import adaptable, attach, init_adapter, load_adapter, write_peft  # noqa: E402
 from llmtune.model.loaded import load_model  # noqa: E402
@@ -196,8 +200,8 @@ def run(cmd: list, env: dict | None = None) -> str:
     return done.stdout + done.stderr
 
 
-def llama_ppl(bin_dir: Path, text: Path, adapter: Path) -> list[float]:
-    return check_lora.llama_running_ppl(bin_dir, STORIES, text, CHUNKS, ["--lora", adapter])
+def llama_ppl(bin_dir: Path, text: Path, adapter: Path, base: Path = STORIES) -> list[float]:
+    return check_lora.llama_running_ppl(bin_dir, base, text, CHUNKS, ["--lora", adapter])
 
 
 # ------------------------------------------------------------------------------ 3: PEFT -> llmtune
@@ -277,7 +281,10 @@ def peft_model_of(folder: Path, base: Path = STORIES, family: str = "llama"):
 
 
 # ------------------------------------------------------------------------------ 5: gpt2 trained here
-def gpt2_round_trip(tmp: Path) -> None:
+def gpt2_round_trip(tmp: Path, llama_cpp: Path | None, bin_dir: Path | None) -> None:
+    """Case 5; with llama.cpp, convert_lora_to_gguf.py on the four-matrix folder (--base: gpt2-tiny as
+    `llmtune export --hf` writes it; config.json is what the converter reads) and llama-perplexity
+    --lora with the converted file and with llmtune's original."""
     base = gpt2_tiny(tmp)
     text = tmp / "train.txt"
     text.write_text((ROOT / "data" / "wikitext-100k.txt").read_text(encoding="utf-8")[:20000], encoding="utf-8")
@@ -295,6 +302,37 @@ def gpt2_round_trip(tmp: Path) -> None:
               f"{'ok' if diff < GOAL_LOGITS else 'FAIL'} (the adapter moves them {moved:.1e})")
         back = rel(ours_logits(base, folder, tokens), ours_logits(base, gguf, tokens))
         print(f"  gpt2 {label}: llmtune with the PEFT folder vs with the GGUF: max rel diff {back:.2e}")
+        if llama_cpp and bin_dir and targets == GPT2_TARGETS:
+            llama_cpp_gpt2(tmp, base, gguf, folder, llama_cpp, bin_dir)
+
+
+def llama_cpp_gpt2(tmp: Path, base: Path, gguf: Path, folder: Path, llama_cpp: Path, bin_dir: Path) -> None:
+    """convert_lora_to_gguf.py on gpt2 folders, ours and PEFT's own (tests/data/peft/gpt2-tiny-lora): its
+    GPT2Model transposes c_attn / c_proj / c_fc's LoRA as it transposes their Conv1D weights, swapping A
+    and B, though PEFT's pairs are already a Linear's; llama.cpp then refuses the file (shape)."""
+    hf_dir = tmp / "gpt2-hf-base"
+    llmtune_cli("export", base, "--hf", hf_dir)
+    wiki = tmp / "wiki.test.raw"
+    if not wiki.is_file():
+        wiki.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
+    ours = llama_ppl(bin_dir, wiki, gguf, base)
+    for label, peft_dir in (("llmtune's --peft", folder), ("PEFT's own", FIXTURES / "gpt2-tiny-lora")):
+        converted = tmp / f"gpt2-converted-{peft_dir.name}.gguf"
+        run([sys.executable, llama_cpp / "convert_lora_to_gguf.py", "--base", hf_dir, "--outtype", "f32",
+             "--outfile", converted, peft_dir], env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(llama_cpp / "gguf-py")})
+        shapes = {n: tuple(t.shape) for n, t in load_gguf(converted).tensors.items() if n.startswith("blk.0.attn_qkv")}
+        try:
+            theirs = llama_ppl(bin_dir, wiki, converted, base)
+        except RuntimeError as exc:
+            why = next((ln.strip() for ln in str(exc).splitlines() if "incorrect shape" in ln), str(exc)[-200:])
+            print(f"  gpt2 {label} folder through convert_lora_to_gguf.py: {shapes} (want lora_a (r, 64), lora_b "
+                  f"(192, r)); llama-perplexity: {why}")
+            continue
+        if label == "llmtune's --peft":
+            n = min(len(theirs), len(ours))
+            d = max(abs(a - b) / b for a, b in zip(theirs[:n], ours[:n]))
+            print(f"  gpt2: llama-perplexity --lora converted {theirs[n - 1]:.6f} vs llmtune's file "
+                  f"{ours[n - 1]:.6f}: max rel diff {d:.2e} over {n} chunks {'ok' if d < GOAL_PPL else 'FAIL'}")
 
 
 # ------------------------------------------------------------------------------ 4: every family
@@ -339,7 +377,7 @@ def main() -> None:
         print("3. PEFT's adapters in llmtune")
         peft_made(tmp, args.record)
         print("5. gpt2: llmtune's adapters as PEFT folders")
-        gpt2_round_trip(tmp)
+        gpt2_round_trip(tmp, args.llama_cpp, args.bin)
         if args.families:
             print("4. every family")
             families(tmp)
