@@ -20,9 +20,12 @@ pytest.importorskip("tokenizers")
 from safetensors.numpy import load_file  # noqa: E402
 
 from cli_helpers import run_cli  # noqa: E402
+from conftest import DATA, REPO  # noqa: E402
 from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E402
 from hf_fixture import hf_tensor_shapes as hf_fixture_shapes, load_record, make_folder, write_safetensors  # noqa: E402
 from llmtune.convert import hf_import  # noqa: E402
+from llmtune.convert.init import init_model  # noqa: E402
+from llmtune.gguf.file import load_gguf  # noqa: E402
 
 # *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
 # + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules (longrope: the rope factors);
@@ -317,6 +320,24 @@ def test_gpt2_feed_forward_is_four_times_n_embd(folders, tmp_path, monkeypatch, 
     write_safetensors(folder / "model.safetensors", shapes, lambda shape: np.zeros(shape, np.float32), "F32")
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert "ffn_up" in line and str(folder) in line
+
+
+def test_gpt2_export_then_import_gives_the_model_back(tmp_path, monkeypatch, capsys):
+    """export --hf (Conv1D matrices transposed to [n_in, n_out]) then import (transposed back): every
+    tensor of gpt2-tiny in its order and bits, and every hyper-parameter and tokenizer key."""
+    src = init_model(REPO / "configs" / "gpt2-tiny.toml", DATA / "vocab" / "ggml-vocab-gpt-2.gguf",
+                     tmp_path / "g.gguf", 0, test_weights=True)
+    back = tmp_path / "back.gguf"
+    for args in (("export", src, "--hf", tmp_path / "hf"), ("import", tmp_path / "hf", "-o", back, "--type", "f32")):
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 0, err
+    a, b = load_gguf(src), load_gguf(back)
+    assert list(a.tensors) == list(b.tensors)
+    for name in a.tensors:
+        np.testing.assert_array_equal(b.tensor(name), a.tensor(name), err_msg=name)
+    for key, value in a.metadata.items():
+        if not key.startswith("general."):
+            assert b.metadata[key] == value, key
 
 
 def test_bf16_kept_is_the_converters_round_trip():
