@@ -309,6 +309,23 @@ def test_gpt2_mask_buffers_and_context_keys(folders, tmp_path, monkeypatch, caps
     assert "config.json has no" in line and "n_ctx" in line and str(folder) in line
 
 
+def test_gpt2_names_without_transformer_prefix(folders, tmp_path, monkeypatch, capsys):
+    """GPT-2's own files (saved from GPT2Model: "h.0.attn.c_attn.weight", "wte.weight") lack the
+    "transformer." prefix; the converter maps both (its output is the same file, checked by hand with
+    convert_hf_to_gguf.py on this folder), and so does import."""
+    folder = _copy(folders, tmp_path, "gpt2-tiny")
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    arrays = iter([tensors[k] for k in sorted(tensors)])
+    write_safetensors(folder / "model.safetensors", {k: tensors[k].shape for k in sorted(tensors)},
+                      lambda _: next(arrays), "F32")
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "q8_0")
+    assert code == 0, err
+    expected = load_record("gpt2-tiny")["outputs"]["q8_0"]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
+    assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
+
+
 def test_gpt2_feed_forward_is_four_times_n_embd(folders, tmp_path, monkeypatch, capsys):
     """GPT2Model.set_gguf_parameters writes 4 * n_embd whatever n_inner says: a c_fc of another width is
     refused by its shape, in one line, rather than written into a file llama.cpp cannot load."""

@@ -22,7 +22,8 @@ from llmtune.arch.hf_names import HFNames
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 
-# gguf-py's tensor_mapping for GPT2LMHeadModel (its "transformer." names: what save_pretrained writes)
+# gguf-py's tensor_mapping for GPT2LMHeadModel (its "transformer." names: what save_pretrained writes; GPT-2's
+# own files, saved from GPT2Model, lack the prefix: bare_prefix reads those too)
 HF_NAMES = {
     "token_embd": "transformer.wte",
     "position_embd": "transformer.wpe",
@@ -40,7 +41,8 @@ HF_NAMES = {
 class GPT2(Family):
     name = "gpt2"
     traits = {"rope_mode": None, "norm_kind": "layer", "activation": "gelu", "ffn_gated": False}
-    hf = HFNames("GPT2LMHeadModel", "gpt2", HF_NAMES, conv1d=("attn_qkv", "attn_output", "ffn_up", "ffn_down"))
+    hf = HFNames("GPT2LMHeadModel", "gpt2", HF_NAMES, conv1d=("attn_qkv", "attn_output", "ffn_up", "ffn_down"),
+                 bare_prefix="transformer.")
 
     def write_hparams(self, hp):
         """The keys convert_hf_to_gguf.py's GPT2Model writes (no vocab, rope or head_count_kv keys)."""

@@ -13,6 +13,8 @@ convert_hf_to_gguf.py (gguf-py's tensor_mapping) renames, read in both direction
   weights, stored [n_in, n_out] (GPT-2's c_attn, c_proj, c_fc): convert_hf_to_gguf.py's GPT2Model
   transposes them (`transposed`); a PEFT adapter of such a module keeps A [r, n_in] and B [n_out, r]
   and says fan_in_fan_out;
+- bare_prefix: a prefix some checkpoints of the family lack (GPT-2's own files, saved from GPT2Model:
+  "h.0.attn.c_attn.weight", no "transformer."), read either way (gguf-py maps both), written with it;
 - architecture, model_type: config.json's "architectures"[0] and "model_type".
 
 Names and row order only: value changes (gemma's norms stored +1) are the family's docstring's.
@@ -44,6 +46,7 @@ class HFNames:
     names: dict[str, str]  # GGUF stem -> HF module path ("{bid}": the block)
     rope_rows: bool = False  # q/k rows permuted per head between HF and GGUF (llama)
     conv1d: tuple[str, ...] = ()  # stems whose HF weight is a Conv1D's [n_in, n_out] (gpt2)
+    bare_prefix: str = ""  # a prefix of `names` some checkpoints leave out ("transformer.": GPT-2's own files)
     _to_hf: list = field(init=False, repr=False, compare=False)
     _to_gguf: list = field(init=False, repr=False, compare=False)
 
@@ -80,6 +83,8 @@ class HFNames:
         """An HF tensor's GGUF name (or an HF module's GGUF stem); None when the table has none."""
         stem, suffix = self._split(hf_name)
         gguf = self._rename(self._to_gguf, stem)
+        if gguf is None and self.bare_prefix and not stem.startswith(self.bare_prefix):
+            gguf = self._rename(self._to_gguf, self.bare_prefix + stem)
         return None if gguf is None else gguf + suffix
 
     def module_names(self) -> list[str]:
