@@ -5,6 +5,7 @@
     python bench/check_hf_import.py --real DIR          # a real folder (SmolLM2-135M-Instruct, made from its GGUF
                                                         # by transformers when DIR is missing), f32 / f16 / q8_0,
                                                         # timings and peak RSS, then llama-tokenize on both files
+    python bench/check_hf_import.py --gpt2-small DIR       # GPT-2 small's shape (124M, seeded weights), three types
     python bench/check_hf_import.py --spm-gguf tests/data/vocab/ggml-vocab-llama-spm.gguf --llama-tokenize PATH
                                                         # a real SentencePiece vocabulary (as tokenizer.model)
 
@@ -353,6 +354,36 @@ def big(folder: Path, work: Path, with_converter: bool) -> None:
     ours.unlink()
 
 
+# GPT-2 small's shape (124M), GPT-2's vocabulary and context
+GPT2_124M = dict(GPT2_SMALL, n_embd=768, n_layer=12, n_head=12, n_positions=1024, n_ctx=1024)
+
+
+def gpt2_small(folder: Path, work: Path) -> None:
+    """A GPT-2-small-shaped GPT2LMHeadModel folder (seeded F32 weights, made when missing): import against the
+    converter at f32 / f16 / q8_0 (Conv1D matrices of 768 x 3072 transposed piece by piece), times and RSS."""
+    import transformers
+
+    if not (folder / "model.safetensors").is_file():
+        cfg = transformers.GPT2Config(**GPT2_124M, tie_word_embeddings=True)
+        cfg.architectures = ["GPT2LMHeadModel"]
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg.save_pretrained(tmp)
+            config = json.loads((Path(tmp) / "config.json").read_text())
+        hf_fixture.make_folder({"config": config, "dtype": "F32", "seed": 1, "tokenizer": "gpt2"}, folder)
+    size = (folder / "model.safetensors").stat().st_size
+    for outtype in ("f32", "f16", "q8_0"):
+        ref, ours = work / f"gpt2-124m.{outtype}.ref.gguf", work / f"gpt2-124m.{outtype}.gguf"
+        t_ref = converter(folder, ref, outtype)
+        t_ours, rss = llmtune_import(folder, ours, outtype)
+        diff = hf_compare.differences(ours, ref)
+        same = ours.read_bytes() == ref.read_bytes()
+        verdict = "byte-identical file" if same else "files differ"
+        print(f"{folder.name} ({size / 2**20:.0f} MiB F32) -> {outtype}: {verdict}, {len(diff)} differences; import "
+              f"{t_ours:.1f} s, peak RSS {rss / 1024:.0f} MiB; converter {t_ref:.1f} s", *diff, sep="\n  ")
+        ref.unlink()
+        ours.unlink()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true", help="build, compare and record the tiny folders")
@@ -368,6 +399,8 @@ def main() -> None:
                     "vocabulary: import against the converter, llama-tokenize against the GGUF")
     ap.add_argument("--big", type=Path, metavar="DIR", help="a 1B-class folder (made when missing): speed, RSS")
     ap.add_argument("--big-converter", action="store_true", help="with --big: run and compare the converter too")
+    ap.add_argument("--gpt2-small", type=Path, metavar="DIR", help="a GPT-2-small-shaped folder (made when missing): "
+                    "import against the converter at f32 / f16 / q8_0")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "check_hf_import")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -377,6 +410,8 @@ def main() -> None:
         spm_real(args.spm_gguf, args.work, args.llama_tokenize)
     if args.big is not None:
         big(args.big, args.work, args.big_converter)
+    if args.gpt2_small is not None:
+        gpt2_small(args.gpt2_small, args.work)
     if args.record:
         record(args.work, args.real or args.work / "SmolLM2-135M-Instruct", args.only)
     print(f"peak RSS of this script: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
