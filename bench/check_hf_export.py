@@ -12,13 +12,14 @@ AutoModelForCausalLM / AutoTokenizer (float32, eager attention), and compare
 - AutoTokenizer's ids with llmtune's tokenizer over a WikiText-2 slice and a mixed-script text;
 - the chat template rendered by transformers and by llmtune (when the file has one), and the
   rendered conversation's tokens (special tokens parsed);
-then phi3 with LongRoPE, gpt2 and llama3-tiny's random rope factors are refused, and every llama.cpp
+then phi3 with LongRoPE and llama3-tiny's random rope factors are refused, and every llama.cpp
 test vocabulary (its models/ggml-vocab-*.gguf, complete: the tests' slim copies lack merges, so the
 tiny models take these too) has its tokenizer.json checked with the `tokenizers` library against
 llama.cpp's expected ids (test-tokenizer-0's .inp/.out).
 --record only writes tests/data/hf_export/stories260K.json: transformers' logits for stories260K on a few
-tokens (the test compares the exported folder's tensors and these numbers). Needs torch and
-transformers (neither is a dependency of llmtune).
+tokens (the test compares the exported folder's tensors and these numbers), and gpt2-tiny.json: the same
+for gpt2-tiny (`llmtune init` of configs/gpt2-tiny.toml, seed 0, random weights; every 97th vocabulary
+column). Needs torch and transformers (neither is a dependency of llmtune).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ SMOLLM = Path("/work/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
 LLAMACPP_VOCABS = Path("/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models")
 FIXTURE = ROOT / "tests" / "data" / "hf_export" / "stories260K.json"
+GPT2_FIXTURE = FIXTURE.with_name("gpt2-tiny.json")
+GPT2_COLUMNS = 97  # gpt2-tiny.json keeps every 97th of the 50,257 logits
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat sat on the mat and",
            "1 + 1 = 2; 12345 * 678 = ? Héllo wörld — naïve café.",
            # longer than the tiny gemmas' 32-token sliding window
@@ -63,7 +66,7 @@ PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat sat
 MIXED = ("English, Français: l'été; Deutsch: Größe; Ελληνικά; Русский текст; 中文字符和标点。"
          "日本語のテキスト; 한국어; العربية; हिन्दी; emoji 🙂🚀; "
          "tabs\tand  double  spaces\n\nnew lines 3.14159 1,000,000")
-FAMILY_ROWS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # phi3: below, without LongRoPE
+FAMILY_ROWS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "gpt2")  # phi3: below, without LongRoPE
 
 
 def llmtune_logits(path: Path, ids: list[int]) -> np.ndarray:
@@ -152,6 +155,14 @@ def plain_phi3(tmp: Path) -> Path:
     return out
 
 
+def untied_gpt2(tmp: Path) -> Path:
+    """configs/gpt2-tiny.toml with its own output matrix (lm_head.weight, tie_word_embeddings false)."""
+    text = (ROOT / "configs" / "gpt2-tiny.toml").read_text().replace("tied_output = true", "tied_output = false")
+    out = tmp / "gpt2-untied.toml"
+    out.write_text(text)
+    return out
+
+
 def llama3_model(tmp: Path, numbers=(8.0, 1.0, 4.0, 8192)) -> Path:
     """configs/llama3-tiny.toml with rope_freqs.weight as the converter computes Llama 3.1's (Meta's
     factor 8, low 1, high 4, context 8192), the other weights random."""
@@ -187,22 +198,29 @@ def vocab_vectors() -> None:
 
 
 def record(tmp: Path) -> None:
-    """tests/data/hf_export/stories260K.json: transformers' logits of the exported stories260K."""
+    """tests/data/hf_export/stories260K.json and gpt2-tiny.json: transformers' logits of the exported models."""
+    record_one(ROOT / "tests" / "data" / "stories260K.gguf", "tests/data/stories260K.gguf", FIXTURE, tmp, 1)
+    gpt2 = init_model(ROOT / "configs" / "gpt2-tiny.toml", ROOT / "tests" / "data" / "vocab" / "ggml-vocab-gpt-2.gguf",
+                      tmp / "gpt2-tiny.gguf", 0, test_weights=True)
+    record_one(gpt2, "llmtune init configs/gpt2-tiny.toml (tests/data/vocab/ggml-vocab-gpt-2.gguf, seed 0, "
+               "test_weights)", GPT2_FIXTURE, tmp, GPT2_COLUMNS)
+
+
+def record_one(path: Path, what: str, fixture: Path, tmp: Path, every: int) -> None:
     import transformers
 
-    path = ROOT / "tests" / "data" / "stories260K.gguf"
-    folder = tmp / "rec-hf"
+    folder = tmp / f"rec-{fixture.stem}"
     export_hf(path, folder)
     model, hf_tok = load_folder(folder)
     ids = hf_tok(PROMPTS[0])["input_ids"][:12]
-    logits = hf_logits(model, ids)
-    FIXTURE.parent.mkdir(parents=True, exist_ok=True)
-    FIXTURE.write_text(json.dumps({
-        "model": "tests/data/stories260K.gguf", "ids": ids, "text": PROMPTS[0],
+    logits = hf_logits(model, ids)[:, ::every]
+    fixture.parent.mkdir(parents=True, exist_ok=True)
+    fixture.write_text(json.dumps({
+        "model": what, "ids": ids, "text": PROMPTS[0], "columns": f"every {every}",
         "logits": [[round(float(v), 6) for v in row] for row in logits],
         "version": f"transformers {transformers.__version__}", "by": "bench/check_hf_export.py --record",
     }) + "\n")
-    print(f"wrote {FIXTURE.relative_to(ROOT)} ({FIXTURE.stat().st_size} bytes)")
+    print(f"wrote {fixture.relative_to(ROOT)} ({fixture.stat().st_size} bytes)")
 
 
 def main() -> int:
@@ -226,12 +244,13 @@ def main() -> int:
         for fam in FAMILY_ROWS:
             models[f"{fam}-tiny"] = tiny_model(fam, tmp)
         models["phi3-tiny-no-longrope"] = tiny_model("phi3", tmp, plain_phi3(tmp))
+        models["gpt2-tiny-untied"] = tiny_model("gpt2", tmp, untied_gpt2(tmp))
         models["llama3-tiny-rope-8-1-4-8192"] = llama3_model(tmp)
         for name, path in models.items():
             print(json.dumps(check(name, path, tmp, texts)), flush=True)
         if LLAMACPP_VOCABS.is_dir():
             vocab_vectors()
-        for fam in ("phi3", "gpt2", "llama3"):  # no exact mapping (llama3-tiny: random factors): refused
+        for fam in ("phi3", "llama3"):  # no exact mapping (llama3-tiny: random factors): refused
             try:
                 export_hf(tiny_model(fam, tmp), tmp / f"{fam}-refused")
                 print(json.dumps({"family": f"{fam}-tiny", "refused": "NO"}))

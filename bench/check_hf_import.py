@@ -5,6 +5,7 @@
     python bench/check_hf_import.py --real DIR          # a real folder (SmolLM2-135M-Instruct, made from its GGUF
                                                         # by transformers when DIR is missing), f32 / f16 / q8_0,
                                                         # timings and peak RSS, then llama-tokenize on both files
+    python bench/check_hf_import.py --gpt2-small DIR       # GPT-2 small's shape (124M, seeded weights), three types
     python bench/check_hf_import.py --spm-gguf tests/data/vocab/ggml-vocab-llama-spm.gguf --llama-tokenize PATH
                                                         # a real SentencePiece vocabulary (as tokenizer.model)
 
@@ -45,6 +46,10 @@ MIXED = ROOT / "tests" / "data" / "vocab" / "mixed.txt"
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+# GPT2Config's own names (its attribute_map would take SMALL's, but GPT-2's config.json holds these); n_ctx as
+# GPT-2's config.json has it (GPT2Model.set_gguf_parameters reads it; transformers 5 no longer writes it)
+GPT2_SMALL = dict(vocab_size=50257, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_ctx=256,
+                  layer_norm_epsilon=1e-5, bos_token_id=50256, eos_token_id=50256)
 # name: (transformers config class, its extra arguments, safetensors dtype, the --type values checked)
 TINY = {
     "llama-tiny": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0), "F32", ("f32", "f16", "q8_0")),
@@ -70,6 +75,9 @@ TINY = {
             rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=1.0, original_max_position_embeddings=2048,
             long_factor=[1.0 + i / 10 for i in range(8)], short_factor=[1.0 + i / 100 for i in range(8)])),
         "BF16", ("f16",)),
+    # gpt2: Conv1D weights transposed, learned positions (F32 at every type), biases, GPT-2's own tokenizer
+    # (tests/data/vocab/ggml-vocab-gpt-2.gguf as tokenizer.json: pre-tokenizer "gpt-2" by its own hash)
+    "gpt2-tiny": ("GPT2Config", dict(tie_word_embeddings=True), "F32", ("f32", "f16", "q8_0")),
 }
 SPM_PIECES = 640
 # tokenizer_config.json and added_tokens.json as a Llama 2 style folder holds them, with the overrides the
@@ -150,8 +158,10 @@ def tiny_config(name: str) -> dict:
     import transformers
 
     cls_name, extra, _, _ = TINY[name]
-    cfg = getattr(transformers, cls_name)(**{**SMALL, **extra})
-    cfg.architectures = [cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
+    gpt2 = cls_name == "GPT2Config"
+    cfg = getattr(transformers, cls_name)(**{**(GPT2_SMALL if gpt2 else SMALL), **extra})
+    cfg.architectures = ["GPT2LMHeadModel" if gpt2 else
+                         cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())
@@ -167,8 +177,8 @@ def record(work: Path, smol_dir: Path, only: list[str]) -> None:
         if only and name not in only:
             continue
         rec = {"config": tiny_config(name), "dtype": dtype, "seed": 41, "outputs": {}}
-        if "spm" in name:
-            rec["tokenizer"] = "spm"
+        if "spm" in name or name.startswith("gpt2"):
+            rec["tokenizer"] = "spm" if "spm" in name else "gpt2"
         record_one(work, name, rec, dtype, types)
 
 
@@ -184,7 +194,7 @@ def record_one(work: Path, name: str, rec: dict, dtype: str, types: tuple[str, .
     folder = hf_fixture.make_folder(rec, work / name)
     for outtype in types:
         ref, ours = work / f"{name}.{outtype}.ref.gguf", work / f"{name}.{outtype}.gguf"
-        converter(folder, ref, outtype, pre=None if name.startswith("llama") else "smollm")
+        converter(folder, ref, outtype, pre=None if name.startswith(("llama", "gpt2")) else "smollm")
         llmtune_import(folder, ours, outtype)
         diff = hf_compare.differences(ours, ref)
         same = ours.read_bytes() == ref.read_bytes()
@@ -344,6 +354,36 @@ def big(folder: Path, work: Path, with_converter: bool) -> None:
     ours.unlink()
 
 
+# GPT-2 small's shape (124M), GPT-2's vocabulary and context
+GPT2_124M = dict(GPT2_SMALL, n_embd=768, n_layer=12, n_head=12, n_positions=1024, n_ctx=1024)
+
+
+def gpt2_small(folder: Path, work: Path) -> None:
+    """A GPT-2-small-shaped GPT2LMHeadModel folder (seeded F32 weights, made when missing): import against the
+    converter at f32 / f16 / q8_0 (Conv1D matrices of 768 x 3072 transposed piece by piece), times and RSS."""
+    import transformers
+
+    if not (folder / "model.safetensors").is_file():
+        cfg = transformers.GPT2Config(**GPT2_124M, tie_word_embeddings=True)
+        cfg.architectures = ["GPT2LMHeadModel"]
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg.save_pretrained(tmp)
+            config = json.loads((Path(tmp) / "config.json").read_text())
+        hf_fixture.make_folder({"config": config, "dtype": "F32", "seed": 1, "tokenizer": "gpt2"}, folder)
+    size = (folder / "model.safetensors").stat().st_size
+    for outtype in ("f32", "f16", "q8_0"):
+        ref, ours = work / f"gpt2-124m.{outtype}.ref.gguf", work / f"gpt2-124m.{outtype}.gguf"
+        t_ref = converter(folder, ref, outtype)
+        t_ours, rss = llmtune_import(folder, ours, outtype)
+        diff = hf_compare.differences(ours, ref)
+        same = ours.read_bytes() == ref.read_bytes()
+        verdict = "byte-identical file" if same else "files differ"
+        print(f"{folder.name} ({size / 2**20:.0f} MiB F32) -> {outtype}: {verdict}, {len(diff)} differences; import "
+              f"{t_ours:.1f} s, peak RSS {rss / 1024:.0f} MiB; converter {t_ref:.1f} s", *diff, sep="\n  ")
+        ref.unlink()
+        ours.unlink()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", action="store_true", help="build, compare and record the tiny folders")
@@ -359,6 +399,8 @@ def main() -> None:
                     "vocabulary: import against the converter, llama-tokenize against the GGUF")
     ap.add_argument("--big", type=Path, metavar="DIR", help="a 1B-class folder (made when missing): speed, RSS")
     ap.add_argument("--big-converter", action="store_true", help="with --big: run and compare the converter too")
+    ap.add_argument("--gpt2-small", type=Path, metavar="DIR", help="a GPT-2-small-shaped folder (made when missing): "
+                    "import against the converter at f32 / f16 / q8_0")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "check_hf_import")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -368,6 +410,8 @@ def main() -> None:
         spm_real(args.spm_gguf, args.work, args.llama_tokenize)
     if args.big is not None:
         big(args.big, args.work, args.big_converter)
+    if args.gpt2_small is not None:
+        gpt2_small(args.gpt2_small, args.work)
     if args.record:
         record(args.work, args.real or args.work / "SmolLM2-135M-Instruct", args.only)
     print(f"peak RSS of this script: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")

@@ -18,12 +18,21 @@ itself and llama.cpp's convert_lora_to_gguf.py.
    them: logits vs PEFT's (goal < 1e-4); the adapter `llmtune finetune --lora-init DIR --lr 1e-30`
    writes after an epoch that moves nothing (step 0's adapter): the same; and `llmtune perplexity
    --lora DIR` vs PEFT's running perplexity (check_transformers.hf_running_ppl).
+   The same for gpt2-tiny (`llmtune init configs/gpt2-tiny.toml`, seed 0, random weights): PEFT's
+   c_attn / c_proj / c_fc, Conv1D modules (fan_in_fan_out).
 4. --families: every family of bench/check_families.py with a Hugging Face name table, a random model
    and a random adapter on every matrix that takes one, exported and compared with PEFT on a 128-token
    window (the length check_transformers.py holds the bases to; goal < 1e-4).
+5. gpt2: `llmtune finetune` of gpt2-tiny trains a rank-4 adapter on its four matrices (attn_qkv,
+   attn_output, ffn_up, ffn_down: transformers' Conv1D c_attn, c_proj, c_fc), and one on attn_output
+   alone (target_modules must then name attn.c_proj, not the "c_proj" mlp.c_proj shares); exported
+   with --peft, PEFT's logits on transformers' gpt2 vs llmtune's with the GGUF adapter (goal < 1e-4).
+   With --llama-cpp / --bin: convert_lora_to_gguf.py on that folder and on PEFT's own gpt2 adapter; its
+   GPT2Model transposes the Conv1D modules' LoRA (A and B swapped), so llama.cpp refuses both files:
+   shown, not a goal llmtune can meet (its folder is PEFT's own layout).
 
 --record writes the tests' fixtures: tests/data/peft/<case>/ (case 3's plain and bfloat16 rsLoRA
-folders) and tests/data/peft/expected.npz (their tokens and PEFT's logits), expected.json (how).
+folders and gpt2's) and tests/data/peft/expected.npz (their tokens and PEFT's logits), expected.json (how).
 Needs torch, transformers, peft (none of them is a dependency of llmtune) and safetensors.
 """
 
@@ -53,8 +62,10 @@ import check_lora  # noqa: E402
 import check_transformers  # noqa: E402
 from llmtune.arch import get_family  # noqa: E402
 from llmtune.backends.cpu import CPUBackend  # noqa: E402
+from llmtune.convert.init import init_model  # noqa: E402
 from llmtune.eval.perplexity import tokenize  # noqa: E402
 from llmtune.eval.scoring import add_bos_of, as_model  # noqa: E402
+from llmtune.gguf.file import load_gguf  # noqa: E402
 from llmtune.graph.planner import Program  # noqa: E402
 from llmtune.model.adapter import adaptable, attach, init_adapter, load_adapter, write_peft  # noqa: E402
 from llmtune.model.loaded import load_model  # noqa: E402
@@ -64,14 +75,32 @@ from llmtune.tokenizer import read_text  # noqa: E402
 
 CTX, CHUNKS, N_TOK = 128, 8, 64
 GOAL_LOGITS, GOAL_PPL = 1e-4, 1e-5
-# the recorded fixtures: (folder name, LoraConfig settings, dtype saved)
+# the recorded fixtures: (folder name, LoraConfig settings, dtype saved); the base is the name's first part
 FIXTURE_CASES = [
     ("stories260K-lora", dict(r=2, lora_alpha=5, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                   "up_proj", "down_proj", "embed_tokens", "lm_head"]),
      "float32"),
     ("stories260K-rslora-bf16", dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj"]),
      "bfloat16"),
+    ("gpt2-tiny-lora", dict(r=2, lora_alpha=5, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True),
+     "float32"),
 ]
+GPT2_TARGETS = "attn_qkv|attn_output|ffn_up|ffn_down"
+GPT2_COLUMNS = 97  # the gpt2 fixture's logits: every 97th of 50,257 columns (a small expected.npz)
+
+
+def gpt2_tiny(tmp: Path) -> Path:
+    """tests' gpt2 base: `llmtune init` of configs/gpt2-tiny.toml with GPT-2's vocabulary, seed 0, random weights."""
+    out = tmp / "gpt2-tiny.gguf"
+    if not out.is_file():
+        init_model(ROOT / "configs" / "gpt2-tiny.toml", DATA / "vocab" / "ggml-vocab-gpt-2.gguf", out, 0,
+                   test_weights=True)
+    return out
+
+
+def base_of(name: str, tmp: Path) -> tuple[Path, str]:
+    """A fixture case's base model and family."""
+    return (gpt2_tiny(tmp), "gpt2") if name.startswith("gpt2") else (STORIES, "llama")
 
 
 def llmtune_cli(*args) -> str:
@@ -111,6 +140,14 @@ def peft_logits(model_path: Path, folder: Path, tokens: np.ndarray, family: str 
     model = PeftModel.from_pretrained(hf_model(model_path, family), str(folder)).eval()
     with torch.no_grad():
         return model(torch.from_numpy(tokens[None].astype(np.int64))).logits[0].double().numpy()
+
+
+def hf_plain_logits(model_path: Path, tokens: np.ndarray, family: str) -> np.ndarray:
+    """transformers' logits of the base alone (how far an adapter moves them)."""
+    import torch
+
+    with torch.no_grad():
+        return hf_model(model_path, family)(torch.from_numpy(tokens[None].astype(np.int64))).logits[0].double().numpy()
 
 
 def window(n_vocab: int, seed: int = 0, n: int = N_TOK) -> np.ndarray:
@@ -163,24 +200,25 @@ def run(cmd: list, env: dict | None = None) -> str:
     return done.stdout + done.stderr
 
 
-def llama_ppl(bin_dir: Path, text: Path, adapter: Path) -> list[float]:
-    return check_lora.llama_running_ppl(bin_dir, STORIES, text, CHUNKS, ["--lora", adapter])
+def llama_ppl(bin_dir: Path, text: Path, adapter: Path, base: Path = STORIES) -> list[float]:
+    return check_lora.llama_running_ppl(bin_dir, base, text, CHUNKS, ["--lora", adapter])
 
 
 # ------------------------------------------------------------------------------ 3: PEFT -> llmtune
-def make_peft(folder: Path, settings: dict, dtype: str, seed: int = 0) -> None:
-    """A PEFT adapter with random A and B (init_lora_weights=False) on stories260K, saved."""
+def make_peft(folder: Path, settings: dict, dtype: str, seed: int = 0, base: Path = STORIES,
+              family: str = "llama") -> None:
+    """A PEFT adapter with random A and B (init_lora_weights=False) on `base` (stories260K), saved."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(hf_model(STORIES), LoraConfig(init_lora_weights=False, lora_dropout=0.1, **settings))
+    model = get_peft_model(hf_model(base, family), LoraConfig(init_lora_weights=False, lora_dropout=0.1, **settings))
     if dtype != "float32":
         model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(folder), save_embedding_layers=False)  # no full embedding copies: a small fixture
     with open(folder / "adapter_config.json") as fh:  # the base's name as a person would see it
         config = json.load(fh)
-    config["base_model_name_or_path"] = "stories260K"
+    config["base_model_name_or_path"] = base.stem
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for extra in folder.iterdir():
         if extra.name not in ("adapter_config.json", "adapter_model.safetensors"):
@@ -197,34 +235,37 @@ def peft_made(tmp: Path, record: bool) -> None:
     text.write_text((ROOT / "data" / "wikitext-100k.txt").read_text(encoding="utf-8")[:5000], encoding="utf-8")
     expected, meta = {}, {}
     for name, settings, dtype in FIXTURE_CASES:
+        base, family = base_of(name, tmp)
         folder = (FIXTURES if record else tmp) / name
         if folder.exists():
             shutil.rmtree(folder)
-        make_peft(folder, settings, dtype)
-        tokens = window(512, seed=1)[:8]
-        theirs = peft_logits(STORIES, folder, tokens)
-        diff = rel(ours_logits(STORIES, folder, tokens, flag="--lora-init"), theirs)
+        make_peft(folder, settings, dtype, base=base, family=family)
+        n_vocab = load_model(base).hp.n_vocab
+        tokens = window(n_vocab, seed=1)[:8] if family == "gpt2" else window(512, seed=1)[:8]
+        theirs = peft_logits(base, folder, tokens, family)
+        diff = rel(ours_logits(base, folder, tokens, flag="--lora-init"), theirs)
         print(f"  {name}: llmtune (as --lora-init reads it) vs PEFT: logits max rel diff {diff:.2e} "
               f"{'ok' if diff < GOAL_LOGITS else 'FAIL'}")
         trained = tmp / f"{name}-init.gguf"  # an epoch that moves nothing: the adapter finetune starts from
-        llmtune_cli("finetune", STORIES, text, "-o", trained, "--lora-init", folder, "--lr", 1e-30, "--ctx", 64,
+        llmtune_cli("finetune", base, text, "-o", trained, "--lora-init", folder, "--lr", 1e-30, "--ctx", 64,
                     "--epochs", 1)
-        d_init = rel(ours_logits(STORIES, trained, tokens), theirs)
+        d_init = rel(ours_logits(base, trained, tokens), theirs)
         print(f"  {name}: finetune --lora-init DIR --lr 1e-30, the adapter written: logits vs PEFT {d_init:.2e} "
               f"{'ok' if d_init < GOAL_LOGITS else 'FAIL'}")
-        long = window(512, seed=2)
-        d_long = rel(ours_logits(STORIES, folder, long), peft_logits(STORIES, folder, long))
+        long = window(n_vocab, seed=2) if family == "gpt2" else window(512, seed=2)
+        d_long = rel(ours_logits(base, folder, long), peft_logits(base, folder, long, family))
         print(f"  {name}: {N_TOK}-token window: max rel diff {d_long:.2e}")
-        out = llmtune_cli("perplexity", STORIES, wiki, "--ctx", CTX, "--chunks", 4, "--lora", folder)
+        out = llmtune_cli("perplexity", base, wiki, "--ctx", CTX, "--chunks", 4, "--lora", folder)
         ours_ppl = float(out.split("PPL = ")[1].split()[0]) if "PPL = " in out else float("nan")
-        hf = peft_model_of(folder)
-        lt = as_model(STORIES)
+        hf = peft_model_of(folder, base, family)
+        lt = as_model(base)
         ids = tokenize(lt, read_text(wiki))
         theirs_ppl = check_transformers.hf_running_ppl(hf, ids, *add_bos_of(lt), CTX, 4)[-1]
         print(f"  {name}: llmtune perplexity --lora DIR {ours_ppl:.6f} vs PEFT {theirs_ppl:.6f} "
               f"(rel {abs(ours_ppl - theirs_ppl) / theirs_ppl:.1e})")
-        expected[f"{name}.tokens"], expected[f"{name}.logits"] = tokens, theirs.astype(np.float32)
-        meta[name] = {"settings": settings, "dtype": dtype, "tokens": tokens.tolist()}
+        every = GPT2_COLUMNS if family == "gpt2" else 1
+        expected[f"{name}.tokens"], expected[f"{name}.logits"] = tokens, theirs.astype(np.float32)[:, ::every]
+        meta[name] = {"settings": settings, "dtype": dtype, "tokens": tokens.tolist(), "columns": f"every {every}"}
     if record:
         np.savez_compressed(FIXTURES / "expected.npz", **expected)
         meta["recorded_by"] = (f"python bench/check_peft.py --record (peft {peft.__version__}, transformers "
@@ -233,10 +274,65 @@ def peft_made(tmp: Path, record: bool) -> None:
         print(f"wrote {FIXTURES.relative_to(ROOT)}/")
 
 
-def peft_model_of(folder: Path):
+def peft_model_of(folder: Path, base: Path = STORIES, family: str = "llama"):
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(hf_model(STORIES), str(folder)).eval()
+    return PeftModel.from_pretrained(hf_model(base, family), str(folder)).eval()
+
+
+# ------------------------------------------------------------------------------ 5: gpt2 trained here
+def gpt2_round_trip(tmp: Path, llama_cpp: Path | None, bin_dir: Path | None) -> None:
+    """Case 5; with llama.cpp, convert_lora_to_gguf.py on the four-matrix folder (--base: gpt2-tiny as
+    `llmtune export --hf` writes it; config.json is what the converter reads) and llama-perplexity
+    --lora with the converted file and with llmtune's original."""
+    base = gpt2_tiny(tmp)
+    text = tmp / "train.txt"
+    text.write_text((ROOT / "data" / "wikitext-100k.txt").read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    tokens = window(load_model(base).hp.n_vocab, n=CTX)
+    for label, targets in (("four matrices", GPT2_TARGETS), ("attn_output alone", "attn_output")):
+        gguf, folder = tmp / f"gpt2-{len(targets)}.gguf", tmp / f"gpt2-{len(targets)}-peft"
+        llmtune_cli("finetune", base, text, "-o", gguf, "--lora-rank", 4, "--lora-targets", targets, "--ctx", 64,
+                    "--epochs", 1, "--lr", 1e-2)
+        print(llmtune_cli("export", gguf, "--peft", folder).strip())
+        config = json.loads((folder / "adapter_config.json").read_text())
+        diff = rel(ours_logits(base, gguf, tokens), peft_logits(base, folder, tokens, "gpt2"))
+        moved = rel(ours_logits(base, gguf, tokens), hf_plain_logits(base, tokens, "gpt2"))
+        print(f"  gpt2 {label} ({', '.join(config['target_modules'])}; fan_in_fan_out {config['fan_in_fan_out']}): "
+              f"PEFT's logits vs llmtune's (adapter GGUF): max rel diff {diff:.2e} "
+              f"{'ok' if diff < GOAL_LOGITS else 'FAIL'} (the adapter moves them {moved:.1e})")
+        back = rel(ours_logits(base, folder, tokens), ours_logits(base, gguf, tokens))
+        print(f"  gpt2 {label}: llmtune with the PEFT folder vs with the GGUF: max rel diff {back:.2e}")
+        if llama_cpp and bin_dir and targets == GPT2_TARGETS:
+            llama_cpp_gpt2(tmp, base, gguf, folder, llama_cpp, bin_dir)
+
+
+def llama_cpp_gpt2(tmp: Path, base: Path, gguf: Path, folder: Path, llama_cpp: Path, bin_dir: Path) -> None:
+    """convert_lora_to_gguf.py on gpt2 folders, ours and PEFT's own (tests/data/peft/gpt2-tiny-lora): its
+    GPT2Model transposes c_attn / c_proj / c_fc's LoRA as it transposes their Conv1D weights, swapping A
+    and B, though PEFT's pairs are already a Linear's; llama.cpp then refuses the file (shape)."""
+    hf_dir = tmp / "gpt2-hf-base"
+    llmtune_cli("export", base, "--hf", hf_dir)
+    wiki = tmp / "wiki.test.raw"
+    if not wiki.is_file():
+        wiki.write_bytes(gzip.decompress((DATA / "wikitext-2-raw-test.txt.gz").read_bytes()))
+    ours = llama_ppl(bin_dir, wiki, gguf, base)
+    for label, peft_dir in (("llmtune's --peft", folder), ("PEFT's own", FIXTURES / "gpt2-tiny-lora")):
+        converted = tmp / f"gpt2-converted-{peft_dir.name}.gguf"
+        run([sys.executable, llama_cpp / "convert_lora_to_gguf.py", "--base", hf_dir, "--outtype", "f32",
+             "--outfile", converted, peft_dir], env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(llama_cpp / "gguf-py")})
+        shapes = {n: tuple(t.shape) for n, t in load_gguf(converted).tensors.items() if n.startswith("blk.0.attn_qkv")}
+        try:
+            theirs = llama_ppl(bin_dir, wiki, converted, base)
+        except RuntimeError as exc:
+            why = next((ln.strip() for ln in str(exc).splitlines() if "incorrect shape" in ln), str(exc)[-200:])
+            print(f"  gpt2 {label} folder through convert_lora_to_gguf.py: {shapes} (want lora_a (r, 64), lora_b "
+                  f"(192, r)); llama-perplexity: {why}")
+            continue
+        if label == "llmtune's --peft":
+            n = min(len(theirs), len(ours))
+            d = max(abs(a - b) / b for a, b in zip(theirs[:n], ours[:n]))
+            print(f"  gpt2: llama-perplexity --lora converted {theirs[n - 1]:.6f} vs llmtune's file "
+                  f"{ours[n - 1]:.6f}: max rel diff {d:.2e} over {n} chunks {'ok' if d < GOAL_PPL else 'FAIL'}")
 
 
 # ------------------------------------------------------------------------------ 4: every family
@@ -280,6 +376,8 @@ def main() -> None:
         round_trip(tmp, args.llama_cpp, args.bin)
         print("3. PEFT's adapters in llmtune")
         peft_made(tmp, args.record)
+        print("5. gpt2: llmtune's adapters as PEFT folders")
+        gpt2_round_trip(tmp, args.llama_cpp, args.bin)
         if args.families:
             print("4. every family")
             families(tmp)

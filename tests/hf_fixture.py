@@ -7,7 +7,9 @@ from llama.cpp's convert_hf_to_gguf.py run by bench/check_hf_import.py on the sa
 own layout (8-byte header length, JSON header in name order, then the data), the way transformers saves it.
 The tokenizer is SmolLM2's (tokenizer.json, gzipped, with tokenizer_config.json and chat_template.jinja),
 or with "tokenizer": "spm" a small SentencePiece model (spm-tokenizer.model, trained by the bench script,
-with its tokenizer_config.json and added_tokens.json, as Llama 2 / TinyLlama folders hold them).
+with its tokenizer_config.json and added_tokens.json, as Llama 2 / TinyLlama folders hold them), or with
+"tokenizer": "gpt2" GPT-2's (tokenizer.json, tokenizer_config.json, special_tokens_map.json written from
+llama.cpp's ggml-vocab-gpt-2.gguf by tokenizer/hf_files.py, as `llmtune export --hf` writes them).
 """
 
 from __future__ import annotations
@@ -19,16 +21,40 @@ from pathlib import Path
 
 import numpy as np
 
+from llmtune.gguf.file import load_gguf
+from llmtune.tokenizer import Tokenizer
+from llmtune.tokenizer.hf_files import tokenizer_files
+
 DATA = Path(__file__).parent / "data" / "hf"
 TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja")
 SPM_FILES = ("tokenizer.model", "tokenizer_config.json", "added_tokens.json")
 _ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<f4"}
+GPT2_VOCAB = DATA.parent / "vocab" / "ggml-vocab-gpt-2.gguf"
+
+
+def gpt2_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """GPT2LMHeadModel's safetensors (transformers' save_pretrained names; Conv1D weights [n_in, n_out])."""
+    d, n_vocab, n_ctx = config["n_embd"], config["vocab_size"], config["n_positions"]
+    n_ff = config.get("n_inner") or 4 * d
+    shapes = {"transformer.wte.weight": (n_vocab, d), "transformer.wpe.weight": (n_ctx, d),
+              "transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)}
+    if not config.get("tie_word_embeddings", True):
+        shapes["lm_head.weight"] = (n_vocab, d)
+    for i in range(config["n_layer"]):
+        p = f"transformer.h.{i}."
+        for module, (n_in, n_out) in (("attn.c_attn", (d, 3 * d)), ("attn.c_proj", (d, d)), ("mlp.c_fc", (d, n_ff)),
+                                      ("mlp.c_proj", (n_ff, d))):
+            shapes.update({p + module + ".weight": (n_in, n_out), p + module + ".bias": (n_out,)})
+        shapes.update({p + f"ln_{k}.{x}": (d,) for k in (1, 2) for x in ("weight", "bias")})
+    return dict(sorted(shapes.items()))
 
 
 def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """The safetensors of a llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3 causal LM with `config` (HF names,
     torch shapes)."""
     arch = config["architectures"][0]
+    if arch == "GPT2LMHeadModel":
+        return gpt2_tensor_shapes(config)
     d, n_ff, n_vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or d // heads
@@ -92,6 +118,12 @@ def make_folder(record: dict, folder: Path) -> Path:
     rng = np.random.default_rng(record["seed"])
     write_safetensors(folder / "model.safetensors", hf_tensor_shapes(record["config"]),
                       lambda shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05), record["dtype"])
+    if record.get("tokenizer") == "gpt2":
+        gf = load_gguf(GPT2_VOCAB)
+        files = tokenizer_files(Tokenizer.from_gguf(gf), gf.metadata, record["config"]["n_positions"], str(GPT2_VOCAB))
+        for name, obj in files.items():
+            (folder / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return folder
     if record.get("tokenizer") == "spm":
         for name in SPM_FILES:
             shutil.copy(DATA / f"spm-{name}", folder / name)

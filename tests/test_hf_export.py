@@ -15,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import toy_family
 from cli_helpers import run_cli
 from conftest import DATA, REPO
+from llmtune import arch
 from llmtune.arch import hf_names
 from llmtune.arch.hf_config import llama3_factors, llama3_rope
 from llmtune.arch.hparams import HParams
@@ -97,19 +99,24 @@ def test_tensors_read_back_to_the_gguf_values(exported):
     assert not np.array_equal(tensors[q], gf.tensor("blk.0.attn_q.weight"))
 
 
+def _llmtune_logits(path, ids: list[int]) -> np.ndarray:
+    """llmtune's float64 logits [n_tok, n_vocab] for `ids` over the GGUF's weights as float32."""
+    gf = load_gguf(path)
+    hp, present = check_model(gf)
+    model = Model(gf.path, gf, hp, {s.name: gf.tensor(s.name) for s in present})
+    _, nodes, logits = model.build(1, len(ids))
+    prog = Program([logits], CPUBackend(), params={nodes[n]: w for n, w in model.weights.items()})
+    return np.asarray(prog.run(tokens=np.asarray([ids], np.int32), pos=np.arange(len(ids), dtype=np.int32))[0],
+                      np.float64).reshape(len(ids), -1)
+
+
 def test_llmtune_logits_equal_transformers_on_the_exported_folder():
     """tests/data/hf_export: transformers' logits of the folder this export writes (float32, eager)."""
     fixture = json.loads(FIXTURE.read_text())
-    gf = load_gguf(DATA / "stories260K.gguf")
-    hp, present = check_model(gf)
-    model = Model(gf.path, gf, hp, {s.name: gf.tensor(s.name) for s in present})
     ids = fixture["ids"]
-    _, nodes, logits = model.build(1, len(ids))
-    prog = Program([logits], CPUBackend(), params={nodes[n]: w for n, w in model.weights.items()})
-    ours = np.asarray(prog.run(tokens=np.asarray([ids], np.int32), pos=np.arange(len(ids), dtype=np.int32))[0],
-                      np.float64).reshape(len(ids), -1)
+    ours = _llmtune_logits(DATA / "stories260K.gguf", ids)
     theirs = np.asarray(fixture["logits"])
-    assert ids == Tokenizer.from_gguf(gf).encode(fixture["text"])[:len(ids)]
+    assert ids == Tokenizer.from_gguf(load_gguf(DATA / "stories260K.gguf")).encode(fixture["text"])[:len(ids)]
     assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
 
 
@@ -170,9 +177,53 @@ def test_a_family_without_a_mapping_is_refused_and_nothing_written(tmp_path, mon
     model = tmp_path / "gpt2.gguf"
     init_model(REPO / "configs" / "gpt2-tiny.toml", VOCAB_DIR / "ggml-vocab-gpt-2.gguf", model, 0,
                test_weights=True)
+    monkeypatch.setitem(arch._FAMILIES, "gpt2", toy_family.GPT2WithoutNames())
     code, _, err = run_cli(monkeypatch, capsys, "export", model, "--hf", tmp_path / "out")
-    _one_line(code, err, str(model), "gpt2")
+    _one_line(code, err, str(model), "the gpt2 family has no Hugging Face tensor names")
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def gpt2_tiny(tmp_path_factory):
+    """bench/check_hf_export.py --record's gpt2 model: configs/gpt2-tiny.toml, seed 0, random weights."""
+    return init_model(REPO / "configs" / "gpt2-tiny.toml", VOCAB_DIR / "ggml-vocab-gpt-2.gguf",
+                      tmp_path_factory.mktemp("gpt2") / "gpt2-tiny.gguf", 0, test_weights=True)
+
+
+def test_gpt2_folder_conv1d_matrices_and_config(gpt2_tiny, tmp_path):
+    """GPT2LMHeadModel's names; c_attn / c_proj / c_fc as Conv1D weights ([n_in, n_out]: the GGUF's
+    transposed), everything else as it is; GPT2Config's own keys."""
+    folder = tmp_path / "gpt2-hf"
+    export_hf(gpt2_tiny, folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
+    assert {k: config[k] for k in ("n_embd", "n_layer", "n_head", "n_positions", "n_inner", "vocab_size",
+                                   "activation_function", "tie_word_embeddings")} == {
+        "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "n_inner": 256, "vocab_size": 50257,
+        "activation_function": "gelu_new", "tie_word_embeddings": True}
+    assert not {"hidden_size", "rms_norm_eps", "hidden_act", "num_key_value_heads"} & set(config)
+    gf = load_gguf(gpt2_tiny)
+    hf = hf_names("gpt2")
+    tensors = read_safetensors(folder / "model.safetensors")
+    assert len(tensors) == len(gf.tensors)
+    assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)
+    for name, w in tensors.items():
+        gguf = hf.gguf_name(name)
+        np.testing.assert_array_equal(w.T if hf.transposed(gguf) else w, gf.tensor(gguf), err_msg=name)
+    assert sorted(n for n in tensors if hf.transposed(hf.gguf_name(n))) == sorted(
+        f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                   "mlp.c_proj"))
+
+
+def test_gpt2_llmtune_logits_equal_transformers(gpt2_tiny):
+    """tests/data/hf_export/gpt2-tiny.json: transformers' logits (every 97th column) of the folder this
+    export writes for gpt2-tiny (float32, eager)."""
+    fixture = json.loads((DATA / "hf_export" / "gpt2-tiny.json").read_text())
+    ids, every = fixture["ids"], int(fixture["columns"].split()[-1])
+    ours = _llmtune_logits(gpt2_tiny, ids)[:, ::every]
+    theirs = np.asarray(fixture["logits"])
+    assert ids == Tokenizer.from_gguf(load_gguf(gpt2_tiny)).encode(fixture["text"])[:len(ids)]
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() < 1e-4
 
 
 @pytest.mark.parametrize("args,words", [

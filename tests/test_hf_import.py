@@ -20,14 +20,18 @@ pytest.importorskip("tokenizers")
 from safetensors.numpy import load_file  # noqa: E402
 
 from cli_helpers import run_cli  # noqa: E402
+from conftest import DATA, REPO  # noqa: E402
 from hf_compare import metadata_digest, plain_fields, tensor_digests  # noqa: E402
-from hf_fixture import load_record, make_folder, write_safetensors  # noqa: E402
+from hf_fixture import hf_tensor_shapes as hf_fixture_shapes, load_record, make_folder, write_safetensors  # noqa: E402
 from llmtune.convert import hf_import  # noqa: E402
+from llmtune.convert.init import init_model  # noqa: E402
+from llmtune.gguf.file import load_gguf  # noqa: E402
 
 # *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
-# + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules (longrope: the rope factors)
+# + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules (longrope: the rope factors);
+# gpt2: Conv1D matrices transposed, its six keys, learned positions, GPT-2's tokenizer
 NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny", "gemma3-spm-tiny",
-         "phi3-spm-tiny", "phi3-longrope-spm-tiny")
+         "phi3-spm-tiny", "phi3-longrope-spm-tiny", "gpt2-tiny")
 CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
@@ -98,7 +102,7 @@ def test_damaged_safetensors_header(folders, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("arch,words", [("MambaForCausalLM", "is not an architecture llmtune imports"),
-                                        ("GPT2LMHeadModel", "is not an architecture llmtune imports")])
+                                        ("GPTNeoXForCausalLM", "is not an architecture llmtune imports")])
 def test_unsupported_architecture(folders, tmp_path, monkeypatch, capsys, arch, words):
     folder = _copy(folders, tmp_path)
     config = json.loads((folder / "config.json").read_text())
@@ -265,15 +269,92 @@ def test_sharded_folder_with_index(folders, tmp_path, monkeypatch, capsys):
     assert "model.safetensors.index.json" in line and "model-00002-of-00002.safetensors" in line
 
 
-@pytest.mark.parametrize("name,outtype", [("llama-spm-tiny", "f16"), ("llama-tiny", "f16"), ("qwen2-tiny", "bf16")])
+@pytest.mark.parametrize("name,outtype", [("llama-spm-tiny", "f16"), ("llama-tiny", "f16"), ("qwen2-tiny", "bf16"),
+                                          ("gpt2-tiny", "q8_0")])
 def test_small_pieces_same_bytes(folders, tmp_path, monkeypatch, capsys, name, outtype):
-    """Pieces of 200 values (many a tensor, rows permuted across pieces for llama's q/k): the one-ahead
+    """Pieces of 200 values (many a tensor, rows permuted across pieces for llama's q/k, gpt2's transposed
+    matrices gathered column by column): the one-ahead
     pipeline and the reused F16 buffers give the converter's bytes still."""
     monkeypatch.setattr(hf_import, "PIECE_ELEMENTS", 200)
     out = tmp_path / "m.gguf"
     code, _, err = run_cli(monkeypatch, capsys, "import", folders[name], "-o", out, "--type", outtype)
     assert code == 0, err
     assert {k: list(v) for k, v in tensor_digests(out).items()} == load_record(name)["outputs"][outtype]["tensors"]
+
+
+def test_gpt2_mask_buffers_and_context_keys(folders, tmp_path, monkeypatch, capsys):
+    """Older GPT-2 checkpoints hold attn.bias / attn.masked_bias (causal masks, not weights): not read. A
+    config.json without n_ctx (transformers 5 writes n_positions only) takes n_positions; without either,
+    one line naming them."""
+    folder = _copy(folders, tmp_path, "gpt2-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    n = config["n_positions"]
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors.update({"transformer.h.0.attn.bias": np.tril(np.ones((1, 1, n, n), np.float32)),
+                    "transformer.h.1.attn.masked_bias": np.array(-1e4, np.float32)})
+    arrays = iter([tensors[k] for k in sorted(tensors)])
+    write_safetensors(folder / "model.safetensors", {k: tensors[k].shape for k in sorted(tensors)},
+                      lambda _: next(arrays), "F32")
+    del config["n_ctx"]
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    expected = load_record("gpt2-tiny")["outputs"]["f32"]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
+    assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
+    del config["n_positions"]
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "config.json has no" in line and "n_ctx" in line and str(folder) in line
+
+
+def test_gpt2_names_without_transformer_prefix(folders, tmp_path, monkeypatch, capsys):
+    """GPT-2's own files (saved from GPT2Model: "h.0.attn.c_attn.weight", "wte.weight") lack the
+    "transformer." prefix; the converter maps both (its output is the same file, checked by hand with
+    convert_hf_to_gguf.py on this folder), and so does import."""
+    folder = _copy(folders, tmp_path, "gpt2-tiny")
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    arrays = iter([tensors[k] for k in sorted(tensors)])
+    write_safetensors(folder / "model.safetensors", {k: tensors[k].shape for k in sorted(tensors)},
+                      lambda _: next(arrays), "F32")
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "q8_0")
+    assert code == 0, err
+    expected = load_record("gpt2-tiny")["outputs"]["q8_0"]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
+    assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
+
+
+def test_gpt2_feed_forward_is_four_times_n_embd(folders, tmp_path, monkeypatch, capsys):
+    """GPT2Model.set_gguf_parameters writes 4 * n_embd whatever n_inner says: a c_fc of another width is
+    refused by its shape, in one line, rather than written into a file llama.cpp cannot load."""
+    folder = _copy(folders, tmp_path, "gpt2-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    config["n_inner"] = 3 * config["n_embd"]
+    (folder / "config.json").write_text(json.dumps(config))
+    shapes = {k: tuple(v) for k, v in hf_fixture_shapes(config).items()}
+    write_safetensors(folder / "model.safetensors", shapes, lambda shape: np.zeros(shape, np.float32), "F32")
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "ffn_up" in line and str(folder) in line
+
+
+def test_gpt2_export_then_import_gives_the_model_back(tmp_path, monkeypatch, capsys):
+    """export --hf (Conv1D matrices transposed to [n_in, n_out]) then import (transposed back): every
+    tensor of gpt2-tiny in its order and bits, and every hyper-parameter and tokenizer key."""
+    src = init_model(REPO / "configs" / "gpt2-tiny.toml", DATA / "vocab" / "ggml-vocab-gpt-2.gguf",
+                     tmp_path / "g.gguf", 0, test_weights=True)
+    back = tmp_path / "back.gguf"
+    for args in (("export", src, "--hf", tmp_path / "hf"), ("import", tmp_path / "hf", "-o", back, "--type", "f32")):
+        code, _, err = run_cli(monkeypatch, capsys, *args)
+        assert code == 0, err
+    a, b = load_gguf(src), load_gguf(back)
+    assert list(a.tensors) == list(b.tensors)
+    for name in a.tensors:
+        np.testing.assert_array_equal(b.tensor(name), a.tensor(name), err_msg=name)
+    for key, value in a.metadata.items():
+        if not key.startswith("general."):
+            assert b.metadata[key] == value, key
 
 
 def test_bf16_kept_is_the_converters_round_trip():

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 import lora_fixture
+import toy_family
 from cli_helpers import run_cli
 from conftest import DATA, REPO
+from llmtune import arch
 from llmtune.arch import hf_names
 from llmtune.arch.hf_names import HFNames
 from llmtune.convert.init import init_model
-from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import load_gguf
 from llmtune.model import adapter as lora
 from llmtune.model.loaded import load_model
@@ -32,11 +33,19 @@ safe_open = pytest.importorskip("safetensors").safe_open
 
 PEFT = DATA / "peft"  # bench/check_peft.py --record
 FIXTURES = ["stories260K-lora", "stories260K-rslora-bf16"]
+GPT2_FIXTURE = "gpt2-tiny-lora"  # on bench/check_peft.py's gpt2 base: configs/gpt2-tiny.toml, seed 0, random weights
 
 
 @pytest.fixture(scope="module")
 def stories(stories_path):
     return load_model(stories_path)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    path = init_model(REPO / "configs" / "gpt2-tiny.toml", DATA / "vocab" / "ggml-vocab-gpt-2.gguf",
+                      tmp_path_factory.mktemp("gpt2") / "gpt2-tiny.gguf", 0, test_weights=True)
+    return load_model(path)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +84,12 @@ def test_llama_q_k_rows_are_the_converters_permutation_undone():
     assert hf.hf_name("blk.11.ffn_gate.weight") == "model.layers.11.mlp.gate_proj.weight"
     assert hf.gguf_name("model.layers.11.self_attn.o_proj.bias") == "blk.11.attn_output.bias"
     assert hf.gguf_name("model.layers.1.self_attn.qkv_proj.weight") is None
-    with pytest.raises(LlmtuneError, match="the gpt2 family has no Hugging Face tensor names"):
-        hf_names("gpt2", "x.gguf")
+    gpt2 = hf_names("gpt2")  # Conv1D matrices: the HF tensor is the GGUF matrix transposed
+    assert gpt2.hf_name("blk.3.attn_qkv.weight") == "transformer.h.3.attn.c_attn.weight"
+    assert gpt2.transposed("blk.3.attn_qkv.weight") and not gpt2.transposed("blk.3.attn_qkv.bias")
+    assert gpt2.hf_shape("blk.0.ffn_up.weight", (256, 64)) == (64, 256) and not gpt2.transposed("token_embd.weight")
+    assert gpt2.gguf_name("transformer.h.1.mlp.c_proj.bias") == "blk.1.ffn_down.bias"
+    assert gpt2.gguf_name("transformer.h.1.attn.c_proj.weight") == "blk.1.attn_output.weight"
 
 
 def test_a_table_reads_both_ways():
@@ -330,15 +343,64 @@ def test_dropout_and_base_layer_copies_are_ignored(stories, tmp_path):
     _pairs_equal(lora.load_peft(folder, stories), lora.load_peft(PEFT / FIXTURES[0], stories))
 
 
-def test_a_family_without_names_is_refused(tmp_path, wiki_text, monkeypatch, capsys):
-    gpt2 = init_model(REPO / "configs" / "gpt2-tiny.toml", DATA / "vocab" / "ggml-vocab-gpt-2.gguf",
-                      tmp_path / "gpt2.gguf")
-    code, _, err = run_cli(monkeypatch, capsys, "perplexity", gpt2, wiki_text, "--lora", PEFT / FIXTURES[0])
-    _one_line(code, err, f"--lora {PEFT / FIXTURES[0]}", "the gpt2 family has no Hugging Face tensor names")
-    adapter = lora.write_adapter(tmp_path / "g.gguf", random_adapter(load_model(gpt2), rank=2))
+def test_a_family_without_names_is_refused(gpt2, tmp_path, wiki_text, monkeypatch, capsys):
+    adapter = lora.write_adapter(tmp_path / "g.gguf", random_adapter(gpt2, rank=2))
+    monkeypatch.setitem(arch._FAMILIES, "gpt2", toy_family.GPT2WithoutNames())
+    code, _, err = run_cli(monkeypatch, capsys, "perplexity", gpt2.path, wiki_text, "--lora", PEFT / GPT2_FIXTURE)
+    _one_line(code, err, f"--lora {PEFT / GPT2_FIXTURE}", "the gpt2 family has no Hugging Face tensor names")
     code, _, err = run_cli(monkeypatch, capsys, "export", adapter, "--peft", tmp_path / "p")
     _one_line(code, err, f"--peft {tmp_path / 'p'}", "the gpt2 family")
     assert not (tmp_path / "p").exists()
+
+
+# ------------------------------------------------------------------------------ gpt2: Conv1D modules
+def test_gpt2_adapter_round_trip_and_fan_in_fan_out(gpt2, tmp_path):
+    """gpt2's c_attn / c_proj / c_fc are Conv1D weights ([n_in, n_out]), but PEFT's LoRA of one keeps A
+    [r, n_in] and B [n_out, r] as for a Linear: llmtune's pairs as they are, fan_in_fan_out true."""
+    adapter = random_adapter(gpt2, rank=2)
+    assert sorted({n.split(".")[2] for n in adapter.pairs}) == ["attn_output", "attn_qkv", "ffn_down", "ffn_up"]
+    done = lora.write_peft(adapter, tmp_path / "p", (4, 4), gpt2.hp.n_layer)
+    assert done.target_modules == ["c_attn", "c_fc", "c_proj"]
+    config = json.loads((tmp_path / "p" / "adapter_config.json").read_text())
+    assert config["fan_in_fan_out"] is True
+    got = safetensors_numpy.load_file(str(tmp_path / "p" / "adapter_model.safetensors"))
+    pre = "base_model.model.transformer.h.1."
+    np.testing.assert_array_equal(got[pre + "attn.c_attn.lora_A.weight"], adapter.pairs["blk.1.attn_qkv.weight"].a)
+    assert got[pre + "mlp.c_fc.lora_B.weight"].shape == (256, 2) and got[pre + "mlp.c_proj.lora_A.weight"].shape == (
+        2, 256)
+    _pairs_equal(lora.load_peft(tmp_path / "p", gpt2), adapter)
+
+
+def test_gpt2_c_proj_is_named_in_full_when_one_of_its_two_is_adapted(gpt2, tmp_path):
+    """"c_proj" would select mlp.c_proj too (PEFT matches a module's last name): attn_output alone is
+    written as the modules' paths."""
+    adapter = random_adapter(gpt2, rank=2, targets="attn_output|ffn_up")
+    done = lora.write_peft(adapter, tmp_path / "p", (4, 4), gpt2.hp.n_layer)
+    assert done.target_modules == ["c_fc", "transformer.h.0.attn.c_proj", "transformer.h.1.attn.c_proj"]
+    _pairs_equal(lora.load_peft(tmp_path / "p", gpt2), adapter)
+
+
+def test_gpt2_peft_folder_gives_peft_logits(gpt2, tmp_path, monkeypatch, capsys):
+    """PEFT's own gpt2 adapter (random A and B on c_attn, c_proj, c_fc; bench/check_peft.py --record): PEFT's
+    logits, read as --lora-init reads it; and finetune --lora-init starts from it."""
+    expected = np.load(PEFT / "expected.npz")
+    tokens = expected[f"{GPT2_FIXTURE}.tokens"][None].astype(np.int32)
+    want = expected[f"{GPT2_FIXTURE}.logits"].astype(np.float64)
+    every = int(json.loads((PEFT / "expected.json").read_text())[GPT2_FIXTURE]["columns"].split()[-1])
+    adapter = lora.load_adapter(PEFT / GPT2_FIXTURE, gpt2, flag="--lora-init")
+    assert len(adapter.pairs) == 4 * gpt2.hp.n_layer
+    got = logits_of(dataclasses.replace(gpt2, adapters=[adapter]), tokens, np.float32)[..., ::every]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    assert np.abs(logits_of(gpt2, tokens, np.float32)[..., ::every] - want).max() > 0.1  # it does something
+    out = tmp_path / "continued.gguf"  # --lora-init DIR: finetune starts from PEFT's adapter
+    wiki = tmp_path / "w.txt"
+    wiki.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    code, _, err = run_cli(monkeypatch, capsys, "finetune", gpt2.path, wiki, "-o", out, "--ctx", 32, "--epochs", 1,
+                           "--lr", 1e-30, "--lora-init", PEFT / GPT2_FIXTURE)
+    assert code == 0, err
+    start = lora.load_adapter(out, gpt2)
+    got = logits_of(dataclasses.replace(gpt2, adapters=[start]), tokens, np.float32)[..., ::every]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
 def test_without_safetensors_one_line_says_how_to_get_it(stories_path, wiki_text, monkeypatch, capsys):

@@ -6,6 +6,7 @@ because the build context's `mm` applies a `.bias` whenever the model has one.""
 
 from llmtune.arch import register
 from llmtune.arch.family import TensorSpec
+from llmtune.arch.gpt2 import GPT2
 from llmtune.arch.llama import Llama
 from llmtune.graph import ops
 
@@ -38,3 +39,10 @@ class MisspelledNorm(LlamaQKVBias):
             norm = "ffn_nrom" if il == 0 else "ffn_norm"
             x = ops.add(x, ctx.ffn(ctx.norm(x, f"blk.{il}.{norm}"), f"blk.{il}"))
         return ctx.output(x)
+
+
+class GPT2WithoutNames(GPT2):
+    """Not registered: gpt2 without its Hugging Face table, for the refusals of a family that has none
+    (every built-in family has one); a test puts it in place of gpt2 (monkeypatch arch._FAMILIES)."""
+
+    hf = None

@@ -4,6 +4,11 @@ Learned absolute positions (position_embd, context_length rows) added to the tok
 no RoPE; pre-norm LayerNorm with weight and bias; a fused attn_qkv [q | k | v] projection;
 a bias on every linear; a sequential GELU (tanh) feed-forward. No grouped-query attention
 (there is no head_count_kv key). The output projection is usually tied to token_embd.
+
+In Hugging Face checkpoints (GPT2LMHeadModel) the four matrices are transformers' Conv1D weights,
+stored [n_in, n_out]: convert_hf_to_gguf.py's GPT2Model transposes c_attn, c_proj and c_fc (`conv1d`
+in the table); the fused c_attn keeps llama.cpp's [q | k | v] order. The attn.bias / attn.masked_bias
+buffers older checkpoints hold are causal masks, not weights (not read).
 """
 
 from __future__ import annotations
@@ -13,14 +18,31 @@ from gguf import GGUFValueType as VT
 from llmtune.arch import register
 from llmtune.arch.context import BuildContext
 from llmtune.arch.family import Family, TensorSpec, output_tensors
+from llmtune.arch.hf_names import HFNames
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
 
+# gguf-py's tensor_mapping for GPT2LMHeadModel (its "transformer." names: what save_pretrained writes; GPT-2's
+# own files, saved from GPT2Model, lack the prefix: bare_prefix reads those too)
+HF_NAMES = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+    "blk.{bid}.attn_norm": "transformer.h.{bid}.ln_1",
+    "blk.{bid}.attn_qkv": "transformer.h.{bid}.attn.c_attn",
+    "blk.{bid}.attn_output": "transformer.h.{bid}.attn.c_proj",
+    "blk.{bid}.ffn_norm": "transformer.h.{bid}.ln_2",
+    "blk.{bid}.ffn_up": "transformer.h.{bid}.mlp.c_fc",
+    "blk.{bid}.ffn_down": "transformer.h.{bid}.mlp.c_proj",
+}
 
 @register
 class GPT2(Family):
     name = "gpt2"
     traits = {"rope_mode": None, "norm_kind": "layer", "activation": "gelu", "ffn_gated": False}
+    hf = HFNames("GPT2LMHeadModel", "gpt2", HF_NAMES, conv1d=("attn_qkv", "attn_output", "ffn_up", "ffn_down"),
+                 bare_prefix="transformer.")
 
     def write_hparams(self, hp):
         """The keys convert_hf_to_gguf.py's GPT2Model writes (no vocab, rope or head_count_kv keys)."""

@@ -26,7 +26,7 @@ from gguf import GGUFValueType as VT
 from llmtune.arch.hparams import HParams
 from llmtune.errors import LlmtuneError
 
-ALL = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # the families import reads config.json for
+ALL = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2")  # the families import reads config.json for
 
 
 def _linear_factor(config: dict) -> Optional[float]:
@@ -70,6 +70,11 @@ ROWS: tuple[Row, ...] = (
     Row("rope.dimension_count", ("hidden_size", "num_attention_heads"), VT.UINT32, families=("phi3",),
         compute=lambda c: int(float(rope_param(c, "partial_rotary_factor") or 1.0) * int(c["hidden_size"]))
         // int(c["num_attention_heads"])),  # int(partial_rotary_factor * n_embd) // n_head
+    # GPT2Model.set_gguf_parameters: the feed-forward is 4 * n_embd whatever n_inner says (a checkpoint
+    # whose c_fc is another width is then refused by its shape), LayerNorm's epsilon
+    Row("feed_forward_length", ("n_embd",), VT.UINT32, families=("gpt2",), required=True,
+        compute=lambda c: 4 * int(c["n_embd"]) if c.get("n_embd") is not None else None),
+    Row("attention.layer_norm_epsilon", ("layer_norm_epsilon",), VT.FLOAT32, families=("gpt2",), required=True),
 )
 # written after general.file_type by the family's own set_gguf_parameters (LlamaModel)
 EXTRA: tuple[Row, ...] = (
@@ -92,13 +97,16 @@ ORDER: dict[str, tuple[str, ...]] = {
     "phi3": ("context_length", "rope.scaling.original_context_length", "embedding_length", "feed_forward_length",
              "block_count", "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
              "rope.dimension_count", "rope.freq_base"),
+    "gpt2": ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+             "attention.layer_norm_epsilon"),  # GPT2Model: its six keys (context_length: n_ctx, else n_positions)
 }
 # keys the family's converter writes with its own default when config.json lacks them (after the others,
 # in another order): refused instead, naming the key
 _REQUIRED = {"gemma2": ("context_length", "attention.key_length"),
              "gemma3": ("context_length", "attention.head_count", "attention.head_count_kv",
                         "attention.layer_norm_rms_epsilon", "attention.key_length", "attention.value_length"),
-             "phi3": ("context_length", "attention.head_count_kv", "rope.freq_base")}  # find_hparam's KeyError
+             "phi3": ("context_length", "attention.head_count_kv", "rope.freq_base"),  # find_hparam's KeyError
+             "gpt2": ("context_length",)}  # GPT2Model: hparams["n_ctx"]
 _CASTS = {VT.UINT32: int, VT.FLOAT32: float, VT.STRING: str}
 _LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
 
@@ -138,7 +146,10 @@ def rows(arch: str, extra: bool) -> list[Row]:
     """The family's rows in the converter's order (ORDER's, else the table's), _REQUIRED's required."""
     found = [r for r in (EXTRA if extra else ROWS) if arch in r.families]
     if not extra and arch in ORDER:
-        by_key = {r.key: r for r in found}
+        by_key = {}
+        for r in found:  # a family's own row wins over the shared one of the same key (gpt2's feed_forward_length)
+            if r.key not in by_key or r.families == (arch,):
+                by_key[r.key] = r
         found = [by_key[k] for k in ORDER[arch]]
     must = _REQUIRED.get(arch, ())
     return [Row(r.key, r.hf, r.vtype, (arch,), True) if r.key in must else r for r in found]
@@ -246,6 +257,21 @@ def _phi3_extra(hp: HParams, tensors: set) -> dict:
             "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 
 
+def _gpt2_extra(hp: HParams, tensors: set) -> dict:
+    """GPT2Config's own names (its attribute_map reads the common ones too, but these are what GPT-2's
+    config.json holds); gelu_new is the tanh GELU llama.cpp's ggml_gelu computes; no dropout."""
+    return {"n_embd": hp.n_embd, "n_layer": hp.n_layer, "n_head": hp.n_head, "n_positions": hp.n_ctx_train,
+            "n_ctx": hp.n_ctx_train, "n_inner": hp.n_ff, "layer_norm_epsilon": hp.norm_eps,
+            "activation_function": "gelu_new", "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+
+
+def _gpt2_refusals(hp: HParams) -> Optional[str]:
+    if hp.n_head_kv != hp.n_head or hp.head_dim != hp.n_embd // hp.n_head:
+        return "grouped-query attention or a head size other than n_embd / n_head, which GPT-2's config does not take"
+    return None
+
+
 OUTPUT_BIAS = {"output.bias": "an output bias (output.bias), which the checkpoint's lm_head has no place for"}
 QKV_BIAS = ("q/k/v biases without an output projection bias, which transformers' attention_bias=True would add "
             "(Qwen3's o_proj)")
@@ -266,6 +292,9 @@ FAMILIES: dict[str, HFConfig] = {
     # gemma's norm weights (every RMSNorm, q/k norms too) are stored +1: HF computes x * (1 + w)
     "gemma2": HFConfig(extra=_gemma_extra, norm_offset=1.0, refuse=_gemma_refusals),
     "gemma3": HFConfig(extra=_gemma_extra, norm_offset=1.0, refuse=_gemma_refusals),
+    # gpt2: GPT2Config's names instead of the common ones (vocab_size and tie_word_embeddings are its own)
+    "gpt2": HFConfig(extra=_gpt2_extra, refuse=_gpt2_refusals,
+                     drop=tuple(k for k in COMMON if k not in ("vocab_size", "tie_word_embeddings")) + ("hidden_act",)),
 }
 
 
@@ -343,7 +372,8 @@ def config_json(hp: HParams, hf_names, tensors: set, special: dict, source: str,
                            else f"{source}: {why}; no exact Hugging Face export")
     config = {"architectures": [hf_names.architecture], "model_type": hf_names.model_type}
     config.update({k: getattr(hp, field) for k, field in COMMON.items() if k not in table.drop})
-    config["hidden_act"] = ACTIVATIONS[hp.activation]
+    if "hidden_act" not in table.drop:
+        config["hidden_act"] = ACTIVATIONS[hp.activation]
     config.update(table.extra(hp, tensors))
     if rope:
         if "rope_scaling" in config:  # linear scaling on top: transformers takes one rope_scaling

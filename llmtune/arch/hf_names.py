@@ -9,6 +9,12 @@ convert_hf_to_gguf.py (gguf-py's tensor_mapping) renames, read in both direction
 - rope_rows: llama's q and k rows are stored permuted (convert_hf_to_gguf.py's LlamaModel.permute:
   HF rotates halves of each head, llama.cpp adjacent pairs), so anything with rows in HF's order
   (an HF matrix, a PEFT adapter's B) is reordered per head (`hf_rows`);
+- conv1d: the GGUF stems (their last part: "attn_qkv") whose HF matrices are transformers' Conv1D
+  weights, stored [n_in, n_out] (GPT-2's c_attn, c_proj, c_fc): convert_hf_to_gguf.py's GPT2Model
+  transposes them (`transposed`); a PEFT adapter of such a module keeps A [r, n_in] and B [n_out, r]
+  and says fan_in_fan_out;
+- bare_prefix: a prefix some checkpoints of the family lack (GPT-2's own files, saved from GPT2Model:
+  "h.0.attn.c_attn.weight", no "transformer."), read either way (gguf-py maps both), written with it;
 - architecture, model_type: config.json's "architectures"[0] and "model_type".
 
 Names and row order only: value changes (gemma's norms stored +1) are the family's docstring's.
@@ -39,6 +45,8 @@ class HFNames:
     model_type: str  # config.json "model_type"
     names: dict[str, str]  # GGUF stem -> HF module path ("{bid}": the block)
     rope_rows: bool = False  # q/k rows permuted per head between HF and GGUF (llama)
+    conv1d: tuple[str, ...] = ()  # stems whose HF weight is a Conv1D's [n_in, n_out] (gpt2)
+    bare_prefix: str = ""  # a prefix of `names` some checkpoints leave out ("transformer.": GPT-2's own files)
     _to_hf: list = field(init=False, repr=False, compare=False)
     _to_gguf: list = field(init=False, repr=False, compare=False)
 
@@ -75,11 +83,22 @@ class HFNames:
         """An HF tensor's GGUF name (or an HF module's GGUF stem); None when the table has none."""
         stem, suffix = self._split(hf_name)
         gguf = self._rename(self._to_gguf, stem)
+        if gguf is None and self.bare_prefix and not stem.startswith(self.bare_prefix):
+            gguf = self._rename(self._to_gguf, self.bare_prefix + stem)
         return None if gguf is None else gguf + suffix
 
     def module_names(self) -> list[str]:
         """The table's HF module paths, "{bid}" kept (what PEFT's target_modules may name)."""
         return list(self.names.values())
+
+    def transposed(self, gguf_name: str) -> bool:
+        """Whether the HF tensor is the GGUF matrix transposed (a Conv1D weight, [n_in, n_out])."""
+        stem, suffix = self._split(gguf_name)
+        return suffix == ".weight" and stem.rsplit(".", 1)[-1] in self.conv1d
+
+    def hf_shape(self, gguf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The HF tensor's shape of GGUF tensor `gguf_name` of numpy shape `shape` (and back: the same rule)."""
+        return tuple(shape[::-1]) if self.transposed(gguf_name) else tuple(shape)
 
     def permuted(self, gguf_name: str) -> bool:
         """Whether the tensor's rows are in another order in HF (llama's q/k: hf_rows)."""

@@ -5,7 +5,8 @@ The folder is what transformers' save_pretrained writes for a causal LM and its 
 - model.safetensors (or model-0000i-of-0000n.safetensors shards and model.safetensors.index.json
   above `shard_bytes`): every tensor under its HF name (arch/hf_names.py), dequantised to float32
   and stored as f32, bf16 or f16; llama's q/k rows back in HF's order (the inverse of
-  convert_hf_to_gguf.py's LlamaModel.permute), gemma's norms less the +1 the converter added;
+  convert_hf_to_gguf.py's LlamaModel.permute), gemma's norms less the +1 the converter added, gpt2's
+  Conv1D matrices transposed back ([n_in, n_out]);
 - tokenizer.json, tokenizer_config.json, special_tokens_map.json (tokenizer/hf_files.py).
 Tensors are written one at a time into the safetensors file (its header, computed from the shapes,
 goes first), so memory holds one tensor. Everything goes into a new folder beside DIR, renamed into
@@ -65,6 +66,8 @@ def hf_tensors(gf: GGUFFile, hp, changed: Optional[Callable[[str], Optional[np.n
             w = w[rows]
         if table.norm_offset and name.endswith("norm.weight"):
             w = w - np.float32(table.norm_offset)
+        if hf.transposed(name):  # a Conv1D weight (gpt2): [n_in, n_out]
+            w = w.T
         yield hf.hf_name(name), np.ascontiguousarray(w, dtype=np.float32)
 
 
@@ -133,7 +136,7 @@ def write_hf(gf: GGUFFile, folder, dtype: str = "f32", changed=None, shard_bytes
     files = {"config.json": config, "generation_config.json": _generation_config(tok),
              **tokenizer_files(tok, gf.metadata, hp.n_ctx_train, source)}
     _check_destination(folder, flag)
-    specs = [(hf.hf_name(n), tuple(gf.tensors[n].shape), int(np.prod(gf.tensors[n].shape)) * width)
+    specs = [(hf.hf_name(n), hf.hf_shape(n, tuple(gf.tensors[n].shape)), int(np.prod(gf.tensors[n].shape)) * width)
              for n in weights]
     shards = _shards(specs, shard_bytes)
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,8 @@ Progress = Callable[[int, int, str], None]
 
 @dataclass(frozen=True)
 class SourceTensor:
-    """One safetensors tensor: file, HF name, GGUF name, dtype, shape, byte offset of its data."""
+    """One safetensors tensor: file, HF name, GGUF name, dtype, GGUF shape, byte offset of its data, and
+    whether the file holds it transposed (a Conv1D weight, [n_in, n_out]: GPT2Model's transpose)."""
 
     path: Path
     hf_name: str
@@ -63,6 +64,7 @@ class SourceTensor:
     dtype: str
     shape: tuple[int, ...]
     offset: int
+    transposed: bool = False
 
 
 def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str = "f16", force: bool = False,
@@ -202,8 +204,9 @@ def _family_arch(folder: Path, config: dict) -> str:
 
 
 # the families whose config and converter rules import covers (every family with an HF table, arch/hf_names.py)
-IMPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-_NOT_READ = {"gemma2": ("lm_head.weight",)}  # Gemma2Model.filter_tensors: llama.cpp never loads it
+IMPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2")
+_NOT_READ = {"gemma2": ("lm_head.weight",),  # Gemma2Model.filter_tensors: llama.cpp never loads it
+             "gpt2": (".attn.bias", ".attn.masked_bias")}  # GPT2Model.modify_tensors: causal-mask buffers
 
 
 def general_metadata(folder: Path, arch: str, n_params: int) -> dict[str, MetaValue]:
@@ -265,7 +268,8 @@ def read_sources(folder: Path, names, skipped: tuple[str, ...] = _SKIPPED) -> li
                 raise LlmtuneError(f"{path}: tensor {hf_name!r} has no GGUF name in the {names.model_type} family")
             if dtype not in _DTYPES:
                 raise LlmtuneError(f"{path}: tensor {hf_name!r} is {dtype}; import reads F32, F16, BF16, F64")
-            out.append(SourceTensor(path, hf_name, name, dtype, shape, offset))
+            out.append(SourceTensor(path, hf_name, name, dtype, names.hf_shape(name, shape), offset,
+                                    names.transposed(name)))
     return out
 
 
@@ -342,7 +346,8 @@ def _pieces(src: SourceTensor, qtype: QT, order: np.ndarray | None, pool: Thread
     count = math.prod(src.shape)
     data = np.memmap(src.path, dtype=_DTYPES[src.dtype], mode="r", offset=src.offset, shape=(count,))
     n_cols = src.shape[-1] if src.shape else 1
-    data = data.reshape(-1, n_cols)
+    # a transposed matrix: the GGUF rows are the file's columns (a strided view, gathered piece by piece)
+    data = data.reshape(n_cols, -1).T if src.transposed else data.reshape(-1, n_cols)
     step = max(1, PIECE_ELEMENTS // n_cols)
 
     fast_f16 = ring is not None and qtype == QT.F16 and not offset and src.dtype in ("F32", "BF16")

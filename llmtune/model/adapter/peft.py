@@ -8,7 +8,11 @@ HF model's module paths (arch/hf_names.py, the family's table) under "base_model
 - the embedding: "M.lora_embedding_A" [r, n_vocab] (llmtune's A transposed: llama.cpp's token_embd
   lora_a) and "M.lora_embedding_B" [n_embd, r];
 - "M.base_layer.weight" (PEFT's save_embedding_layers copy of a targeted embedding) is skipped, as
-  llama.cpp's convert_lora_to_gguf.py skips it.
+  llama.cpp's convert_lora_to_gguf.py skips it;
+- a Conv1D module (gpt2's c_attn, c_proj, c_fc: HFNames.transposed) keeps the same A and B (PEFT's
+  Linear wrapper takes its in/out features from the stored [n_in, n_out]); fan_in_fan_out, which
+  PEFT sets per module from the module's kind whatever the file says, is written True when one is
+  adapted and ignored when read.
 An adapter GGUF's norm vectors (mergekit-extract-lora's, which llama.cpp skips when applying) have
 no PEFT form and are not written.
 
@@ -293,7 +297,7 @@ def peft_config(adapter: LoraAdapter, hf, n_layer: Optional[int], base: str) -> 
         "alpha_pattern": alpha_pattern,
         "base_model_name_or_path": base or None,
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": any(hf.transposed(name) for name in adapter.pairs),  # a Conv1D module (gpt2)
         "inference_mode": True,
         "init_lora_weights": "gaussian" if adapter.init == "gaussian" else True,
         "lora_alpha": lora_alpha,
@@ -302,7 +306,7 @@ def peft_config(adapter: LoraAdapter, hf, n_layer: Optional[int], base: str) -> 
         "peft_type": "LORA",
         "r": rank,
         "rank_pattern": {m: r for m, r in ranks.items() if r != rank},
-        "target_modules": _target_modules(list(modules.values()), n_layer),
+        "target_modules": _target_modules(list(modules.values()), n_layer, hf.module_names()),
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": rslora,
@@ -319,20 +323,18 @@ def _shortest(exact: float, file_alpha: float, rslora_rank: Optional[int]) -> fl
     return exact
 
 
-def _target_modules(modules: list[str], n_layer: Optional[int]) -> list[str]:
-    """PEFT's target_modules: a module's last name ("q_proj") when every block has it adapted (or
-    the module is outside the blocks), else the adapted modules' full paths."""
-    blocks: dict[str, set[int]] = {}
-    for m in modules:
-        found = re.search(r"\.(\d+)\.", m)
-        blocks.setdefault(m.rsplit(".", 1)[-1], set()).update([int(found.group(1))] if found else [])
-    n = n_layer if n_layer else 1 + max((b for s in blocks.values() for b in s), default=-1)
-    out = []
-    for short, seen in blocks.items():
-        if not seen or seen == set(range(n)):
-            out.append(short)
-        else:
-            out += [m for m in modules if m.rsplit(".", 1)[-1] == short]
+def _target_modules(modules: list[str], n_layer: Optional[int], table: list[str]) -> list[str]:
+    """PEFT's target_modules: a module's last name ("q_proj") when every module that name would select
+    (every block's, of each of the family's `table` paths ending so: gpt2's attn.c_proj and mlp.c_proj
+    share "c_proj") is adapted, else the adapted modules' full paths."""
+    found = [int(m.group(1)) for path in modules if (m := re.search(r"\.(\d+)\.", path))]
+    n = n_layer if n_layer else 1 + max(found, default=-1)
+    adapted, out = set(modules), []
+    for short in dict.fromkeys(m.rsplit(".", 1)[-1] for m in modules):
+        selected = {t.replace("{bid}", str(b)) for t in table if t.rsplit(".", 1)[-1] == short
+                    for b in (range(n) if "{bid}" in t else (0,))}
+        mine = [m for m in modules if m.rsplit(".", 1)[-1] == short]
+        out += [short] if selected <= adapted else mine
     return sorted(out)
 
 
