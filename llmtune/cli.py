@@ -267,7 +267,9 @@ def import_cmd(
 ):
     """Convert a local Hugging Face model folder to GGUF, as llama.cpp's convert_hf_to_gguf.py does (same tensors, bytes and metadata).
 
-    Families: llama (SmolLM2, Llama 2 / 3, TinyLlama), qwen2, qwen3, gemma2, gemma3, phi3, with a SentencePiece tokenizer.model (read first, as the converter does) or a byte-level BPE tokenizer.json. The weights are read and written one piece at a time; never the network (a hub name is refused).
+    Families: llama (SmolLM2, Llama 2 / 3, TinyLlama), qwen2, qwen3, gemma2, gemma3, phi3, gpt2, with a SentencePiece tokenizer.model (read first, as the converter does) or a byte-level BPE tokenizer.json. The weights are read and written one piece at a time; never the network (a hub name is refused).
+
+    Gemma 3 4B / 12B / 27B (Gemma3ForConditionalGeneration): the text model, as the converter writes it; the vision tower and projector (the converter's --mmproj file) are not written.
 
     Example: llmtune import SmolLM2-135M-Instruct/ -o smollm2.gguf --type q8_0
 

@@ -107,6 +107,17 @@ _REQUIRED = {"gemma2": ("context_length", "attention.key_length"),
                         "attention.layer_norm_rms_epsilon", "attention.key_length", "attention.value_length"),
              "phi3": ("context_length", "attention.head_count_kv", "rope.freq_base"),  # find_hparam's KeyError
              "gpt2": ("context_length",)}  # GPT2Model: hparams["n_ctx"]
+# transformers' Gemma3TextConfig defaults, which AutoConfig fills into a multimodal config's text_config before
+# convert_hf_to_gguf.py reads it: transformers 4 saved a nested config's differences from its defaults only
+# (Gemma 3 4B / 12B / 27B's text_config: no head counts, head_dim, epsilon, context, rope bases). The *_token_id
+# defaults are not among them: SpecialVocab reads config.json itself.
+TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+               "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
+               "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
+               "attn_logit_softcapping": None},
+}
 _CASTS = {VT.UINT32: int, VT.FLOAT32: float, VT.STRING: str}
 _LOCAL_THETA = ("local_rope_theta", "rope_local_theta", "rope_theta_local", "swa_rope_theta", "rope_local_base_freq")
 

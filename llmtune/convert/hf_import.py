@@ -9,6 +9,9 @@ arch/hf_config.py's table, and the file is written one piece of one tensor at a 
 (write_gguf_streamed): memory holds a few pieces, whatever the model's size. The safetensors files are
 checked with the `safetensors` library and their data read through a memory map (BF16 included,
 which numpy cannot name). Never the network: a hub name is refused with the path form to use.
+An image-text checkpoint (MULTIMODAL: Gemma3ForConditionalGeneration) is imported as its text model,
+as the converter's TextModel reads it (text_model_config, text_tensor_name); its vision part (the
+converter's --mmproj file) is not written.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ import numpy as np
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType as QT, GGUFValueType as VT
 
 from llmtune.arch import check_tensors, get_family, read_hparams
-from llmtune.arch.hf_config import gguf_hparams, hf_config_of, rope_param
+from llmtune.arch.hf_config import TEXT_DEFAULTS, gguf_hparams, hf_config_of, rope_param
 from llmtune.backends.cpu import to_f16
 from llmtune.convert.export import tensor_plans
-from llmtune.convert.hf_vocab import read_json, vocab_metadata
+from llmtune.convert.hf_vocab import SPECIAL_TYPES, read_json, vocab_metadata
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import (
     GGUF_KIND,
@@ -75,8 +78,9 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     xt = export_type(type)
     folder = _check_folder(folder)
     out = check_output_path(out_path, folder / "config.json", replaces=GGUF_KIND, force=force)
-    config = _config(folder)
-    arch = _family_arch(folder, config)
+    raw = _config(folder)
+    arch = _family_arch(folder, raw)
+    config = text_model_config(raw, arch)
     first_meta, generated = longrope(config, arch, folder / "config.json")
     _refuse_rope_scaling(config, arch, bool(generated), folder / "config.json")
     hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
@@ -187,16 +191,32 @@ def _config(folder: Path) -> dict:
     config = read_json(folder / "config.json")
     if not isinstance(config, dict):
         raise LlmtuneError(f"{folder / 'config.json'}: not a JSON object")
-    if isinstance(config.get("text_config"), dict):  # TextModel: the text config's keys at the root
-        config = {**config, **config["text_config"]}
+    if "text_config" in config and not isinstance(config["text_config"], dict):
+        raise LlmtuneError(f"{folder / 'config.json'}: text_config is not a JSON object")
     return config
 
 
+def text_model_config(config: dict, arch: str) -> dict:
+    """TextModel.__init__'s hparams: a multimodal config's text_config (with the defaults AutoConfig fills in,
+    hf_config.TEXT_DEFAULTS) over its root keys; the special token ids as SpecialVocab reads config.json:
+    the root's, else text_config's. A config without text_config is its own."""
+    text = config.get("text_config")
+    if text is None:
+        return config
+    merged = {**config, **TEXT_DEFAULTS.get(arch, {}), **text}
+    for typ in SPECIAL_TYPES:
+        if config.get(f"{typ}_token_id") is not None:
+            merged[f"{typ}_token_id"] = config[f"{typ}_token_id"]
+    return merged
+
+
 def _family_arch(folder: Path, config: dict) -> str:
-    """The GGUF architecture of config.json's "architectures"[0], by the imported families' HF tables."""
-    names = config.get("architectures") or []
+    """The GGUF architecture of config.json's "architectures"[0] (text_config's when it names one:
+    get_model_architecture), by the imported families' HF tables and MULTIMODAL."""
+    text = config.get("text_config") or {}
+    names = text.get("architectures") or config.get("architectures") or []
     hf_arch = names[0] if isinstance(names, list) and names else None
-    imported = {get_family(a).hf.architecture: a for a in IMPORTED}
+    imported = {**{get_family(a).hf.architecture: a for a in IMPORTED}, **MULTIMODAL}
     if hf_arch in imported:
         return imported[hf_arch]
     raise LlmtuneError(f"{folder / 'config.json'}: {hf_arch!r} is not an architecture llmtune imports; import reads "
@@ -205,6 +225,9 @@ def _family_arch(folder: Path, config: dict) -> str:
 
 # the families whose config and converter rules import covers (every family with an HF table, arch/hf_names.py)
 IMPORTED = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2")
+# image-text checkpoints whose text model the converter writes as the family's (Gemma3Model is registered for
+# both names); their vision tower and projector go to an --mmproj file, which import does not write
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3"}
 _NOT_READ = {"gemma2": ("lm_head.weight",),  # Gemma2Model.filter_tensors: llama.cpp never loads it
              "gpt2": (".attn.bias", ".attn.masked_bias")}  # GPT2Model.modify_tensors: causal-mask buffers
 
@@ -255,15 +278,34 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
+# TextModel.filter_tensors: a multimodal checkpoint's tensors that are not the text model's (vision tower,
+# projector, audio ...), by name start and by part
+_MM_STARTS = ("mlp", "vit.", "vpm.", "siglip2.", "conformer.", "merger.", "resampler.", "sound_encoder.",
+              "sound_projection.", "speech_embeddings.")
+_MM_PARTS = ("visual.", "vision.", "audio.", "talker.", "vision_", "audio_", "token2wav.", "code2wav.", "projector.",
+             "pre_mm_projector_norm", "image_newline", "view_seperator", "patch_embed", "patch_embedding",
+             "patch_merger.", "patch_merge_mlp.", "model.connector.")
+
+
+def text_tensor_name(hf_name: str) -> str | None:
+    """The name the converter maps (ModelBase.filter_tensors: "language_model." taken out, so transformers 5's
+    "model.language_model.layers.0..." and 4's "language_model.model.layers.0..." are "model.layers.0...");
+    None for a tensor TextModel.filter_tensors leaves out."""
+    if hf_name.startswith(_MM_STARTS) or any(part in hf_name for part in _MM_PARTS):
+        return None
+    return hf_name.replace("language_model.", "")
+
+
 def read_sources(folder: Path, names, skipped: tuple[str, ...] = _SKIPPED) -> list[SourceTensor]:
-    """Every weight of the folder's safetensors files but the `skipped` ones, in file then header order,
-    with its GGUF name."""
+    """Every text-model weight of the folder's safetensors files but the `skipped` ones, in file then header
+    order, with its GGUF name."""
     out = []
     for path in weight_files(folder):
         for hf_name, dtype, shape, offset in _header(path):
-            if hf_name.endswith(skipped):
+            text_name = text_tensor_name(hf_name)
+            if text_name is None or hf_name.endswith(skipped):
                 continue
-            name = names.gguf_name(hf_name)
+            name = names.gguf_name(text_name)
             if name is None:
                 raise LlmtuneError(f"{path}: tensor {hf_name!r} has no GGUF name in the {names.model_type} family")
             if dtype not in _DTYPES:
