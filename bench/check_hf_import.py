@@ -65,6 +65,14 @@ TINY = {
     # gemma3 (text): q/k norms + 1, the global / local rope bases
     "gemma3-spm-tiny": ("Gemma3TextConfig", dict(head_dim=16, vocab_size=644, sliding_window=512, rms_norm_eps=1e-6),
                         "BF16", ("bf16", "q8_0")),
+    # Gemma3ForConditionalGeneration as transformers 5 saves it (text_config in full, model.language_model.*, a
+    # SigLIP tower and projector the converter leaves out of the text model)
+    "gemma3mm-spm-tiny": ("Gemma3Config", dict(head_dim=16, vocab_size=644, sliding_window=512, rms_norm_eps=1e-6),
+                          "BF16", ("f32", "f16", "q8_0")),
+    # as transformers 4 saved Gemma 3 4B / 12B / 27B: text_config holds only what differs from Gemma3TextConfig's
+    # defaults (GEMMA3_V4_TEXT; heads, head_dim, context, epsilon, rope bases from AutoConfig's defaults), a linear
+    # rope scaling, eos_token_id [1, 106] at the root, language_model.model.* names
+    "gemma3mm-v4-spm-tiny": ("Gemma3Config", None, "BF16", ("f16", "q8_0")),
     # phi3: fused qkv / gate_up, its own keys, its own added-token rules; untied output
     "phi3-spm-tiny": ("Phi3Config", dict(vocab_size=644, original_max_position_embeddings=2048, pad_token_id=None,
                                          tie_word_embeddings=False), "F16", ("f16", "f32")),
@@ -79,6 +87,14 @@ TINY = {
     # (tests/data/vocab/ggml-vocab-gpt-2.gguf as tokenizer.json: pre-tokenizer "gpt-2" by its own hash)
     "gpt2-tiny": ("GPT2Config", dict(tie_word_embeddings=True), "F32", ("f32", "f16", "q8_0")),
 }
+# a tiny SigLIP tower without its pooling head (Gemma 3's vision_use_head false): 4 patches of 14 x 14
+GEMMA3_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                     patch_size=14, vision_use_head=False)
+# google/gemma-3-4b-it's text_config (the 4.50 save) at a tiny width; vocab_size given (the default is 262,208)
+GEMMA3_V4_TEXT = {"hidden_size": 64, "intermediate_size": 96, "model_type": "gemma3_text", "num_hidden_layers": 2,
+                  "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 512, "vocab_size": 644}
+# the image tokens of the tiny vocabulary (Gemma 3: <start_of_image>, <end_of_image>, <image_soft_token>)
+GEMMA3_MM = dict(boi_token_index=640, eoi_token_index=641, image_token_index=642, mm_tokens_per_image=4)
 SPM_PIECES = 640
 # tokenizer_config.json and added_tokens.json as a Llama 2 style folder holds them, with the overrides the
 # converter applies: a special added token (CONTROL), a non-special one with U+2581 (USER_DEFINED, a space),
@@ -158,10 +174,31 @@ def tiny_config(name: str) -> dict:
     import transformers
 
     cls_name, extra, _, _ = TINY[name]
+    if cls_name == "Gemma3Config":
+        return gemma3_mm_config(extra)
     gpt2 = cls_name == "GPT2Config"
     cfg = getattr(transformers, cls_name)(**{**(GPT2_SMALL if gpt2 else SMALL), **extra})
     cfg.architectures = ["GPT2LMHeadModel" if gpt2 else
                          cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.save_pretrained(tmp)
+        return json.loads((Path(tmp) / "config.json").read_text())
+
+
+def gemma3_mm_config(text: dict | None) -> dict:
+    """A Gemma3ForConditionalGeneration config.json: saved by transformers' Gemma3Config from SMALL + `text`, or
+    (`text` None) as transformers 4 saved Gemma 3 4B's, with GEMMA3_V4_TEXT as its text_config."""
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(**GEMMA3_VISION)
+    if text is None:
+        return {"architectures": ["Gemma3ForConditionalGeneration"], **GEMMA3_MM, "eos_token_id": [1, 106],
+                "initializer_range": 0.02, "model_type": "gemma3", "text_config": GEMMA3_V4_TEXT,
+                "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+                "vision_config": {k: v for k, v in vision.to_dict().items() if k in (*GEMMA3_VISION, "model_type")}}
+    cfg = transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**{**SMALL, **text}).to_dict(),
+                                    vision_config=vision.to_dict(), **GEMMA3_MM)
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
     with tempfile.TemporaryDirectory() as tmp:
         cfg.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())
@@ -179,6 +216,8 @@ def record(work: Path, smol_dir: Path, only: list[str]) -> None:
         rec = {"config": tiny_config(name), "dtype": dtype, "seed": 41, "outputs": {}}
         if "spm" in name or name.startswith("gpt2"):
             rec["tokenizer"] = "spm" if "spm" in name else "gpt2"
+        if "-v4-" in name:
+            rec["layout"] = "v4"
         record_one(work, name, rec, dtype, types)
 
 

@@ -1,6 +1,7 @@
 """Tiny Hugging Face model folders for `llmtune import`, rebuilt from a small record (tests/data/hf/).
 
-A record holds config.json (as transformers' config class saved it), the dtype and seed of the weights and,
+A record holds config.json (as transformers' config class saved it), the dtype and seed of the weights (and,
+for a Gemma3ForConditionalGeneration saved by transformers 4, "layout": "v4": its tensor names) and,
 from llama.cpp's convert_hf_to_gguf.py run by bench/check_hf_import.py on the same folder, every metadata key
 (long arrays as a sha256) and every tensor's type, shape and sha256. The weights are drawn here with numpy
 (seeded, so the folder is the same every time) and written as safetensors, BF16 included, in the format's
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmtune.arch.hf_config import TEXT_DEFAULTS
 from llmtune.gguf.file import load_gguf
 from llmtune.tokenizer import Tokenizer
 from llmtune.tokenizer.hf_files import tokenizer_files
@@ -49,12 +51,51 @@ def gpt2_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return dict(sorted(shapes.items()))
 
 
-def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def siglip_tensor_shapes(vision: dict, n_embd_text: int) -> dict[str, tuple[int, ...]]:
+    """Gemma3ForConditionalGeneration's SigLIP vision tower (no pooling head, as Gemma 3's) and projector,
+    under transformers 5's names (model.vision_tower.*, model.multi_modal_projector.*)."""
+    d, n_ff, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    p = "model.vision_tower."
+    shapes = {p + "embeddings.patch_embedding.weight": (d, vision.get("num_channels", 3), patch, patch),
+              p + "embeddings.patch_embedding.bias": (d,),
+              p + "embeddings.position_embedding.weight": ((vision["image_size"] // patch) ** 2, d),
+              p + "post_layernorm.weight": (d,), p + "post_layernorm.bias": (d,),
+              "model.multi_modal_projector.mm_input_projection_weight": (d, n_embd_text),
+              "model.multi_modal_projector.mm_soft_emb_norm.weight": (d,)}
+    for i in range(vision["num_hidden_layers"]):
+        q = f"{p}encoder.layers.{i}."
+        for module, shape in (("self_attn.q_proj", (d, d)), ("self_attn.k_proj", (d, d)), ("self_attn.v_proj", (d, d)),
+                              ("self_attn.out_proj", (d, d)), ("mlp.fc1", (n_ff, d)), ("mlp.fc2", (d, n_ff))):
+            shapes.update({q + module + ".weight": shape, q + module + ".bias": shape[:1]})
+        shapes.update({q + f"layer_norm{k}.{x}": (d,) for k in (1, 2) for x in ("weight", "bias")})
+    return shapes
+
+
+def v4_name(name: str) -> str:
+    """transformers 4's name of a Gemma3ForConditionalGeneration tensor (its checkpoints on the Hub:
+    language_model.model.layers.0..., vision_tower.vision_model..., multi_modal_projector...)."""
+    for v5, v4 in (("model.language_model.", "language_model.model."),
+                   ("model.vision_tower.", "vision_tower.vision_model.")):
+        if name.startswith(v5):
+            return v4 + name[len(v5):]
+    return name[len("model."):] if name.startswith("model.") else "language_model." + name
+
+
+def hf_tensor_shapes(config: dict, layout: str = "v5") -> dict[str, tuple[int, ...]]:
     """The safetensors of a llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3 causal LM with `config` (HF names,
-    torch shapes)."""
+    torch shapes), or of a Gemma3ForConditionalGeneration: its text model's under model.language_model, its
+    vision tower's and projector's (layout "v4": transformers 4's names)."""
     arch = config["architectures"][0]
     if arch == "GPT2LMHeadModel":
         return gpt2_tensor_shapes(config)
+    if arch == "Gemma3ForConditionalGeneration":
+        # a text_config saved by transformers 4 holds what differs from the defaults only
+        text = hf_tensor_shapes({**TEXT_DEFAULTS["gemma3"], **config["text_config"],
+                                 "architectures": ["Gemma3ForCausalLM"],
+                                 "tie_word_embeddings": config.get("tie_word_embeddings", True)})
+        shapes = {**siglip_tensor_shapes(config["vision_config"], text["model.norm.weight"][0]),
+                  **{n.replace("model.", "model.language_model.", 1): shape for n, shape in text.items()}}
+        return dict(sorted((v4_name(n) if layout == "v4" else n, shape) for n, shape in shapes.items()))
     d, n_ff, n_vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or d // heads
@@ -116,7 +157,7 @@ def make_folder(record: dict, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(record["config"], indent=2) + "\n", encoding="utf-8")
     rng = np.random.default_rng(record["seed"])
-    write_safetensors(folder / "model.safetensors", hf_tensor_shapes(record["config"]),
+    write_safetensors(folder / "model.safetensors", hf_tensor_shapes(record["config"], record.get("layout", "v5")),
                       lambda shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(0.05), record["dtype"])
     if record.get("tokenizer") == "gpt2":
         gf = load_gguf(GPT2_VOCAB)

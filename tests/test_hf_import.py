@@ -29,9 +29,10 @@ from llmtune.gguf.file import load_gguf  # noqa: E402
 
 # *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
 # + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules (longrope: the rope factors);
-# gpt2: Conv1D matrices transposed, its six keys, learned positions, GPT-2's tokenizer
+# gpt2: Conv1D matrices transposed, its six keys, learned positions, GPT-2's tokenizer; gemma3mm:
+# Gemma3ForConditionalGeneration's text model (vision tensors left out; v4: a sparse text_config, 4.x names)
 NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny", "gemma3-spm-tiny",
-         "phi3-spm-tiny", "phi3-longrope-spm-tiny", "gpt2-tiny")
+         "phi3-spm-tiny", "phi3-longrope-spm-tiny", "gpt2-tiny", "gemma3mm-spm-tiny", "gemma3mm-v4-spm-tiny")
 CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
@@ -182,6 +183,59 @@ def test_gemma3_needs_head_dim(folders, tmp_path, monkeypatch, capsys):
     (folder / "config.json").write_text(json.dumps(config))
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert "config.json has no head_dim" in line
+
+
+def _edit_config(folder, **change):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    return config
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"text_config": [1, 2]}, "text_config is not a JSON object"),
+    ({"architectures": ["LlavaForConditionalGeneration"]}, "is not an architecture llmtune imports"),
+])
+def test_gemma3_multimodal_bad_config(folders, tmp_path, monkeypatch, capsys, change, words):
+    folder = _copy(folders, tmp_path, "gemma3mm-spm-tiny")
+    _edit_config(folder, **change)
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert words in line and str(folder / "config.json") in line
+
+
+def test_gemma3_multimodal_text_config_shapes(folders, tmp_path, monkeypatch, capsys):
+    """The text model's shapes are checked against text_config (the root's hidden_size is not the text's)."""
+    folder = _copy(folders, tmp_path, "gemma3mm-spm-tiny")
+    config = _edit_config(folder, hidden_size=32)  # the root key loses to text_config's: imports as before
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    assert tensor_digests(out) == {k: tuple(v) for k, v in
+                                   load_record("gemma3mm-spm-tiny")["outputs"]["f32"]["tensors"].items()}
+    _edit_config(folder, text_config={**config["text_config"], "intermediate_size": 128})
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "config.json" in line and "ffn_" in line and "shape" in line
+
+
+def test_gemma3_multimodal_special_ids_root_first(folders, tmp_path, monkeypatch, capsys):
+    """SpecialVocab reads config.json's root ids first, then text_config's (which holds bos 1 / eos 2 here);
+    the converter gives eos 1 on this folder too."""
+    folder = _copy(folders, tmp_path, "gemma3mm-spm-tiny")
+    _edit_config(folder, eos_token_id=1)
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
+    assert code == 0, err
+    keys = plain_fields(out)
+    assert keys["tokenizer.ggml.eos_token_id"] == keys["tokenizer.ggml.bos_token_id"] == ("UINT32", 1)
+
+
+def test_gemma3_multimodal_text_tensor_missing(folders, tmp_path, monkeypatch, capsys):
+    """Only the vision tower and projector left: refused naming the missing text tensors, not imported empty."""
+    folder = _copy(folders, tmp_path, "gemma3mm-spm-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    shapes = {n: s for n, s in hf_fixture_shapes(config).items() if "language_model" not in n}
+    write_safetensors(folder / "model.safetensors", shapes, lambda shape: np.zeros(shape, np.float32), "F32")
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert "token_embd" in line or "missing" in line
 
 
 @pytest.mark.parametrize("change,words", [({"long_factor": [1.0] * 7}, "8 values each"),
