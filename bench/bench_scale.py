@@ -7,9 +7,10 @@ Each shape is a configs/<shape>.toml written once with `llmtune init --type q4_k
 weights, the family's real vocabulary from tests/data/vocab; streamed, so a 7B shape needs no more
 than ~100 MiB to make) into --work. Each row is one `llmtune finetune MODEL TEXT --lora-rank R
 --ctx C --grad-checkpoint --val-split 0 --epochs 1 --metrics M` in a fresh process over a slice
-of data/wikitext-100k.txt holding --steps + 1 windows (one window a step), and records:
-- the time from the command's start to its first step's end (loading, planning, the float or
-  packed copies, compiling included), read as the moment the first --metrics line appears;
+of data/wikitext-100k.txt holding --steps windows (one window a step), and records:
+- the time from the command's start to its first step's start (loading, tokenizing, planning:
+  the first --metrics line's appearance less the training seconds it records) and to its end
+  (the first step also decodes the frozen matrices into the copies the plan keeps, and compiles);
 - the median s/step and tok/s of the later steps (the first one pays the copies' first decode);
 - MFU: the step's model FLOPs (train/flops.py, what finetune prints) over the seconds of a
   step, over the machine's float32 GEMM peak (backends/cpu/probes.py, measured in this run too);
@@ -36,10 +37,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_memory import text_for  # noqa: E402  (steps + 1 windows of the WikiText slice, cut by token count)
-
+TEXT = REPO / "data" / "wikitext-100k.txt"
 VOCAB = {"qwen2": "ggml-vocab-qwen2.gguf.gz", "llama": "ggml-vocab-llama-bpe.gguf.gz"}
 
 
@@ -57,6 +55,23 @@ def model_for(shape: str, work: Path) -> Path:
     subprocess.run([sys.executable, "-m", "llmtune", "init", "--config", str(config), "--vocab-from", str(vocab),
                     "-o", str(out), "--type", "q4_k_m"], check=True)
     return out
+
+
+def text_for(work: Path, model: Path, ctx: int, windows: int) -> Path:
+    """The start of the WikiText file cut to `windows` training windows of ctx tokens for `model`'s
+    tokenizer (text windows: ctx + 1 tokens every ctx / 2, train/data.py): the longest prefix of
+    at most ctx + 1 + (windows - 1) * ctx / 2 tokens, found by bisection on characters."""
+    from llmtune.model.loaded import load_model
+
+    tok, text = load_model(model).tokenizer, TEXT.read_text(encoding="utf-8")
+    need = ctx + 1 + (windows - 1) * (ctx // 2)
+    lo, hi = 0, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(tok.encode(text[:mid])) <= need else (lo, mid - 1)
+    path = work / f"text-{model.stem}-{ctx}-{windows}.txt"
+    path.write_text(text[:lo], encoding="utf-8")
+    return path
 
 
 def run_row(model: Path, text: Path, rank: int, ctx: int, memory_limit: str | None, work: Path) -> dict:
@@ -88,6 +103,7 @@ def run_row(model: Path, text: Path, rank: int, ctx: int, memory_limit: str | No
     peak_kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1))
     plan = [line for line in log.splitlines() if line.startswith("plan:")]
     return {"rank": rank, "ctx": ctx, "memory_limit": memory_limit, "steps": len(steps),
+            "setup_s": round(first - steps[0]["elapsed_s"], 1) if first else None,
             "first_step_s": round(first, 1) if first else None, "first_step_train_s": round(steps[0]["elapsed_s"], 1),
             "s_per_step": round(later, 2), "tok_s": round(ctx / later, 1), "mfu": round(work_s / later, 3),
             "peak_rss_mib": round(peak_kib / 1024, 1), "estimate_mib": estimate,
@@ -100,7 +116,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="qwen2-7b", help="configs/<shape>.toml names, comma-separated")
     ap.add_argument("--ranks", default="16")
     ap.add_argument("--ctx", default="512")
-    ap.add_argument("--steps", type=int, default=3, help="windows (steps) a row trains; the first is not timed")
+    ap.add_argument("--steps", type=int, default=3, help="steps (windows) a row trains; the first is timed apart")
     ap.add_argument("--memory-limit", help="finetune's --memory-limit for every row")
     ap.add_argument("--work", type=Path, default=Path("/tmp/llmtune-bench-scale"))
     ap.add_argument("--json", type=Path, help="write the rows here too")
@@ -116,10 +132,12 @@ def main() -> None:
                 row = {"shape": shape, **run_row(model, text, rank, ctx, args.memory_limit, args.work)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print("\n| shape | rank | ctx | limit | start -> first step | s/step | tok/s | MFU | peak RSS / estimate |")
+    print("\n| shape | rank | ctx | limit | start -> first step starts / ends | s/step | tok/s | MFU "
+          "| peak RSS / estimate |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['rank']} | {r['ctx']} | {r['memory_limit'] or '-'} | {r['first_step_s']} s | "
+        print(f"| {r['shape']} | {r['rank']} | {r['ctx']} | {r['memory_limit'] or '-'} | "
+              f"{r['setup_s']} / {r['first_step_s']} s | "
               f"{r['s_per_step']} | {r['tok_s']} | {100 * r['mfu']:.1f} % | {r['peak_rss_mib']:,.0f} / "
               f"{r['estimate_mib']:,.0f} MiB ({100 * r['rss_over_estimate']:+.1f} %) |")
     if args.json:
