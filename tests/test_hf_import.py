@@ -26,8 +26,9 @@ from llmtune.convert import hf_import  # noqa: E402
 
 # *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
 # + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules (longrope: the rope factors)
+# llama31 / llama32: "llama3" rope scaling (rope_freqs.weight first, torch's float32 bits: convert/hf_rope.py)
 NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny", "gemma3-spm-tiny",
-         "phi3-spm-tiny", "phi3-longrope-spm-tiny")
+         "phi3-spm-tiny", "phi3-longrope-spm-tiny", "llama31-tiny", "llama32-tiny")
 CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
@@ -191,17 +192,31 @@ def test_phi3_bad_longrope(folders, tmp_path, monkeypatch, capsys, change, words
     assert words in line and str(folder / "config.json") in line
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0},
-                                  {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
-                                   "original_max_position_embeddings": 1024}])
-def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, rope):
-    """Not written yet: refused, never a file without the converter's rope keys or rope_freqs.weight."""
-    folder = _copy(folders, tmp_path)
+@pytest.mark.parametrize("name,rope", [
+    ("llama-tiny", {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                    "original_max_position_embeddings": 1024}),
+    ("qwen2-tiny", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0})])  # llama's only
+def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, name, rope):
+    """Not written yet: refused, never a file without the converter's rope keys or rope tensors."""
+    folder = _copy(folders, tmp_path, name)
     config = json.loads((folder / "config.json").read_text())
     config["rope_parameters"] = rope
     (folder / "config.json").write_text(json.dumps(config))
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert f"rope scaling {rope['rope_type']!r}" in line and "config.json" in line
+
+
+@pytest.mark.parametrize("name", ["llama31-tiny", "llama32-tiny"])
+def test_llama3_rope_survives_export_hf_and_import(folders, tmp_path, monkeypatch, capsys, name):
+    """export --hf recovers the llama3 numbers from rope_freqs.weight (hf_config.llama3_rope); importing its
+    folder computes the same factors again: every tensor as the converter wrote it from the original."""
+    first, hf_dir, again = tmp_path / "a.gguf", tmp_path / "hf", tmp_path / "b.gguf"
+    assert run_cli(monkeypatch, capsys, "import", folders[name], "-o", first, "--type", "f32")[0] == 0
+    assert run_cli(monkeypatch, capsys, "export", first, "--hf", hf_dir)[0] == 0
+    assert json.loads((hf_dir / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    assert run_cli(monkeypatch, capsys, "import", hf_dir, "-o", again, "--type", "f32")[0] == 0
+    expected = load_record(name)["outputs"]["f32"]["tensors"]
+    assert {k: list(v) for k, v in tensor_digests(again).items()} == expected
 
 
 def test_linear_rope_scaling_keys(folders, tmp_path, monkeypatch, capsys):
