@@ -206,6 +206,21 @@ def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, name, rope
     assert f"rope scaling {rope['rope_type']!r}" in line and "config.json" in line
 
 
+def test_llama3_rope_in_transformers_4_form(folders, tmp_path, monkeypatch, capsys):
+    """Llama 3.1's own config.json (transformers 4): rope_scaling, rope_theta beside it; the same file."""
+    folder = _copy(folders, tmp_path, "llama31-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "m.gguf"
+    assert run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f16")[0] == 0
+    expected = load_record("llama31-tiny")["outputs"]["f16"]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
+    assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
+
+
 @pytest.mark.parametrize("name", ["llama31-tiny", "llama32-tiny"])
 def test_llama3_rope_survives_export_hf_and_import(folders, tmp_path, monkeypatch, capsys, name):
     """export --hf recovers the llama3 numbers from rope_freqs.weight (hf_config.llama3_rope); importing its
