@@ -221,6 +221,17 @@ def test_llama3_rope_in_transformers_4_form(folders, tmp_path, monkeypatch, caps
     assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
 
 
+@pytest.mark.parametrize("change,words", [({"rope_theta": -5.0}, "rope_theta"), ({"factor": "8"}, "factor"),
+                                          ({"low_freq_factor": 0}, "low_freq_factor")])
+def test_llama3_rope_bad_numbers(folders, tmp_path, monkeypatch, capsys, change, words):
+    folder = _copy(folders, tmp_path, "llama31-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], **change}
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert f"llama3 rope scaling's {words} must be a positive number" in line and str(folder / "config.json") in line
+
+
 @pytest.mark.parametrize("name", ["llama31-tiny", "llama32-tiny"])
 def test_llama3_rope_survives_export_hf_and_import(folders, tmp_path, monkeypatch, capsys, name):
     """export --hf recovers the llama3 numbers from rope_freqs.weight (hf_config.llama3_rope); importing its

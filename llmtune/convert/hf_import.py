@@ -79,7 +79,7 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     first_meta, generated = longrope(config, arch, folder / "config.json")
     hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
     extra_meta = gguf_hparams(config, arch, extra=True, where=str(folder))
-    generated.update(llama3_freqs(config, arch))
+    generated.update(llama3_freqs(config, arch, folder / "config.json"))
     _refuse_rope_scaling(config, arch, bool(generated), folder / "config.json")
     sources = read_sources(folder, get_family(arch).hf, _SKIPPED + _NOT_READ.get(arch, ()))
     vocab = vocab_metadata(folder, config, arch)
@@ -147,7 +147,7 @@ def _rope_kind(config: dict) -> str:
     return str(rope.get("rope_type") or rope.get("type") or "default").lower()
 
 
-def llama3_freqs(config: dict, arch: str) -> dict[str, np.ndarray]:
+def llama3_freqs(config: dict, arch: str, where: Path) -> dict[str, np.ndarray]:
     """LlamaModel.generate_extra_tensors: a "llama3" rope config's rope_freqs.weight (head dim / 2 factors,
     float32, computed as torch does: hf_rope.py), the only thing the converter writes for it; else nothing.
     Its defaults: rope_theta 10000, factor 8, low / high frequency factors 1 / 4, original context 8192."""
@@ -156,16 +156,19 @@ def llama3_freqs(config: dict, arch: str) -> dict[str, np.ndarray]:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope = rope.get("full_attention", rope)
 
-    def param(name, default):  # TextModel mirrors the config's own keys into rope_parameters
-        value = rope.get(name, config.get(name))
-        return default if value is None else value
+    def param(name, default, mirrored=False):  # TextModel mirrors some of the config's own keys into it
+        value = rope.get(name, config.get(name) if mirrored else None)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise LlmtuneError(f"{where}: llama3 rope scaling's {name} must be a positive number (got {value!r})")
+        return value
 
     dim = config.get("head_dim")
     if dim is None:
         dim = int(config["hidden_size"]) // int(config["num_attention_heads"])
-    factors = llama3_rope_factors(param("rope_theta", 10000.0), int(dim), rope.get("factor", 8.0),
-                                  rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0),
-                                  param("original_max_position_embeddings", 8192))
+    factors = llama3_rope_factors(param("rope_theta", 10000.0, True), int(dim), param("factor", 8.0),
+                                  param("low_freq_factor", 1.0), param("high_freq_factor", 4.0),
+                                  param("original_max_position_embeddings", 8192, True))
     return {"rope_freqs.weight": factors}
 
 

@@ -155,9 +155,9 @@ def _df_div(n, d):
 def _getexp_getmant(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """logkf's e = getexp(d * (1 / 0.75f)) and m = getmant(d) in [0.75, 1.5) (_MM_MANT_NORM_p75_1p5), for
     positive normal d (the rope bases)."""
-    e = np.floor(np.log2((d * F32(1.0 / 0.75)).astype(np.float64)))  # exact: the float32 exponent
-    m, k = np.frexp(d.astype(np.float64))  # d = m 2^k, m in [0.5, 1)
-    m = np.where(m < 0.75, m * 2, m)  # [0.75, 1.5): the exponent only changes
+    e = np.frexp(d * F32(1.0 / 0.75))[1] - 1  # floor(log2(product)), exactly
+    m = np.frexp(d)[0]  # d = m 2^k, m in [0.5, 1)
+    m = np.where(m < F32(0.75), m * F32(2), m)  # [0.75, 1.5): only the exponent changes
     return e.astype(F32), m.astype(F32)
 
 
