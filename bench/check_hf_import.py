@@ -1,6 +1,6 @@
 """`llmtune import` against llama.cpp's convert_hf_to_gguf.py: same tensors (bytes, types, shapes), same keys.
 
-    python bench/check_hf_import.py --record            # tiny llama / qwen2 / qwen3 / llama-spm folders
+    python bench/check_hf_import.py --record            # tiny llama (3.1 / 3.2 rope too) / qwen / gemma / phi3
                                                         # -> tests/data/hf/ (--only NAME: just that one)
     python bench/check_hf_import.py --real DIR          # a real folder (SmolLM2-135M-Instruct, made from its GGUF
                                                         # by transformers when DIR is missing), f32 / f16 / q8_0,
@@ -76,6 +76,18 @@ TINY = {
     # phi3: fused qkv / gate_up, its own keys, its own added-token rules; untied output
     "phi3-spm-tiny": ("Phi3Config", dict(vocab_size=644, original_max_position_embeddings=2048, pad_token_id=None,
                                          tie_word_embeddings=False), "F16", ("f16", "f32")),
+    # Llama 3.1 / 3.2 rope scaling ("llama3"): the converter's rope_freqs.weight first, computed in torch float32
+    # (SLEEF's powf: convert/hf_rope.py); 3.1: head_dim 64 (so 32 factors), factor 8; 3.2: head_dim 128, factor 32
+    "llama31-tiny": ("LlamaConfig", dict(tie_word_embeddings=False, head_dim=64, max_position_embeddings=131072,
+                                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                                              original_max_position_embeddings=8192)),
+                     "BF16", ("f32", "f16", "q8_0")),
+    "llama32-tiny": ("LlamaConfig", dict(tie_word_embeddings=True, head_dim=128, max_position_embeddings=131072,
+                                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                                              original_max_position_embeddings=8192)),
+                     "F32", ("f32", "f16", "q8_0")),
     # phi3 LongRoPE (Phi-3-128k / 3.5): rope.scaling.attn_factor first, rope_factors_long / short tensors first
     "phi3-longrope-spm-tiny": ("Phi3Config", dict(
         vocab_size=644, max_position_embeddings=8192, original_max_position_embeddings=2048, pad_token_id=None,

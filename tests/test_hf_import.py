@@ -30,9 +30,11 @@ from llmtune.gguf.file import load_gguf  # noqa: E402
 # *-spm-*: a SentencePiece tokenizer.model; gemma2: its own keys, norms + 1, no lm_head read; gemma3: q/k norms
 # + 1, the local rope base; phi3: fused qkv / gate_up, its keys, its added-token rules (longrope: the rope factors);
 # gpt2: Conv1D matrices transposed, its six keys, learned positions, GPT-2's tokenizer; gemma3mm:
-# Gemma3ForConditionalGeneration's text model (vision tensors left out; v4: a sparse text_config, 4.x names)
+# Gemma3ForConditionalGeneration's text model (vision tensors left out; v4: a sparse text_config, 4.x names);
+# llama31 / llama32: "llama3" rope scaling (rope_freqs.weight first, torch's float32 bits: convert/hf_rope.py)
 NAMES = ("llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-spm-tiny", "gemma2-spm-tiny", "gemma3-spm-tiny",
-         "phi3-spm-tiny", "phi3-longrope-spm-tiny", "gpt2-tiny", "gemma3mm-spm-tiny", "gemma3mm-v4-spm-tiny")
+         "phi3-spm-tiny", "phi3-longrope-spm-tiny", "gpt2-tiny", "gemma3mm-spm-tiny", "gemma3mm-v4-spm-tiny",
+         "llama31-tiny", "llama32-tiny")
 CASES = [(name, t) for name in NAMES for t in load_record(name)["outputs"]]
 
 
@@ -249,17 +251,57 @@ def test_phi3_bad_longrope(folders, tmp_path, monkeypatch, capsys, change, words
     assert words in line and str(folder / "config.json") in line
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0},
-                                  {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
-                                   "original_max_position_embeddings": 1024}])
-def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, rope):
-    """Not written yet: refused, never a file without the converter's rope keys or rope_freqs.weight."""
-    folder = _copy(folders, tmp_path)
+@pytest.mark.parametrize("name,rope", [
+    ("llama-tiny", {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                    "original_max_position_embeddings": 1024}),
+    ("qwen2-tiny", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0})])  # llama's only
+def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, name, rope):
+    """Not written yet: refused, never a file without the converter's rope keys or rope tensors."""
+    folder = _copy(folders, tmp_path, name)
     config = json.loads((folder / "config.json").read_text())
     config["rope_parameters"] = rope
     (folder / "config.json").write_text(json.dumps(config))
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert f"rope scaling {rope['rope_type']!r}" in line and "config.json" in line
+
+
+def test_llama3_rope_in_transformers_4_form(folders, tmp_path, monkeypatch, capsys):
+    """Llama 3.1's own config.json (transformers 4): rope_scaling, rope_theta beside it; the same file."""
+    folder = _copy(folders, tmp_path, "llama31-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "m.gguf"
+    assert run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f16")[0] == 0
+    expected = load_record("llama31-tiny")["outputs"]["f16"]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
+    assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
+
+
+@pytest.mark.parametrize("change,words", [({"rope_theta": -5.0}, "rope_theta"), ({"factor": "8"}, "factor"),
+                                          ({"low_freq_factor": 0}, "low_freq_factor")])
+def test_llama3_rope_bad_numbers(folders, tmp_path, monkeypatch, capsys, change, words):
+    folder = _copy(folders, tmp_path, "llama31-tiny")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], **change}
+    (folder / "config.json").write_text(json.dumps(config))
+    line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
+    assert f"llama3 rope scaling's {words} must be a positive number" in line and str(folder / "config.json") in line
+
+
+@pytest.mark.parametrize("name", ["llama31-tiny", "llama32-tiny"])
+def test_llama3_rope_survives_export_hf_and_import(folders, tmp_path, monkeypatch, capsys, name):
+    """export --hf recovers the llama3 numbers from rope_freqs.weight (hf_config.llama3_rope); importing its
+    folder computes the same factors again: every tensor as the converter wrote it from the original."""
+    first, hf_dir, again = tmp_path / "a.gguf", tmp_path / "hf", tmp_path / "b.gguf"
+    assert run_cli(monkeypatch, capsys, "import", folders[name], "-o", first, "--type", "f32")[0] == 0
+    assert run_cli(monkeypatch, capsys, "export", first, "--hf", hf_dir)[0] == 0
+    assert json.loads((hf_dir / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    assert run_cli(monkeypatch, capsys, "import", hf_dir, "-o", again, "--type", "f32")[0] == 0
+    expected = load_record(name)["outputs"]["f32"]["tensors"]
+    assert {k: list(v) for k, v in tensor_digests(again).items()} == expected
 
 
 def test_linear_rope_scaling_keys(folders, tmp_path, monkeypatch, capsys):

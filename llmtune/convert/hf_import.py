@@ -33,6 +33,7 @@ from llmtune.arch import check_tensors, get_family, read_hparams
 from llmtune.arch.hf_config import TEXT_DEFAULTS, gguf_hparams, hf_config_of, rope_param
 from llmtune.backends.cpu import to_f16
 from llmtune.convert.export import tensor_plans
+from llmtune.convert.hf_rope import llama3_rope_factors
 from llmtune.convert.hf_vocab import SPECIAL_TYPES, read_json, vocab_metadata
 from llmtune.errors import LlmtuneError
 from llmtune.gguf.file import (
@@ -82,9 +83,10 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
     arch = _family_arch(folder, raw)
     config = text_model_config(raw, arch)
     first_meta, generated = longrope(config, arch, folder / "config.json")
-    _refuse_rope_scaling(config, arch, bool(generated), folder / "config.json")
     hparam_meta = gguf_hparams(config, arch, extra=False, where=str(folder))
     extra_meta = gguf_hparams(config, arch, extra=True, where=str(folder))
+    generated.update(llama3_freqs(config, arch, folder / "config.json"))
+    _refuse_rope_scaling(config, arch, bool(generated), folder / "config.json")
     sources = read_sources(folder, get_family(arch).hf, _SKIPPED + _NOT_READ.get(arch, ()))
     vocab = vocab_metadata(folder, config, arch)
     plain = {"general.architecture": arch, **{k: v for k, (v, _) in {**hparam_meta, **extra_meta}.items()},
@@ -133,15 +135,47 @@ def import_hf(folder: str | os.PathLike, out_path: str | os.PathLike, type: str 
                                    progress=on_written)
 
 
-def _refuse_rope_scaling(config: dict, arch: str, longrope_done: bool, where: Path) -> None:
-    """Rope scaling other than linear (hf_config's rows) and phi3's LongRoPE (Llama 3.1's llama3 factors,
-    yarn: keys and a rope_freqs tensor the converter writes) is refused rather than written without it."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope = rope.get("full_attention", rope)
-    kind = str(rope.get("rope_type") or rope.get("type") or "default").lower()
-    if kind not in ("default", "linear") and not (arch == "phi3" and longrope_done):
+def _refuse_rope_scaling(config: dict, arch: str, factors_done: bool, where: Path) -> None:
+    """Rope scaling other than linear (hf_config's rows), phi3's LongRoPE and llama's llama3 factors (yarn:
+    keys and a rope tensor the converter writes) is refused rather than written without it."""
+    kind = _rope_kind(config)
+    if kind not in ("default", "linear") and not ((arch, kind) in _FACTOR_TENSORS and factors_done):
         raise LlmtuneError(f"{where}: rope scaling {kind!r}; llmtune import does not write it yet (convert with "
                            f"llama.cpp's convert_hf_to_gguf.py)")
+
+
+_FACTOR_TENSORS = {("phi3", "su"), ("phi3", "longrope"), ("phi3", "yarn"), ("llama", "llama3")}
+
+
+def _rope_kind(config: dict) -> str:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
+    return str(rope.get("rope_type") or rope.get("type") or "default").lower()
+
+
+def llama3_freqs(config: dict, arch: str, where: Path) -> dict[str, np.ndarray]:
+    """LlamaModel.generate_extra_tensors: a "llama3" rope config's rope_freqs.weight (head dim / 2 factors,
+    float32, computed as torch does: hf_rope.py), the only thing the converter writes for it; else nothing.
+    Its defaults: rope_theta 10000, factor 8, low / high frequency factors 1 / 4, original context 8192."""
+    if arch != "llama" or _rope_kind(config) != "llama3":
+        return {}
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
+
+    def param(name, default, mirrored=False):  # TextModel mirrors some of the config's own keys into it
+        value = rope.get(name, config.get(name) if mirrored else None)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise LlmtuneError(f"{where}: llama3 rope scaling's {name} must be a positive number (got {value!r})")
+        return value
+
+    dim = config.get("head_dim")
+    if dim is None:
+        dim = int(config["hidden_size"]) // int(config["num_attention_heads"])
+    factors = llama3_rope_factors(param("rope_theta", 10000.0, True), int(dim), param("factor", 8.0),
+                                  param("low_freq_factor", 1.0), param("high_freq_factor", 4.0),
+                                  param("original_max_position_embeddings", 8192, True))
+    return {"rope_freqs.weight": factors}
 
 
 def longrope(config: dict, arch: str, where: Path) -> tuple[dict[str, MetaValue], dict[str, np.ndarray]]:
