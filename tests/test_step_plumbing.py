@@ -132,6 +132,24 @@ def test_blas_tuner_keeps_the_faster_count(monkeypatch):
     assert threads.BlasTuner(enabled=False).candidates == ()
 
 
+@pytest.mark.determinism
+def test_blas_tuner_settles_on_all_threads_for_long_runs(monkeypatch):
+    """A warm-up run of SETTLE_SECONDS or more (a 7B-class step: big products) settles on all
+    threads: no trial at one thread, whose step would take twice as long, and no later probes."""
+    monkeypatch.setattr(threads.blas_threads, "_load", lambda: (lambda: 2, lambda n: None))
+    monkeypatch.setattr(threads.blas_threads, "keeps_bits", lambda: True)
+    tuner = threads.BlasTuner()
+    picks = []
+    for _ in range(40):
+        n = tuner._pick()
+        picks.append(n)
+        tuner._record(n, threads.BlasTuner.SETTLE_SECONDS * (1 if n == 2 else 0.1))
+    assert picks == [2] * 40 and tuner.settled
+    short = threads.BlasTuner()
+    short._record(short._pick(), threads.BlasTuner.SETTLE_SECONDS / 2)
+    assert not short.settled and short._pick() == 1  # a short step: the trials go on
+
+
 def test_blas_bits_probe_is_measured_once_per_machine(monkeypatch, tmp_path):
     """keeps_bits measures once per machine, library and thread count, then reads the cache
     folder; a damaged or unwritable cache only means measuring again."""

@@ -251,7 +251,8 @@ class BlasTuner:
     1 at load 5 on 2 cores), so neither choice is right everywhere. Each run is timed: the first
     runs alternate between one thread and all of them, then the faster one runs, and the other is
     probed after `interval` runs (doubled each time it loses, so slow probes cost little; it takes
-    over after two wins in a row, so one lucky run does not). It tunes only where OpenBLAS splits a
+    over after two wins in a row, so one lucky run does not); a warm-up run of SETTLE_SECONDS or more
+    settles on all threads without trials. It tunes only where OpenBLAS splits a
     product's rows and columns over its threads, never a sum (_BlasThreads.keeps_bits: products at
     1 and all threads compare equal), so the choice never changes a bit of the result; elsewhere
     every run is single-threaded (_BlasThreads.reproducible), as every rank and worker runs it.
@@ -259,6 +260,10 @@ class BlasTuner:
 
     FIRST_INTERVAL, MAX_INTERVAL, WINDOW = 8, 128, 3
     TRIAL_RUNS = 1 + 2 * 2  # a warm-up run (it also pays for first touches), then each count twice
+    # a warm-up run this long is made of big products: there every thread pays, a busy machine's
+    # stalls are short beside each product, and a trial at one thread costs a whole slow step (a
+    # 7B-class QLoRA step at ctx 512: ~100 s on two threads, ~190 s on one): all threads, no trials
+    SETTLE_SECONDS = 20.0
 
     def __init__(self, enabled: bool = True):
         funcs = blas_threads._load() if enabled else ()
@@ -271,12 +276,15 @@ class BlasTuner:
         self.countdown = 0
         self.runs = 0
         self.probe: list[float] = []  # this probe round's times of the other count
+        self.settled = False  # a long warm-up run: all threads from then on (SETTLE_SECONDS)
 
     def _typical(self, n: int) -> float:
         recent = sorted(self.times[n][-self.WINDOW:])
         return recent[len(recent) // 2]
 
     def _pick(self) -> int:
+        if self.settled:
+            return self.candidates[0]
         if self.runs < self.TRIAL_RUNS:
             return self.candidates[self.runs % 2]
         if self.countdown <= 0:  # time for a probe of the other count
@@ -286,6 +294,9 @@ class BlasTuner:
     def _record(self, n: int, seconds: float) -> None:
         self.runs += 1
         if self.runs == 1:
+            self.settled = seconds >= self.SETTLE_SECONDS
+            return
+        if self.settled:
             return
         if self.runs <= self.TRIAL_RUNS:
             self.times[n].append(seconds)
