@@ -289,20 +289,27 @@ def real(folder: Path, work: Path, tool: Path, tokenize_only: bool) -> None:
         print(f"llama-tokenize {text.name}: {len(a)} ids, {'same' if a == b else 'DIFFERENT'} on both files")
 
 
+def against_converter(folder: Path, work: Path, stem: str, outtype: str, size: int) -> tuple[Path, Path]:
+    """The converter's file and llmtune import's of `folder` at `outtype` (work/<stem>.<outtype>[.ref].gguf),
+    compared byte for byte, with their times, import's rates and peak RSS printed; -> (ref, ours)."""
+    ref, ours = work / f"{stem}.{outtype}.ref.gguf", work / f"{stem}.{outtype}.gguf"
+    t_ref = converter(folder, ref, outtype)
+    t_ours, rss = llmtune_import(folder, ours, outtype)
+    diff = hf_compare.differences(ours, ref)
+    same = ours.read_bytes() == ref.read_bytes()
+    print(f"{folder.name} ({size / 2**20:.0f} MiB) -> {outtype}: {'byte-identical file' if same else 'files differ'}, "
+          f"{len(diff)} differences; import {t_ours:.1f} s ({size / t_ours / 2**20:.0f} MiB/s read, "
+          f"{ours.stat().st_size / t_ours / 2**20:.0f} MiB/s written), peak RSS {rss / 1024:.0f} MiB; "
+          f"converter {t_ref:.1f} s", *diff, sep="\n  ")
+    return ref, ours
+
+
 def convert_real(folder: Path, work: Path) -> None:
     if not folder.is_dir():
         make_real(folder)
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     for outtype in ("f32", "f16", "q8_0"):
-        ref, ours = work / f"real.{outtype}.ref.gguf", work / f"real.{outtype}.gguf"
-        t_ref = converter(folder, ref, outtype)
-        t_ours, rss = llmtune_import(folder, ours, outtype)
-        diff = hf_compare.differences(ours, ref)
-        same = ours.read_bytes() == ref.read_bytes()
-        print(f"{folder.name} -> {outtype}: {'byte-identical file' if same else 'files differ'}, {len(diff)} "
-              f"differences; import {t_ours:.1f} s ({size / t_ours / 2**20:.0f} MiB/s read, "
-              f"{ours.stat().st_size / t_ours / 2**20:.0f} MiB/s written), peak RSS {rss / 1024:.0f} MiB; "
-              f"converter {t_ref:.1f} s", *diff, sep="\n  ")
+        against_converter(folder, work, "real", outtype, size)
     # a type the converter has not: import --type q4_k_m against import f32 + llmtune export (llama-quantize's twin)
     one, exported = work / "real.q4_k_m.gguf", work / "real.f32-export.q4_k_m.gguf"
     t_one, rss = llmtune_import(folder, one, "q4_k_m")
@@ -423,16 +430,8 @@ def gpt2_small(folder: Path, work: Path) -> None:
         hf_fixture.make_folder({"config": config, "dtype": "F32", "seed": 1, "tokenizer": "gpt2"}, folder)
     size = (folder / "model.safetensors").stat().st_size
     for outtype in ("f32", "f16", "q8_0"):
-        ref, ours = work / f"gpt2-124m.{outtype}.ref.gguf", work / f"gpt2-124m.{outtype}.gguf"
-        t_ref = converter(folder, ref, outtype)
-        t_ours, rss = llmtune_import(folder, ours, outtype)
-        diff = hf_compare.differences(ours, ref)
-        same = ours.read_bytes() == ref.read_bytes()
-        verdict = "byte-identical file" if same else "files differ"
-        print(f"{folder.name} ({size / 2**20:.0f} MiB F32) -> {outtype}: {verdict}, {len(diff)} differences; import "
-              f"{t_ours:.1f} s, peak RSS {rss / 1024:.0f} MiB; converter {t_ref:.1f} s", *diff, sep="\n  ")
-        ref.unlink()
-        ours.unlink()
+        for path in against_converter(folder, work, "gpt2-124m", outtype, size):
+            path.unlink()
 
 
 def main() -> None:

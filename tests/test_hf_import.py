@@ -240,13 +240,19 @@ def test_gemma3_multimodal_text_tensor_missing(folders, tmp_path, monkeypatch, c
     assert "token_embd" in line or "missing" in line
 
 
+def _with_rope(folders, tmp_path, name: str, edit):
+    """A copy of tiny folder `name` whose config's rope_parameters are edit(its rope_parameters)."""
+    folder = _copy(folders, tmp_path, name)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = edit(config.get("rope_parameters") or {})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.mark.parametrize("change,words", [({"long_factor": [1.0] * 7}, "8 values each"),
                                           ({"rope_type": "dynamic"}, "su / longrope / yarn")])
 def test_phi3_bad_longrope(folders, tmp_path, monkeypatch, capsys, change, words):
-    folder = _copy(folders, tmp_path, "phi3-longrope-spm-tiny")
-    config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] = {**config["rope_parameters"], **change}
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = _with_rope(folders, tmp_path, "phi3-longrope-spm-tiny", lambda rope: {**rope, **change})
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert words in line and str(folder / "config.json") in line
 
@@ -257,10 +263,7 @@ def test_phi3_bad_longrope(folders, tmp_path, monkeypatch, capsys, change, words
     ("qwen2-tiny", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0})])  # llama's only
 def test_rope_scaling_refused(folders, tmp_path, monkeypatch, capsys, name, rope):
     """Not written yet: refused, never a file without the converter's rope keys or rope tensors."""
-    folder = _copy(folders, tmp_path, name)
-    config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] = rope
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = _with_rope(folders, tmp_path, name, lambda _: rope)
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert f"rope scaling {rope['rope_type']!r}" in line and "config.json" in line
 
@@ -283,10 +286,7 @@ def test_llama3_rope_in_transformers_4_form(folders, tmp_path, monkeypatch, caps
 @pytest.mark.parametrize("change,words", [({"rope_theta": -5.0}, "rope_theta"), ({"factor": "8"}, "factor"),
                                           ({"low_freq_factor": 0}, "low_freq_factor")])
 def test_llama3_rope_bad_numbers(folders, tmp_path, monkeypatch, capsys, change, words):
-    folder = _copy(folders, tmp_path, "llama31-tiny")
-    config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] = {**config["rope_parameters"], **change}
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = _with_rope(folders, tmp_path, "llama31-tiny", lambda rope: {**rope, **change})
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
     assert f"llama3 rope scaling's {words} must be a positive number" in line and str(folder / "config.json") in line
 
