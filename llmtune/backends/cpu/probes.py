@@ -18,10 +18,11 @@ from llmtune.quant.blocks import quantize
 # at 450 GFLOP/s), the best of a few runs: a peak, not an average
 PEAK_SHAPE = (512, 2048, 4096)
 PEAK_RUNS = 5
-# one product of 256 rows with a 1024 x 2048 matrix, decoded a block of rows at a time, against
-# numpy's product on its float32 copy: the median ratio of COST_RUNS pairs
-COST_SHAPE = (256, 2048, 1024)
-COST_RUNS = 5
+# one product of 512 rows (a training pass's) with a 4096 x 4096 matrix, decoded a block of rows at a
+# time (four blocks: products.SCRATCH_ELEMENTS, as a wide model's), against numpy's product on its
+# float32 copy, on all cores as a run multiplies: the median ratio of COST_RUNS pairs
+COST_SHAPE = (512, 4096, 4096)
+COST_RUNS = 3
 
 
 def _best(fn, runs: int) -> float:
@@ -59,11 +60,14 @@ def gemm_peak() -> float:
 def decode_cost(qtype: str) -> float:
     """How many times longer a product with a matrix stored as `qtype` takes decoded a block of
     rows at a time (products.qlinear without a float copy) than numpy's product on its float32
-    copy, on one thread (COST_SHAPE: the median ratio of COST_RUNS pairs of timings, each the best of
-    two); measured once per type, machine and BLAS. 1.0 for a float32 matrix."""
+    copy, on all cores (COST_SHAPE: the median ratio of COST_RUNS pairs of timings, each the best of
+    three); measured once per type, machine and BLAS. 1.0 for a float32 matrix. (A one-thread probe
+    of a matrix decoded in one block read 1.0-1.15x where a 7B-class run's products took 1.2-1.6x:
+    the decode runs on one core while the product's blocks use all, and short blocks cost the BLAS.)"""
     if qtype == "F32":
         return 1.0
-    cache = ProbeCache("decode-cost", _blas_identity(1) + f"\n{qtype} {COST_SHAPE}", kind=float)
+    n = n_cores()
+    cache = ProbeCache("decode-cost", _blas_identity(n) + f"\n{qtype} {COST_SHAPE}", kind=float)
     cached = cache.get()
     if cached is not None:
         return cached
@@ -75,10 +79,10 @@ def decode_cost(qtype: str) -> float:
     out = np.empty((rows, n_out), np.float32)
     decoded = lambda: qlinear(out, x, raw, qtype, round_x=False)  # noqa: E731
     dense = lambda: np.matmul(x, w.T, out=out)  # noqa: E731
-    # one thread: a ratio of work per core (both products split over the cores alike), and on a
-    # shared machine OpenBLAS's threads contending for the cores made two-thread timings swing 2-5x
-    with blas_threads(1):  # in pairs, each the best of two: the load drifts between them
-        ratios = sorted(_best(decoded, 2) / _best(dense, 2) for _ in range(COST_RUNS))
+    # in pairs, each the best of three: on a shared machine the load drifts between them and
+    # OpenBLAS's threads contending for the cores make single timings swing
+    with blas_threads(n):
+        ratios = sorted(_best(decoded, 3) / _best(dense, 3) for _ in range(COST_RUNS))
     ratio = max(1.0, ratios[len(ratios) // 2])
     cache.put(ratio)
     return ratio
