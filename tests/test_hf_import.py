@@ -44,6 +44,22 @@ def folders(tmp_path_factory):
     return {name: make_folder(load_record(name), root / name) for name in NAMES}
 
 
+def _imports_as_recorded(monkeypatch, capsys, folder, out, name: str, outtype: str) -> None:
+    """`llmtune import folder -o out --type outtype` gives the tensors and metadata recorded for `name`."""
+    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", outtype)
+    assert code == 0, err
+    expected = load_record(name)["outputs"][outtype]
+    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
+    assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
+
+
+def _rewrite_weights(folder, tensors: dict) -> None:
+    """folder's model.safetensors written anew (F32) with `tensors`, in name order."""
+    arrays = iter([tensors[k] for k in sorted(tensors)])
+    write_safetensors(folder / "model.safetensors", {k: tensors[k].shape for k in sorted(tensors)},
+                      lambda _: next(arrays), "F32")
+
+
 @pytest.mark.parametrize("name,outtype", CASES)
 def test_same_as_convert_hf_to_gguf(folders, tmp_path, monkeypatch, capsys, name, outtype):
     expected = load_record(name)["outputs"][outtype]
@@ -276,11 +292,7 @@ def test_llama3_rope_in_transformers_4_form(folders, tmp_path, monkeypatch, caps
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope
     (folder / "config.json").write_text(json.dumps(config))
-    out = tmp_path / "m.gguf"
-    assert run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f16")[0] == 0
-    expected = load_record("llama31-tiny")["outputs"]["f16"]
-    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
-    assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
+    _imports_as_recorded(monkeypatch, capsys, folder, tmp_path / "m.gguf", "llama31-tiny", "f16")
 
 
 @pytest.mark.parametrize("change,words", [({"rope_theta": -5.0}, "rope_theta"), ({"factor": "8"}, "factor"),
@@ -388,17 +400,10 @@ def test_gpt2_mask_buffers_and_context_keys(folders, tmp_path, monkeypatch, caps
     tensors = load_file(str(folder / "model.safetensors"))
     tensors.update({"transformer.h.0.attn.bias": np.tril(np.ones((1, 1, n, n), np.float32)),
                     "transformer.h.1.attn.masked_bias": np.array(-1e4, np.float32)})
-    arrays = iter([tensors[k] for k in sorted(tensors)])
-    write_safetensors(folder / "model.safetensors", {k: tensors[k].shape for k in sorted(tensors)},
-                      lambda _: next(arrays), "F32")
+    _rewrite_weights(folder, tensors)
     del config["n_ctx"]
     (folder / "config.json").write_text(json.dumps(config))
-    out = tmp_path / "m.gguf"
-    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "f32")
-    assert code == 0, err
-    expected = load_record("gpt2-tiny")["outputs"]["f32"]
-    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
-    assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
+    _imports_as_recorded(monkeypatch, capsys, folder, tmp_path / "m.gguf", "gpt2-tiny", "f32")
     del config["n_positions"]
     (folder / "config.json").write_text(json.dumps(config))
     line = _bad(monkeypatch, capsys, folder, tmp_path / "o.gguf")
@@ -410,16 +415,9 @@ def test_gpt2_names_without_transformer_prefix(folders, tmp_path, monkeypatch, c
     "transformer." prefix; the converter maps both (its output is the same file, checked by hand with
     convert_hf_to_gguf.py on this folder), and so does import."""
     folder = _copy(folders, tmp_path, "gpt2-tiny")
-    tensors = {k.removeprefix("transformer."): v for k, v in load_file(str(folder / "model.safetensors")).items()}
-    arrays = iter([tensors[k] for k in sorted(tensors)])
-    write_safetensors(folder / "model.safetensors", {k: tensors[k].shape for k in sorted(tensors)},
-                      lambda _: next(arrays), "F32")
-    out = tmp_path / "m.gguf"
-    code, _, err = run_cli(monkeypatch, capsys, "import", folder, "-o", out, "--type", "q8_0")
-    assert code == 0, err
-    expected = load_record("gpt2-tiny")["outputs"]["q8_0"]
-    assert {k: list(v) for k, v in tensor_digests(out).items()} == expected["tensors"]
-    assert json.loads(json.dumps(metadata_digest(plain_fields(out)))) == expected["metadata"]
+    _rewrite_weights(folder, {k.removeprefix("transformer."): v
+                              for k, v in load_file(str(folder / "model.safetensors")).items()})
+    _imports_as_recorded(monkeypatch, capsys, folder, tmp_path / "m.gguf", "gpt2-tiny", "q8_0")
 
 
 def test_gpt2_feed_forward_is_four_times_n_embd(folders, tmp_path, monkeypatch, capsys):
