@@ -28,6 +28,7 @@ import os
 import re
 import statistics
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -38,8 +39,11 @@ PROMPT = "Once upon a time"
 
 def _first_byte_run(cmd: list[str], env=None, skip: bytes = b"") -> tuple[float, bytes, str]:
     """(seconds to the first stdout byte after `skip`, all stdout, all stderr)."""
+    # stderr to a file, not a pipe: llama.cpp logs a line per odd token of a 262k vocabulary (Gemma 3's,
+    # 12 MB), which fills a pipe nobody reads until stdout's first byte, and both processes wait forever
+    err_file = tempfile.TemporaryFile()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, bufsize=0)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, env=env, bufsize=0)
     got, first = b"", None
     while True:
         chunk = proc.stdout.read(1)
@@ -50,7 +54,9 @@ def _first_byte_run(cmd: list[str], env=None, skip: bytes = b"") -> tuple[float,
             first = time.perf_counter() - t0
         if first is not None:
             break
-    rest, err = proc.communicate()
+    rest, _ = proc.communicate()
+    err_file.seek(0)
+    err = err_file.read()
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{err.decode(errors='replace')[-2000:]}")
     return first if first is not None else float("nan"), got + rest, err.decode(errors="replace")

@@ -223,6 +223,48 @@ def test_f32_products_match_einsum():
         assert (np.abs(out - x.astype(np.float64) @ w.T.astype(np.float64)) / bound).max() < 1e-6
 
 
+def _ggml_vec_dot_f32(w: np.ndarray, x: np.ndarray, lanes: int) -> np.ndarray:
+    """ggml_vec_dot_f32 (vec.cpp) of each row of w with x, as a build with `lanes`-wide vectors sums:
+    four accumulators fed by fused multiply-adds, (s0 + s2) + (s1 + s3), then the lanes reduced as
+    _mm512_reduce_add_ps (16) or GGML_F32x8_REDUCE's two hadds (8), leftovers one by one."""
+    from llmtune.convert.hf_rope import fma32
+
+    n, step = w.shape[1], 4 * lanes
+    acc = np.zeros((4, w.shape[0], lanes), np.float32)
+    for i in range(0, n - n % step, step):
+        for j in range(4):
+            lo = i + j * lanes
+            acc[j] = fma32(w[:, lo:lo + lanes], x[lo:lo + lanes], acc[j])
+    s = (acc[0] + acc[2]) + (acc[1] + acc[3])
+    if lanes == 16:
+        s = s[:, :8] + s[:, 8:]
+    t = s[:, :4] + s[:, 4:]
+    if lanes == 16:  # gcc's _mm512_reduce_add_ps: halves, then [2, 3, 0, 1], then lane 0 + lane 1
+        t = t + t[:, [2, 3, 0, 1]]
+        total = t[:, 0] + t[:, 1]
+    else:  # _mm_hadd_ps twice
+        total = (t[:, 0] + t[:, 1]) + (t[:, 2] + t[:, 3])
+    for i in range(n - n % step, n):
+        total = total + w[:, i] * x[i]
+    return total
+
+
+@needs_library
+def test_f32_products_are_ggml_vec_dot_f32():
+    """Decode's f32 products (and the norms' sums) are ggml_vec_dot_f32 bit for bit, as llama.cpp built
+    for the same vectors computes them (AVX-512 on this build, AVX2 in test_avx2_build_matches)."""
+    width = kernels.simd_width()
+    if not width:
+        pytest.skip("portable build: no ggml vector order to match")
+    rng = np.random.default_rng(4)
+    for n_in in (576, 640, 1536, 100):  # SmolLM2, Gemma 3 270M, an FFN width, leftovers
+        w = rng.standard_normal((64, n_in)).astype(np.float32)
+        x = _activations(1, n_in, rng)
+        out = np.empty((1, 64), np.float32)
+        assert kernels.f32_linear(out, x, w)
+        np.testing.assert_array_equal(out[0], _ggml_vec_dot_f32(w, x[0], width // 32))
+
+
 @needs_library
 def test_threads_change_no_bit(monkeypatch):
     """Each output row is one thread's dot product: the thread count moves no result."""

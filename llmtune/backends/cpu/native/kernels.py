@@ -147,8 +147,13 @@ def reset() -> None:
 
 def simd() -> bool:
     """Whether the library was built with its AVX2 paths."""
+    return simd_width() > 0
+
+
+def simd_width() -> int:
+    """The widest vectors the library's products use: 512 (AVX-512F builds), 256 (AVX2), 0 (portable)."""
     lib = _load()
-    return bool(lib is not None and lib.lt_simd())
+    return int(lib.lt_simd()) if lib is not None else 0
 
 
 def _addr(a: np.ndarray) -> int:

@@ -592,5 +592,12 @@ int lt_f32_linear(const float *w, int64_t w_stride, int64_t n_out, int64_t n_in,
     return 0;
 }
 
-/* This file's AVX2 path is compiled in (1) or the portable one (0). */
-int lt_simd(void) { return LT_AVX2; }
+/* The widest vectors this build's products use: 512 (AVX-512F on top of the AVX2 paths: dot_f32's
+ * 16 lanes, the packed kernels where VNNI is there too), 256 (the AVX2 paths) or 0 (portable). */
+int lt_simd(void) {
+#if defined(__AVX512F__) && LT_AVX2
+    return 512;
+#else
+    return LT_AVX2 ? 256 : 0;
+#endif
+}
