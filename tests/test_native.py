@@ -359,6 +359,38 @@ def test_portable_build_matches_numpy(fresh, monkeypatch):
     assert b.view(np.uint8)[:2].view(np.float16)[0] == np.float16(65504.0 / 127)
 
 
+def _cpu_flags() -> set:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def test_avx2_build_matches(fresh, monkeypatch):
+    """The source built for an AVX2-only CPU (-march=haswell: AVX2, FMA, F16C; no AVX-512, no VNNI),
+    as on the AMD and older Intel machines users run: its products are still ggml's bit for bit (the
+    recorded vec_dot outputs, every K-quant, the f32 dot in GGML_F32x8's order), no packed kernel."""
+    if not _is_x86() or not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("needs an x86 CPU with AVX2, FMA and F16C to run the AVX2 build")
+    try:
+        build.compiler()
+    except build.BuildError as e:
+        pytest.skip(str(e))
+    monkeypatch.setattr(build, "NATIVE_FLAGS", ["-march=haswell", "-mtune=generic"])
+    if not kernels.available():
+        pytest.skip(kernels.reason())
+    assert kernels.simd_width() == 256
+    test_f32_products_are_ggml_vec_dot_f32()
+    test_products_match_ggml_kernels()
+    for qtype in K_QUANTS:
+        test_kquant_dots_are_ggmls_bit_for_bit(qtype)
+        test_kquant_dots_match_the_portable_loop(qtype)
+    _check_products(monkeypatch, np.random.default_rng(6), rows=(1, 3))
+    assert kernels.pack(_matrix("Q8_0", 8, 32, np.random.default_rng(6)), "Q8_0") is None
+
+
 def _is_x86() -> bool:
 
     return platform.machine() in ("x86_64", "AMD64", "i686")
