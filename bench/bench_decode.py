@@ -28,8 +28,8 @@ import os
 import re
 import statistics
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 

@@ -19,6 +19,7 @@ from llmtune.backends.cpu import attention as cpu_attention, backend as cpu, pro
 from llmtune.backends.cpu.backend import k_rms_norm
 from llmtune.backends.cpu.native import build, kernels, program
 from llmtune.backends.cpu.threads import blas_threads
+from llmtune.convert.hf_rope import fma32
 from llmtune.eval import scoring
 from llmtune.eval.generate import Generator
 from llmtune.eval.sampling import Sampler, SamplerConfig
@@ -227,8 +228,6 @@ def _ggml_vec_dot_f32(w: np.ndarray, x: np.ndarray, lanes: int) -> np.ndarray:
     """ggml_vec_dot_f32 (vec.cpp) of each row of w with x, as a build with `lanes`-wide vectors sums:
     four accumulators fed by fused multiply-adds, (s0 + s2) + (s1 + s3), then the lanes reduced as
     _mm512_reduce_add_ps (16) or GGML_F32x8_REDUCE's two hadds (8), leftovers one by one."""
-    from llmtune.convert.hf_rope import fma32
-
     n, step = w.shape[1], 4 * lanes
     acc = np.zeros((4, w.shape[0], lanes), np.float32)
     for i in range(0, n - n % step, step):
