@@ -32,6 +32,7 @@ QTYPES = tuple(kernels.TYPE_CODES)
 # whose AVX2 path is ggml's AVX2 vec_dot, op for op (the K-quants' kdot.c: lane for lane, the same float steps)
 BIT_EXACT = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+PACKED = ("Q8_0", "Q4_1", "Q5_0", "Q5_1")  # the types with 8-row packed kernels (AVX-512 VNNI builds)
 
 needs_library = pytest.mark.skipif(not kernels.available(), reason=f"no compiled kernels: {kernels.reason()}")
 
@@ -666,13 +667,13 @@ def test_decode_step_is_one_compiled_call(stories_path):
 
 @needs_library
 def test_packed_products_are_the_row_kernels_bit_for_bit():
-    """The AVX-512 VNNI kernels over 8-row packed groups (Q8_0, Q4_1) give every output the per-row
+    """The AVX-512 VNNI kernels over 8-row packed groups (Q8_0, Q4_1, Q5_0, Q5_1) give every output the per-row
     kernel's bits (the same lanes, scale products and fma order), tail rows past the last whole
     group included, for 1 to MAX_ROWS activation rows; so ggml's recorded products too."""
     rng = np.random.default_rng(9)
     if kernels.pack(_matrix("Q8_0", 8, 32, rng), "Q8_0") is None:
         pytest.skip("this build has no packed kernels (no AVX-512 VNNI)")
-    for qtype in ("Q8_0", "Q4_1"):
+    for qtype in PACKED:
         for n_out, n_in, m in ((203, 576, 3), (64, 1536, kernels.MAX_ROWS), (8, 32, 1)):
             raw, x = _matrix(qtype, n_out, n_in, rng), _activations(m, n_in, rng)
             packed = kernels.pack(raw, qtype)
@@ -682,7 +683,7 @@ def test_packed_products_are_the_row_kernels_bit_for_bit():
             np.testing.assert_array_equal(got, want, err_msg=f"{qtype} {n_out}x{n_in} m={m}")
     rec = np.load(DATA_DIR / "qmatmul" / "ggml-products.npz")
     x = np.ascontiguousarray(rec["x"])
-    for qtype in ("Q8_0", "Q4_1"):  # the 5 recorded rows twice: one packed group and 2 tail rows
+    for qtype in PACKED:  # the 5 recorded rows twice: one packed group and 2 tail rows
         raw, theirs = np.tile(rec[f"{qtype}.raw"], (2, 1)), np.tile(rec[f"{qtype}.out"], (1, 2))
         ours = np.empty_like(theirs)
         assert kernels.qlinear_packed(ours, x, kernels.pack(raw, qtype), raw, qtype)

@@ -27,7 +27,8 @@ from llmtune.quant.types import ACT_TYPES, QTYPES
 # dequant.c take every block type whose activations are rounded to a q8 type (not F16 / BF16).
 TYPE_CODES = {t.name: t.ggml_id for t in QTYPES.values() if t.act.startswith("q8")}
 ACT_CODES = {a.name: a.kind for a in ACT_TYPES.values() if a.name.startswith("q8")}
-QTYPE_BLOCK_BYTES = {t: QTYPES[t].size for t in ("Q8_0", "Q4_1")}  # bytes per block of 32 of the types pack() takes
+# bytes per block of 32 of the types pack() takes
+QTYPE_BLOCK_BYTES = {t: QTYPES[t].size for t in ("Q8_0", "Q4_1", "Q5_0", "Q5_1")}
 MAX_ROWS = 16  # activation rows a native product takes: a decode step, a short prompt; more go to BLAS
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -281,8 +282,9 @@ def profile(on: bool) -> dict:
 
 
 def pack(raw: np.ndarray, qtype: str) -> np.ndarray | None:
-    """The whole groups of 8 rows of a Q8_0 / Q4_1 matrix repacked for the AVX-512 VNNI kernel
-    (qdot.c lt_pack: each block's 8 scales side by side, then the 8 rows' quants), 64-byte aligned;
+    """The whole groups of 8 rows of a Q8_0 / Q4_1 / Q5_0 / Q5_1 matrix repacked for the AVX-512 VNNI
+    kernel (qdot.c lt_pack: each block's 8 scales side by side, Q5's fifth bits as a mask per row pair,
+    then the 8 rows' quants), 64-byte aligned;
     None where this build or type has no packed kernel (the products then read raw as it is)."""
     lib = _load()
     code = TYPE_CODES.get(qtype)

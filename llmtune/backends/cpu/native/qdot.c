@@ -390,15 +390,17 @@ int lt_qlinear(int type, const uint8_t *w, int64_t w_stride, int64_t n_out, int6
     return 0;
 }
 
-/* ------------------------------------------------------------------ packed Q8_0 / Q4_1 (AVX-512 VNNI)
+/* ------------------------------------------------------------------ packed Q8_0 / Q4_1 / Q5_0 / Q5_1 (AVX-512 VNNI)
  * A matrix repacked once (lt_pack) in groups of 8 rows, block by block: the 8 rows' fp16 scales
- * (and Q4_1's mins) side by side, then the 8 rows' quants (as llama.cpp's repack.cpp interleaves
- * Q4_0 for its GEMV). Two rows fill one 512-bit register: one vpdpbusd gives both rows' eight
- * int32 pair sums of a block, and one fused multiply-add accumulates both rows' eight float lanes.
- * Each float lane is the lane of ggml's AVX2 vec_dot (the same integers, the same scale product,
- * one fma per block in block order, the same final hsum and min term), so every output is the
- * per-row kernel's, bit for bit; only the loads and the integer work are shared. Q8_0's signed
- * quants go through vpdpbusd as x + 128 (unsigned), less 128 * (sum of the four y), exact. */
+ * (and the mins of Q4_1 / Q5_1) side by side, Q5's fifth bits as one 64-bit mask per pair of rows,
+ * then the 8 rows' quants (as llama.cpp's repack.cpp interleaves Q4_0 for its GEMV). Two rows fill
+ * one 512-bit register: one vpdpbusd gives both rows' eight int32 pair sums of a block, and one
+ * fused multiply-add accumulates both rows' eight float lanes. Each float lane is the lane of
+ * ggml's AVX2 vec_dot (the same integers, the same scale product, one fma per block in block order,
+ * the same final hsum and min term), so every output is the per-row kernel's, bit for bit; only
+ * the loads and the integer work are shared. Signed quants go through vpdpbusd as unsigned ones,
+ * less the offset times the sum of the four y, exact: Q8_0 as x + 128, Q5_0 as its stored 5-bit
+ * value (x + 16). */
 #define PACK_ROWS 8
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && LT_AVX2
 #define LT_PACK 1
@@ -406,7 +408,26 @@ int lt_qlinear(int type, const uint8_t *w, int64_t w_stride, int64_t n_out, int6
 #define LT_PACK 0
 #endif
 
-static int64_t pack_block_bytes(int type) { return type == QT_Q8_0 ? 16 + 8 * 32 : type == QT_Q4_1 ? 32 + 8 * 16 : 0; }
+/* bytes of one block of a group: scales [, mins] [, Q5's four pair masks], the 8 rows' quants */
+static int64_t pack_block_bytes(int type) {
+    switch (type) {
+        case QT_Q8_0: return 16 + 8 * 32;
+        case QT_Q4_1: return 32 + 8 * 16;
+        case QT_Q5_0: return 16 + 32 + 8 * 16;
+        case QT_Q5_1: return 32 + 32 + 8 * 16;
+        default: return 0;
+    }
+}
+
+/* Q5 rows 2p and 2p + 1's fifth bits as the kernel's x register holds their values: bytes 0-15 row
+ * 2p's values 0-15, 16-31 row 2p + 1's, 32-47 row 2p's values 16-31, 48-63 row 2p + 1's. */
+static uint64_t q5_pair_mask(const uint8_t *a, const uint8_t *b) {
+    uint32_t qa, qb;
+    memcpy(&qa, a, 4);
+    memcpy(&qb, b, 4);
+    return (uint64_t)(qa & 0xFFFF) | (uint64_t)(qb & 0xFFFF) << 16 | (uint64_t)(qa >> 16) << 32 |
+           (uint64_t)(qb >> 16) << 48;
+}
 
 /* Bytes of the packed copy of the n_rows / 8 whole groups (0: the type has no packed kernel here). */
 int64_t lt_pack_bytes(int type, int64_t n_rows, int64_t n_in) {
@@ -415,39 +436,51 @@ int64_t lt_pack_bytes(int type, int64_t n_rows, int64_t n_in) {
 }
 
 void lt_pack(int type, const uint8_t *w, int64_t w_stride, int64_t n_rows, int64_t n_in, uint8_t *out) {
-    const int64_t nb = n_in / QK, gb = pack_block_bytes(type), bsz = type == QT_Q8_0 ? QT_Q8_0_BYTES : QT_Q4_1_BYTES;
+    const int64_t nb = n_in / QK, gb = pack_block_bytes(type);
+    const int64_t bsz = type == QT_Q8_0 ? QT_Q8_0_BYTES : type == QT_Q4_1 ? QT_Q4_1_BYTES
+                      : type == QT_Q5_0 ? QT_Q5_0_BYTES : QT_Q5_1_BYTES;
+    const int has_min = type == QT_Q4_1 || type == QT_Q5_1, q5 = type == QT_Q5_0 || type == QT_Q5_1;
+    const int64_t qs_at = 16 + 16 * has_min + 32 * q5, hoff = 2 + 2 * has_min;  /* quants in a group block; qh in a row's */
     for (int64_t g = 0; g < n_rows / PACK_ROWS; g++)
         for (int64_t i = 0; i < nb; i++) {
             uint8_t *o = out + (g * nb + i) * gb;
+            const uint8_t *b[PACK_ROWS];
+            for (int r = 0; r < PACK_ROWS; r++) b[r] = w + (g * PACK_ROWS + r) * w_stride + i * bsz;
             for (int r = 0; r < PACK_ROWS; r++) {
-                const uint8_t *b = w + (g * PACK_ROWS + r) * w_stride + i * bsz;
-                if (type == QT_Q8_0) {
-                    memcpy(o + 2 * r, b, 2);
-                    memcpy(o + 16 + 32 * r, b + 2, 32);
-                } else {
-                    memcpy(o + 2 * r, b, 2);
-                    memcpy(o + 16 + 2 * r, b + 2, 2);
-                    memcpy(o + 32 + 16 * r, b + 4, 16);
-                }
+                memcpy(o + 2 * r, b[r], 2);
+                if (has_min) memcpy(o + 16 + 2 * r, b[r] + 2, 2);
+                if (type == QT_Q8_0) memcpy(o + 16 + 32 * r, b[r] + 2, 32);
+                else memcpy(o + qs_at + 16 * r, b[r] + hoff + 4 * q5, 16);
             }
+            if (q5)
+                for (int p = 0; p < PACK_ROWS / 2; p++) {
+                    const uint64_t mask = q5_pair_mask(b[2 * p] + hoff, b[2 * p + 1] + hoff);
+                    memcpy(o + 16 + 16 * has_min + 8 * p, &mask, 8);
+                }
         }
 }
 
 #if LT_PACK
-/* the activation row as the packed kernels read it: per block the quants (Q4_1: 0-15 twice, then
- * 16-31 twice, to face two rows' low and high nibbles), Q8_0's 128 * four-value sums */
+/* the activation row as the packed kernels read it: per block the quants (Q4_1 / Q5: 0-15 twice,
+ * then 16-31 twice, to face two rows' low and high nibbles), and the offset times each four values'
+ * sum for the signed types (Q8_0: 128 x, 8 lanes; Q5_0: 16 x, 16 lanes in that doubled order) */
 static void prep_act(int type, const uint8_t *xq, int64_t nb, int8_t *yq, int32_t *ycorr) {
     for (int64_t i = 0; i < nb; i++) {
-        const int8_t *q = type == QT_Q8_0 ? ((const block_q8_0 *)xq)[i].qs : ((const block_q8_1 *)xq)[i].qs;
+        const int8_t *q = type == QT_Q8_0 || type == QT_Q5_0 ? ((const block_q8_0 *)xq)[i].qs
+                                                             : ((const block_q8_1 *)xq)[i].qs;
+        int32_t sum4[8];
+        for (int j = 0; j < 8; j++) sum4[j] = q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3];
         if (type == QT_Q8_0) {
             memcpy(yq + 32 * i, q, 32);
-            for (int j = 0; j < 8; j++) ycorr[8 * i + j] = 128 * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
-        } else {
-            memcpy(yq + 64 * i, q, 16);
-            memcpy(yq + 64 * i + 16, q, 16);
-            memcpy(yq + 64 * i + 32, q + 16, 16);
-            memcpy(yq + 64 * i + 48, q + 16, 16);
+            for (int j = 0; j < 8; j++) ycorr[16 * i + j] = 128 * sum4[j];
+            continue;
         }
+        memcpy(yq + 64 * i, q, 16);
+        memcpy(yq + 64 * i + 16, q, 16);
+        memcpy(yq + 64 * i + 32, q + 16, 16);
+        memcpy(yq + 64 * i + 48, q + 16, 16);
+        if (type == QT_Q5_0)  /* lanes 0-3 and 4-7: values 0-15 (both rows), 8-11 and 12-15: 16-31 */
+            for (int j = 0; j < 16; j++) ycorr[16 * i + j] = 16 * sum4[(j & 3) | (j & 8) >> 1];
     }
 }
 
@@ -460,7 +493,7 @@ static void group_q8_0(const uint8_t *g, int64_t nb, const int8_t *yq, const flo
         const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(yd[i]));
         const __m512 sc2 = _mm512_castps256_ps512(sc);
         const __m512i y = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(yq + 32 * i)));
-        const __m512i corr = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(ycorr + 8 * i)));
+        const __m512i corr = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(ycorr + 16 * i)));
         __m512i idx = lo;
         for (int p = 0; p < 4; p++, idx = _mm512_add_epi32(idx, two)) {
             const __m512i x = _mm512_xor_si512(_mm512_loadu_si512((const void *)(g + 16 + 64 * p)), flip);
@@ -505,6 +538,48 @@ static void group_q4_1(const uint8_t *g, int64_t nb, const int8_t *yq, const flo
     }
 }
 
+/* Q5_0 / Q5_1: group_q4_1's nibbles with the fifth bits set from the pair's mask (one masked byte
+ * move); Q5_0's signed values as their stored 5-bit ones, less 16 x the four y's sum per lane. */
+static void group_q5(const uint8_t *g, int64_t nb, int has_min, const int8_t *yq, const float *yd, const float *ys,
+                     const int32_t *ycorr, float *out) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m256 summs = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m512i bit5 = _mm512_set1_epi8(0x10);
+    const __m512i base = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i two = _mm512_set1_epi32(2);
+    const int64_t gb = pack_block_bytes(has_min ? QT_Q5_1 : QT_Q5_0), masks = 16 + 16 * has_min, qs = masks + 32;
+    for (int64_t i = 0; i < nb; i++, g += gb) {
+        const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(yd[i]));
+        if (has_min)
+            summs = _mm256_add_ps(summs, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),
+                                                       _mm256_set1_ps(ys[i])));
+        const __m512 sc2 = _mm512_castps256_ps512(sc);
+        const __m512i y = _mm512_loadu_si512((const void *)(yq + 64 * i));
+        const __m512i corr = has_min ? _mm512_setzero_si512() : _mm512_loadu_si512((const void *)(ycorr + 16 * i));
+        __m512i idx = base;
+        for (int p = 0; p < 4; p++, idx = _mm512_add_epi32(idx, two)) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(g + qs + 32 * p));
+            uint64_t hbits;
+            memcpy(&hbits, g + masks + 8 * p, 8);
+            const __m512i x = _mm512_or_si512(
+                _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, m4)),
+                                   _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), 1),
+                _mm512_maskz_mov_epi8(_cvtu64_mask64(hbits), bit5));
+            const __m512i d = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, y), corr);
+            acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, sc2), _mm512_cvtepi32_ps(d), acc[p]);
+        }
+    }
+    float mins[8];
+    _mm256_storeu_ps(mins, summs);
+    const __m512i rows = _mm512_set_epi32(15, 14, 13, 12, 7, 6, 5, 4, 11, 10, 9, 8, 3, 2, 1, 0);
+    for (int p = 0; p < 4; p++) {  /* as group_q4_1; dot_q5 adds its (zero) min sum for Q5_0 too */
+        const __m512 v = _mm512_permutexvar_ps(rows, acc[p]);
+        out[2 * p] = hsum_float_8(_mm512_castps512_ps256(v)) + mins[2 * p];
+        out[2 * p + 1] = hsum_float_8(_mm512_extractf32x8_ps(v, 1)) + mins[2 * p + 1];
+    }
+}
+
 typedef struct {
     int type;
     const uint8_t *packed;
@@ -527,10 +602,11 @@ static void p_task(void *p, int64_t chunk) {
         for (int64_t i = 0; i < j->m; i++) {
             float *o = j->out + i * j->out_stride + g * PACK_ROWS;
             const float *yd = (const float *)(j->xq + i * j->xq_stride + j->scales_at);
-            if (j->type == QT_Q8_0)
-                group_q8_0(j->packed + g * gb, j->nb, j->yq + i * j->yq_stride, yd, j->ycorr + i * j->nb * 8, o);
-            else
-                group_q4_1(j->packed + g * gb, j->nb, j->yq + i * j->yq_stride, yd, yd + j->nb, o);
+            const int8_t *yq = j->yq + i * j->yq_stride;
+            const int32_t *ycorr = j->ycorr + i * j->nb * 16;
+            if (j->type == QT_Q8_0) group_q8_0(j->packed + g * gb, j->nb, yq, yd, ycorr, o);
+            else if (j->type == QT_Q4_1) group_q4_1(j->packed + g * gb, j->nb, yq, yd, yd + j->nb, o);
+            else group_q5(j->packed + g * gb, j->nb, j->type == QT_Q5_1, yq, yd, yd + j->nb, ycorr, o);
         }
 }
 
@@ -543,10 +619,10 @@ static __thread int64_t prep_cap = 0;
 int lt_qlinear_packed(int type, const uint8_t *packed, const uint8_t *w, int64_t w_stride, int64_t n_out, int64_t n_in,
                       const float *x, int64_t m, float *out, int64_t out_stride, int nth) {
 #if LT_PACK
-    if ((type != QT_Q8_0 && type != QT_Q4_1) || n_in % QK) return -1;
+    if (!pack_block_bytes(type) || n_in % QK) return -1;
     const qtype_t *qt = qtype_get(type);
     const int64_t nb = n_in / QK, xq_stride = act_row_bytes(qt->act, n_in);
-    const int64_t yq_stride = nb * (type == QT_Q8_0 ? 32 : 64), corr_bytes = type == QT_Q8_0 ? nb * 32 : 0;
+    const int64_t yq_stride = nb * (type == QT_Q8_0 ? 32 : 64), corr_bytes = nb * 16 * 4;
     const int64_t need = m * (xq_stride + yq_stride + corr_bytes) + 64;
     if (act_cap < xq_stride * m) {
         uint8_t *buf = realloc(act_buf, (size_t)(xq_stride * m));
@@ -565,10 +641,10 @@ int lt_qlinear_packed(int type, const uint8_t *packed, const uint8_t *w, int64_t
     for (int64_t i = 0; i < m; i++) {
         uint8_t *xq = act_buf + i * xq_stride;
         lt_quantize_act(qt->act, x + i * n_in, n_in, xq);
-        prep_act(type, xq, nb, yq + i * yq_stride, ycorr + i * nb * 8);
+        prep_act(type, xq, nb, yq + i * yq_stride, ycorr + i * nb * 16);
     }
     /* the scales as floats follow each activation row's blocks (act_scales): d[nb], then s[nb] */
-    const int64_t blk = type == QT_Q8_0 ? (int64_t)sizeof(block_q8_0) : (int64_t)sizeof(block_q8_1);
+    const int64_t blk = qt->act == ACT_Q8_0 ? (int64_t)sizeof(block_q8_0) : (int64_t)sizeof(block_q8_1);
     pjob_t job = {type, packed, nb, n_out / PACK_ROWS, m, yq, ycorr, act_buf, yq_stride, xq_stride, nb * blk,
                   out, out_stride};
     pool_run(p_task, &job, (job.n_groups + PACK_CHUNK - 1) / PACK_CHUNK, nth);
