@@ -674,7 +674,7 @@ def test_packed_products_are_the_row_kernels_bit_for_bit():
     if kernels.pack(_matrix("Q8_0", 8, 32, rng), "Q8_0") is None:
         pytest.skip("this build has no packed kernels (no AVX-512 VNNI)")
     for qtype in PACKED:
-        for n_out, n_in, m in ((203, 576, 3), (64, 1536, kernels.MAX_ROWS), (8, 32, 1)):
+        for n_out, n_in, m in ((203, 576, 3), (64, 1536, kernels.MAX_ROWS), (8, 32, 1), (4099, 64, 2)):
             raw, x = _matrix(qtype, n_out, n_in, rng), _activations(m, n_in, rng)
             packed = kernels.pack(raw, qtype)
             assert packed.nbytes == n_out // 8 * 8 * raw.shape[1] and packed.ctypes.data % 64 == 0
