@@ -348,7 +348,7 @@ def test_portable_build_matches_numpy(fresh, monkeypatch):
     monkeypatch.setattr(build, "NATIVE_FLAGS", [])
     monkeypatch.setattr(build, "FLAGS", build.FLAGS + ["-march=x86-64"] if _is_x86() else build.FLAGS)
     if not kernels.available():
-        pytest.skip(kernels.reason())
+        pytest.fail(f"a compiler is there, yet the source did not build: {kernels.reason()}")
     assert not kernels.simd()
     _check_products(monkeypatch, np.random.default_rng(5), rows=(1, 3))
     assert kernels.pack(_matrix("Q8_0", 8, 32, np.random.default_rng(5)), "Q8_0") is None  # no packed kernel
@@ -380,7 +380,7 @@ def test_avx2_build_matches(fresh, monkeypatch):
         pytest.skip(str(e))
     monkeypatch.setattr(build, "NATIVE_FLAGS", ["-march=haswell", "-mtune=generic"])
     if not kernels.available():
-        pytest.skip(kernels.reason())
+        pytest.fail(f"a compiler is there, yet the source did not build: {kernels.reason()}")
     assert kernels.simd_width() == 256
     test_f32_products_are_ggml_vec_dot_f32()
     test_products_match_ggml_kernels()
@@ -669,7 +669,8 @@ def test_decode_step_is_one_compiled_call(stories_path):
 def test_packed_products_are_the_row_kernels_bit_for_bit():
     """The AVX-512 VNNI kernels over 8-row packed groups (Q8_0, Q4_1, Q5_0, Q5_1) give every output the per-row
     kernel's bits (the same lanes, scale products and fma order), tail rows past the last whole
-    group included, for 1 to MAX_ROWS activation rows; so ggml's recorded products too."""
+    group included, for 1 to MAX_ROWS activation rows; so ggml's recorded products too. K-quant
+    matrices are copied as they are (the row kernels read the copy)."""
     rng = np.random.default_rng(9)
     if kernels.pack(_matrix("Q8_0", 8, 32, rng), "Q8_0") is None:
         pytest.skip("this build has no packed kernels (no AVX-512 VNNI)")
@@ -681,6 +682,14 @@ def test_packed_products_are_the_row_kernels_bit_for_bit():
             want, got = np.empty((m, n_out), np.float32), np.full((m, n_out), np.nan, np.float32)
             assert kernels.qlinear(want, x, raw, qtype) and kernels.qlinear_packed(got, x, packed, raw, qtype)
             np.testing.assert_array_equal(got, want, err_msg=f"{qtype} {n_out}x{n_in} m={m}")
+    for qtype in K_QUANTS:  # kept as they are, in this process's memory: the row kernels on the copy
+        raw, x = _kquant_rows(qtype, 512, rng), _activations(2, 512, rng)
+        packed = kernels.pack(raw, qtype)
+        np.testing.assert_array_equal(packed.reshape(raw.shape), raw)
+        assert packed.ctypes.data % 64 == 0 and not np.shares_memory(packed, raw)
+        want, got = np.empty((2, raw.shape[0]), np.float32), np.full((2, raw.shape[0]), np.nan, np.float32)
+        assert kernels.qlinear(want, x, raw, qtype) and kernels.qlinear_packed(got, x, packed, raw, qtype)
+        np.testing.assert_array_equal(got, want, err_msg=qtype)
     rec = np.load(DATA_DIR / "qmatmul" / "ggml-products.npz")
     x = np.ascontiguousarray(rec["x"])
     for qtype in PACKED:  # the 5 recorded rows twice: one packed group and 2 tail rows

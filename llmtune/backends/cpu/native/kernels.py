@@ -27,8 +27,8 @@ from llmtune.quant.types import ACT_TYPES, QTYPES
 # dequant.c take every block type whose activations are rounded to a q8 type (not F16 / BF16).
 TYPE_CODES = {t.name: t.ggml_id for t in QTYPES.values() if t.act.startswith("q8")}
 ACT_CODES = {a.name: a.kind for a in ACT_TYPES.values() if a.name.startswith("q8")}
-# bytes per block of 32 of the types pack() takes
-QTYPE_BLOCK_BYTES = {t: QTYPES[t].size for t in ("Q8_0", "Q4_1", "Q5_0", "Q5_1")}
+# (values, bytes) per block of the types pack() takes
+PACK_BLOCKS = {t: (QTYPES[t].block, QTYPES[t].size) for t in ("Q8_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")}
 MAX_ROWS = 16  # activation rows a native product takes: a decode step, a short prompt; more go to BLAS
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -282,15 +282,18 @@ def profile(on: bool) -> dict:
 
 
 def pack(raw: np.ndarray, qtype: str) -> np.ndarray | None:
-    """The whole groups of 8 rows of a Q8_0 / Q4_1 / Q5_0 / Q5_1 matrix repacked for the AVX-512 VNNI
-    kernel (qdot.c lt_pack: each block's 8 scales side by side, Q5's fifth bits as a mask per row pair,
-    then the 8 rows' quants), 64-byte aligned;
-    None where this build or type has no packed kernel (the products then read raw as it is)."""
+    """The matrix as the compiled few-row product reads it fastest, 64-byte aligned (qdot.c lt_pack):
+    the whole groups of 8 rows of a Q8_0 / Q4_1 / Q5_0 / Q5_1 matrix repacked for the AVX-512 VNNI
+    kernel (each block's 8 scales side by side, Q5's fifth bits as a mask per row pair, then the 8
+    rows' quants); a K-quant matrix's rows copied as they are into this process's memory (it streams
+    faster than the file's page cache). None where this build or type has none (the products then
+    read raw as it is)."""
     lib = _load()
     code = TYPE_CODES.get(qtype)
     if lib is None or code is None or raw.dtype != np.uint8 or raw.ndim != 2 or raw.strides[-1] != 1:
         return None
-    n_in = raw.shape[1] // QTYPE_BLOCK_BYTES.get(qtype, raw.shape[1] + 1) * 32
+    block, size = PACK_BLOCKS.get(qtype, (0, raw.shape[1] + 1))
+    n_in = raw.shape[1] // size * block
     nbytes = lib.lt_pack_bytes(code, raw.shape[0], n_in) if n_in else 0
     if nbytes <= 0:
         return None
