@@ -511,28 +511,52 @@ static void prep_act(int type, const uint8_t *xq, int64_t nb, int8_t *yq, int32_
     }
 }
 
-static void group_q8_0(const uint8_t *g, int64_t nb, const int8_t *yq, const float *yd, const int32_t *ycorr, float *out) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+/* Up to GROUP_ROWS activation rows against one group (a batched decode step, a short prompt): the
+ * weights' loads, flips and scale shuffles are shared, each row keeps its own accumulators. */
+#define GROUP_ROWS 4
+typedef struct {
+    int n;
+    const int8_t *yq[GROUP_ROWS];
+    const float *yd[GROUP_ROWS];
+    const int32_t *ycorr[GROUP_ROWS];
+    float *out[GROUP_ROWS];
+} act_rows_t;
+
+/* The scale lanes of row pair p (block scales times the activation's, in group_q8_0's lane order)
+ * are the weights' scales shuffled first, then multiplied by the activation scale: the same
+ * products as multiplying first (each lane one float multiply of the same two numbers). */
+static void group_q8_0(const uint8_t *g, int64_t nb, const act_rows_t *a) {
+    __m512 acc[GROUP_ROWS][4];
+    for (int t = 0; t < a->n; t++)
+        for (int p = 0; p < 4; p++) acc[t][p] = _mm512_setzero_ps();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     const __m512i two = _mm512_set1_epi32(2);
     for (int64_t i = 0; i < nb; i++, g += 16 + 8 * 32) {
         prefetch_block(g, 16 + 8 * 32);
-        const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), _mm256_set1_ps(yd[i]));
-        const __m512 sc2 = _mm512_castps256_ps512(sc);
-        const __m512i y = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(yq + 32 * i)));
-        const __m512i corr = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(ycorr + 16 * i)));
+        const __m512 wsc = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)));
+        __m512i x[4];
+        __m512 sc[4];
         __m512i idx = lo;
         for (int p = 0; p < 4; p++, idx = _mm512_add_epi32(idx, two)) {
-            const __m512i x = _mm512_xor_si512(_mm512_loadu_si512((const void *)(g + 16 + 64 * p)), flip);
-            const __m512i d = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, y), corr);
-            acc[p] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, sc2), _mm512_cvtepi32_ps(d), acc[p]);
+            x[p] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(g + 16 + 64 * p)), flip);
+            sc[p] = _mm512_permutexvar_ps(idx, wsc);
+        }
+        for (int t = 0; t < a->n; t++) {
+            const __m512 yd = _mm512_set1_ps(a->yd[t][i]);
+            const __m512i y = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->yq[t] + 32 * i)));
+            const __m512i corr = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(a->ycorr[t] + 16 * i)));
+            for (int p = 0; p < 4; p++) {
+                const __m512i d = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x[p], y), corr);
+                acc[t][p] = _mm512_fmadd_ps(_mm512_mul_ps(sc[p], yd), _mm512_cvtepi32_ps(d), acc[t][p]);
+            }
         }
     }
-    for (int p = 0; p < 4; p++) {
-        out[2 * p] = hsum_float_8(_mm512_castps512_ps256(acc[p]));
-        out[2 * p + 1] = hsum_float_8(_mm512_extractf32x8_ps(acc[p], 1));
-    }
+    for (int t = 0; t < a->n; t++)
+        for (int p = 0; p < 4; p++) {
+            a->out[t][2 * p] = hsum_float_8(_mm512_castps512_ps256(acc[t][p]));
+            a->out[t][2 * p + 1] = hsum_float_8(_mm512_extractf32x8_ps(acc[t][p], 1));
+        }
 }
 
 static void group_q4_1(const uint8_t *g, int64_t nb, const int8_t *yq, const float *yd, const float *ys, float *out) {
@@ -636,14 +660,23 @@ static void p_task(void *p, int64_t chunk) {
     const int64_t g0 = chunk * j->chunk, g1 = g0 + j->chunk < j->n_groups ? g0 + j->chunk : j->n_groups;
     const int64_t gb = pack_block_bytes(j->type) * j->nb;
     for (int64_t g = g0; g < g1; g++)
-        for (int64_t i = 0; i < j->m; i++) {
-            float *o = j->out + i * j->out_stride + g * PACK_ROWS;
-            const float *yd = (const float *)(j->xq + i * j->xq_stride + j->scales_at);
-            const int8_t *yq = j->yq + i * j->yq_stride;
-            const int32_t *ycorr = j->ycorr + i * j->nb * 16;
-            if (j->type == QT_Q8_0) group_q8_0(j->packed + g * gb, j->nb, yq, yd, ycorr, o);
-            else if (j->type == QT_Q4_1) group_q4_1(j->packed + g * gb, j->nb, yq, yd, yd + j->nb, o);
-            else group_q5(j->packed + g * gb, j->nb, j->type == QT_Q5_1, yq, yd, yd + j->nb, ycorr, o);
+        for (int64_t i0 = 0; i0 < j->m; i0 += GROUP_ROWS) {
+            act_rows_t a = {(int)(j->m - i0 < GROUP_ROWS ? j->m - i0 : GROUP_ROWS), {0}, {0}, {0}, {0}};
+            for (int t = 0; t < a.n; t++) {
+                const int64_t i = i0 + t;
+                a.out[t] = j->out + i * j->out_stride + g * PACK_ROWS;
+                a.yd[t] = (const float *)(j->xq + i * j->xq_stride + j->scales_at);
+                a.yq[t] = j->yq + i * j->yq_stride;
+                a.ycorr[t] = j->ycorr + i * j->nb * 16;
+            }
+            if (j->type == QT_Q8_0) {
+                group_q8_0(j->packed + g * gb, j->nb, &a);
+                continue;
+            }
+            for (int t = 0; t < a.n; t++)
+                if (j->type == QT_Q4_1) group_q4_1(j->packed + g * gb, j->nb, a.yq[t], a.yd[t], a.yd[t] + j->nb, a.out[t]);
+                else group_q5(j->packed + g * gb, j->nb, j->type == QT_Q5_1, a.yq[t], a.yd[t], a.yd[t] + j->nb, a.ycorr[t],
+                              a.out[t]);
         }
 }
 
