@@ -13,6 +13,7 @@ compiler is available. Nothing here imports cupy unless the cuda tests actually 
 from __future__ import annotations
 
 import math
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 import cuda_emu
 from llmtune.arch.context import causal_attention
 from llmtune.backends import cuda, get_backend
-from llmtune.backends.cpu import CPUBackend, attention as cpu_attention, products as qmatmul
+from llmtune.backends.cpu import CPUBackend, attention as cpu_attention, pages, products as qmatmul
 from llmtune.backends.cuda import CUDABackend
 from llmtune.errors import LlmtuneError
 from llmtune.graph import ops
@@ -1100,3 +1101,23 @@ def test_cuda_kernels_compile_with_nvrtc():
             pytest.fail(nvrtc.getProgramLog(prog))
         finally:
             nvrtc.destroyProgram(prog)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise: Linux only")
+def test_release_zeros_hands_back_whole_pages_inside_only():
+    """CPU release_zeros (backends/cpu/pages.py) drops exactly the pages lying wholly inside the
+    stretch: those read zeros again (ones written here to see it; callers hand back zeros), the
+    partly covered pages at either end and everything outside keep their values."""
+    page = mmap.PAGESIZE // 4
+    buf = np.ones(16 * page + 3, dtype=np.float32)  # large: its own mapping; a page at each end partly outside
+    lo, hi = 5, 16 * page - 7
+    released = pages.release_zeros(buf[lo:hi])
+    first = -(-(buf.ctypes.data + lo * 4) // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (buf.ctypes.data + hi * 4) // mmap.PAGESIZE * mmap.PAGESIZE
+    assert released == last - first > 0
+    i0, i1 = (first - buf.ctypes.data) // 4, (last - buf.ctypes.data) // 4
+    assert lo <= i0 < i1 <= hi
+    assert not buf[i0:i1].any() and (buf[:i0] == 1).all() and (buf[i1:] == 1).all()
+    buf[i0:i1] = 2.0  # writable memory again
+    assert (buf[i0:i1] == 2).all()
+    assert pages.release_zeros(buf[:0]) == 0 and pages.release_zeros(buf[::2]) == 0

@@ -5,12 +5,16 @@ sequence stops on its own, and seeded sampling is reproducible with one random s
 
 from __future__ import annotations
 
+import mmap
+import sys
+
 import numpy as np
 import pytest
 
 import cuda_emu
 from cli_helpers import run_cli
 from llmtune.backends import cuda
+from llmtune.backends.cpu import CPUBackend
 from llmtune.backends.cpu.native import kernels
 from llmtune.backends.cuda import CUDABackend
 from llmtune.convert.export import export
@@ -185,3 +189,37 @@ def test_cli_bench_row(monkeypatch, capsys, stories_path):
 def test_cli_parallel_errors(monkeypatch, capsys, stories_path, args, message):
     code, _, err = run_cli(monkeypatch, capsys, "generate", stories_path, "-p", "Once", *args)
     assert code == 2 and message in err, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise: Linux only")
+@pytest.mark.parametrize("n_seq", [1, 3])
+def test_unwritten_cache_pages_are_handed_back(stories, n_seq, monkeypatch):
+    """After the passes that read unwritten positions (prompt buckets, the recording run), the
+    generator hands their pages back (eval/generate.py _forget_unwritten): the written positions
+    and the tokens are a run's that hands back nothing, and a marker planted past the written
+    positions reads zero (it would not if those pages were kept)."""
+    ids = _ids(stories)[:n_seq]
+
+    def run(release: bool):
+        if not release:
+            monkeypatch.setattr(CPUBackend, "release_zeros", lambda self, buf: None)
+        gen = BatchGenerator(stories, n_seq=n_seq, n_ctx=1024)
+        for buf in gen.cache.values():
+            buf[:, :, 512:] = 7.0  # past anything written: what a kept page would still hold
+        got = gen.generate_batch(ids, 12)
+        monkeypatch.undo()
+        return [r.tokens for r in got], gen.cache
+
+    kept_tokens, kept = run(release=False)
+    tokens, cache = run(release=True)
+    assert tokens == kept_tokens
+    for name, buf in cache.items():
+        for g, i in enumerate(ids):
+            end = len(i) + 11  # prompt, and the last token's position (the 12th is sampled, not fed)
+            np.testing.assert_array_equal(buf[g, :, :end], kept[name][g, :, :end])
+        assert (kept[name][:, :, 512:] == 7).all()
+        for g, h in np.ndindex(buf.shape[:2]):  # the whole pages of each sequence's head past 512
+            tail = buf[g, h, 512:].reshape(-1)
+            i0 = -(-tail.ctypes.data // mmap.PAGESIZE) * mmap.PAGESIZE - tail.ctypes.data
+            i1 = (tail.ctypes.data + tail.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE - tail.ctypes.data
+            assert i1 > i0 and not tail[i0 // 4 : i1 // 4].any()

@@ -101,6 +101,10 @@ class Backend:
         """The block a token-by-token decode runs in (host thread settings)."""
         return nullcontext()
 
+    def release_zeros(self, buf: Any) -> None:
+        """Hand back the memory of a stretch of a buffer that holds zeros and will be written before
+        it is read for anything but zeros (host pages: backends/cpu/pages.py); a device keeps it."""
+
     def compile_steps(self, steps: list, names: list, sole: list) -> Optional[Callable]:
         """One call running a replay's consecutive compiled steps (the kernels' `encode`), or None
         where this backend compiles none (its kernels then run one Python call each). sole[k]: the

@@ -15,7 +15,7 @@ import numpy as np
 
 from llmtune.backends import vocab_chunks
 from llmtune.backends.base import Backend, kernel_table
-from llmtune.backends.cpu import attention, optim, probes, products
+from llmtune.backends.cpu import attention, optim, pages, probes, products
 from llmtune.backends.cpu.native import kernels as native, program as native_program
 from llmtune.backends.cpu.threads import BlasTuner, blas_threads, cpu_workers
 from llmtune.quant.qtensor import QTensor, evaluation_budget
@@ -679,6 +679,9 @@ class CPUBackend(Backend):
         """BLAS single-threaded while decoding: a step's products are matrix-vector ones (einsum)
         and tiny attention matmuls, where OpenBLAS threads only spin against each other."""
         return blas_threads(1)
+
+    def release_zeros(self, buf):
+        pages.release_zeros(buf)
 
     def compile_steps(self, steps, names, sole):
         """A replayed decode step's compiled kernels as one call (native/program.py)."""
