@@ -108,7 +108,8 @@ def library_key(source: bytes, cc_identity: str, flags: list[str]) -> str:
 
 
 def _compile(cc: str, srcs: list[Path], flags: list[str], include: Path, out: Path) -> str | None:
-    """None on success, else the compiler's last error line."""
+    """None on success, else the compiler's first error line (its last where none says error:
+    the last is often only the caret under the code)."""
     try:
         done = subprocess.run([cc, *flags, "-I", str(include), *map(str, srcs), "-o", str(out), "-lm"],
                               capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
@@ -117,7 +118,8 @@ def _compile(cc: str, srcs: list[Path], flags: list[str], include: Path, out: Pa
     if done.returncode == 0:
         return None
     lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
-    return lines[-1] if lines else f"exit status {done.returncode}"
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines[-1:] or [f"exit status {done.returncode}"])[0]
 
 
 def build(name: str) -> Path:

@@ -1,7 +1,8 @@
 /* Compiled programs: a replayed decode step (graph/planner.py Replay) as one call: lt_run executes
  * a list of steps, each one graph op on fixed buffers (llmtune/native/program.py encodes them), so the ~600
  * kernels of a token cost no Python call each. The products run on the pool as lt_qlinear /
- * lt_f32_linear do; the small ops (norms, rope, attention, activations) on the calling thread.
+ * lt_f32_linear do, and so do attention's matrix products (a head a chunk); the other small ops
+ * (norms, rope, the softmax, activations) on the calling thread.
  * Each op computes what llmtune's numpy kernel (backends/cpu.py) computes, in the same operation
  * order where numpy's is known (elementwise ops, rope, the softmax's pairwise sum), so most are
  * bit for bit numpy's; exp and the attention products' summation order differ by float rounding
@@ -115,56 +116,66 @@ static int op_cache_write(const lt_step *s) {
     return 0;
 }
 
-/* out[b0, b1, i, j] = sum_k a[b0, b1, i, k] b[b0, b1, k, j] (element strides; out contiguous) */
-static void op_matmul(const lt_step *s) {
+/* out[b0, b1, i, j] = sum_k a[b0, b1, i, k] b[b0, b1, k, j] (element strides; out contiguous):
+ * matrix c = b0 * B1 + b1 of them, a chunk of the pool (one head of a decode step's attention) */
+static void matmul_task(void *arg, int64_t c) {
+    const lt_step *s = arg;
     const float *a = s->p[0], *b = s->p[1];
     float *out = s->p[2];
-    const int64_t B0 = s->n[0], B1 = s->n[1], M = s->n[2], N = s->n[3], K = s->n[4];
+    const int64_t B1 = s->n[1], M = s->n[2], N = s->n[3], K = s->n[4];
     const int64_t sa0 = s->n[5], sa1 = s->n[6], sam = s->n[7], sak = s->n[8];
     const int64_t sb0 = s->n[9], sb1 = s->n[10], sbk = s->n[11], sbn = s->n[12];
-    for (int64_t i0 = 0; i0 < B0; i0++)
-        for (int64_t i1 = 0; i1 < B1; i1++) {
-            const float *A = a + i0 * sa0 + i1 * sa1, *Bm = b + i0 * sb0 + i1 * sb1;
-            float *O = out + (i0 * B1 + i1) * M * N;
-            /* a causal softmax's positions (fused): n[13] > 0, positions per sequence of n[13] matrices */
-            const int32_t *qpos = s->p[3] ? (const int32_t *)s->p[3] + (s->n[13] ? (i0 * B1 + i1) / s->n[13] * s->n[14] : 0)
-                                          : NULL;
-            if (sak == 1 && sbk == 1) {  /* rows against rows (q k^T) */
-                for (int64_t i = 0; i < M; i++) {
-                    int64_t j0 = 0, j1 = N;
-                    if (s->p[3]) {  /* scores only a causal softmax reads: its visible keys only */
-                        const int64_t qp = qpos[i % s->n[14]];
-                        j1 = qp + 1 < N ? qp + 1 : N;
-                        if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) j0 = qp - s->n[15] + 1;
-                    }
-                    for (int64_t j = j0; j < j1; j++) O[i * N + j] = dot_strided8(A + i * sam, Bm + j * sbn, K);
-                }
-            } else if (sbn == 1) {  /* rows of b scaled and summed (p v) */
-                for (int64_t i = 0; i < M; i++) {
-                    float *o = O + i * N;
-                    int64_t k0 = 0, k1 = K;
-                    if (s->p[3]) {  /* probabilities of a causal softmax: its visible keys only */
-                        const int64_t qp = qpos[i % s->n[14]];
-                        k1 = qp + 1 < K ? (qp + 1 > 0 ? qp + 1 : 0) : K;
-                        if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) k0 = qp - s->n[15] + 1 < k1 ? qp - s->n[15] + 1 : k1;
-                    }
-                    for (int64_t j = 0; j < N; j++) o[j] = 0.f;
-                    for (int64_t k = k0; k < k1; k++) {
-                        const float av = A[i * sam + k * sak];
-                        if (av == 0.f) continue;  /* a masked probability: adds nothing */
-                        const float *br = Bm + k * sbk;
-                        for (int64_t j = 0; j < N; j++) o[j] += av * br[j];
-                    }
-                }
-            } else {
-                for (int64_t i = 0; i < M; i++)
-                    for (int64_t j = 0; j < N; j++) {
-                        float acc = 0.f;
-                        for (int64_t k = 0; k < K; k++) acc += A[i * sam + k * sak] * Bm[k * sbk + j * sbn];
-                        O[i * N + j] = acc;
-                    }
+    const int64_t i0 = c / B1, i1 = c % B1;
+    const float *A = a + i0 * sa0 + i1 * sa1, *Bm = b + i0 * sb0 + i1 * sb1;
+    float *O = out + (i0 * B1 + i1) * M * N;
+    /* a causal softmax's positions (fused): n[13] > 0, positions per sequence of n[13] matrices */
+    const int32_t *qpos = s->p[3] ? (const int32_t *)s->p[3] + (s->n[13] ? (i0 * B1 + i1) / s->n[13] * s->n[14] : 0)
+                                  : NULL;
+    if (sak == 1 && sbk == 1) {  /* rows against rows (q k^T) */
+        for (int64_t i = 0; i < M; i++) {
+            int64_t j0 = 0, j1 = N;
+            if (s->p[3]) {  /* scores only a causal softmax reads: its visible keys only */
+                const int64_t qp = qpos[i % s->n[14]];
+                j1 = qp + 1 < N ? qp + 1 : N;
+                if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) j0 = qp - s->n[15] + 1;
+            }
+            for (int64_t j = j0; j < j1; j++) O[i * N + j] = dot_strided8(A + i * sam, Bm + j * sbn, K);
+        }
+    } else if (sbn == 1) {  /* rows of b scaled and summed (p v) */
+        for (int64_t i = 0; i < M; i++) {
+            float *o = O + i * N;
+            int64_t k0 = 0, k1 = K;
+            if (s->p[3]) {  /* probabilities of a causal softmax: its visible keys only */
+                const int64_t qp = qpos[i % s->n[14]];
+                k1 = qp + 1 < K ? (qp + 1 > 0 ? qp + 1 : 0) : K;
+                if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) k0 = qp - s->n[15] + 1 < k1 ? qp - s->n[15] + 1 : k1;
+            }
+            for (int64_t j = 0; j < N; j++) o[j] = 0.f;
+            for (int64_t k = k0; k < k1; k++) {
+                const float av = A[i * sam + k * sak];
+                if (av == 0.f) continue;  /* a masked probability: adds nothing */
+                const float *br = Bm + k * sbk;
+                for (int64_t j = 0; j < N; j++) o[j] += av * br[j];
             }
         }
+    } else {
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                float acc = 0.f;
+                for (int64_t k = 0; k < K; k++) acc += A[i * sam + k * sak] * Bm[k * sbk + j * sbn];
+                O[i * N + j] = acc;
+            }
+    }
+}
+
+/* The matrices over the pool (each one chunk, computed as on one thread: the same bits) */
+static void op_matmul(const lt_step *s, int nth) {
+    const int64_t n_mat = s->n[0] * s->n[1];
+    if (nth > 1 && n_mat > 1) {
+        pool_run(matmul_task, (void *)s, n_mat, nth);
+        return;
+    }
+    for (int64_t c = 0; c < n_mat; c++) matmul_task((void *)s, c);
 }
 
 /* softmax(scale x + causal mask) per row, numpy's order over the visible keys: scaled, max
@@ -302,7 +313,7 @@ static int64_t run_step(const lt_step *s, int nth) {
             case OP_F32_LINEAR: lt_f32_linear(s->p[1], s->n[1], s->n[2], s->n[3], s->p[0], s->n[4], s->p[2], s->n[5], nth); break;
             case OP_ROPE: op_rope(s); break;
             case OP_CACHE_WRITE: if (op_cache_write(s)) return 1; break;
-            case OP_MATMUL: op_matmul(s); break;
+            case OP_MATMUL: op_matmul(s, nth); break;
             case OP_SOFTMAX_CAUSAL: op_softmax_causal(s); break;
             case OP_SWIGLU: {
                 swiglu(s->p[0], s->p[1], s->p[2], s->n[0]);
