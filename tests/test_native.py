@@ -596,6 +596,43 @@ def test_compiled_attention_ops_match_numpy():
     np.testing.assert_allclose(*_both(cpu.k_rms_norm, program.rms_norm, xs.shape, xs, 1e-5)[::-1], rtol=1e-6)
 
 
+def _dot_strided8(a: np.ndarray, b: np.ndarray) -> np.float32:
+    """program.c dot_strided8 in float32: 8 lanes, each a product then an add, summed in pairs."""
+    n8 = len(a) // 8 * 8
+    lanes = np.zeros(8, np.float32)
+    for i in range(0, n8, 8):
+        lanes = lanes + a[i : i + 8] * b[i : i + 8]
+    s = lanes
+    r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+    for i in range(n8, len(a)):
+        r = r + a[i] * b[i]
+    return r
+
+
+@needs_library
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_attention_products_have_one_order(threads, monkeypatch):
+    """A decode step's q k^T (four keys at a time) and p v (64 columns summed in registers, the
+    rest after) give each element the one float32 order, whatever the keys' count, the head size
+    and the threads: q k^T as dot_strided8, p v as the keys in turn (a product, then an add)."""
+    rng = np.random.default_rng(11)
+    for d, n_kv in ((64, 37), (70, 9), (256, 6)):
+        q = rng.standard_normal((1, 2, 3, d)).astype(np.float32)
+        keys = rng.standard_normal((1, 2, n_kv, d)).astype(np.float32)
+        p = rng.random((1, 2, 3, n_kv)).astype(np.float32)
+        scores, out = np.full((1, 2, 3, n_kv), np.nan, np.float32), np.full((1, 2, 3, d), np.nan, np.float32)
+        monkeypatch.setattr(kernels, "threads", lambda: threads)
+        program.compile_steps([program.matmul(scores, q, keys, False, True),
+                               program.matmul(out, p, keys, False, False)])()
+        for h, i in np.ndindex(2, 3):
+            want = [_dot_strided8(q[0, h, i], keys[0, h, j]) for j in range(n_kv)]
+            np.testing.assert_array_equal(scores[0, h, i], np.array(want, np.float32))
+            acc = np.zeros(d, np.float32)
+            for k in range(n_kv):
+                acc = acc + p[0, h, i, k] * keys[0, h, k]
+            np.testing.assert_array_equal(out[0, h, i], acc)
+
+
 @needs_library
 @pytest.mark.parametrize("n", [1536 * 128 + 5, 7])  # a training pass's [128, n_ff] (plus a tail), a tail alone
 def test_training_swiglu_and_its_gradients_match_numpy(monkeypatch, n):

@@ -53,6 +53,38 @@ static float dot_strided8(const float *a, const float *b, int64_t n) {  /* 8 par
     return r;
 }
 
+/* dot_strided8 of a with four rows at once: each row's lanes and sums as dot_strided8's (its bits),
+ * four independent chains of adds instead of one (a 64-wide head's dot waited on its adds' latency) */
+static float sum8(const float *s) { return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])); }
+
+static void dot4_strided8(const float *a, const float *b0, const float *b1, const float *b2, const float *b3,
+                          int64_t n, float *out) {
+#if defined(__AVX__)
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {  /* a multiply, then an add: dot_strided8's roundings (no fma) */
+        const __m256 x = _mm256_loadu_ps(a + i);
+        s0 = _mm256_add_ps(s0, _mm256_mul_ps(x, _mm256_loadu_ps(b0 + i)));
+        s1 = _mm256_add_ps(s1, _mm256_mul_ps(x, _mm256_loadu_ps(b1 + i)));
+        s2 = _mm256_add_ps(s2, _mm256_mul_ps(x, _mm256_loadu_ps(b2 + i)));
+        s3 = _mm256_add_ps(s3, _mm256_mul_ps(x, _mm256_loadu_ps(b3 + i)));
+    }
+    float l0[8], l1[8], l2[8], l3[8];
+    _mm256_storeu_ps(l0, s0), _mm256_storeu_ps(l1, s1), _mm256_storeu_ps(l2, s2), _mm256_storeu_ps(l3, s3);
+    float r0 = sum8(l0), r1 = sum8(l1), r2 = sum8(l2), r3 = sum8(l3);
+    for (; i < n; i++) {
+        r0 += a[i] * b0[i];
+        r1 += a[i] * b1[i];
+        r2 += a[i] * b2[i];
+        r3 += a[i] * b3[i];
+    }
+    out[0] = r0, out[1] = r1, out[2] = r2, out[3] = r3;
+#else
+    out[0] = dot_strided8(a, b0, n), out[1] = dot_strided8(a, b1, n);
+    out[2] = dot_strided8(a, b2, n), out[3] = dot_strided8(a, b3, n);
+#endif
+}
+
 /* out[i] = exp(x[i] - sub) (in place allowed) */
 static void exp_sub(const float *x, float sub, float *out, int64_t n) {
     int64_t i = 0;
@@ -116,6 +148,8 @@ static int op_cache_write(const lt_step *s) {
     return 0;
 }
 
+#define PV_COLS 64  /* p v: output columns a row sums in registers at once (a head of 64: all) */
+
 /* out[b0, b1, i, j] = sum_k a[b0, b1, i, k] b[b0, b1, k, j] (element strides; out contiguous):
  * matrix c = b0 * B1 + b1 of them, a chunk of the pool (one head of a decode step's attention) */
 static void matmul_task(void *arg, int64_t c) {
@@ -139,7 +173,12 @@ static void matmul_task(void *arg, int64_t c) {
                 j1 = qp + 1 < N ? qp + 1 : N;
                 if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) j0 = qp - s->n[15] + 1;
             }
-            for (int64_t j = j0; j < j1; j++) O[i * N + j] = dot_strided8(A + i * sam, Bm + j * sbn, K);
+            const float *q = A + i * sam;
+            int64_t j = j0;
+            for (; j + 4 <= j1; j += 4)
+                dot4_strided8(q, Bm + j * sbn, Bm + (j + 1) * sbn, Bm + (j + 2) * sbn, Bm + (j + 3) * sbn, K,
+                              O + i * N + j);
+            for (; j < j1; j++) O[i * N + j] = dot_strided8(q, Bm + j * sbn, K);
         }
     } else if (sbn == 1) {  /* rows of b scaled and summed (p v) */
         for (int64_t i = 0; i < M; i++) {
@@ -150,12 +189,23 @@ static void matmul_task(void *arg, int64_t c) {
                 k1 = qp + 1 < K ? (qp + 1 > 0 ? qp + 1 : 0) : K;
                 if (s->n[15] > 0 && qp - s->n[15] + 1 > 0) k0 = qp - s->n[15] + 1 < k1 ? qp - s->n[15] + 1 : k1;
             }
-            for (int64_t j = 0; j < N; j++) o[j] = 0.f;
-            for (int64_t k = k0; k < k1; k++) {
+            int64_t c = 0;
+            for (; c + PV_COLS <= N; c += PV_COLS) {  /* a block of columns summed in registers */
+                float acc[PV_COLS] = {0};
+                for (int64_t k = k0; k < k1; k++) {
+                    const float av = A[i * sam + k * sak];
+                    if (av == 0.f) continue;  /* a masked probability: adds nothing */
+                    const float *br = Bm + k * sbk + c;
+                    for (int j = 0; j < PV_COLS; j++) acc[j] += av * br[j];
+                }
+                memcpy(o + c, acc, sizeof(acc));
+            }
+            for (int64_t j = c; j < N; j++) o[j] = 0.f;
+            for (int64_t k = k0; k < k1 && c < N; k++) {
                 const float av = A[i * sam + k * sak];
-                if (av == 0.f) continue;  /* a masked probability: adds nothing */
+                if (av == 0.f) continue;
                 const float *br = Bm + k * sbk;
-                for (int64_t j = 0; j < N; j++) o[j] += av * br[j];
+                for (int64_t j = c; j < N; j++) o[j] += av * br[j];
             }
         }
     } else {
